@@ -1,0 +1,1 @@
+//! StartLux-Decision: requests, prompt rendering, read-out and calibrated probabilities.

@@ -1,0 +1,1 @@
+//! GGUF reading, ggml block formats and GGUF writing.
