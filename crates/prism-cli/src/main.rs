@@ -1,1 +1,99 @@
-fn main() {}
+//! `prism`: the command line of the Prism inference engine.
+//!
+//! Each subcommand lives in its own module; this file only parses arguments and sets up logging.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand};
+
+mod cmd_gguf;
+mod cmd_logits;
+mod cmd_render;
+
+#[derive(Parser)]
+#[command(name = "prism", version, about = "Prism: an exact, fast inference engine for StartLux-Decision models")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Inspect GGUF files.
+    Gguf {
+        #[command(subcommand)]
+        command: GgufCommand,
+    },
+    /// Render a /v1/systemone request into each question's prompt (and, with a model dir, its tokens).
+    Render(RenderArgs),
+    /// Run the decoder on prompts and print last-position logits.
+    Logits(LogitsArgs),
+}
+
+#[derive(Subcommand)]
+enum GgufCommand {
+    /// Print a GGUF file's metadata and a table of every tensor (name, type, shape).
+    Info {
+        /// The GGUF file.
+        file: PathBuf,
+    },
+}
+
+/// Arguments of `prism render`.
+#[derive(Args)]
+pub struct RenderArgs {
+    /// The request body (JSON, as sent to /v1/systemone).
+    pub request: PathBuf,
+    /// A model directory (tokenizer, chat template, decision_config.json): also show the
+    /// chat-templated text and its token ids.
+    #[arg(long)]
+    pub model_dir: Option<PathBuf>,
+    /// Print one JSON object keyed by question instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Arguments of `prism logits`.
+#[derive(Args)]
+pub struct LogitsArgs {
+    /// The model's GGUF file.
+    #[arg(long)]
+    pub gguf: PathBuf,
+    /// The model directory (tokenizer, chat template, config.json).
+    #[arg(long)]
+    pub model_dir: Option<PathBuf>,
+    /// One already chat-templated prompt text (special tokens are parsed).
+    #[arg(long, conflicts_with = "tokens", required_unless_present = "tokens")]
+    pub prompt_file: Option<PathBuf>,
+    /// A JSON array of token-id arrays, one per prompt, run together as one batch.
+    #[arg(long)]
+    pub tokens: Option<PathBuf>,
+    /// Arithmetic of the forward pass. `f32` dequantizes the weights and computes in f32 (the reference).
+    #[arg(long, default_value = "f32")]
+    pub precision: String,
+    /// One JSON line per prompt.
+    #[arg(long)]
+    pub json: bool,
+    /// Also print the whole logit vector.
+    #[arg(long)]
+    pub full: bool,
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Gguf { command: GgufCommand::Info { file } } => {
+            cmd_gguf::info(&file, &mut std::io::stdout().lock())
+        }
+        Command::Render(args) => cmd_render::run(&args),
+        Command::Logits(args) => cmd_logits::run(&args),
+    }
+}
