@@ -1,1 +1,18 @@
 //! GGUF reading, ggml block formats and GGUF writing.
+//!
+//! - [`GgufFile`] memory-maps a GGUF (v2 or v3), validates every count, length, dimension and offset
+//!   before use, and hands out metadata, tensor infos and tensor bytes.
+//! - [`blocks`] dequantizes ggml block formats to f32 exactly as ggml's reference code does.
+//!
+//! Shapes are in ggml `ne` order throughout: `dims[0]` is the contiguous (row) dimension.
+
+pub mod blocks;
+mod error;
+mod metadata;
+mod reader;
+mod types;
+
+pub use error::{GgufError, Result};
+pub use metadata::{MetadataType, MetadataValue};
+pub use reader::{GgufFile, TensorInfo, DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_ARRAY_DEPTH, MAX_DIMS};
+pub use types::{GgmlType, QK_K};
