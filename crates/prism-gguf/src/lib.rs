@@ -3,12 +3,14 @@
 //! - [`GgufFile`] memory-maps a GGUF (v2 or v3), validates every count, length, dimension and offset
 //!   before use, and hands out metadata, tensor infos and tensor bytes.
 //! - [`blocks`] dequantizes ggml block formats to f32 exactly as ggml's reference code does.
+//! - [`quantize`] reproduces llama.cpp's reference quantizers (Q8_0, Q4_K, Q6_K; F16/BF16 rounding).
 //!
 //! Shapes are in ggml `ne` order throughout: `dims[0]` is the contiguous (row) dimension.
 
 pub mod blocks;
 mod error;
 mod metadata;
+pub mod quantize;
 mod reader;
 mod types;
 
