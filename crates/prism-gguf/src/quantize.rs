@@ -379,8 +379,8 @@ pub fn quantize_block_q6_k(x: &[f32; QK_K]) -> [u8; 210] {
     for (s, &scale) in block_scales.iter_mut().zip(&scales) {
         *s = nearest_int(iscale * scale).min(127) as i8;
     }
-    for j in 0..16 {
-        let d = d_block * block_scales[j] as f32;
+    for (j, &block_scale) in block_scales.iter().enumerate() {
+        let d = d_block * block_scale as f32;
         if d == 0.0 {
             continue;
         }
@@ -410,4 +410,50 @@ pub fn quantize_block_q6_k(x: &[f32; QK_K]) -> [u8; 210] {
     }
     out[208..210].copy_from_slice(&d_bits);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_rounds_to_nearest_even_and_keeps_nan() {
+        // 1 + 2^-8 lies exactly between bf16 1.0 (0x3F80) and 1.0078125 (0x3F81): ties go to even.
+        assert_eq!(f32_to_bf16(1.0 + 1.0 / 256.0), 0x3F80);
+        // 1 + 3·2^-8 lies between 0x3F81 and 0x3F82: the even one is 0x3F82.
+        assert_eq!(f32_to_bf16(1.0 + 3.0 / 256.0), 0x3F82);
+        assert_eq!(f32_to_bf16(1.0 + 1.0 / 256.0 + 1.0 / 65536.0), 0x3F81);
+        assert_eq!(f32_to_bf16(-2.0), 0xC000);
+        // A signalling NaN whose payload sits in the low half stays a NaN.
+        let nan = f32_to_bf16(f32::from_bits(0x7F80_0001));
+        assert_eq!(nan & 0x7F80, 0x7F80);
+        assert_ne!(nan & 0x007F, 0);
+        assert_eq!(f32_to_bf16(f32::INFINITY), 0x7F80);
+    }
+
+    #[test]
+    fn nearest_int_rounds_ties_to_even() {
+        assert_eq!(nearest_int(0.5), 0);
+        assert_eq!(nearest_int(1.5), 2);
+        assert_eq!(nearest_int(2.5), 2);
+        assert_eq!(nearest_int(-1.5), -2);
+        assert_eq!(nearest_int(-0.4), 0);
+        assert_eq!(nearest_int(31.49), 31);
+    }
+
+    #[test]
+    fn all_zero_blocks_quantize_to_zero_and_partial_blocks_are_refused() {
+        assert_eq!(quantize_block_q6_k(&[0.0; QK_K]), [0u8; 210]);
+        let q4 = quantize_block_q4_k(&[0.0; QK_K]);
+        assert!(q4.iter().all(|&b| b == 0));
+        assert_eq!(quantize_block_q8_0(&[0.0; 32]), [0u8; 34]);
+        assert!(matches!(
+            quantize(GgmlType::Q4_K, &[0.0; 255]),
+            Err(GgufError::PartialBlock { .. })
+        ));
+        assert!(matches!(
+            quantize(GgmlType::Q5_K, &[0.0; 256]),
+            Err(GgufError::UnsupportedType { .. })
+        ));
+    }
 }
