@@ -1,1 +1,25 @@
-//! The Qwen3.5 hybrid decoder on candle.
+//! The Qwen3.5 hybrid decoder (Gated DeltaNet + gated attention) on candle.
+//!
+//! Entry points: [`Qwen35Model::load`] (GGUF → model), [`Qwen35Model::new_state`] /
+//! [`Qwen35Model::forward`] (batched, varlen, stateful), [`Qwen35Model::logits_for_rows`] (read-out rows
+//! only), [`Qwen35Model::last_hidden_shared_prefix`] (shared evidence), [`Qwen35Model::generate_greedy`].
+
+pub mod attention;
+pub mod config;
+pub mod delta_net;
+pub mod delta_rule;
+pub mod error;
+pub mod ops;
+pub mod qwen35;
+pub mod rope;
+pub mod state;
+pub mod weights;
+
+pub use config::{read_hf_config, LayerKind, Metadata, Qwen35Config};
+pub use error::{ModelError, Result};
+pub use qwen35::{
+    argmax, shared_prefix_len, BatchItem, BatchOutput, LoadOptions, Qwen35Model, Segment,
+};
+pub use rope::Position3;
+pub use state::SequenceState;
+pub use weights::Precision;

@@ -1,0 +1,168 @@
+//! The Gated DeltaNet token mixer (Qwen3.5's linear-attention layers).
+//!
+//! Projections, the gated norm and the output projection run on the packed activation of the whole batch;
+//! the causal conv and the delta rule run per sequence segment, each against its own state.
+
+use candle_core::Tensor;
+
+use crate::config::Qwen35Config;
+use crate::delta_rule;
+use crate::error::Result;
+use crate::ops::{gated_rms_norm, l2_norm, linear, sigmoid, softplus};
+use crate::qwen35::Segment;
+use crate::state::DeltaNetState;
+use crate::weights::WeightLoader;
+
+/// Weights of one DeltaNet layer (GGUF names in comments).
+#[derive(Debug, Clone)]
+pub struct DeltaNet {
+    /// `attn_qkv`: `[conv_dim, d]`, output laid out `[q (n_k·dk) | k (n_k·dk) | v (n_v·dv)]`.
+    pub in_qkv: Tensor,
+    /// `attn_gate`: `[n_v·dv, d]` (the `z` of the gated norm).
+    pub in_gate: Tensor,
+    /// `ssm_beta`: `[n_v, d]`.
+    pub in_beta: Tensor,
+    /// `ssm_alpha`: `[n_v, d]`.
+    pub in_alpha: Tensor,
+    /// `ssm_conv1d` as taps: `[K, conv_dim]`, tap `K−1` multiplies the current token.
+    pub conv_taps: Tensor,
+    /// `ssm_a` = `−exp(A_log)`: `[n_v]`.
+    pub ssm_a: Tensor,
+    /// `ssm_dt.bias`: `[n_v]`.
+    pub dt_bias: Tensor,
+    /// `ssm_norm`: `[dv]`, a plain (not 1+w) weight.
+    pub norm: Tensor,
+    /// `ssm_out`: `[d, n_v·dv]`.
+    pub out: Tensor,
+    n_k: usize,
+    n_v: usize,
+    dk: usize,
+    dv: usize,
+    eps: f64,
+}
+
+impl DeltaNet {
+    pub fn load(w: &WeightLoader<'_>, cfg: &Qwen35Config, layer: usize) -> Result<Self> {
+        let d = cfg.hidden_size;
+        let n = |s: &str| format!("blk.{layer}.{s}");
+        let conv = w.f32_tensor(&n("ssm_conv1d.weight"), &[cfg.conv_kernel, cfg.conv_dim()])?; // [C, K]
+        Ok(Self {
+            in_qkv: w.matrix(&n("attn_qkv.weight"), cfg.conv_dim(), d)?,
+            in_gate: w.matrix(&n("attn_gate.weight"), cfg.linear_value_dim(), d)?,
+            in_beta: w.matrix(&n("ssm_beta.weight"), cfg.linear_value_heads, d)?,
+            in_alpha: w.matrix(&n("ssm_alpha.weight"), cfg.linear_value_heads, d)?,
+            conv_taps: conv.t()?.contiguous()?,
+            ssm_a: w.vector(&n("ssm_a"), cfg.linear_value_heads)?,
+            dt_bias: w.vector(&n("ssm_dt.bias"), cfg.linear_value_heads)?,
+            norm: w.vector(&n("ssm_norm.weight"), cfg.linear_value_head_dim)?,
+            out: w.matrix(&n("ssm_out.weight"), d, cfg.linear_value_dim())?,
+            n_k: cfg.linear_key_heads,
+            n_v: cfg.linear_value_heads,
+            dk: cfg.linear_key_head_dim,
+            dv: cfg.linear_value_head_dim,
+            eps: cfg.rms_norm_eps,
+        })
+    }
+
+    /// `x`: the normed packed activation `[N, d]`; `segments[i]` is sequence `i`'s rows, `states[i]` its
+    /// state (updated in place). Returns the mixer output `[N, d]`.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        segments: &[Segment],
+        states: &mut [&mut DeltaNetState],
+    ) -> Result<Tensor> {
+        let n_tokens = x.dim(0)?;
+        let key_dim = self.n_k * self.dk;
+        let mixed = linear(x, &self.in_qkv)?;
+        let z = linear(x, &self.in_gate)?;
+        let beta = sigmoid(&linear(x, &self.in_beta)?)?;
+        let g = softplus(&linear(x, &self.in_alpha)?.broadcast_add(&self.dt_bias)?)?
+            .broadcast_mul(&self.ssm_a)?;
+
+        let mut conv_out = Vec::with_capacity(segments.len());
+        for (seg, state) in segments.iter().zip(states.iter_mut()) {
+            let (out, window) = causal_conv(
+                &mixed.narrow(0, seg.start, seg.len)?,
+                &state.conv,
+                &self.conv_taps,
+            )?;
+            state.conv = window;
+            conv_out.push(out);
+        }
+        let conv_out = Tensor::cat(&conv_out, 0)?.silu()?;
+
+        let q = conv_out
+            .narrow(1, 0, key_dim)?
+            .reshape((n_tokens, self.n_k, self.dk))?;
+        let k = conv_out
+            .narrow(1, key_dim, key_dim)?
+            .reshape((n_tokens, self.n_k, self.dk))?;
+        let v = conv_out
+            .narrow(1, 2 * key_dim, self.n_v * self.dv)?
+            .reshape((n_tokens, self.n_v, self.dv))?;
+        let q = (l2_norm(&q, 1e-6)? * (1.0 / (self.dk as f64).sqrt()))?;
+        let k = l2_norm(&k, 1e-6)?;
+        // GGUF value heads are tiled: value head h reads key head h mod n_k.
+        let (q, k) = if self.n_v != self.n_k {
+            let reps = self.n_v / self.n_k;
+            (
+                Tensor::cat(&vec![q; reps], 1)?,
+                Tensor::cat(&vec![k; reps], 1)?,
+            )
+        } else {
+            (q, k)
+        };
+
+        let mut outs = Vec::with_capacity(segments.len());
+        for (seg, state) in segments.iter().zip(states.iter_mut()) {
+            let at = |t: &Tensor| t.narrow(0, seg.start, seg.len);
+            let (o, s) = if seg.len == 1 {
+                delta_rule::recurrent(
+                    &at(&q)?,
+                    &at(&k)?,
+                    &at(&v)?,
+                    &at(&g)?,
+                    &at(&beta)?,
+                    &state.recurrent,
+                )?
+            } else {
+                delta_rule::chunked(
+                    &at(&q)?,
+                    &at(&k)?,
+                    &at(&v)?,
+                    &at(&g)?,
+                    &at(&beta)?,
+                    &state.recurrent,
+                    seg.past,
+                )?
+            };
+            state.recurrent = s;
+            outs.push(o);
+        }
+        let o = Tensor::cat(&outs, 0)?;
+        let z = z.reshape((n_tokens, self.n_v, self.dv))?;
+        let y = gated_rms_norm(&o, &z, &self.norm, self.eps)?
+            .reshape((n_tokens, self.n_v * self.dv))?;
+        Ok(linear(&y, &self.out)?)
+    }
+}
+
+/// Causal depthwise conv of one segment `x: [T, C]` against the window `[K−1, C]` of earlier inputs, with
+/// `taps: [K, C]`. Returns the pre-activation output `[T, C]` and the new window (the last K−1 inputs).
+pub fn causal_conv(x: &Tensor, window: &Tensor, taps: &Tensor) -> Result<(Tensor, Tensor)> {
+    let t_len = x.dim(0)?;
+    let k = taps.dim(0)?;
+    let padded = Tensor::cat(&[window, x], 0)?; // [T + K − 1, C]
+    let mut acc = padded
+        .narrow(0, 0, t_len)?
+        .broadcast_mul(&taps.narrow(0, 0, 1)?)?;
+    for tap in 1..k {
+        acc = (acc
+            + padded
+                .narrow(0, tap, t_len)?
+                .broadcast_mul(&taps.narrow(0, tap, 1)?)?)?;
+    }
+    let new_window = padded.narrow(0, t_len, k - 1)?.contiguous()?;
+    Ok((acc, new_window))
+}

@@ -1,0 +1,82 @@
+//! The crate's error type. Every variant names what is wrong: which key, tensor, field or prompt.
+
+use std::path::PathBuf;
+
+use prism_gguf::GgufError;
+
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+
+    #[error("tensor {name:?}: {source}")]
+    TensorRead {
+        name: String,
+        #[source]
+        source: GgufError,
+    },
+
+    #[error("GGUF architecture is {found:?}; this decoder runs \"qwen35\" (dense Qwen3.5)")]
+    UnsupportedArchitecture { found: String },
+
+    #[error("metadata key {key:?} is missing")]
+    MissingMetadata { key: String },
+
+    #[error("metadata key {key:?}: {reason}")]
+    BadMetadata { key: String, reason: String },
+
+    #[error("invalid model configuration: {field}: {reason}")]
+    InvalidConfig { field: String, reason: String },
+
+    #[error("cannot use config.json {path}: {reason}")]
+    ConfigJson { path: PathBuf, reason: String },
+
+    #[error("config.json disagrees with the GGUF on {field}: GGUF has {gguf}, config.json has {config_json}")]
+    ConfigMismatch {
+        field: String,
+        gguf: String,
+        config_json: String,
+    },
+
+    #[error("tensor {name:?} is missing from the GGUF")]
+    MissingTensor { name: String },
+
+    #[error("tensor {name:?} has shape {found:?} (ggml ne order), expected {expected:?}")]
+    TensorShape {
+        name: String,
+        expected: Vec<u64>,
+        found: Vec<u64>,
+    },
+
+    #[error("tensor {name:?}: dequantized to {found} values, expected {expected}")]
+    DequantizedLength {
+        name: String,
+        expected: usize,
+        found: usize,
+    },
+
+    #[error("prompt {index} has no tokens")]
+    EmptyPrompt { index: usize },
+
+    #[error("prompt {index}, token {position}: id {token} is outside the vocabulary (size {vocab_size})")]
+    TokenOutOfRange {
+        index: usize,
+        position: usize,
+        token: u32,
+        vocab_size: usize,
+    },
+
+    #[error("output row id {row} is outside the vocabulary (size {vocab_size})")]
+    RowOutOfRange { row: u32, vocab_size: usize },
+
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+
+    #[error("unsupported precision {0:?}: use \"f32\" or \"bf16\"")]
+    UnsupportedPrecision(String),
+
+    #[error("tensor computation failed: {0}")]
+    Candle(#[from] candle_core::Error),
+}

@@ -1,0 +1,605 @@
+//! The Qwen3.5 dense text decoder: plain structs, weights loaded by GGUF name.
+//!
+//! A batch of sequences of different lengths is packed into one `[N_total, d]` activation (no padding)
+//! for the embedding, norms, projections and MLP; the conv + delta rule and the attention run per
+//! sequence segment against that sequence's [`SequenceState`].
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use prism_gguf::GgufFile;
+
+use crate::attention::Attention;
+use crate::config::{hf_text_config, read_hf_config, LayerKind, Qwen35Config};
+use crate::delta_net::DeltaNet;
+use crate::error::{ModelError, Result};
+use crate::ops::{linear, rms_norm};
+use crate::rope::{MRope, Position3};
+use crate::state::{DeltaNetState, KvCache, LayerState, SequenceState};
+use crate::weights::{Precision, WeightLoader};
+
+/// The rows of the packed activation that belong to one sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    /// First row in the packed `[N, d]` activation.
+    pub start: usize,
+    /// Number of new tokens.
+    pub len: usize,
+    /// Tokens the sequence had processed before this call.
+    pub past: usize,
+}
+
+/// How to load a model.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub device: Device,
+    pub precision: Precision,
+    /// The Hugging Face `config.json` to cross-check the GGUF metadata against.
+    pub hf_config: Option<PathBuf>,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            device: Device::Cpu,
+            precision: Precision::F32,
+            hf_config: None,
+        }
+    }
+}
+
+/// SwiGLU feed-forward block.
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    /// `ffn_gate`, `ffn_up`: `[ffn, d]`; `ffn_down`: `[d, ffn]`.
+    pub gate: Tensor,
+    pub up: Tensor,
+    pub down: Tensor,
+}
+
+impl Mlp {
+    fn load(w: &WeightLoader<'_>, cfg: &Qwen35Config, layer: usize) -> Result<Self> {
+        let (d, f) = (cfg.hidden_size, cfg.intermediate_size);
+        Ok(Self {
+            gate: w.matrix(&format!("blk.{layer}.ffn_gate.weight"), f, d)?,
+            up: w.matrix(&format!("blk.{layer}.ffn_up.weight"), f, d)?,
+            down: w.matrix(&format!("blk.{layer}.ffn_down.weight"), d, f)?,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = linear(x, &self.gate)?.silu()?.mul(&linear(x, &self.up)?)?;
+        Ok(linear(&h, &self.down)?)
+    }
+}
+
+/// A layer's token mixer.
+#[derive(Debug, Clone)]
+pub enum Mixer {
+    DeltaNet(DeltaNet),
+    Attention(Attention),
+}
+
+/// One decoder layer: `u = h + Mixer(norm(h))`, `h' = u + MLP(norm(u))`.
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    /// `attn_norm` (1 + w baked in).
+    pub attn_norm: Tensor,
+    /// `post_attention_norm`: the PRE-MLP norm (1 + w baked in).
+    pub post_norm: Tensor,
+    pub mixer: Mixer,
+    pub mlp: Mlp,
+}
+
+/// One sequence of a batch: its state (updated when the call succeeds) and its new tokens.
+pub struct BatchItem<'a> {
+    pub state: &'a mut SequenceState,
+    pub tokens: &'a [u32],
+    /// Explicit M-RoPE positions, one per token (for image blocks). `None`: text positions
+    /// `(p, p, p)` continuing from the state's next position.
+    pub positions: Option<&'a [Position3]>,
+}
+
+impl<'a> BatchItem<'a> {
+    pub fn new(state: &'a mut SequenceState, tokens: &'a [u32]) -> Self {
+        Self {
+            state,
+            tokens,
+            positions: None,
+        }
+    }
+}
+
+/// Result of a forward pass over a batch.
+#[derive(Debug, Clone)]
+pub struct BatchOutput {
+    /// Final-normed hidden states of every new token, packed `[N_total, d]` in batch order.
+    pub hidden: Tensor,
+    /// Each sequence's rows in `hidden`.
+    pub segments: Vec<Segment>,
+}
+
+impl BatchOutput {
+    /// The hidden state at each sequence's last new token, `[B, d]`.
+    pub fn last_hidden(&self) -> Result<Tensor> {
+        let rows: Vec<u32> = self
+            .segments
+            .iter()
+            .map(|s| (s.start + s.len - 1) as u32)
+            .collect();
+        let n = rows.len();
+        let idx = Tensor::from_vec(rows, n, self.hidden.device())?;
+        Ok(self.hidden.index_select(&idx, 0)?)
+    }
+
+    /// All new hidden states of sequence `i`, `[len_i, d]`.
+    pub fn sequence_hidden(&self, i: usize) -> Result<Tensor> {
+        let seg = self.segments.get(i).ok_or_else(|| {
+            ModelError::InvalidInput(format!(
+                "no sequence {i} in a batch of {}",
+                self.segments.len()
+            ))
+        })?;
+        Ok(self.hidden.narrow(0, seg.start, seg.len)?)
+    }
+}
+
+/// The Qwen3.5 text decoder.
+#[derive(Debug, Clone)]
+pub struct Qwen35Model {
+    config: Qwen35Config,
+    device: Device,
+    precision: Precision,
+    /// `token_embd`: `[vocab, d]`.
+    embed: Tensor,
+    /// `output` (or `token_embd` when the embeddings are tied): `[vocab, d]`.
+    lm_head: Tensor,
+    tied_embeddings: bool,
+    /// `output_norm` (1 + w baked in).
+    final_norm: Tensor,
+    layers: Vec<DecoderLayer>,
+    rope: MRope,
+}
+
+impl Qwen35Model {
+    /// Opens a GGUF file and loads the model from it.
+    pub fn load(path: &Path, options: &LoadOptions) -> Result<Self> {
+        let gguf = GgufFile::open(path)?;
+        Self::from_gguf(&gguf, options)
+    }
+
+    /// Loads every tensor of the main layers by name, checking each shape against the configuration.
+    /// MTP (`nextn`) blocks are not loaded.
+    pub fn from_gguf(gguf: &GgufFile, options: &LoadOptions) -> Result<Self> {
+        let config = Qwen35Config::from_gguf(gguf)?;
+        let w = WeightLoader::new(gguf, &options.device, options.precision);
+        let tied = !w.contains("output.weight");
+        if let Some(path) = &options.hf_config {
+            let json = read_hf_config(path)?;
+            config.check_hf_config(&json)?;
+            let text = hf_text_config(&json);
+            if let Some(v) = text.get("tie_word_embeddings") {
+                if v.as_bool() == Some(false) && tied {
+                    return Err(ModelError::ConfigMismatch {
+                        field: "tie_word_embeddings".into(),
+                        gguf: "tied (no output.weight)".into(),
+                        config_json: v.to_string(),
+                    });
+                }
+            }
+        }
+        let d = config.hidden_size;
+        let embed = w.matrix("token_embd.weight", config.vocab_size, d)?;
+        let lm_head = if tied {
+            embed.clone()
+        } else {
+            w.matrix("output.weight", config.vocab_size, d)?
+        };
+        let final_norm = w.vector("output_norm.weight", d)?;
+        let mut layers = Vec::with_capacity(config.n_layers);
+        for (i, kind) in config.layer_kinds.iter().enumerate() {
+            let mixer = match kind {
+                LayerKind::DeltaNet => Mixer::DeltaNet(DeltaNet::load(&w, &config, i)?),
+                LayerKind::Attention => Mixer::Attention(Attention::load(&w, &config, i)?),
+            };
+            layers.push(DecoderLayer {
+                attn_norm: w.vector(&format!("blk.{i}.attn_norm.weight"), d)?,
+                post_norm: w.vector(&format!("blk.{i}.post_attention_norm.weight"), d)?,
+                mixer,
+                mlp: Mlp::load(&w, &config, i)?,
+            });
+        }
+        let rope = MRope::new(
+            config.rotary_dim,
+            config.rope_theta,
+            config.mrope_sections,
+            &options.device,
+        )?;
+        tracing::debug!(
+            layers = config.n_layers,
+            hidden = d,
+            vocab = config.vocab_size,
+            tied,
+            precision = ?options.precision,
+            "loaded qwen35 decoder"
+        );
+        Ok(Self {
+            config,
+            device: options.device.clone(),
+            precision: options.precision,
+            embed,
+            lm_head,
+            tied_embeddings: tied,
+            final_norm,
+            layers,
+            rope,
+        })
+    }
+
+    pub fn config(&self) -> &Qwen35Config {
+        &self.config
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    /// Whether the output head reuses the embedding matrix (no `output.weight` in the file).
+    pub fn tied_embeddings(&self) -> bool {
+        self.tied_embeddings
+    }
+
+    pub fn layers(&self) -> &[DecoderLayer] {
+        &self.layers
+    }
+
+    /// A fresh, empty sequence state.
+    pub fn new_state(&self) -> Result<SequenceState> {
+        SequenceState::new(&self.config, &self.device)
+    }
+
+    /// Runs the new tokens of every item through the decoder, updating each item's state. On error no
+    /// state is modified.
+    pub fn forward(&self, items: &mut [BatchItem<'_>]) -> Result<BatchOutput> {
+        self.forward_impl(items, None)
+    }
+
+    /// [`Self::forward`], also returning the packed hidden state `[N, d]` after the embedding and after
+    /// each layer (before the final norm): `1 + n_layers` tensors.
+    pub fn forward_traced(
+        &self,
+        items: &mut [BatchItem<'_>],
+    ) -> Result<(BatchOutput, Vec<Tensor>)> {
+        let mut trace = Vec::with_capacity(self.layers.len() + 1);
+        let out = self.forward_impl(items, Some(&mut trace))?;
+        Ok((out, trace))
+    }
+
+    fn forward_impl(
+        &self,
+        items: &mut [BatchItem<'_>],
+        mut trace: Option<&mut Vec<Tensor>>,
+    ) -> Result<BatchOutput> {
+        if items.is_empty() {
+            return Err(ModelError::InvalidInput("empty batch".into()));
+        }
+        let vocab = self.config.vocab_size;
+        let mut segments = Vec::with_capacity(items.len());
+        let mut ids: Vec<u32> = Vec::new();
+        let mut positions: Vec<Position3> = Vec::new();
+        let mut next_positions = Vec::with_capacity(items.len());
+        for (index, item) in items.iter().enumerate() {
+            if item.tokens.is_empty() {
+                return Err(ModelError::EmptyPrompt { index });
+            }
+            self.check_state(item.state, index)?;
+            if let Some((position, &token)) = item
+                .tokens
+                .iter()
+                .enumerate()
+                .find(|(_, &t)| t as usize >= vocab)
+            {
+                return Err(ModelError::TokenOutOfRange {
+                    index,
+                    position,
+                    token,
+                    vocab_size: vocab,
+                });
+            }
+            let t_len = item.tokens.len();
+            let first = positions.len();
+            match item.positions {
+                Some(p) if p.len() != t_len => {
+                    return Err(ModelError::InvalidInput(format!(
+                        "prompt {index}: {} positions for {t_len} tokens",
+                        p.len()
+                    )))
+                }
+                Some(p) => positions.extend_from_slice(p),
+                None => {
+                    let p0 = item.state.next_position;
+                    for j in 0..t_len {
+                        let p = u32::try_from(j)
+                            .ok()
+                            .and_then(|j| p0.checked_add(j))
+                            .ok_or_else(|| {
+                                ModelError::InvalidInput(format!(
+                                    "prompt {index}: position overflows u32"
+                                ))
+                            })?;
+                        positions.push([p; 3]);
+                    }
+                }
+            }
+            let max_pos = positions[first..]
+                .iter()
+                .flat_map(|p| p.iter().copied())
+                .max()
+                .unwrap_or(0);
+            let next = max_pos.checked_add(1).ok_or_else(|| {
+                ModelError::InvalidInput(format!("prompt {index}: position overflows u32"))
+            })?;
+            next_positions.push(next.max(item.state.next_position));
+            segments.push(Segment {
+                start: ids.len(),
+                len: t_len,
+                past: item.state.n_tokens,
+            });
+            ids.extend_from_slice(item.tokens);
+        }
+
+        // Work on cheap clones; commit only when everything succeeded.
+        let mut work: Vec<SequenceState> = items.iter().map(|it| it.state.clone()).collect();
+        let n = ids.len();
+        let ids = Tensor::from_vec(ids, n, &self.device)?;
+        let mut x = self.embed.index_select(&ids, 0)?.to_dtype(DType::F32)?;
+        if let Some(t) = trace.as_deref_mut() {
+            t.push(x.clone());
+        }
+        let (cos, sin) = self.rope.cos_sin(&positions)?;
+        let eps = self.config.rms_norm_eps;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let h = rms_norm(&x, &layer.attn_norm, eps)?;
+            let mixed = match &layer.mixer {
+                Mixer::DeltaNet(net) => {
+                    let mut states: Vec<&mut DeltaNetState> = work
+                        .iter_mut()
+                        .map(|s| match s.layers.get_mut(l) {
+                            Some(LayerState::DeltaNet(d)) => Ok(d),
+                            _ => Err(ModelError::InvalidInput(format!(
+                                "state layer {l} is not a DeltaNet state"
+                            ))),
+                        })
+                        .collect::<Result<_>>()?;
+                    net.forward(&h, &segments, &mut states)?
+                }
+                Mixer::Attention(attn) => {
+                    let mut caches: Vec<&mut KvCache> = work
+                        .iter_mut()
+                        .map(|s| match s.layers.get_mut(l) {
+                            Some(LayerState::Attention(c)) => Ok(c),
+                            _ => Err(ModelError::InvalidInput(format!(
+                                "state layer {l} is not an attention cache"
+                            ))),
+                        })
+                        .collect::<Result<_>>()?;
+                    attn.forward(&h, &self.rope, &cos, &sin, &segments, &mut caches)?
+                }
+            };
+            x = (x + mixed)?;
+            let h = rms_norm(&x, &layer.post_norm, eps)?;
+            x = (&x + layer.mlp.forward(&h)?)?;
+            if let Some(t) = trace.as_deref_mut() {
+                t.push(x.clone());
+            }
+        }
+        let hidden = rms_norm(&x, &self.final_norm, eps)?;
+
+        for (((item, mut state), seg), next) in items
+            .iter_mut()
+            .zip(work)
+            .zip(&segments)
+            .zip(next_positions)
+        {
+            state.n_tokens += seg.len;
+            state.next_position = next;
+            *item.state = state;
+        }
+        Ok(BatchOutput { hidden, segments })
+    }
+
+    fn check_state(&self, state: &SequenceState, index: usize) -> Result<()> {
+        let ok = state.layers.len() == self.config.n_layers
+            && state
+                .layers
+                .iter()
+                .zip(&self.config.layer_kinds)
+                .all(|(s, k)| {
+                    matches!(
+                        (s, k),
+                        (LayerState::DeltaNet(_), LayerKind::DeltaNet)
+                            | (LayerState::Attention(_), LayerKind::Attention)
+                    )
+                });
+        if ok {
+            Ok(())
+        } else {
+            Err(ModelError::InvalidInput(format!(
+                "prompt {index}: the state was made for a different model"
+            )))
+        }
+    }
+
+    /// Full logits `[rows, vocab]` for final-normed hidden states `[rows, d]`.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        Ok(linear(hidden, &self.lm_head)?)
+    }
+
+    /// Logits of the selected vocabulary rows only, `[rows, row_ids.len()]` (e.g. the 26 letters of a
+    /// read-out instead of the whole vocabulary).
+    pub fn logits_for_rows(&self, hidden: &Tensor, row_ids: &[u32]) -> Result<Tensor> {
+        if let Some(&row) = row_ids
+            .iter()
+            .find(|&&r| r as usize >= self.config.vocab_size)
+        {
+            return Err(ModelError::RowOutOfRange {
+                row,
+                vocab_size: self.config.vocab_size,
+            });
+        }
+        let idx = Tensor::from_vec(row_ids.to_vec(), row_ids.len(), &self.device)?;
+        let rows = self.lm_head.index_select(&idx, 0)?;
+        Ok(linear(hidden, &rows)?)
+    }
+
+    /// Feeds `tokens` through `state` (prefill, a later piece of a prompt, or one decode step) and returns
+    /// the final-normed hidden state of the last token, `[1, d]`.
+    pub fn prefill(&self, state: &mut SequenceState, tokens: &[u32]) -> Result<Tensor> {
+        let out = self.forward(&mut [BatchItem::new(state, tokens)])?;
+        out.last_hidden()
+    }
+
+    /// Runs independent prompts as one batch from fresh states; the last hidden state of each, `[B, d]`.
+    pub fn last_hidden(&self, prompts: &[&[u32]]) -> Result<Tensor> {
+        let mut states = prompts
+            .iter()
+            .map(|_| self.new_state())
+            .collect::<Result<Vec<_>>>()?;
+        let mut items: Vec<BatchItem<'_>> = states
+            .iter_mut()
+            .zip(prompts)
+            .map(|(s, p)| BatchItem::new(s, p))
+            .collect();
+        self.forward(&mut items)?.last_hidden()
+    }
+
+    /// Computes `prefix` once, then continues each suffix from a copy of its state (one batch); the last
+    /// hidden state of `prefix ++ suffix_i` for each suffix, `[B, d]`. An empty suffix yields the prefix's
+    /// own last hidden state.
+    pub fn forward_branched(&self, prefix: &[u32], suffixes: &[&[u32]]) -> Result<Tensor> {
+        if suffixes.is_empty() {
+            return Err(ModelError::InvalidInput("no suffixes".into()));
+        }
+        if prefix.is_empty() {
+            if let Some(index) = suffixes.iter().position(|s| s.is_empty()) {
+                return Err(ModelError::EmptyPrompt { index });
+            }
+            return self.last_hidden(suffixes);
+        }
+        let mut prefix_state = self.new_state()?;
+        let prefix_last = self.prefill(&mut prefix_state, prefix)?;
+        let mut states: Vec<SequenceState> =
+            suffixes.iter().map(|_| prefix_state.clone()).collect();
+        let mut items: Vec<BatchItem<'_>> = states
+            .iter_mut()
+            .zip(suffixes)
+            .filter(|(_, s)| !s.is_empty())
+            .map(|(st, s)| BatchItem::new(st, s))
+            .collect();
+        let suffix_last = if items.is_empty() {
+            None
+        } else {
+            Some(self.forward(&mut items)?.last_hidden()?)
+        };
+        let mut rows = Vec::with_capacity(suffixes.len());
+        let mut next_suffix_row = 0;
+        for s in suffixes {
+            match (&suffix_last, s.is_empty()) {
+                (Some(last), false) => {
+                    rows.push(last.narrow(0, next_suffix_row, 1)?);
+                    next_suffix_row += 1;
+                }
+                _ => rows.push(prefix_last.clone()),
+            }
+        }
+        Ok(Tensor::cat(&rows, 0)?)
+    }
+
+    /// The last hidden state of each prompt, `[B, d]`, computing the prompts' common prefix once. The
+    /// shared part is rounded down to a multiple of the delta-rule chunk (64 tokens) so that every chunk
+    /// boundary falls where it would in a one-by-one run.
+    pub fn last_hidden_shared_prefix(&self, prompts: &[&[u32]]) -> Result<Tensor> {
+        if let Some(index) = prompts.iter().position(|p| p.is_empty()) {
+            return Err(ModelError::EmptyPrompt { index });
+        }
+        let share = shared_prefix_len(prompts);
+        if share == 0 {
+            return self.last_hidden(prompts);
+        }
+        let suffixes: Vec<&[u32]> = prompts.iter().map(|p| &p[share..]).collect();
+        self.forward_branched(&prompts[0][..share], &suffixes)
+    }
+
+    /// Greedy decoding: prefill `prompt`, then feed back the argmax one token at a time. Stops after
+    /// `max_new_tokens` or after emitting a token of `stop_tokens` (which is included).
+    pub fn generate_greedy(
+        &self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        stop_tokens: &[u32],
+    ) -> Result<Vec<u32>> {
+        let mut state = self.new_state()?;
+        let mut out = Vec::with_capacity(max_new_tokens);
+        if max_new_tokens == 0 {
+            return Ok(out);
+        }
+        let mut hidden = self.prefill(&mut state, prompt)?;
+        loop {
+            let next = argmax(&self.logits(&hidden)?)?;
+            out.push(next);
+            if out.len() >= max_new_tokens || stop_tokens.contains(&next) {
+                return Ok(out);
+            }
+            hidden = self.prefill(&mut state, &[next])?;
+        }
+    }
+}
+
+/// Length of the prefix shared by all prompts, capped so that every prompt keeps at least one token of
+/// its own, and rounded down to a multiple of the delta-rule chunk. 0 for fewer than two prompts.
+pub fn shared_prefix_len(prompts: &[&[u32]]) -> usize {
+    let (first, rest) = match prompts.split_first() {
+        Some(split) if prompts.len() >= 2 => split,
+        _ => return 0,
+    };
+    let mut common = first.len();
+    for p in rest {
+        common = common.min(
+            first
+                .iter()
+                .zip(p.iter())
+                .take_while(|(a, b)| a == b)
+                .count(),
+        );
+    }
+    let shortest = prompts.iter().map(|p| p.len()).min().unwrap_or(0);
+    let capped = common.min(shortest.saturating_sub(1));
+    capped / crate::delta_rule::CHUNK * crate::delta_rule::CHUNK
+}
+
+/// Index of the largest logit of a `[1, vocab]` or `[vocab]` tensor (the first one on ties).
+pub fn argmax(logits: &Tensor) -> Result<u32> {
+    let values = logits
+        .flatten_all()?
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()?;
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &v) in values.iter().enumerate() {
+        if v.is_nan() {
+            return Err(ModelError::InvalidInput(format!("logit {i} is NaN")));
+        }
+        if best.is_none_or(|(_, b)| v > b) {
+            best = Some((i, v));
+        }
+    }
+    let (i, _) = best.ok_or_else(|| ModelError::InvalidInput("empty logits".into()))?;
+    u32::try_from(i).map_err(|_| ModelError::InvalidInput("vocabulary larger than u32".into()))
+}

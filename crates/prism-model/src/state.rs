@@ -1,0 +1,110 @@
+//! Per-sequence decoding state.
+//!
+//! A [`SequenceState`] holds everything a sequence needs to continue: the K/V cache of every attention
+//! layer, the conv window and recurrent matrix of every DeltaNet layer, the number of tokens seen and the
+//! next M-RoPE position. Tensors are immutable and reference-counted, so `clone()` is cheap (no copy):
+//! that is how a shared prefix branches into several continuations. Updates always build new tensors, so
+//! branches never see each other's writes.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::config::{LayerKind, Qwen35Config};
+use crate::error::Result;
+
+/// State of one DeltaNet layer for one sequence.
+#[derive(Debug, Clone)]
+pub struct DeltaNetState {
+    /// The last `conv_kernel − 1` PRE-conv inputs (raw `attn_qkv` projections), `[K−1, conv_dim]` f32,
+    /// oldest first. Zeros at the sequence start.
+    pub conv: Tensor,
+    /// The delta-rule memory, `[n_v, dk, dv]` f32 (key index on axis 1, as in transformers).
+    pub recurrent: Tensor,
+}
+
+/// K/V cache of one attention layer for one sequence.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    /// Keys after k-norm and RoPE, `[n_kv, len, head_dim]`; `None` before the first token.
+    pub k: Option<Tensor>,
+    /// Values, `[n_kv, len, head_dim]`.
+    pub v: Option<Tensor>,
+}
+
+impl KvCache {
+    pub fn len(&self) -> usize {
+        self.k.as_ref().and_then(|k| k.dim(1).ok()).unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One layer's state.
+#[derive(Debug, Clone)]
+pub enum LayerState {
+    DeltaNet(DeltaNetState),
+    Attention(KvCache),
+}
+
+/// Everything one sequence needs to continue decoding.
+#[derive(Debug, Clone)]
+pub struct SequenceState {
+    pub(crate) layers: Vec<LayerState>,
+    /// Tokens processed so far (the KV length; DeltaNet chunks align to multiples of 64 of this count).
+    pub(crate) n_tokens: usize,
+    /// M-RoPE position of the next text token. Equals `n_tokens` for text-only prompts; kept separately
+    /// because an image block advances it by `max(grid_h, grid_w)`, not by its token count.
+    pub(crate) next_position: u32,
+}
+
+impl SequenceState {
+    /// A fresh state (no tokens) for a model of this configuration.
+    pub fn new(config: &Qwen35Config, device: &Device) -> Result<Self> {
+        let layers = config
+            .layer_kinds
+            .iter()
+            .map(|kind| -> Result<LayerState> {
+                Ok(match kind {
+                    LayerKind::DeltaNet => LayerState::DeltaNet(DeltaNetState {
+                        conv: Tensor::zeros(
+                            (config.conv_kernel - 1, config.conv_dim()),
+                            DType::F32,
+                            device,
+                        )?,
+                        recurrent: Tensor::zeros(
+                            (
+                                config.linear_value_heads,
+                                config.linear_key_head_dim,
+                                config.linear_value_head_dim,
+                            ),
+                            DType::F32,
+                            device,
+                        )?,
+                    }),
+                    LayerKind::Attention => LayerState::Attention(KvCache::default()),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            layers,
+            n_tokens: 0,
+            next_position: 0,
+        })
+    }
+
+    /// Tokens processed so far.
+    pub fn n_tokens(&self) -> usize {
+        self.n_tokens
+    }
+
+    /// The position the next text token will get (on all three M-RoPE axes).
+    pub fn next_position(&self) -> u32 {
+        self.next_position
+    }
+
+    /// Per-layer state, in layer order (for inspection and tests).
+    pub fn layers(&self) -> &[LayerState] {
+        &self.layers
+    }
+}

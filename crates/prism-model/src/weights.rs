@@ -1,0 +1,106 @@
+//! Loading tensors by name from a GGUF file, with every shape checked against the configuration.
+//!
+//! The reference path dequantizes every tensor (BF16, Q8_0, Q4_K, Q6_K, …) to f32 with `prism-gguf`'s
+//! bit-exact llama.cpp dequantization. Matrices can then be kept in f32 or rounded to bf16.
+
+use candle_core::{DType, Device, Tensor};
+use prism_gguf::GgufFile;
+
+use crate::error::{ModelError, Result};
+
+/// Arithmetic of the forward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    /// Weights dequantized to f32, all arithmetic in f32: the reference path.
+    F32,
+    /// Matrices rounded to bf16; activations are rounded to bf16 at each matmul, which accumulates in
+    /// f32 (candle's CPU kernel widens to f32). Norms, the delta rule, softmax and residuals stay f32.
+    Bf16,
+}
+
+impl Precision {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "f32" => Ok(Precision::F32),
+            "bf16" => Ok(Precision::Bf16),
+            other => Err(ModelError::UnsupportedPrecision(other.to_string())),
+        }
+    }
+
+    /// The dtype matrices are stored in.
+    pub fn matrix_dtype(self) -> DType {
+        match self {
+            Precision::F32 => DType::F32,
+            Precision::Bf16 => DType::BF16,
+        }
+    }
+}
+
+/// Reads named tensors out of one GGUF file onto a device.
+pub struct WeightLoader<'a> {
+    gguf: &'a GgufFile,
+    device: Device,
+    precision: Precision,
+}
+
+impl<'a> WeightLoader<'a> {
+    pub fn new(gguf: &'a GgufFile, device: &Device, precision: Precision) -> Self {
+        Self {
+            gguf,
+            device: device.clone(),
+            precision,
+        }
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.gguf.tensor_info(name).is_some()
+    }
+
+    /// The tensor `name`, which must have exactly `ne` (ggml order, `ne[0]` contiguous). Returned with the
+    /// dims reversed (row-major), in f32.
+    pub fn f32_tensor(&self, name: &str, ne: &[usize]) -> Result<Tensor> {
+        let info = self
+            .gguf
+            .tensor_info(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_string(),
+            })?;
+        let expected: Vec<u64> = ne.iter().map(|&d| d as u64).collect();
+        if info.dims != expected {
+            return Err(ModelError::TensorShape {
+                name: name.to_string(),
+                expected,
+                found: info.dims.clone(),
+            });
+        }
+        let values = self
+            .gguf
+            .dequantize(name)
+            .map_err(|source| ModelError::TensorRead {
+                name: name.to_string(),
+                source,
+            })?;
+        let shape: Vec<usize> = ne.iter().rev().copied().collect();
+        let expected_len: usize = shape.iter().product();
+        if values.len() != expected_len {
+            return Err(ModelError::DequantizedLength {
+                name: name.to_string(),
+                expected: expected_len,
+                found: values.len(),
+            });
+        }
+        Ok(Tensor::from_vec(values, shape, &self.device)?)
+    }
+
+    /// A 1-D tensor of `len` elements (norm weights, per-head scalars), always f32.
+    pub fn vector(&self, name: &str, len: usize) -> Result<Tensor> {
+        self.f32_tensor(name, &[len])
+    }
+
+    /// A linear-layer weight with `rows` outputs of `cols` inputs: GGUF `[cols, rows]`, returned as
+    /// `[rows, cols]` in the precision's matrix dtype.
+    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Tensor> {
+        let t = self.f32_tensor(name, &[cols, rows])?;
+        Ok(t.to_dtype(self.precision.matrix_dtype())?)
+    }
+}
