@@ -1,1 +1,17 @@
 //! StartLux-Decision: requests, prompt rendering, read-out and calibrated probabilities.
+pub mod config;
+pub mod decide;
+pub mod error;
+pub mod model;
+pub mod pyjson;
+pub mod readout;
+pub mod render;
+pub mod request;
+pub mod response;
+
+pub use config::{DecisionConfig, WideChoiceConfig};
+pub use decide::{decide, render_request, ReadMode, RenderedQuestion};
+pub use error::{DecisionError, ErrorBody, FieldError, FieldErrors, ModelError};
+pub use model::{LetterLogits, LetterModel, LetterPrompt};
+pub use request::{DecisionRequest, Question, QuestionType, RequestDefaults};
+pub use response::{Answer, DecisionResponse};
