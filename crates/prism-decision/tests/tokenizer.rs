@@ -1,0 +1,1049 @@
+//! Tokenizer tests against reference data made by tools nobody here wrote:
+//! - `qwen35-tiny/tokenizer.json` (HF tokenizers) and the tiny GGUFs' vocabulary (llama.cpp's
+//!   converter) must give identical ids;
+//! - `qwen35-tiny/prompts.json` ids (transformers 5.24.0);
+//! - `qwen35-vocab/vocab_ref.json` (tiktoken 0.14.0 over the full Qwen3.5 ranks).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use prism_decision::tokenizer::{
+    bytes_to_text, text_to_bytes, AddedTokenSpec, GgufVocabulary, PromptTokenizer, RankListProblem,
+    RankedVocabulary, TokenizerError, TokenizerJsonPipeline, TokenizerSource, WholePieceLookup,
+    QWEN35_SPLIT_REGEX,
+};
+use prism_gguf::{GgufFile, MetadataValue};
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn tiny_dir() -> PathBuf {
+    fixtures().join("qwen35-tiny")
+}
+
+fn read_json(path: &Path) -> Value {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn ids_of(value: &Value) -> Vec<u32> {
+    value
+        .as_array()
+        .expect("ids array")
+        .iter()
+        .map(|v| v.as_u64().expect("id") as u32)
+        .collect()
+}
+
+/// (text, ids, nfc_changes_text) from vocab_ref.json. Its first 59 texts are make_tiny.py's
+/// TEST_STRINGS (per its README; checked when the fixture was copied).
+fn vocab_ref_pairs() -> Vec<(String, Vec<u32>, bool)> {
+    let v = read_json(&fixtures().join("qwen35-vocab/vocab_ref.json"));
+    v["pairs"]
+        .as_array()
+        .expect("pairs")
+        .iter()
+        .map(|p| {
+            (
+                p["text"].as_str().expect("text").to_string(),
+                ids_of(&p["ids"]),
+                p["nfc_changes_text"].as_bool().expect("nfc flag"),
+            )
+        })
+        .collect()
+}
+
+/// The 15 rendered prompt texts of prompts.json with their transformers ids.
+fn prompt_texts() -> Vec<(String, Vec<u32>)> {
+    let v = read_json(&tiny_dir().join("prompts.json"));
+    let mut out = Vec::new();
+    for key in ["prompts", "thinking_prompts"] {
+        for p in v[key].as_array().expect("prompt list") {
+            out.push((
+                p["text"].as_str().expect("text").to_string(),
+                ids_of(&p["ids"]),
+            ));
+        }
+    }
+    assert_eq!(out.len(), 15);
+    out
+}
+
+/// Deterministic random strings mixing scripts, whitespace runs, digits, emoji, combining marks,
+/// NFD sequences, contractions and special tokens (whole and broken).
+fn random_strings(count: usize, seed: u64) -> Vec<String> {
+    const PIECES: &[&str] = &[
+        "the",
+        "The",
+        " quick",
+        "fox",
+        "Decision",
+        "option",
+        " A",
+        "B)",
+        "C:",
+        "x",
+        "Z",
+        "'s",
+        "'T",
+        "'re",
+        "'VE",
+        "'ll",
+        "'D",
+        "'m",
+        "'",
+        "\"",
+        "don't",
+        " ",
+        "  ",
+        "    ",
+        "\t",
+        "\n",
+        "\n\n",
+        "\r\n",
+        "\r",
+        " \n ",
+        "\u{a0}",
+        "\u{3000}",
+        "\u{2003}",
+        "\u{200b}",
+        "0",
+        "7",
+        "42",
+        "2026",
+        "3.14159",
+        "-1e-9",
+        "1,000",
+        "١٢٣",
+        "٣",
+        "中",
+        "文字",
+        "漢字",
+        "かな",
+        "カタカナ",
+        "한국어",
+        "你好，世界。",
+        "。",
+        "，",
+        "Привет",
+        "ёж",
+        "Γειά",
+        "αβγ",
+        "مرحبا",
+        "שלום",
+        "हिन्दी",
+        "क्ष",
+        "ภาษาไทย",
+        "Qərar",
+        "\u{301}",
+        "\u{308}",
+        "\u{93f}",
+        "\u{94d}",
+        "\u{e34}",
+        "e\u{301}",
+        "A\u{30a}",
+        "é",
+        "ñ",
+        "ﬁ",
+        "Ａ",
+        "🙂",
+        "🚀",
+        "👩\u{200d}💻",
+        "🏳\u{fe0f}\u{200d}🌈",
+        "\u{200d}",
+        "\u{fe0f}",
+        "😀😀",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<think>",
+        "</think>",
+        "<|vision_start|>",
+        "<|image_pad|>",
+        "<|vision_end|>",
+        "<tool_call>",
+        "</tool_response>",
+        "<|fim_prefix|>",
+        "<|im_st",
+        "<|",
+        "|>",
+        "<think",
+        "think>",
+        "< think>",
+        "{",
+        "}",
+        "[",
+        "]",
+        "\":",
+        "=>",
+        "->",
+        "::",
+        "//",
+        "#",
+        "**",
+        "___",
+        "...",
+        "!!!",
+        "?",
+        "https://x.org/a?b=1",
+        "user@example.org",
+        "$100",
+        "€",
+        "£",
+        "¥",
+        "%",
+        "∑",
+        "≤",
+    ];
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = move || {
+        // xorshift64*
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        state.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    };
+    let mut out = Vec::with_capacity(count);
+    for _ in 0..count {
+        let n = 1 + (next() % 14) as usize;
+        let mut s = String::new();
+        for _ in 0..n {
+            match next() % 10 {
+                // A random code point now and then (any plane, no surrogates).
+                0 => {
+                    let ranges: [(u32, u32); 5] = [
+                        (0x20, 0x7f),
+                        (0xa0, 0x2fff),
+                        (0x3000, 0xd7ff),
+                        (0xe000, 0xffff),
+                        (0x1_0000, 0x2_ffff),
+                    ];
+                    let (lo, hi) = ranges[(next() % 5) as usize];
+                    if let Some(c) = char::from_u32(lo + (next() % u64::from(hi - lo)) as u32) {
+                        s.push(c);
+                    }
+                }
+                // A run of one character.
+                1 => {
+                    let c = [' ', '\n', 'a', '=', '-', '0', '中', '\t'][(next() % 8) as usize];
+                    let len = 1 + (next() % 40) as usize;
+                    s.extend(std::iter::repeat_n(c, len));
+                }
+                _ => s.push_str(PIECES[(next() % PIECES.len() as u64) as usize]),
+            }
+        }
+        out.push(s);
+    }
+    out
+}
+
+fn tiny_json_tokenizer() -> PromptTokenizer {
+    PromptTokenizer::from_model_dir(&tiny_dir()).expect("tiny tokenizer.json")
+}
+
+#[test]
+fn split_regex_is_the_fixtures_regex() {
+    let vocab_ref = read_json(&fixtures().join("qwen35-vocab/vocab_ref.json"));
+    assert_eq!(
+        vocab_ref["pretokenizer_regex"].as_str(),
+        Some(QWEN35_SPLIT_REGEX)
+    );
+    let tj = read_json(&tiny_dir().join("tokenizer.json"));
+    assert_eq!(
+        tj["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"].as_str(),
+        Some(QWEN35_SPLIT_REGEX)
+    );
+}
+
+#[test]
+fn tokenizer_json_reproduces_transformers_prompt_ids() {
+    let tok = tiny_json_tokenizer();
+    assert_eq!(
+        tok.source(),
+        &TokenizerSource::TokenizerJson {
+            path: tiny_dir().join("tokenizer.json"),
+            pipeline: TokenizerJsonPipeline::Qwen35
+        }
+    );
+    assert_eq!(tok.whole_piece_lookup(), WholePieceLookup::Off);
+    for (text, ids) in prompt_texts() {
+        assert_eq!(tok.encode(&text).unwrap(), ids, "prompt {text:?}");
+        assert_eq!(tok.decode(&ids, false).unwrap(), text);
+    }
+    // The file as written is the same pipeline for this fixture.
+    let as_written = PromptTokenizer::from_tokenizer_json(
+        &tiny_dir().join("tokenizer.json"),
+        TokenizerJsonPipeline::AsWritten,
+    )
+    .unwrap();
+    for (text, ids) in prompt_texts() {
+        assert_eq!(as_written.encode(&text).unwrap(), ids);
+    }
+}
+
+#[test]
+fn special_ids_and_eos_set_of_the_tiny_tokenizer() {
+    // README "special ids": endoftext 4096, im_start 4097, im_end 4098, think 4120, /think 4121;
+    // the vision tokens follow Qwen's order (248053.. in the real vocabulary, 4096 + 9.. here).
+    let tok = tiny_json_tokenizer();
+    let s = tok.special_tokens();
+    assert_eq!(
+        (s.endoftext, s.im_start, s.im_end, s.think, s.end_think),
+        (Some(4096), Some(4097), Some(4098), Some(4120), Some(4121))
+    );
+    assert_eq!(
+        (
+            s.vision_start,
+            s.vision_end,
+            s.vision_pad,
+            s.image_pad,
+            s.video_pad
+        ),
+        (Some(4105), Some(4106), Some(4107), Some(4108), Some(4109))
+    );
+    // <|im_end|> and <|endoftext|> always; tokenizer_config.json's eos is <|im_end|>.
+    assert_eq!(tok.eos_ids(), &[4096, 4098]);
+    assert_eq!(tok.vocab_size(), 4129);
+    assert_eq!(
+        tok.encode("<|im_start|><think></think><|image_pad|>")
+            .unwrap(),
+        vec![4097, 4120, 4121, 4108]
+    );
+    // Special tokens are skipped on request, non-special added tokens (<think>) are not.
+    assert_eq!(
+        tok.decode(&[4097, 4120, 4121, 4098], true).unwrap(),
+        "<think></think>"
+    );
+}
+
+fn tiny_gguf(name: &str) -> GgufFile {
+    GgufFile::open(tiny_dir().join(name)).expect("tiny gguf")
+}
+
+#[test]
+fn gguf_vocabulary_gives_the_same_ids_as_tokenizer_json() {
+    let json_tok = tiny_json_tokenizer();
+    let gguf = tiny_gguf("tiny-BF16.gguf");
+    let vocab = GgufVocabulary::from_gguf(&gguf).unwrap();
+    assert_eq!(
+        (vocab.model.as_str(), vocab.pre.as_str()),
+        ("gpt2", "qwen35")
+    );
+    assert_eq!((vocab.tokens.len(), vocab.merges.len()), (4129, 3840));
+    assert_eq!(
+        (
+            vocab.eos_token_id,
+            vocab.padding_token_id,
+            vocab.add_bos_token
+        ),
+        (Some(4098), Some(4096), false)
+    );
+    // The quantized files carry the same vocabulary.
+    for other in ["tiny-Q8_0.gguf", "tiny-Q4_K_M.gguf"] {
+        assert_eq!(
+            GgufVocabulary::from_gguf(&tiny_gguf(other)).unwrap(),
+            vocab,
+            "{other}"
+        );
+    }
+
+    let started = Instant::now();
+    let gguf_tok = PromptTokenizer::from_gguf(&gguf).unwrap();
+    eprintln!("tiny GGUF vocabulary → tokenizer: {:?}", started.elapsed());
+    assert_eq!(gguf_tok.source(), &TokenizerSource::GgufVocabulary);
+    assert_eq!(gguf_tok.whole_piece_lookup(), WholePieceLookup::Off);
+    assert_eq!(gguf_tok.special_tokens(), json_tok.special_tokens());
+    assert_eq!(gguf_tok.eos_ids(), &[4096, 4098]);
+    assert_eq!(gguf_tok.vocab_size(), json_tok.vocab_size());
+
+    let mut checked = 0;
+    for (text, ids, _) in vocab_ref_pairs().iter().take(59) {
+        let expected = json_tok.encode(text).unwrap();
+        assert_eq!(
+            gguf_tok.encode(text).unwrap(),
+            expected,
+            "TEST_STRINGS entry {text:?}"
+        );
+        checked += 1;
+        // Same ranks as the full vocabulary wherever the text needs no token above rank 4095.
+        if ids.iter().all(|&id| id < 4096) {
+            assert_eq!(&expected, ids, "{text:?}");
+        }
+    }
+    for (text, ids) in prompt_texts() {
+        assert_eq!(gguf_tok.encode(&text).unwrap(), ids, "prompt {text:?}");
+        checked += 1;
+    }
+    for text in random_strings(3000, 1) {
+        let expected = json_tok.encode(&text).unwrap();
+        assert_eq!(
+            gguf_tok.encode(&text).unwrap(),
+            expected,
+            "random string {text:?}"
+        );
+        assert_eq!(
+            gguf_tok.decode(&expected, false).unwrap(),
+            json_tok.decode(&expected, false).unwrap()
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 59 + 15 + 3000);
+}
+
+/// The added tokens of vocab_ref.json, with the special flags of the tiny tokenizer.json (the
+/// same 33 tokens in the same order, renumbered).
+fn full_added_tokens() -> Vec<AddedTokenSpec> {
+    let vocab_ref = read_json(&fixtures().join("qwen35-vocab/vocab_ref.json"));
+    let tiny = read_json(&tiny_dir().join("tokenizer.json"));
+    let special: HashMap<String, bool> = tiny["added_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["content"].as_str().unwrap().to_string(),
+                t["special"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    let added: Vec<AddedTokenSpec> = vocab_ref["added_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            let content = t["content"].as_str().unwrap().to_string();
+            AddedTokenSpec {
+                id: t["id"].as_u64().unwrap() as u32,
+                special: special[&content],
+                content,
+            }
+        })
+        .collect();
+    assert_eq!(added.len(), 33);
+    added
+}
+
+#[test]
+fn tiktoken_ranks_reproduce_every_vocab_ref_pair() {
+    let path = fixtures().join("qwen35-vocab/qwen3_6.tiktoken");
+    let started = Instant::now();
+    let tok = PromptTokenizer::from_tiktoken_file(&path, &full_added_tokens()).unwrap();
+    let load = started.elapsed();
+    eprintln!("full tiktoken vocabulary (248,044 ranks + 33 added) → tokenizer: {load:?}");
+    assert!(load.as_secs() < 30, "loading took {load:?}");
+    assert_eq!(tok.vocab_size(), 248_077);
+    assert_eq!(tok.whole_piece_lookup(), WholePieceLookup::On);
+    // qwen35-reference §1.3 ids.
+    let s = tok.special_tokens();
+    assert_eq!(
+        (
+            s.endoftext,
+            s.im_start,
+            s.im_end,
+            s.think,
+            s.end_think,
+            s.vision_start,
+            s.image_pad
+        ),
+        (
+            Some(248044),
+            Some(248045),
+            Some(248046),
+            Some(248068),
+            Some(248069),
+            Some(248053),
+            Some(248056)
+        )
+    );
+
+    let pairs = vocab_ref_pairs();
+    assert_eq!(pairs.len(), 100);
+    let mut agree = 0;
+    for (text, ids, nfc_changes_text) in &pairs {
+        let got = tok.encode(text).unwrap();
+        assert_eq!(&got, ids, "{text:?}");
+        agree += 1;
+        if !nfc_changes_text {
+            assert_eq!(&tok.decode(&got, false).unwrap(), text);
+        }
+    }
+    assert_eq!(agree, 100);
+
+    // README: 104328 `俱乐部` is no merge of two tokens; tiktoken reaches it only as a whole piece.
+    assert_eq!(tok.encode("俱乐部").unwrap(), vec![104328]);
+    let prefixed = tok.encode("x俱乐部").unwrap();
+    assert_eq!(prefixed.len(), 4, "x|俱|乐|部");
+    assert!(!prefixed.contains(&104328));
+    assert_eq!(tok.decode(&prefixed, false).unwrap(), "x俱乐部");
+    // README: 99655 `人力资源` = 人力 (108583) + 资源 (96852), a part ranked after the whole.
+    assert_eq!(tok.encode("人力资源").unwrap(), vec![99655]);
+}
+
+#[test]
+fn ranked_bpe_over_the_tiny_ranks_matches_tokenizer_json() {
+    // The tiny vocabulary is ranks 0..4095 of the real one (ids = ranks) and every token is a
+    // merge of two lower ranks, so tiktoken's algorithm must agree with the merge list here.
+    let json_tok = tiny_json_tokenizer();
+    let tj = read_json(&tiny_dir().join("tokenizer.json"));
+    let vocab = tj["model"]["vocab"].as_object().unwrap();
+    let mut by_rank = vec![Vec::new(); vocab.len()];
+    for (token, id) in vocab {
+        by_rank[id.as_u64().unwrap() as usize] = text_to_bytes(token).expect("byte-level token");
+    }
+    let added: Vec<AddedTokenSpec> = tj["added_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| AddedTokenSpec {
+            id: t["id"].as_u64().unwrap() as u32,
+            content: t["content"].as_str().unwrap().to_string(),
+            special: t["special"].as_bool().unwrap(),
+        })
+        .collect();
+    let ranked = RankedVocabulary::from_tokens_in_rank_order(by_rank).unwrap();
+    let tok = PromptTokenizer::from_ranked_vocabulary(ranked, &added, None).unwrap();
+    assert_eq!(tok.special_tokens(), json_tok.special_tokens());
+    for (text, ids) in prompt_texts() {
+        assert_eq!(tok.encode(&text).unwrap(), ids);
+    }
+    for (text, _, _) in vocab_ref_pairs() {
+        assert_eq!(
+            tok.encode(&text).unwrap(),
+            json_tok.encode(&text).unwrap(),
+            "{text:?}"
+        );
+    }
+    for text in random_strings(3000, 2) {
+        assert_eq!(
+            tok.encode(&text).unwrap(),
+            json_tok.encode(&text).unwrap(),
+            "{text:?}"
+        );
+    }
+}
+
+// --- whole-piece lookup: the behaviour each source has, on a vocabulary where it matters ---
+
+/// Token i < 256 is byte i; then "ab" (256, merge a+b), "abc" (257, no merge builds it but it
+/// splits into the tokens "ab" + "c") and "pqr" (258, no split into two tokens at all).
+fn whole_piece_vocabulary() -> (Vec<String>, Vec<String>) {
+    let mut tokens: Vec<String> = (0..=255u8).map(|b| bytes_to_text(&[b])).collect();
+    tokens.extend(["ab", "abc", "pqr"].map(String::from));
+    (tokens, vec!["a b".into()])
+}
+
+fn crafted_gguf_vocabulary(tokens: Vec<String>, merges: Vec<String>) -> GgufVocabulary {
+    let mut tokens = tokens;
+    let mut token_types = vec![1i64; tokens.len()];
+    tokens.extend(
+        [
+            "<|endoftext|>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<think>",
+            "</think>",
+        ]
+        .map(String::from),
+    );
+    token_types.extend([3, 3, 3, 4, 4]);
+    GgufVocabulary {
+        model: "gpt2".into(),
+        pre: "qwen35".into(),
+        eos_token_id: Some(tokens.len() as u32 - 3),
+        padding_token_id: None,
+        add_bos_token: false,
+        tokens,
+        token_types,
+        merges,
+    }
+}
+
+fn crafted_tokenizer_json(tokens: &[String], merges: &[String], ignore_merges: bool) -> Vec<u8> {
+    let vocab: serde_json::Map<String, Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), Value::from(i)))
+        .collect();
+    let level = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false});
+    serde_json::to_vec(&serde_json::json!({
+        "version": "1.0",
+        "added_tokens": [],
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": QWEN35_SPLIT_REGEX}, "behavior": "Isolated", "invert": false},
+            level.clone()]},
+        "post_processor": level.clone(),
+        "decoder": level,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": false, "byte_fallback": false,
+                  "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges}
+    }))
+    .unwrap()
+}
+
+#[test]
+fn whole_piece_lookup_is_explicit_per_source() {
+    let (tokens, merges) = whole_piece_vocabulary();
+    let (ab, abc, pqr) = (256u32, 257u32, 258u32);
+    let byte = |c: char| c as u32;
+    let (a, c, p, q, r, x) = (
+        byte('a'),
+        byte('c'),
+        byte('p'),
+        byte('q'),
+        byte('r'),
+        byte('x'),
+    );
+
+    // GGUF vocabulary (qwen35): merges only, like transformers' Qwen3_5Tokenizer and llama.cpp.
+    let gguf_tok = PromptTokenizer::from_gguf_vocabulary(&crafted_gguf_vocabulary(
+        tokens.clone(),
+        merges.clone(),
+    ))
+    .unwrap();
+    assert_eq!(gguf_tok.whole_piece_lookup(), WholePieceLookup::Off);
+    assert_eq!(gguf_tok.encode("abc").unwrap(), vec![ab, c]);
+    assert_eq!(gguf_tok.encode("pqr").unwrap(), vec![p, q, r]);
+    assert_eq!(gguf_tok.encode("xabc").unwrap(), vec![x, ab, c]);
+
+    // tiktoken ranks: a whole piece that is a token is that token; inside a longer piece a token
+    // is reached when two adjacent parts concatenate to it ("ab" + "c"), never otherwise ("pqr").
+    let ranked = RankedVocabulary::from_tokens_in_rank_order(
+        tokens.iter().map(|t| text_to_bytes(t).unwrap()).collect(),
+    )
+    .unwrap();
+    let tik = PromptTokenizer::from_ranked_vocabulary(ranked, &[], None).unwrap();
+    assert_eq!(tik.whole_piece_lookup(), WholePieceLookup::On);
+    assert_eq!(tik.encode("abc").unwrap(), vec![abc]);
+    assert_eq!(tik.encode("pqr").unwrap(), vec![pqr]);
+    assert_eq!(tik.encode("xabc").unwrap(), vec![x, abc]);
+    assert_eq!(tik.encode("xpqr").unwrap(), vec![x, p, q, r]);
+    assert_eq!(tik.encode("a").unwrap(), vec![a]);
+
+    // tokenizer.json with ignore_merges: true: honoured as written (whole pieces only, then the
+    // merge list), replaced by merges only under the Qwen3.5 pipeline, as transformers does.
+    let json = crafted_tokenizer_json(&tokens, &merges, true);
+    let path = Path::new("crafted/tokenizer.json");
+    let as_written =
+        PromptTokenizer::from_tokenizer_json_bytes(&json, path, TokenizerJsonPipeline::AsWritten)
+            .unwrap();
+    assert_eq!(as_written.whole_piece_lookup(), WholePieceLookup::On);
+    assert_eq!(as_written.encode("abc").unwrap(), vec![abc]);
+    assert_eq!(as_written.encode("pqr").unwrap(), vec![pqr]);
+    assert_eq!(as_written.encode("xabc").unwrap(), vec![x, ab, c]);
+    let qwen35 =
+        PromptTokenizer::from_tokenizer_json_bytes(&json, path, TokenizerJsonPipeline::Qwen35)
+            .unwrap();
+    assert_eq!(qwen35.whole_piece_lookup(), WholePieceLookup::Off);
+    assert_eq!(qwen35.encode("abc").unwrap(), vec![ab, c]);
+    assert_eq!(qwen35.encode("pqr").unwrap(), vec![p, q, r]);
+}
+
+#[test]
+fn qwen35_pipeline_replaces_an_older_split_regex() {
+    // Qwen2's regex (no \p{M}) ends a letter run before a combining mark; Qwen3.5's keeps the
+    // mark in the run. With a merge across that boundary ("b" + U+030C) the ids differ.
+    // b + caron has no precomposed form, so NFC leaves the text alone.
+    let caron = bytes_to_text("\u{30c}".as_bytes());
+    let caron_chars: Vec<char> = caron.chars().collect();
+    let mut tokens: Vec<String> = (0..=255u8).map(|b| bytes_to_text(&[b])).collect();
+    tokens.extend([caron.clone(), format!("b{caron}"), "ab".to_string()]);
+    let (caron_id, b_caron_id, ab_id) = (256u32, 257u32, 258u32);
+    let merges = vec![
+        format!("{} {}", caron_chars[0], caron_chars[1]),
+        format!("b {caron}"),
+        "a b".to_string(),
+    ];
+    let mut json: Value =
+        serde_json::from_slice(&crafted_tokenizer_json(&tokens, &merges, false)).unwrap();
+    json["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = Value::from(
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    );
+    let bytes = serde_json::to_vec(&json).unwrap();
+    let path = Path::new("crafted/tokenizer.json");
+    let as_written =
+        PromptTokenizer::from_tokenizer_json_bytes(&bytes, path, TokenizerJsonPipeline::AsWritten)
+            .unwrap();
+    let qwen35 =
+        PromptTokenizer::from_tokenizer_json_bytes(&bytes, path, TokenizerJsonPipeline::Qwen35)
+            .unwrap();
+    // Qwen2 split: "ab" | "\u{30c}"; Qwen3.5: "ab\u{30c}" merged b+caron first (lower rank).
+    assert_eq!(
+        as_written.encode("ab\u{30c}").unwrap(),
+        vec![ab_id, caron_id]
+    );
+    assert_eq!(
+        qwen35.encode("ab\u{30c}").unwrap(),
+        vec!['a' as u32, b_caron_id]
+    );
+}
+
+// --- errors ---
+
+#[test]
+fn missing_and_corrupt_tokenizer_json_are_typed_errors() {
+    let err = PromptTokenizer::from_model_dir(Path::new("/nonexistent/model")).unwrap_err();
+    assert!(
+        matches!(&err, TokenizerError::MissingFile { path } if path.ends_with("tokenizer.json")),
+        "{err}"
+    );
+
+    let good = std::fs::read(tiny_dir().join("tokenizer.json")).unwrap();
+    let path = Path::new("x/tokenizer.json");
+    for corrupt in [
+        &good[..good.len() / 2],
+        b"{}".as_slice(),
+        b"not json".as_slice(),
+        b"[1, 2]".as_slice(),
+    ] {
+        let err = PromptTokenizer::from_tokenizer_json_bytes(
+            corrupt,
+            path,
+            TokenizerJsonPipeline::Qwen35,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, TokenizerError::BadTokenizerJson { .. }),
+            "{err}"
+        );
+    }
+
+    // An added token whose id in the file is not the id it gets.
+    let mut json: Value = serde_json::from_slice(&good).unwrap();
+    json["added_tokens"][1]["id"] = Value::from(4200);
+    let err = PromptTokenizer::from_tokenizer_json_bytes(
+        &serde_json::to_vec(&json).unwrap(),
+        path,
+        TokenizerJsonPipeline::Qwen35,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, TokenizerError::AddedTokenIdMismatch { content, expected: 4200, actual: Some(4097) } if content == "<|im_start|>"),
+        "{err}"
+    );
+
+    // A merge naming a token that is not in the vocabulary.
+    let mut json: Value = serde_json::from_slice(&good).unwrap();
+    json["model"]["merges"][0] = serde_json::json!(["Ġ", "nope"]);
+    let err = PromptTokenizer::from_tokenizer_json_bytes(
+        &serde_json::to_vec(&json).unwrap(),
+        path,
+        TokenizerJsonPipeline::AsWritten,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, TokenizerError::BadTokenizerJson { .. }),
+        "{err}"
+    );
+
+    // A bad tokenizer_config.json next to a good tokenizer.json.
+    let dir = std::env::temp_dir().join(format!("prism-tok-badcfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), &good).unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), b"{\"eos_token\": 5}").unwrap();
+    let err = PromptTokenizer::from_model_dir(&dir).unwrap_err();
+    assert!(matches!(err, TokenizerError::BadConfig { .. }), "{err}");
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        b"{\"eos_token\": \"<|nope|>\"}",
+    )
+    .unwrap();
+    let err = PromptTokenizer::from_model_dir(&dir).unwrap_err();
+    assert!(
+        matches!(&err, TokenizerError::BadConfig { message, .. } if message.contains("<|nope|>")),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A minimal GGUF v3 with the given string/array-of-string/u32 keys and no tensors.
+fn gguf_bytes(keys: &[(&str, MetadataValue)]) -> Vec<u8> {
+    fn put_str(out: &mut Vec<u8>, s: &str) {
+        out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+        out.extend_from_slice(s.as_bytes());
+    }
+    fn put_value(out: &mut Vec<u8>, v: &MetadataValue) {
+        match v {
+            MetadataValue::U32(x) => out.extend_from_slice(&x.to_le_bytes()),
+            MetadataValue::I32(x) => out.extend_from_slice(&x.to_le_bytes()),
+            MetadataValue::String(s) => put_str(out, s),
+            MetadataValue::Array(items) => {
+                let ty = items.first().map_or(8u32, type_code);
+                out.extend_from_slice(&ty.to_le_bytes());
+                out.extend_from_slice(&(items.len() as u64).to_le_bytes());
+                for item in items {
+                    put_value(out, item);
+                }
+            }
+            other => panic!("not needed here: {other:?}"),
+        }
+    }
+    fn type_code(v: &MetadataValue) -> u32 {
+        match v {
+            MetadataValue::U32(_) => 4,
+            MetadataValue::I32(_) => 5,
+            MetadataValue::String(_) => 8,
+            MetadataValue::Array(_) => 9,
+            other => panic!("not needed here: {other:?}"),
+        }
+    }
+    let mut out = b"GGUF".to_vec();
+    // (padded to the default alignment below, where tensor data would start)
+    out.extend_from_slice(&3u32.to_le_bytes());
+    out.extend_from_slice(&0u64.to_le_bytes());
+    out.extend_from_slice(&(keys.len() as u64).to_le_bytes());
+    for (key, value) in keys {
+        put_str(&mut out, key);
+        out.extend_from_slice(&type_code(value).to_le_bytes());
+        put_value(&mut out, value);
+    }
+    out.resize(out.len().next_multiple_of(32), 0);
+    out
+}
+
+fn strings(items: &[&str]) -> MetadataValue {
+    MetadataValue::Array(
+        items
+            .iter()
+            .map(|s| MetadataValue::String(s.to_string()))
+            .collect(),
+    )
+}
+
+#[test]
+fn gguf_without_or_with_bad_vocabulary_keys_is_a_typed_error() {
+    let s = |v: &str| MetadataValue::String(v.into());
+    let types =
+        |t: &[i32]| MetadataValue::Array(t.iter().map(|&x| MetadataValue::I32(x)).collect());
+    let file = |keys: &[(&str, MetadataValue)]| {
+        GgufFile::from_bytes(gguf_bytes(keys)).expect("crafted gguf")
+    };
+
+    let err =
+        PromptTokenizer::from_gguf(&file(&[("general.architecture", s("qwen35"))])).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TokenizerError::MissingGgufKey {
+                key: "tokenizer.ggml.model"
+            }
+        ),
+        "{err}"
+    );
+
+    let base = |model: &str, pre: &str| {
+        vec![
+            ("tokenizer.ggml.model", s(model)),
+            ("tokenizer.ggml.pre", s(pre)),
+            (
+                "tokenizer.ggml.tokens",
+                strings(&["a", "b", "ab", "<|im_end|>"]),
+            ),
+            ("tokenizer.ggml.token_type", types(&[1, 1, 1, 3])),
+            ("tokenizer.ggml.merges", strings(&["a b"])),
+        ]
+    };
+    let without = |key: &str| {
+        base("gpt2", "qwen35")
+            .into_iter()
+            .filter(|(k, _)| *k != key)
+            .collect::<Vec<_>>()
+    };
+    for key in [
+        "tokenizer.ggml.pre",
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.merges",
+    ] {
+        let err = PromptTokenizer::from_gguf(&file(&without(key))).unwrap_err();
+        assert!(
+            matches!(&err, TokenizerError::MissingGgufKey { key: k } if *k == key),
+            "{err}"
+        );
+    }
+    let err = PromptTokenizer::from_gguf(&file(&base("llama", "qwen35"))).unwrap_err();
+    assert!(
+        matches!(&err, TokenizerError::UnsupportedModel { found, .. } if found == "llama"),
+        "{err}"
+    );
+    let err = PromptTokenizer::from_gguf(&file(&base("gpt2", "qwen2-but-not"))).unwrap_err();
+    assert!(
+        matches!(&err, TokenizerError::UnsupportedPreTokenizer { found } if found == "qwen2-but-not"),
+        "{err}"
+    );
+
+    let mut keys = base("gpt2", "qwen35");
+    keys[3].1 = types(&[1, 1, 1]);
+    let err = PromptTokenizer::from_gguf(&file(&keys)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TokenizerError::TokenTypeCountMismatch {
+                tokens: 4,
+                token_types: 3
+            }
+        ),
+        "{err}"
+    );
+
+    let mut keys = base("gpt2", "qwen35");
+    keys[2].1 = MetadataValue::U32(7);
+    let err = PromptTokenizer::from_gguf(&file(&keys)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TokenizerError::BadGgufValue {
+                key: "tokenizer.ggml.tokens",
+                ..
+            }
+        ),
+        "{err}"
+    );
+
+    let mut keys = base("gpt2", "qwen35");
+    keys.push(("tokenizer.ggml.eos_token_id", MetadataValue::U32(99)));
+    let err = PromptTokenizer::from_gguf(&file(&keys)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TokenizerError::IdOutOfRange {
+                id: 99,
+                vocab_size: 4,
+                ..
+            }
+        ),
+        "{err}"
+    );
+
+    // Well-formed keys build a tokenizer (whose vocabulary lacks single bytes, which is fine for
+    // building; it is the metadata checks that are under test).
+    let mut keys = base("gpt2", "qwen35");
+    keys.push(("tokenizer.ggml.eos_token_id", MetadataValue::U32(3)));
+    let tok = PromptTokenizer::from_gguf(&file(&keys)).unwrap();
+    assert_eq!(tok.encode("ab<|im_end|>").unwrap(), vec![2, 3]);
+    assert_eq!(tok.eos_ids(), &[3]);
+}
+
+#[test]
+fn bad_gguf_vocabulary_contents_are_typed_errors() {
+    let (tokens, merges) = whole_piece_vocabulary();
+    let good = crafted_gguf_vocabulary(tokens, merges);
+    PromptTokenizer::from_gguf_vocabulary(&good).unwrap();
+
+    let mut v = good.clone();
+    v.merges.push("a".into());
+    let err = PromptTokenizer::from_gguf_vocabulary(&v).unwrap_err();
+    assert!(
+        matches!(err, TokenizerError::BadMerge { index: 1, .. }),
+        "{err}"
+    );
+    let mut v = good.clone();
+    v.merges.push("ab zz".into());
+    let err = PromptTokenizer::from_gguf_vocabulary(&v).unwrap_err();
+    assert!(
+        matches!(&err, TokenizerError::BadMerge { reason, .. } if reason.contains("\"zz\"")),
+        "{err}"
+    );
+    let mut v = good.clone();
+    v.merges.push("ab ab".into());
+    let err = PromptTokenizer::from_gguf_vocabulary(&v).unwrap_err();
+    assert!(
+        matches!(&err, TokenizerError::BadMerge { reason, .. } if reason.contains("abab")),
+        "{err}"
+    );
+
+    let mut v = good.clone();
+    v.token_types[5] = 6;
+    let err = PromptTokenizer::from_gguf_vocabulary(&v).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TokenizerError::UnsupportedTokenType {
+                id: 5,
+                token_type: 6,
+                ..
+            }
+        ),
+        "{err}"
+    );
+
+    let mut v = good.clone();
+    v.tokens[7] = v.tokens[6].clone();
+    let err = PromptTokenizer::from_gguf_vocabulary(&v).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TokenizerError::DuplicateToken {
+                first: 6,
+                second: 7,
+                ..
+            }
+        ),
+        "{err}"
+    );
+
+    // Unused (type 5) entries are padding ids: skipped, not an error, and not encodable.
+    let mut v = good.clone();
+    v.tokens.push("[PAD300]".into());
+    v.token_types.push(5);
+    let tok = PromptTokenizer::from_gguf_vocabulary(&v).unwrap();
+    assert_eq!(tok.token_to_id("[PAD300]"), None);
+}
+
+#[test]
+fn bad_rank_files_are_typed_errors() {
+    let err =
+        PromptTokenizer::from_tiktoken_file(Path::new("/nonexistent/x.tiktoken"), &[]).unwrap_err();
+    assert!(matches!(err, TokenizerError::MissingFile { .. }), "{err}");
+
+    let dir = std::env::temp_dir().join(format!("prism-tok-ranks-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("bad.tiktoken");
+    std::fs::write(&path, "IQ== 0\nIg== 1\n!!!! 2\n").unwrap();
+    let err = PromptTokenizer::from_tiktoken_file(&path, &[]).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            TokenizerError::BadRankList {
+                problem: RankListProblem::Malformed { line: 3, .. },
+                ..
+            }
+        ),
+        "{err}"
+    );
+    std::fs::write(&path, [0xffu8, 0xfe, b' ', b'0']).unwrap();
+    let err = PromptTokenizer::from_tiktoken_file(&path, &[]).unwrap_err();
+    assert!(matches!(err, TokenizerError::BadRankList { .. }), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+
+    // Added tokens must lie outside the ranks and be distinct.
+    let bytes: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+    let vocab = RankedVocabulary::from_tokens_in_rank_order(bytes).unwrap();
+    let spec = |id: u32, content: &str| AddedTokenSpec {
+        id,
+        content: content.into(),
+        special: true,
+    };
+    let err = PromptTokenizer::from_ranked_vocabulary(vocab.clone(), &[spec(10, "<x>")], None)
+        .unwrap_err();
+    assert!(
+        matches!(err, TokenizerError::AddedTokenIdIsRank { id: 10, .. }),
+        "{err}"
+    );
+    let err = PromptTokenizer::from_ranked_vocabulary(
+        vocab.clone(),
+        &[spec(256, "<x>"), spec(256, "<y>")],
+        None,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, TokenizerError::DuplicateToken { .. }),
+        "{err}"
+    );
+    // An id gap after the ranks is allowed: the token keeps its id.
+    let tok = PromptTokenizer::from_ranked_vocabulary(vocab, &[spec(300, "<x>")], None).unwrap();
+    assert_eq!(tok.encode("a<x>").unwrap(), vec![u32::from(b'a'), 300]);
+}
