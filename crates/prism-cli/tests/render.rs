@@ -1,0 +1,98 @@
+//! `prism render` on the sample requests in `examples/`.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn example(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples").join(name)
+}
+
+fn prism(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_prism")).args(args).output().expect("run prism")
+}
+
+const EVIDENCE: &str = "Evidence:\n{\"ticket\": \"I was charged twice for my March invoice and now the app says my card is \
+declined. Please fix this today!\", \"customer\": {\"plan\": \"pro\", \"since\": \"2021-04-02\", \"seats\": 12}, \
+\"last_payments\": [{\"_index\": 0, \"value\": 49.0}, {\"_index\": 1, \"value\": 49.0}, {\"_index\": 2, \"value\": 49.0}, \
+{\"_index\": 3, \"value\": 49.0}, {\"_index\": 4, \"value\": 49.0}, {\"_index\": 5, \"value\": 49.0}, \
+{\"_index\": 6, \"value\": 98.0}, {\"_index\": 7, \"value\": 49.0}]}\n\n";
+
+#[test]
+fn renders_a_three_question_request_as_json() {
+    let request = example("request.json");
+    let output = prism(&["render", request.to_str().unwrap(), "--json"]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("stdout is JSON");
+    let keys: Vec<&String> = json.as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["team", "urgent", "mood"]);
+    let system = "Apply the criterion to the evidence. Choose exactly one listed option. Answer with its letter only.";
+    let expected = [
+        (
+            "team",
+            "choice",
+            "Question: Which team should handle this ticket?\nOptions:\nA) billing: Payments, invoices and refunds\n\
+             B) technical: Bugs, errors and outages\nC) sales: Plans, upgrades and quotes",
+            vec!["billing", "technical", "sales"],
+        ),
+        (
+            "urgent",
+            "noul",
+            "Question: Does this ticket need a reply today?\nOptions:\nA) yes\nB) no",
+            vec!["true", "false"],
+        ),
+        (
+            "mood",
+            "score",
+            "Question: How upset is the customer?\nOptions:\nA) 0: calm\nB) 1: annoyed\nC) 2: angry",
+            vec!["0", "1", "2"],
+        ),
+    ];
+    for (name, kind, tail, order) in expected {
+        let question = &json[name];
+        assert_eq!(question["type"], kind);
+        assert_eq!(question["mode"], "single");
+        let prompts = question["prompts"].as_array().unwrap();
+        assert_eq!(prompts.len(), 1);
+        assert_eq!(prompts[0]["system"], system);
+        assert_eq!(prompts[0]["user"], format!("{EVIDENCE}{tail}"), "{name}");
+        assert_eq!(prompts[0]["order"], serde_json::json!(order), "{name}");
+    }
+}
+
+#[test]
+fn renders_text() {
+    let request = example("request.json");
+    let output = prism(&["render", request.to_str().unwrap()]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let text = String::from_utf8(output.stdout).unwrap();
+    assert!(text.starts_with("=== team (choice)\n--- system\nApply the criterion"), "{text}");
+    assert!(text.contains("\nA) yes\nB) no\n--- options in letter order: true, false\n"), "{text}");
+    assert!(text.contains("=== mood (score)"), "{text}");
+}
+
+#[test]
+fn a_refused_request_prints_the_api_error_and_fails() {
+    let request = example("refused-request.json");
+    let output = prism(&["render", request.to_str().unwrap(), "--json"]);
+    assert_eq!(output.status.code(), Some(1));
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("stdout is the error JSON");
+    assert_eq!(json["detail"][0]["loc"], serde_json::json!(["body", "questions", "rating", "criteria"]));
+    assert_eq!(json["detail"][0]["type"], "too_many_levels");
+    assert!(json["error"].as_str().unwrap().starts_with("questions.rating.criteria: "));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("HTTP 422"));
+}
+
+#[test]
+fn model_dir_is_not_wired_yet() {
+    let request = example("request.json");
+    let output = prism(&["render", request.to_str().unwrap(), "--model-dir", "/nonexistent"]);
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("not wired yet"));
+}
+
+#[test]
+fn a_missing_file_is_an_error() {
+    let output = prism(&["render", "/nonexistent/request.json"]);
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("/nonexistent/request.json"));
+}
