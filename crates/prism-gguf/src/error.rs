@@ -124,6 +124,13 @@ pub enum GgufError {
         found: &'static str,
     },
 
+    #[error("tensor {tensor:?}: row {row} is out of range (it has {n_rows} rows)")]
+    RowOutOfRange {
+        tensor: String,
+        row: u64,
+        n_rows: u64,
+    },
+
     #[error("no tensor named {name:?}")]
     UnknownTensor { name: String },
 

@@ -284,6 +284,49 @@ impl GgufFile {
         self.dequantize_info(info)
     }
 
+    /// The bytes of row `row` (the `row`-th run of `dims[0]` elements) of `info`'s data.
+    pub fn row_bytes(&self, info: &TensorInfo, row: u64) -> Result<&[u8]> {
+        let n_rows = info.n_rows();
+        let row_len = info.row_len();
+        let out_of_range = || GgufError::RowOutOfRange {
+            tensor: info.name.clone(),
+            row,
+            n_rows,
+        };
+        if row >= n_rows {
+            return Err(out_of_range());
+        }
+        let row_bytes =
+            info.ggml_type
+                .bytes_for(row_len)
+                .ok_or_else(|| GgufError::SizeOverflow {
+                    tensor: info.name.clone(),
+                })?;
+        let start = row
+            .checked_mul(row_bytes)
+            .and_then(|start| usize::try_from(start).ok())
+            .ok_or_else(out_of_range)?;
+        let len = usize::try_from(row_bytes).map_err(|_| out_of_range())?;
+        self.tensor_bytes(info)
+            .get(start..start + len)
+            .ok_or_else(out_of_range)
+    }
+
+    /// Row `row` of `info` as f32 (for example one embedding out of a quantized token table).
+    pub fn dequantize_row(&self, info: &TensorInfo, row: u64) -> Result<Vec<f32>> {
+        if !info.ggml_type.can_dequantize() {
+            return Err(GgufError::UnsupportedType {
+                tensor: info.name.clone(),
+                ty: info.ggml_type,
+            });
+        }
+        let bytes = self.row_bytes(info, row)?;
+        let n = usize::try_from(info.row_len()).map_err(|_| GgufError::SizeOverflow {
+            tensor: info.name.clone(),
+        })?;
+        blocks::dequantize_named(&info.name, info.ggml_type, bytes, n)
+    }
+
     /// As [`GgufFile::dequantize`], for a record of this file.
     pub fn dequantize_info(&self, info: &TensorInfo) -> Result<Vec<f32>> {
         if !info.ggml_type.can_dequantize() {

@@ -247,3 +247,37 @@ fn typed_lookups_name_the_key() {
     let err = gguf.dequantize("no.such.tensor").unwrap_err().to_string();
     assert!(err.contains("no.such.tensor"), "{err}");
 }
+
+#[test]
+fn single_rows_match_the_whole_tensor() {
+    let gguf = GgufFile::open(fixture_dir().join("tiny-Q4_K_M.gguf")).unwrap();
+    for name in [
+        "token_embd.weight",
+        "output.weight",
+        "blk.0.ssm_conv1d.weight",
+    ] {
+        let info = gguf.tensor_info(name).unwrap();
+        let all = gguf.dequantize(name).unwrap();
+        let row_len = info.row_len() as usize;
+        for row in [0, 1, info.n_rows() - 1] {
+            let start = row as usize * row_len;
+            assert_eq!(
+                gguf.dequantize_row(info, row).unwrap(),
+                &all[start..start + row_len],
+                "{name} row {row}"
+            );
+        }
+        let err = gguf.dequantize_row(info, info.n_rows()).unwrap_err();
+        assert!(
+            matches!(err, prism_gguf::GgufError::RowOutOfRange { .. }),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn the_file_handle_can_be_shared_between_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<GgufFile>();
+    assert_send_sync::<prism_gguf::GgufError>();
+}
