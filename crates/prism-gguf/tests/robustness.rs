@@ -341,6 +341,8 @@ fn mutate_all(
 
 #[test]
 fn mutated_and_truncated_files_never_panic_and_allocate_in_proportion() {
+    // The allocation bound below rests on this size (one file byte can become one value).
+    assert!(std::mem::size_of::<MetadataValue>() <= 32);
     let started = std::time::Instant::now();
     let mut stats = Stats {
         ok: 0,
