@@ -148,6 +148,12 @@ fn model_dir_reproduces_the_transformers_prompts() {
 }
 
 #[test]
+fn prompt_format_can_be_shared_across_threads() {
+    fn shared<T: Send + Sync>() {}
+    shared::<PromptFormat>();
+}
+
+#[test]
 fn gguf_alone_reproduces_the_transformers_prompts() {
     // Tokenizer from the GGUF vocabulary and template from its tokenizer.chat_template key.
     let empty = ScratchDir::new("gguf-only");
@@ -229,9 +235,9 @@ fn letter_ids_are_single_tokens_after_the_no_think_prefix() {
     // In prompt 0 (transformers' ids) the option letters "A)" .. "C)" are these ids too.
     let prompt0 = read_json(&tiny_dir().join("prompts.json"))["prompts"][0]["ids"].clone();
     let ids = ids_of(&prompt0);
-    for letter in 0..3 {
+    for (letter, &id) in LETTERS.iter().zip(&expected).take(3) {
         assert!(
-            ids.windows(2).any(|w| w == [expected[letter], 8]),
+            ids.windows(2).any(|w| w == [id, 8]),
             "letter {letter} then ')'"
         );
     }

@@ -482,6 +482,96 @@ fn tiktoken_ranks_reproduce_every_vocab_ref_pair() {
     assert_eq!(tok.encode("人力资源").unwrap(), vec![99655]);
 }
 
+/// The merge list a converter derives from ranks: for each token (in rank order), tiktoken's BPE
+/// over its bytes with only the lower ranks; the two final parts are its merge. Tokens that do not
+/// end in two parts get none (the README's 232 irregular tokens).
+fn merges_derived_from_ranks(vocab: &RankedVocabulary) -> (Vec<String>, usize) {
+    let mut merges = Vec::new();
+    let mut irregular = 0;
+    for rank in 256..vocab.len() as u32 {
+        let token = vocab.bytes(rank).unwrap();
+        // Part boundaries as byte offsets; join the lowest-ranked pair below `rank` until none.
+        let mut cuts: Vec<usize> = (0..=token.len()).collect();
+        loop {
+            let best = (0..cuts.len().saturating_sub(2))
+                .filter_map(|i| {
+                    let r = vocab.rank(&token[cuts[i]..cuts[i + 2]])?;
+                    (r < rank).then_some((r, i))
+                })
+                .min();
+            let Some((_, i)) = best else { break };
+            cuts.remove(i + 1);
+        }
+        if cuts.len() == 3 {
+            merges.push(format!(
+                "{} {}",
+                bytes_to_text(&token[..cuts[1]]),
+                bytes_to_text(&token[cuts[1]..])
+            ));
+        } else {
+            irregular += 1;
+        }
+    }
+    (merges, irregular)
+}
+
+#[test]
+fn gguf_path_at_full_size_is_merges_only() {
+    // A full-size GGUF vocabulary (248,044 BPE tokens + 33 added) with the merge list derived from
+    // the ranks, through the GGUF path: it must load quickly, agree with tiktoken wherever no
+    // irregular token is involved (all 100 vocab_ref pairs), and NOT produce tokens that only a
+    // whole-piece lookup reaches (the README's examples).
+    let path = fixtures().join("qwen35-vocab/qwen3_6.tiktoken");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let ranks = RankedVocabulary::parse_tiktoken(&text).unwrap();
+    let (merges, irregular) = merges_derived_from_ranks(&ranks);
+    assert_eq!(
+        irregular, 232,
+        "README: 232 tokens are not a merge of two lower ranks"
+    );
+    assert_eq!(merges.len() + irregular, 248_044 - 256);
+    let added = full_added_tokens();
+    let mut tokens: Vec<String> = (0..ranks.len() as u32)
+        .map(|r| bytes_to_text(ranks.bytes(r).unwrap()))
+        .collect();
+    let mut token_types = vec![1i64; tokens.len()];
+    for t in &added {
+        assert_eq!(t.id as usize, tokens.len());
+        tokens.push(t.content.clone());
+        token_types.push(if t.special { 3 } else { 4 });
+    }
+    let vocab = GgufVocabulary {
+        model: "gpt2".into(),
+        pre: "qwen35".into(),
+        tokens,
+        token_types,
+        merges,
+        eos_token_id: Some(248046),
+        padding_token_id: Some(248044),
+        add_bos_token: false,
+    };
+    let started = Instant::now();
+    let gguf_tok = PromptTokenizer::from_gguf_vocabulary(&vocab).unwrap();
+    let load = started.elapsed();
+    eprintln!(
+        "full-size GGUF vocabulary (248,077 tokens, {} merges) → tokenizer: {load:?}",
+        vocab.merges.len()
+    );
+    assert!(load.as_secs() < 30, "loading took {load:?}");
+    assert_eq!(gguf_tok.whole_piece_lookup(), WholePieceLookup::Off);
+    assert_eq!(gguf_tok.eos_ids(), &[248044, 248046]);
+
+    for (text, ids, _) in vocab_ref_pairs() {
+        assert_eq!(gguf_tok.encode(&text).unwrap(), ids, "{text:?}");
+    }
+    // README: 104328 `俱乐部` has no two-token split; 99655 `人力资源` = 人力 (108583) + 资源 (96852)
+    // with a part ranked after the whole. Merges only never build them; tiktoken does, as a whole.
+    let split = gguf_tok.encode("俱乐部").unwrap();
+    assert_eq!(split.len(), 3);
+    assert_eq!(gguf_tok.decode(&split, false).unwrap(), "俱乐部");
+    assert_eq!(gguf_tok.encode("人力资源").unwrap(), vec![108583, 96852]);
+}
+
 #[test]
 fn ranked_bpe_over_the_tiny_ranks_matches_tokenizer_json() {
     // The tiny vocabulary is ranks 0..4095 of the real one (ids = ranks) and every token is a
@@ -739,6 +829,20 @@ fn missing_and_corrupt_tokenizer_json_are_typed_errors() {
         "{err}"
     );
 
+    // A byte-level vocabulary without a token for one byte: refused under the Qwen3.5 pipeline
+    // (BPE would silently drop that byte), accepted as written.
+    let (tokens, merges) = whole_piece_vocabulary();
+    let json = crafted_tokenizer_json(&tokens[1..], &merges, false);
+    let err =
+        PromptTokenizer::from_tokenizer_json_bytes(&json, path, TokenizerJsonPipeline::Qwen35)
+            .unwrap_err();
+    assert!(
+        matches!(err, TokenizerError::MissingByteToken { byte: 0 }),
+        "{err}"
+    );
+    PromptTokenizer::from_tokenizer_json_bytes(&json, path, TokenizerJsonPipeline::AsWritten)
+        .unwrap();
+
     // A bad tokenizer_config.json next to a good tokenizer.json.
     let dir = std::env::temp_dir().join(format!("prism-tok-badcfg-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -834,15 +938,18 @@ fn gguf_without_or_with_bad_vocabulary_keys_is_a_typed_error() {
         "{err}"
     );
 
+    // 256 byte tokens, "ab" (256) and <|im_end|> (257).
+    let mut token_list: Vec<String> = (0..=255u8).map(|b| bytes_to_text(&[b])).collect();
+    token_list.extend(["ab".to_string(), "<|im_end|>".to_string()]);
+    let token_refs: Vec<&str> = token_list.iter().map(String::as_str).collect();
+    let mut type_list = vec![1i32; 257];
+    type_list.push(3);
     let base = |model: &str, pre: &str| {
         vec![
             ("tokenizer.ggml.model", s(model)),
             ("tokenizer.ggml.pre", s(pre)),
-            (
-                "tokenizer.ggml.tokens",
-                strings(&["a", "b", "ab", "<|im_end|>"]),
-            ),
-            ("tokenizer.ggml.token_type", types(&[1, 1, 1, 3])),
+            ("tokenizer.ggml.tokens", strings(&token_refs)),
+            ("tokenizer.ggml.token_type", types(&type_list)),
             ("tokenizer.ggml.merges", strings(&["a b"])),
         ]
     };
@@ -876,14 +983,14 @@ fn gguf_without_or_with_bad_vocabulary_keys_is_a_typed_error() {
     );
 
     let mut keys = base("gpt2", "qwen35");
-    keys[3].1 = types(&[1, 1, 1]);
+    keys[3].1 = types(&type_list[1..]);
     let err = PromptTokenizer::from_gguf(&file(&keys)).unwrap_err();
     assert!(
         matches!(
             err,
             TokenizerError::TokenTypeCountMismatch {
-                tokens: 4,
-                token_types: 3
+                tokens: 258,
+                token_types: 257
             }
         ),
         "{err}"
@@ -904,27 +1011,44 @@ fn gguf_without_or_with_bad_vocabulary_keys_is_a_typed_error() {
     );
 
     let mut keys = base("gpt2", "qwen35");
-    keys.push(("tokenizer.ggml.eos_token_id", MetadataValue::U32(99)));
+    keys.push(("tokenizer.ggml.eos_token_id", MetadataValue::U32(999)));
     let err = PromptTokenizer::from_gguf(&file(&keys)).unwrap_err();
     assert!(
         matches!(
             err,
             TokenizerError::IdOutOfRange {
-                id: 99,
-                vocab_size: 4,
+                id: 999,
+                vocab_size: 258,
                 ..
             }
         ),
         "{err}"
     );
 
-    // Well-formed keys build a tokenizer (whose vocabulary lacks single bytes, which is fine for
-    // building; it is the metadata checks that are under test).
+    // A byte without a token: text containing it could not be encoded faithfully.
     let mut keys = base("gpt2", "qwen35");
-    keys.push(("tokenizer.ggml.eos_token_id", MetadataValue::U32(3)));
+    keys[2].1 = strings(&token_refs[1..]);
+    keys[3].1 = types(&type_list[1..]);
+    let err = PromptTokenizer::from_gguf(&file(&keys)).unwrap_err();
+    assert!(
+        matches!(err, TokenizerError::MissingByteToken { byte: 0 }),
+        "{err}"
+    );
+
+    let mut keys = base("gpt2", "qwen35");
+    keys.push(("tokenizer.ggml.eos_token_id", MetadataValue::U32(257)));
     let tok = PromptTokenizer::from_gguf(&file(&keys)).unwrap();
-    assert_eq!(tok.encode("ab<|im_end|>").unwrap(), vec![2, 3]);
-    assert_eq!(tok.eos_ids(), &[3]);
+    assert_eq!(
+        tok.encode("abc<|im_end|>").unwrap(),
+        vec![256, u32::from(b'c'), 257]
+    );
+    assert_eq!(tok.eos_ids(), &[257]);
+}
+
+#[test]
+fn tokenizers_can_be_shared_across_threads() {
+    fn shared<T: Send + Sync>() {}
+    shared::<PromptTokenizer>();
 }
 
 #[test]

@@ -251,6 +251,12 @@ impl GgufVocabulary {
                 added.push((id, token.clone(), special));
             }
         }
+        // Byte-level BPE silently drops a byte it has no token for; refuse such a vocabulary.
+        if let Some(byte) = (0..=255u8)
+            .find(|&b| !vocab.contains_key(&super::byte_level::byte_to_char(b).to_string()))
+        {
+            return Err(TokenizerError::MissingByteToken { byte });
+        }
         let mut merges = Merges::with_capacity(self.merges.len());
         for (index, merge) in self.merges.iter().enumerate() {
             let bad = |reason: String| TokenizerError::BadMerge {

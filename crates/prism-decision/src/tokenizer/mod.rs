@@ -90,6 +90,8 @@ pub enum TokenizerError {
         first: u32,
         second: u32,
     },
+    #[error("the byte-level vocabulary has no token for the byte 0x{byte:02x}, so some text could not be encoded")]
+    MissingByteToken { byte: u8 },
     #[error("merge {index} ({merge:?}): {reason}")]
     BadMerge {
         index: usize,
@@ -462,6 +464,14 @@ impl PromptTokenizer {
             tokenizer.with_normalizer(Some(qwen35_normalizer()));
             tokenizer.with_pre_tokenizer(Some(qwen35_pre_tokenizer()?));
             tokenizer.with_decoder(Some(qwen35_decoder()));
+            // Byte-level BPE silently drops a byte it has no token for; refuse such a vocabulary.
+            if let Some(byte) = (0..=255u8).find(|&b| {
+                tokenizer
+                    .token_to_id(&byte_to_char(b).to_string())
+                    .is_none()
+            }) {
+                return Err(TokenizerError::MissingByteToken { byte });
+            }
         }
         let backend = Backend::Merges(Box::new(tokenizer));
         let out = Self::finish(
