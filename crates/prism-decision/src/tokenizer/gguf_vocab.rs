@@ -157,6 +157,13 @@ impl GgufVocabulary {
             add_bos_token,
         };
         out.validate()?;
+        if out.add_bos_token {
+            // transformers' Qwen3_5Tokenizer has no BOS token; a prompt never starts with one.
+            tracing::warn!(
+                "{} is true in the GGUF; Qwen3.5 prompts get no BOS, ignoring it",
+                Self::ADD_BOS
+            );
+        }
         Ok(out)
     }
 
@@ -197,13 +204,6 @@ impl GgufVocabulary {
                     });
                 }
             }
-        }
-        if self.add_bos_token {
-            // transformers' Qwen3_5Tokenizer has no BOS token; a prompt never starts with one.
-            tracing::warn!(
-                "{} is true in the GGUF; Qwen3.5 prompts get no BOS, ignoring it",
-                Self::ADD_BOS
-            );
         }
         Ok(())
     }
