@@ -5,7 +5,7 @@
 //! `σ(gate)` before `attn_output`. Projections run on the packed batch, the attention itself per sequence
 //! against that sequence's K/V cache.
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::config::Qwen35Config;
 use crate::error::Result;
@@ -101,7 +101,7 @@ impl Attention {
             let q_g = q_s.reshape((n_kv, group * t, hd))?;
             let scores = (q_g.matmul(&k_all.t()?)? * scale)?.reshape((n_kv, group, t, total))?;
             let scores = if t > 1 {
-                scores.broadcast_add(&causal_mask(t, past, x.device())?)?
+                scores.broadcast_add(&causal_mask(t, past, x.dtype(), x.device())?)?
             } else {
                 scores
             };
@@ -121,10 +121,10 @@ impl Attention {
 }
 
 /// `[T, past + T]`: 0 where query `t` (absolute `past + t`) may read key `j`, −∞ where `j > past + t`.
-fn causal_mask(t: usize, past: usize, device: &Device) -> Result<Tensor> {
+fn causal_mask(t: usize, past: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     let total = past + t;
     let mask: Vec<f32> = (0..t)
         .flat_map(|i| (0..total).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 }))
         .collect();
-    Ok(Tensor::from_vec(mask, (t, total), device)?)
+    Ok(Tensor::from_vec(mask, (t, total), device)?.to_dtype(dtype)?)
 }

@@ -45,7 +45,8 @@ impl DeltaNet {
     pub fn load(w: &WeightLoader<'_>, cfg: &Qwen35Config, layer: usize) -> Result<Self> {
         let d = cfg.hidden_size;
         let n = |s: &str| format!("blk.{layer}.{s}");
-        let conv = w.f32_tensor(&n("ssm_conv1d.weight"), &[cfg.conv_kernel, cfg.conv_dim()])?; // [C, K]
+        let conv =
+            w.activation_tensor(&n("ssm_conv1d.weight"), &[cfg.conv_kernel, cfg.conv_dim()])?; // [C, K]
         Ok(Self {
             in_qkv: w.matrix(&n("attn_qkv.weight"), cfg.conv_dim(), d)?,
             in_gate: w.matrix(&n("attn_gate.weight"), cfg.linear_value_dim(), d)?,

@@ -12,7 +12,7 @@
 //! absolute multiples of the chunk size counted from the sequence start, so the arithmetic a token sees
 //! does not depend on how the prompt was split into calls or batched with others.
 //!
-//! All tensors are f32. Shapes: `q, k: [T, H, dk]` (already expanded to the `H` value heads), `v: [T, H, dv]`,
+//! All tensors share one float dtype (f32, or f64 for the ground-truth path). Shapes: `q, k: [T, H, dk]` (already expanded to the `H` value heads), `v: [T, H, dv]`,
 //! `g, beta: [T, H]`, `state: [H, dk, dv]`. Both forms return `(out [T, H, dv], new_state [H, dk, dv])`.
 
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
@@ -85,12 +85,15 @@ pub fn chunked(
         .pad_with_zeros(1, lead, tail)?
         .reshape((heads, n_chunks, c, 1))?;
 
-    // Γ_r: chunk-local inclusive cumulative log-decay.
-    let gamma = g.cumsum(D::Minus1)?.contiguous()?;
+    // Γ_r: chunk-local inclusive cumulative log-decay. Kept in f64: over a chunk Γ can reach hundreds,
+    // and in f32 the differences Γ_r − Γ_s below would lose ~|Γ|·1e-7 to cancellation, making the
+    // chunked form measurably noisier than the recurrent one. Only the [C]-sized decays are f64.
+    let dtype = q.dtype();
+    let gamma = g.to_dtype(DType::F64)?.cumsum(D::Minus1)?.contiguous()?;
     // D_rs = exp(Γ_r − Γ_s) on s ≤ r, 0 above the diagonal (masked before exp so it cannot overflow).
-    let upper_mask = upper_neg_inf(c, q.device())?;
+    let upper_mask = upper_neg_inf(c, DType::F64, q.device())?;
     let pair = gamma.unsqueeze(3)?.broadcast_sub(&gamma.unsqueeze(2)?)?;
-    let decay_pair = pair.broadcast_add(&upper_mask)?.exp()?;
+    let decay_pair = pair.broadcast_add(&upper_mask)?.exp()?.to_dtype(dtype)?;
 
     let k_t = k.transpose(2, 3)?.contiguous()?;
     let k_beta = k.broadcast_mul(&beta)?;
@@ -98,15 +101,16 @@ pub fn chunked(
     let a = k_beta.matmul(&k_t)?.mul(&decay_pair)?;
     let t_inv = unit_lower_inverse(&a.reshape((heads * n_chunks, c, c))?)?
         .reshape((heads, n_chunks, c, c))?;
-    let exp_gamma = gamma.exp()?.unsqueeze(3)?;
+    let exp_gamma = gamma.exp()?.to_dtype(dtype)?.unsqueeze(3)?;
     let u = t_inv.matmul(&v.broadcast_mul(&beta)?.contiguous()?)?; // pseudo-values
     let w = t_inv.matmul(&k_beta.broadcast_mul(&exp_gamma)?.contiguous()?)?; // decayed keys reading S
     let q_decayed = q.broadcast_mul(&exp_gamma)?;
     let intra = q.matmul(&k_t)?.mul(&decay_pair)?; // includes the diagonal
     let gamma_last = gamma.narrow(2, c - 1, 1)?; // [H, n_chunks, 1]
-    let k_to_end = k.broadcast_mul(&gamma_last.broadcast_sub(&gamma)?.exp()?.unsqueeze(3)?)?;
+    let to_end = gamma_last.broadcast_sub(&gamma)?.exp()?.to_dtype(dtype)?;
+    let k_to_end = k.broadcast_mul(&to_end.unsqueeze(3)?)?;
     let k_to_end_t = k_to_end.transpose(2, 3)?.contiguous()?;
-    let chunk_decay = gamma_last.exp()?.unsqueeze(3)?; // [H, n_chunks, 1, 1]
+    let chunk_decay = gamma_last.exp()?.to_dtype(dtype)?.unsqueeze(3)?; // [H, n_chunks, 1, 1]
 
     let mut s = state.clone();
     let mut outs = Vec::with_capacity(n_chunks);
@@ -125,14 +129,14 @@ pub fn chunked(
 }
 
 /// `[C, C]` with −∞ strictly above the diagonal and 0 elsewhere.
-fn upper_neg_inf(c: usize, device: &candle_core::Device) -> Result<Tensor> {
+fn upper_neg_inf(c: usize, dtype: DType, device: &candle_core::Device) -> Result<Tensor> {
     let mut m = vec![0f32; c * c];
     for r in 0..c {
         for s in r + 1..c {
             m[r * c + s] = f32::NEG_INFINITY;
         }
     }
-    Tensor::from_vec(m, (c, c), device)
+    Tensor::from_vec(m, (c, c), device)?.to_dtype(dtype)
 }
 
 /// `(I + A)⁻¹` for a batch `[B, C, C]` of matrices, using only the strictly lower triangle of `A` (the
@@ -140,7 +144,7 @@ fn upper_neg_inf(c: usize, device: &candle_core::Device) -> Result<Tensor> {
 /// The result is unit lower-triangular. On the CPU this is a small forward-substitution kernel; on other
 /// devices it falls back to [`unit_lower_inverse_tensor_ops`].
 pub fn unit_lower_inverse(a: &Tensor) -> Result<Tensor> {
-    let a = a.to_dtype(DType::F32)?.contiguous()?;
+    let a = a.contiguous()?;
     if a.device().is_cpu() {
         a.apply_op1_no_bwd(&UnitLowerInverse)
     } else {
@@ -155,7 +159,7 @@ pub fn unit_lower_inverse_tensor_ops(a: &Tensor) -> Result<Tensor> {
     if c != c2 {
         candle_core::bail!("unit_lower_inverse: matrices must be square, got {c}x{c2}");
     }
-    let eye = Tensor::eye(c, DType::F32, a.device())?;
+    let eye = Tensor::eye(c, a.dtype(), a.device())?;
     let mut rows: Vec<Tensor> = Vec::with_capacity(c);
     rows.push(
         eye.narrow(0, 0, 1)?
@@ -177,6 +181,36 @@ pub fn unit_lower_inverse_tensor_ops(a: &Tensor) -> Result<Tensor> {
 
 struct UnitLowerInverse;
 
+/// Inverts each `c × c` block of `a` (row-major), accumulating in f64.
+fn invert_unit_lower<T: Copy>(
+    a: &[T],
+    c: usize,
+    to_f64: fn(T) -> f64,
+    from_f64: fn(f64) -> T,
+) -> Vec<T> {
+    let mut out = Vec::with_capacity(a.len());
+    let mut t = vec![0f64; c * c];
+    for m in a.chunks_exact(c * c) {
+        t.iter_mut().for_each(|x| *x = 0.0);
+        for r in 0..c {
+            // T_r = e_r − Σ_{s<r} A_rs T_s; T_s is zero right of column s.
+            let (done, rest) = t.split_at_mut(r * c);
+            let row = &mut rest[..c];
+            row[r] = 1.0;
+            for s in 0..r {
+                let coeff = to_f64(m[r * c + s]);
+                if coeff != 0.0 {
+                    for (x, &y) in row.iter_mut().zip(&done[s * c..s * c + s + 1]) {
+                        *x -= coeff * y;
+                    }
+                }
+            }
+        }
+        out.extend(t.iter().map(|&x| from_f64(x)));
+    }
+    out
+}
+
 impl CustomOp1 for UnitLowerInverse {
     fn name(&self) -> &'static str {
         "unit-lower-inverse"
@@ -184,36 +218,31 @@ impl CustomOp1 for UnitLowerInverse {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let dims = layout.shape().dims();
-        let (b, c) = match *dims {
-            [b, c, c2] if c == c2 => (b, c),
+        let c = match *dims {
+            [_, c, c2] if c == c2 => c,
             _ => candle_core::bail!("unit-lower-inverse expects [B, C, C], got {dims:?}"),
         };
         let (start, end) = match layout.contiguous_offsets() {
             Some(offsets) => offsets,
             None => candle_core::bail!("unit-lower-inverse needs a contiguous input"),
         };
-        let a = &storage.as_slice::<f32>()?[start..end];
-        let mut out = vec![0f32; b * c * c];
-        let mut row = vec![0f64; c];
-        for (m, t) in a.chunks_exact(c * c).zip(out.chunks_exact_mut(c * c)) {
-            for r in 0..c {
-                // T_r = e_r − Σ_{s<r} A_rs T_s, accumulated in f64; T_s is zero right of column s.
-                row.iter_mut().for_each(|x| *x = 0.0);
-                row[r] = 1.0;
-                for s in 0..r {
-                    let coeff = m[r * c + s] as f64;
-                    if coeff != 0.0 {
-                        for (col, x) in row.iter_mut().enumerate().take(s + 1) {
-                            *x -= coeff * t[s * c + col] as f64;
-                        }
-                    }
-                }
-                for (dst, &x) in t[r * c..(r + 1) * c].iter_mut().zip(&row) {
-                    *dst = x as f32;
-                }
+        let out = match storage {
+            CpuStorage::F32(v) => {
+                CpuStorage::F32(invert_unit_lower(&v[start..end], c, f64::from, |x| {
+                    x as f32
+                }))
             }
-        }
-        Ok((CpuStorage::F32(out), layout.shape().clone()))
+            CpuStorage::F64(v) => {
+                CpuStorage::F64(invert_unit_lower(&v[start..end], c, |x| x, |x| x))
+            }
+            other => {
+                candle_core::bail!(
+                    "unit-lower-inverse: unsupported dtype {:?}",
+                    candle_core::backend::BackendStorage::dtype(other)
+                )
+            }
+        };
+        Ok((out, layout.shape().clone()))
     }
 }
 
@@ -258,7 +287,6 @@ mod tests {
             let (o_chk, s_chk) = chunked(&q, &k, &v, &g, &beta, &s0, start).unwrap();
             let d_out = max_abs_diff(&o_rec, &o_chk);
             let d_state = max_abs_diff(&s_rec, &s_chk);
-            eprintln!("start {start}: out {d_out}, state {d_state}");
             assert!(
                 d_out < 1e-5 && d_state < 1e-5,
                 "start {start}: out {d_out}, state {d_state}"

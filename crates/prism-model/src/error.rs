@@ -74,7 +74,7 @@ pub enum ModelError {
     #[error("invalid input: {0}")]
     InvalidInput(String),
 
-    #[error("unsupported precision {0:?}: use \"f32\" or \"bf16\"")]
+    #[error("unsupported precision {0:?}: use \"f32\", \"bf16\" or \"f64\"")]
     UnsupportedPrecision(String),
 
     #[error("tensor computation failed: {0}")]

@@ -3,7 +3,7 @@
 //! Everything here runs on whatever device the tensors live on; the formulas follow transformers'
 //! Qwen3.5 code so that an f32 run reproduces its numbers to rounding.
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{Result, Tensor, D};
 
 /// `x / sqrt(mean(x²) + eps) · weight` over the last axis.
 ///
@@ -44,14 +44,12 @@ pub fn linear(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
     if x.dtype() == weight.dtype() {
         x.matmul(&wt)
     } else {
-        // Reduced-precision weights: run the product in the weight's dtype, hand back f32.
-        x.to_dtype(weight.dtype())?
-            .matmul(&wt)?
-            .to_dtype(DType::F32)
+        // Reduced-precision weights: run the product in the weight's dtype, hand back the activation dtype.
+        x.to_dtype(weight.dtype())?.matmul(&wt)?.to_dtype(x.dtype())
     }
 }
 
-/// Softmax over the last axis, in f32, subtracting the row maximum first (as torch does).
+/// Softmax over the last axis (f32 or f64, like its input), subtracting the row maximum first (as torch does).
 pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     let max = x.max_keepdim(D::Minus1)?;
     let exp = x.broadcast_sub(&max)?.exp()?;

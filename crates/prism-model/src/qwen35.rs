@@ -213,6 +213,7 @@ impl Qwen35Model {
             config.rotary_dim,
             config.rope_theta,
             config.mrope_sections,
+            options.precision.activation_dtype(),
             &options.device,
         )?;
         tracing::debug!(
@@ -263,7 +264,11 @@ impl Qwen35Model {
 
     /// A fresh, empty sequence state.
     pub fn new_state(&self) -> Result<SequenceState> {
-        SequenceState::new(&self.config, &self.device)
+        SequenceState::new(
+            &self.config,
+            self.precision.activation_dtype(),
+            &self.device,
+        )
     }
 
     /// Runs the new tokens of every item through the decoder, updating each item's state. On error no
@@ -360,7 +365,10 @@ impl Qwen35Model {
         let mut work: Vec<SequenceState> = items.iter().map(|it| it.state.clone()).collect();
         let n = ids.len();
         let ids = Tensor::from_vec(ids, n, &self.device)?;
-        let mut x = self.embed.index_select(&ids, 0)?.to_dtype(DType::F32)?;
+        let mut x = self
+            .embed
+            .index_select(&ids, 0)?
+            .to_dtype(self.precision.activation_dtype())?;
         if let Some(t) = trace.as_deref_mut() {
             t.push(x.clone());
         }

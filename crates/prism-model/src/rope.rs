@@ -38,18 +38,27 @@ impl MRope {
         rotary_dim: usize,
         theta: f64,
         sections: [usize; 3],
+        dtype: DType,
         device: &Device,
     ) -> Result<Self> {
         let half = rotary_dim / 2;
-        // Same arithmetic as transformers: exponent and power in f32, then the reciprocal.
-        let base = theta as f32;
-        let inv_freq: Vec<f32> = (0..half)
-            .map(|i| 1.0f32 / base.powf((2 * i) as f32 / rotary_dim as f32))
-            .collect();
+        let inv_freq = if dtype == DType::F64 {
+            let v: Vec<f64> = (0..half)
+                .map(|i| 1.0 / theta.powf((2 * i) as f64 / rotary_dim as f64))
+                .collect();
+            Tensor::from_vec(v, half, device)?
+        } else {
+            // Same arithmetic as transformers: exponent and power in f32, then the reciprocal.
+            let base = theta as f32;
+            let v: Vec<f32> = (0..half)
+                .map(|i| 1.0f32 / base.powf((2 * i) as f32 / rotary_dim as f32))
+                .collect();
+            Tensor::from_vec(v, half, device)?.to_dtype(dtype)?
+        };
         let axes: Vec<u32> = (0..half).map(|i| pair_axis(i, sections) as u32).collect();
         Ok(Self {
             rotary_dim,
-            inv_freq: Tensor::from_vec(inv_freq, half, device)?,
+            inv_freq,
             pair_axis: Tensor::from_vec(axes, half, device)?,
         })
     }
@@ -65,7 +74,8 @@ impl MRope {
             .iter()
             .flat_map(|p| p.iter().map(|&v| v as f32))
             .collect();
-        let pos = Tensor::from_vec(flat, (n, 3), self.inv_freq.device())?;
+        let pos = Tensor::from_vec(flat, (n, 3), self.inv_freq.device())?
+            .to_dtype(self.inv_freq.dtype())?;
         let per_pair = pos.index_select(&self.pair_axis, 1)?;
         let angles = per_pair.broadcast_mul(&self.inv_freq.unsqueeze(0)?)?;
         Ok((angles.cos()?, angles.sin()?))
@@ -85,7 +95,7 @@ impl MRope {
         if head_dim > self.rotary_dim {
             parts.push(x.narrow(D::Minus1, self.rotary_dim, head_dim - self.rotary_dim)?);
         }
-        Tensor::cat(&parts, D::Minus1)?.to_dtype(DType::F32)
+        Tensor::cat(&parts, D::Minus1)
     }
 }
 
@@ -113,7 +123,7 @@ mod tests {
     #[test]
     fn rotation_matches_the_pairwise_formula_and_passes_the_tail() {
         let dev = Device::Cpu;
-        let rope = MRope::new(4, 10_000.0, [1, 1, 0], &dev).unwrap();
+        let rope = MRope::new(4, 10_000.0, [1, 1, 0], DType::F32, &dev).unwrap();
         // Distinct axes so that the H stream (pair 1) is visibly used.
         let pos = [[3u32, 5, 7]];
         let (cos, sin) = rope.cos_sin(&pos).unwrap();

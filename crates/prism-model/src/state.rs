@@ -14,10 +14,10 @@ use crate::error::Result;
 /// State of one DeltaNet layer for one sequence.
 #[derive(Debug, Clone)]
 pub struct DeltaNetState {
-    /// The last `conv_kernel − 1` PRE-conv inputs (raw `attn_qkv` projections), `[K−1, conv_dim]` f32,
+    /// The last `conv_kernel − 1` PRE-conv inputs (raw `attn_qkv` projections), `[K−1, conv_dim]` in the activation dtype,
     /// oldest first. Zeros at the sequence start.
     pub conv: Tensor,
-    /// The delta-rule memory, `[n_v, dk, dv]` f32 (key index on axis 1, as in transformers).
+    /// The delta-rule memory, `[n_v, dk, dv]` in the activation dtype (key index on axis 1, as in transformers).
     pub recurrent: Tensor,
 }
 
@@ -59,8 +59,8 @@ pub struct SequenceState {
 }
 
 impl SequenceState {
-    /// A fresh state (no tokens) for a model of this configuration.
-    pub fn new(config: &Qwen35Config, device: &Device) -> Result<Self> {
+    /// A fresh state (no tokens) for a model of this configuration; `dtype` is the activation dtype.
+    pub fn new(config: &Qwen35Config, dtype: DType, device: &Device) -> Result<Self> {
         let layers = config
             .layer_kinds
             .iter()
@@ -69,7 +69,7 @@ impl SequenceState {
                     LayerKind::DeltaNet => LayerState::DeltaNet(DeltaNetState {
                         conv: Tensor::zeros(
                             (config.conv_kernel - 1, config.conv_dim()),
-                            DType::F32,
+                            dtype,
                             device,
                         )?,
                         recurrent: Tensor::zeros(
@@ -78,7 +78,7 @@ impl SequenceState {
                                 config.linear_key_head_dim,
                                 config.linear_value_head_dim,
                             ),
-                            DType::F32,
+                            dtype,
                             device,
                         )?,
                     }),

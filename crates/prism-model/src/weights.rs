@@ -16,6 +16,9 @@ pub enum Precision {
     /// Matrices rounded to bf16; activations are rounded to bf16 at each matmul, which accumulates in
     /// f32 (candle's CPU kernel widens to f32). Norms, the delta rule, softmax and residuals stay f32.
     Bf16,
+    /// Everything in f64: not a serving mode, but the ground truth that tests measure the f32 path's
+    /// rounding against.
+    F64,
 }
 
 impl Precision {
@@ -23,6 +26,7 @@ impl Precision {
         match s {
             "f32" => Ok(Precision::F32),
             "bf16" => Ok(Precision::Bf16),
+            "f64" => Ok(Precision::F64),
             other => Err(ModelError::UnsupportedPrecision(other.to_string())),
         }
     }
@@ -32,6 +36,15 @@ impl Precision {
         match self {
             Precision::F32 => DType::F32,
             Precision::Bf16 => DType::BF16,
+            Precision::F64 => DType::F64,
+        }
+    }
+
+    /// The dtype of activations, norms, states and everything that is not a matrix.
+    pub fn activation_dtype(self) -> DType {
+        match self {
+            Precision::F32 | Precision::Bf16 => DType::F32,
+            Precision::F64 => DType::F64,
         }
     }
 }
@@ -92,9 +105,16 @@ impl<'a> WeightLoader<'a> {
         Ok(Tensor::from_vec(values, shape, &self.device)?)
     }
 
-    /// A 1-D tensor of `len` elements (norm weights, per-head scalars), always f32.
+    /// A 1-D tensor of `len` elements (norm weights, per-head scalars), in the activation dtype.
     pub fn vector(&self, name: &str, len: usize) -> Result<Tensor> {
-        self.f32_tensor(name, &[len])
+        self.activation_tensor(name, &[len])
+    }
+
+    /// [`Self::f32_tensor`] converted to the activation dtype.
+    pub fn activation_tensor(&self, name: &str, ne: &[usize]) -> Result<Tensor> {
+        Ok(self
+            .f32_tensor(name, ne)?
+            .to_dtype(self.precision.activation_dtype())?)
     }
 
     /// A linear-layer weight with `rows` outputs of `cols` inputs: GGUF `[cols, rows]`, returned as

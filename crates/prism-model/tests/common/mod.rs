@@ -4,9 +4,17 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use candle_core::Tensor;
-use prism_model::{LoadOptions, Qwen35Model};
+use candle_core::{DType, Tensor};
+use prism_model::{LoadOptions, Precision, Qwen35Model};
 use serde_json::Value;
+
+/// libtest already runs tests on every core; candle's gemm would add its own rayon threads, which spin
+/// against each other on a 2-core CI machine (a measured 5× slowdown). candle reads this variable at each
+/// matmul. Results do not depend on it (gemm splits output tiles, not the reduction).
+pub fn single_threaded_matmuls() {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| std::env::set_var("RAYON_NUM_THREADS", "1"));
+}
 
 pub fn fixture_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny")
@@ -48,8 +56,14 @@ pub fn prompts() -> &'static Vec<Vec<u32>> {
 }
 
 fn load(file: &str) -> Qwen35Model {
+    load_with(file, Precision::F32)
+}
+
+pub fn load_with(file: &str, precision: Precision) -> Qwen35Model {
+    single_threaded_matmuls();
     let options = LoadOptions {
         hf_config: Some(fixture_dir().join("config.json")),
+        precision,
         ..LoadOptions::default()
     };
     Qwen35Model::load(&fixture_dir().join(file), &options).unwrap_or_else(|e| panic!("{file}: {e}"))
@@ -58,6 +72,12 @@ fn load(file: &str) -> Qwen35Model {
 pub fn bf16_model() -> &'static Qwen35Model {
     static M: OnceLock<Qwen35Model> = OnceLock::new();
     M.get_or_init(|| load("tiny-BF16.gguf"))
+}
+
+/// tiny-BF16.gguf computed entirely in f64: the ground truth for rounding questions.
+pub fn f64_model() -> &'static Qwen35Model {
+    static M: OnceLock<Qwen35Model> = OnceLock::new();
+    M.get_or_init(|| load_with("tiny-BF16.gguf", Precision::F64))
 }
 
 pub fn q8_model() -> &'static Qwen35Model {
@@ -82,8 +102,18 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-pub fn max_abs_diff_tensors(a: &Tensor, b: &Tensor) -> f32 {
-    let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    max_abs_diff(&a, &b)
+/// max |a − b| over all elements, computed in f64 (either input may be f32 or f64).
+pub fn max_abs_diff_tensors(a: &Tensor, b: &Tensor) -> f64 {
+    let a = a.to_dtype(DType::F64).unwrap();
+    let b = b.to_dtype(DType::F64).unwrap();
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
 }
