@@ -1,0 +1,155 @@
+//! `prism logits` on the tiny fixture: the JSON lines must carry transformers' fp32 logits (1e-3, the
+//! decoder's acceptance bound), and bad inputs must fail with a clear message, not a panic.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn fixture_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny")
+}
+
+fn read_json(name: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture_dir().join(name)).unwrap()).unwrap()
+}
+
+/// Writes `tokens` to a temporary file and runs `prism logits` on tiny-BF16.gguf with `extra` arguments.
+fn run(name: &str, tokens: &str, extra: &[&str]) -> Output {
+    let dir = std::env::temp_dir().join(format!("prism-cli-logits-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("{name}.json"));
+    std::fs::write(&path, tokens).unwrap();
+    let gguf = fixture_dir().join("tiny-BF16.gguf");
+    Command::new(env!("CARGO_BIN_EXE_prism"))
+        .arg("logits")
+        .arg("--gguf")
+        .arg(&gguf)
+        .arg("--model-dir")
+        .arg(fixture_dir())
+        .arg("--tokens")
+        .arg(&path)
+        .args(extra)
+        .env("RAYON_NUM_THREADS", "1")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap()
+}
+
+fn floats(v: &Value) -> Vec<f64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}
+
+#[test]
+fn json_lines_match_transformers() {
+    let prompts = read_json("prompts.json");
+    let reference = read_json("ref_transformers.json");
+    // Prompts 1, 0 and 8 as one batch, out of fixture order.
+    let order = [1usize, 0, 8];
+    let tokens: Vec<&Value> = order
+        .iter()
+        .map(|&i| &prompts["prompts"][i]["ids"])
+        .collect();
+    let out = run(
+        "good",
+        &serde_json::to_string(&tokens).unwrap(),
+        &["--json", "--full"],
+    );
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let lines: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), order.len());
+
+    // The letter rows: the GGUF vocabulary's single-character tokens "A".."Z" (tokenizer.json agrees).
+    let tokenizer = read_json("tokenizer.json");
+    let vocab = tokenizer["model"]["vocab"].as_object().unwrap();
+    let letter_ids: Vec<usize> = ('A'..='Z')
+        .map(|c| vocab[&c.to_string()].as_u64().unwrap() as usize)
+        .collect();
+
+    for (line, &i) in lines.iter().zip(&order) {
+        let want = &reference["prompts"][i];
+        assert_eq!(line["n_tokens"], want["n_tokens"]);
+        assert_eq!(line["argmax"], want["argmax"], "prompt {i}");
+        let got = floats(&line["logits"]);
+        let want_logits = floats(&want["logits"]);
+        assert_eq!(got.len(), want_logits.len());
+        let max_diff = got
+            .iter()
+            .zip(&want_logits)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(max_diff < 1e-3, "prompt {i}: max |Δ| {max_diff}");
+        let letters = floats(&line["letter_logits"]);
+        assert_eq!(letters.len(), 26);
+        for (l, &id) in letters.iter().zip(&letter_ids) {
+            assert_eq!(*l, got[id]);
+        }
+    }
+
+    // Without --full there is no "logits" field; without --json the output is text.
+    let out = run("short", "[[4097, 82, 597]]", &["--json"]);
+    let line: Value = serde_json::from_str(String::from_utf8(out.stdout).unwrap().trim()).unwrap();
+    assert!(line.get("logits").is_none() && line["letter_logits"].as_array().unwrap().len() == 26);
+    let out = run("text", "[[4097, 82, 597]]", &[]);
+    assert!(out.status.success());
+    assert!(String::from_utf8(out.stdout)
+        .unwrap()
+        .starts_with("prompt 0: 3 tokens, argmax "));
+}
+
+#[test]
+fn bad_inputs_fail_with_a_message() {
+    let cases: [(&str, &str, &[&str], &str); 6] = [
+        (
+            "range",
+            "[[1, 2, 4129]]",
+            &[],
+            "id 4129 is outside the vocabulary (size 4129)",
+        ),
+        (
+            "negative",
+            "[[1, -2]]",
+            &[],
+            "prompt 0, token 1: -2 is not a token id",
+        ),
+        ("empty", "[[5], []]", &[], "prompt 1 has no tokens"),
+        ("notjson", "[[1, 2", &[], "not valid JSON"),
+        ("noprompts", "[]", &[], "no prompts"),
+        (
+            "precision",
+            "[[1]]",
+            &["--precision", "int4"],
+            "unsupported precision \"int4\"",
+        ),
+    ];
+    for (name, tokens, extra, message) in cases {
+        let out = run(name, tokens, extra);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{name}: {stderr}");
+        assert!(stderr.contains(message), "{name}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{name}: {stderr}");
+    }
+    // --prompt-file is not wired to the tokenizer yet.
+    let out = Command::new(env!("CARGO_BIN_EXE_prism"))
+        .args(["logits", "--gguf"])
+        .arg(fixture_dir().join("tiny-BF16.gguf"))
+        .arg("--prompt-file")
+        .arg(fixture_dir().join("chat_template.jinja"))
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not wired"));
+}
