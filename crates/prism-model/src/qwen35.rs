@@ -546,6 +546,26 @@ impl Qwen35Model {
         self.forward_branched(&prompts[0][..share], &suffixes)
     }
 
+    /// The read-out entry point: for prompts that may share a prefix, the logits of the selected
+    /// vocabulary rows (e.g. the 26 letters) at each prompt's last position, `[B][rows]`. The shared
+    /// prefix is computed once ([`Self::last_hidden_shared_prefix`]).
+    pub fn last_position_rows(&self, prompts: &[&[u32]], row_ids: &[u32]) -> Result<Vec<Vec<f32>>> {
+        if let Some(&row) = row_ids
+            .iter()
+            .find(|&&r| r as usize >= self.config.vocab_size)
+        {
+            return Err(ModelError::RowOutOfRange {
+                row,
+                vocab_size: self.config.vocab_size,
+            });
+        }
+        let hidden = self.last_hidden_shared_prefix(prompts)?;
+        Ok(self
+            .logits_for_rows(&hidden, row_ids)?
+            .to_dtype(DType::F32)?
+            .to_vec2()?)
+    }
+
     /// Greedy decoding: prefill `prompt`, then feed back the argmax one token at a time. Stops after
     /// `max_new_tokens` or after emitting a token of `stop_tokens` (which is included).
     pub fn generate_greedy(

@@ -202,6 +202,26 @@ fn shared_prefix_batches_equal_one_by_one() {
 }
 
 #[test]
+fn last_position_rows_are_the_full_logits_at_those_rows() {
+    let model = bf16_model();
+    let members: Vec<&[u32]> = [4usize, 5, 6, 7]
+        .iter()
+        .map(|&i| prompts()[i].as_slice())
+        .collect();
+    let rows = [3u32, 0, 4128, 3673];
+    let got = model.last_position_rows(&members, &rows).unwrap();
+    let full = to_vec2(
+        &model
+            .logits(&model.last_hidden_shared_prefix(&members).unwrap())
+            .unwrap(),
+    );
+    for (g, f) in got.iter().zip(&full) {
+        let want: Vec<f32> = rows.iter().map(|&r| f[r as usize]).collect();
+        assert!(max_abs_diff(g, &want) < 1e-5, "{g:?} vs {want:?}");
+    }
+}
+
+#[test]
 fn branching_with_an_empty_suffix_returns_the_prefix_state() {
     let p = &prompts()[1];
     for (model, bounds) in models() {
