@@ -631,3 +631,29 @@ pub fn argmax(logits: &Tensor) -> Result<u32> {
     let (i, _) = best.ok_or_else(|| ModelError::InvalidInput("empty logits".into()))?;
     u32::try_from(i).map_err(|_| ModelError::InvalidInput("vocabulary larger than u32".into()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_and_state_can_be_shared_across_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<Qwen35Model>();
+        send_sync::<SequenceState>();
+        send_sync::<BatchOutput>();
+    }
+
+    #[test]
+    fn shared_prefix_length_is_capped_and_chunk_aligned() {
+        let a: Vec<u32> = (0..200).collect();
+        let mut b = a.clone();
+        b[150] = 9999;
+        assert_eq!(shared_prefix_len(&[&a, &b]), 128);
+        assert_eq!(shared_prefix_len(&[&a]), 0);
+        // Identical prompts: each keeps at least its last token, so 199 → 192.
+        assert_eq!(shared_prefix_len(&[&a, &a]), 192);
+        assert_eq!(shared_prefix_len(&[&a[..64], &a]), 0);
+        assert_eq!(shared_prefix_len(&[&a[..65], &a]), 64);
+    }
+}
