@@ -4,6 +4,7 @@ use std::io::Write;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
+use prism_decision::chat_template::PromptFormat;
 use prism_gguf::GgufFile;
 use prism_model::{LoadOptions, Precision, Qwen35Model};
 use serde::Serialize;
@@ -18,18 +19,31 @@ const LETTERS: [&str; 26] = [
 
 pub fn run(args: &LogitsArgs) -> Result<()> {
     let precision = Precision::parse(&args.precision)?;
-    let prompts = match (&args.tokens, &args.prompt_file) {
-        (Some(path), _) => read_token_file(path)?,
-        (None, Some(path)) => bail!(
-            "--prompt-file {}: text prompts need the tokenizer, which is not wired into `prism logits` yet; \
-             pass token ids with --tokens",
-            path.display()
-        ),
-        (None, None) => bail!("give --tokens FILE (a JSON array of token-id arrays)"),
-    };
-
     let gguf =
         GgufFile::open(&args.gguf).with_context(|| format!("opening {}", args.gguf.display()))?;
+    // The tokenizer and chat template: the model directory's files, else the GGUF's own vocabulary.
+    // They give text prompts their ids and the read-out its letter rows (with the spec's load checks).
+    let model_dir = args.model_dir.clone().unwrap_or_default();
+    let format = PromptFormat::load_from_model_dir(&model_dir, Some(&gguf));
+    let prompts = match (&args.tokens, &args.prompt_file) {
+        (Some(path), _) => read_token_file(path)?,
+        (None, Some(path)) => {
+            let format = format.as_ref().map_err(|e| {
+                anyhow::anyhow!("--prompt-file {} needs the tokenizer, which did not load: {e}", path.display())
+            })?;
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let ids = format
+                .encode(&text)
+                .with_context(|| format!("tokenizing {}", path.display()))?;
+            if ids.is_empty() {
+                bail!("{}: the prompt is empty", path.display());
+            }
+            vec![ids]
+        }
+        (None, None) => bail!("give --tokens FILE (a JSON array of token-id arrays) or --prompt-file FILE"),
+    };
+
     let hf_config = args
         .model_dir
         .as_ref()
@@ -42,11 +56,15 @@ pub fn run(args: &LogitsArgs) -> Result<()> {
     };
     let model = Qwen35Model::from_gguf(&gguf, &options)
         .with_context(|| format!("loading the model from {}", args.gguf.display()))?;
-    let letter_ids = letter_token_ids(&gguf);
-    if letter_ids.is_none() {
-        eprintln!(
-            "note: the GGUF vocabulary lacks single-letter tokens A..Z; letter_logits are omitted"
-        );
+    let letter_ids: Option<Vec<u32>> = match &format {
+        Ok(format) => Some(format.letter_ids().to_vec()),
+        Err(e) => {
+            eprintln!("note: no tokenizer/chat template ({e}); letter_logits are omitted");
+            None
+        }
+    };
+    if let Some(&id) = letter_ids.iter().flatten().find(|&&id| id as usize >= model.vocab_size()) {
+        bail!("letter token {id} is outside the model's {} output rows", model.vocab_size());
     }
 
     let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
@@ -154,20 +172,6 @@ fn read_token_file(path: &Path) -> Result<Vec<Vec<u32>>> {
                         })
                 })
                 .collect()
-        })
-        .collect()
-}
-
-/// Ids of the single-character tokens "A".."Z" in the GGUF vocabulary (until the tokenizer is wired in).
-fn letter_token_ids(gguf: &GgufFile) -> Option<Vec<u32>> {
-    let tokens = gguf.get("tokenizer.ggml.tokens")?.as_array()?;
-    LETTERS
-        .iter()
-        .map(|letter| {
-            tokens
-                .iter()
-                .position(|t| t.as_str() == Some(letter))
-                .and_then(|i| u32::try_from(i).ok())
         })
         .collect()
 }

@@ -7,20 +7,27 @@ use anyhow::{Context, Result};
 use prism_decision::{
     render_request, DecisionConfig, DecisionRequest, LetterPrompt, ReadMode, RenderedQuestion, RequestDefaults,
 };
+use prism_decision::chat_template::{ChatMessage, PromptFormat, RenderedPrompt};
 use serde_json::json;
 
 use crate::RenderArgs;
 
 pub fn run(args: &RenderArgs) -> Result<()> {
-    if let Some(dir) = &args.model_dir {
-        anyhow::bail!(
-            "`prism render --model-dir {}`: chat-templated text and token ids are not wired yet; \
-             run without --model-dir to see each question's messages",
-            dir.display()
-        );
-    }
+    // With a model directory: its tokenizer and chat template (checked as at model load) and its
+    // decision config (the wide-choice grouping depends on it).
+    let (format, config) = match &args.model_dir {
+        Some(dir) => {
+            let format = PromptFormat::load_from_model_dir(dir, None)
+                .with_context(|| format!("loading the tokenizer and chat template of {}", dir.display()))?;
+            let config = DecisionConfig::from_model_dir(dir)?;
+            if let Some(ids) = &config.letter_token_ids {
+                format.check_letter_token_ids(ids)?;
+            }
+            (Some(format), config)
+        }
+        None => (None, DecisionConfig::default()),
+    };
     let body = std::fs::read(&args.request).with_context(|| format!("cannot read {}", args.request.display()))?;
-    let config = DecisionConfig::default();
     let rendered = DecisionRequest::parse(&body, &RequestDefaults::default())
         .and_then(|request| render_request(&request, &config));
     let questions = match rendered {
@@ -35,15 +42,17 @@ pub fn run(args: &RenderArgs) -> Result<()> {
     };
     let mut out = std::io::stdout().lock();
     if args.json {
-        let object: serde_json::Map<String, serde_json::Value> =
-            questions.iter().map(|q| (q.name.clone(), question_json(q))).collect();
+        let mut object = serde_json::Map::new();
+        for question in &questions {
+            object.insert(question.name.clone(), question_json(question, format.as_ref())?);
+        }
         writeln!(out, "{}", serde_json::to_string_pretty(&object)?)?;
     } else {
         for (i, question) in questions.iter().enumerate() {
             if i > 0 {
                 writeln!(out)?;
             }
-            write_text(&mut out, question)?;
+            write_text(&mut out, question, format.as_ref())?;
         }
     }
     out.flush()?;
@@ -58,19 +67,33 @@ fn mode_name(mode: ReadMode) -> &'static str {
     }
 }
 
-fn prompt_json(prompt: &LetterPrompt) -> serde_json::Value {
-    json!({"system": prompt.system, "user": prompt.user, "order": prompt.option_ids})
+/// The prompt through the chat template with thinking off, as the model reads it.
+fn templated(prompt: &LetterPrompt, format: &PromptFormat) -> Result<RenderedPrompt> {
+    let messages = [ChatMessage::system(prompt.system.as_str()), ChatMessage::user(prompt.user.as_str())];
+    Ok(format.render_and_encode(&messages, false)?)
 }
 
-fn question_json(question: &RenderedQuestion) -> serde_json::Value {
-    json!({
+fn prompt_json(prompt: &LetterPrompt, format: Option<&PromptFormat>) -> Result<serde_json::Value> {
+    let mut value = json!({"system": prompt.system, "user": prompt.user, "order": prompt.option_ids});
+    if let Some(format) = format {
+        let rendered = templated(prompt, format)?;
+        value["text"] = json!(rendered.text);
+        value["n_tokens"] = json!(rendered.ids.len());
+        value["ids"] = json!(rendered.ids);
+    }
+    Ok(value)
+}
+
+fn question_json(question: &RenderedQuestion, format: Option<&PromptFormat>) -> Result<serde_json::Value> {
+    let prompts = question.prompts.iter().map(|p| prompt_json(p, format)).collect::<Result<Vec<_>>>()?;
+    Ok(json!({
         "type": question.kind.as_str(),
         "mode": mode_name(question.mode),
-        "prompts": question.prompts.iter().map(prompt_json).collect::<Vec<_>>(),
-    })
+        "prompts": prompts,
+    }))
 }
 
-fn write_text(out: &mut impl Write, question: &RenderedQuestion) -> Result<()> {
+fn write_text(out: &mut impl Write, question: &RenderedQuestion, format: Option<&PromptFormat>) -> Result<()> {
     let kind = question.kind.as_str();
     match question.mode {
         ReadMode::SelfAnswered => {
@@ -96,6 +119,12 @@ fn write_text(out: &mut impl Write, question: &RenderedQuestion) -> Result<()> {
         writeln!(out, "--- system\n{}", prompt.system)?;
         writeln!(out, "--- user\n{}", prompt.user)?;
         writeln!(out, "--- options in letter order: {}", prompt.option_ids.join(", "))?;
+        if let Some(format) = format {
+            let rendered = templated(prompt, format)?;
+            writeln!(out, "--- chat template (thinking off)\n{}", rendered.text)?;
+            let ids: Vec<String> = rendered.ids.iter().map(u32::to_string).collect();
+            writeln!(out, "--- {} token ids\n[{}]", rendered.ids.len(), ids.join(", "))?;
+        }
     }
     Ok(())
 }

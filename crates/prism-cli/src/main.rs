@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 
+mod cmd_decide;
 mod cmd_gguf;
 mod cmd_logits;
 mod cmd_render;
@@ -29,6 +30,8 @@ enum Command {
     Render(RenderArgs),
     /// Run the decoder on prompts and print last-position logits.
     Logits(LogitsArgs),
+    /// Answer one /v1/systemone request on this machine (CPU) and print the response body.
+    Decide(DecideArgs),
 }
 
 #[derive(Subcommand)]
@@ -80,6 +83,26 @@ pub struct LogitsArgs {
     pub full: bool,
 }
 
+/// Arguments of `prism decide`.
+#[derive(Args)]
+pub struct DecideArgs {
+    /// The request body (JSON, as sent to /v1/systemone).
+    pub request: PathBuf,
+    /// The model's GGUF file. Default: the tiny random-weight model bundled in the repository.
+    #[arg(long)]
+    pub gguf: Option<PathBuf>,
+    /// The model directory (tokenizer, chat template, config.json, decision_config.json). Without it the
+    /// tokenizer and chat template come from the GGUF and the decision config takes its defaults.
+    #[arg(long)]
+    pub model_dir: Option<PathBuf>,
+    /// Arithmetic of the forward pass: `f32` (dequantized weights, the reference), `bf16` or `f64`.
+    #[arg(long, default_value = "f32")]
+    pub precision: String,
+    /// The longest prompt accepted, in tokens; a longer question is refused (HTTP 422).
+    #[arg(long, default_value_t = 32768)]
+    pub max_tokens: usize,
+}
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -95,5 +118,6 @@ fn main() -> Result<()> {
         }
         Command::Render(args) => cmd_render::run(&args),
         Command::Logits(args) => cmd_logits::run(&args),
+        Command::Decide(args) => cmd_decide::run(&args),
     }
 }

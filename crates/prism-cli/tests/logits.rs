@@ -141,15 +141,46 @@ fn bad_inputs_fail_with_a_message() {
         assert!(stderr.contains(message), "{name}: {stderr}");
         assert!(!stderr.contains("panicked"), "{name}: {stderr}");
     }
-    // --prompt-file is not wired to the tokenizer yet.
+    // --prompt-file without any tokenizer source: a GGUF with no vocabulary cannot be written here, so
+    // check the other failure: a prompt file that does not exist.
     let out = Command::new(env!("CARGO_BIN_EXE_prism"))
         .args(["logits", "--gguf"])
         .arg(fixture_dir().join("tiny-BF16.gguf"))
         .arg("--prompt-file")
-        .arg(fixture_dir().join("chat_template.jinja"))
+        .arg(fixture_dir().join("no-such-prompt.txt"))
         .env("RUST_BACKTRACE", "0")
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("not wired"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no-such-prompt.txt"));
+}
+
+#[test]
+fn prompt_file_is_tokenized_with_special_tokens_and_matches_transformers() {
+    // Prompt 0's chat-templated text: the tokenizer must give prompts.json's ids (special tokens parsed),
+    // and the logits must be transformers' (1e-3).
+    let prompts = read_json("prompts.json");
+    let prompt = &prompts["prompts"][0];
+    let dir = std::env::temp_dir().join(format!("prism-cli-logits-text-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("prompt0.txt");
+    std::fs::write(&path, prompt["text"].as_str().unwrap()).unwrap();
+    let reference = read_json("ref_transformers.json");
+    let want = floats(&reference["prompts"][0]["logits"]);
+    // Both tokenizer sources: the model directory's tokenizer.json and the GGUF's own vocabulary.
+    for model_dir in [Some(fixture_dir()), None] {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_prism"));
+        command.args(["logits", "--json", "--full", "--gguf"]).arg(fixture_dir().join("tiny-BF16.gguf"));
+        if let Some(d) = &model_dir {
+            command.arg("--model-dir").arg(d);
+        }
+        let out = command.arg("--prompt-file").arg(&path).env("RAYON_NUM_THREADS", "1").output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let line: Value = serde_json::from_str(String::from_utf8(out.stdout).unwrap().trim()).unwrap();
+        assert_eq!(line["n_tokens"].as_u64(), prompt["n_tokens"].as_u64());
+        let got = floats(&line["logits"]);
+        let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(d < 1e-3, "max |Δ| {d} (model dir {model_dir:?})");
+        assert_eq!(line["letter_logits"].as_array().unwrap().len(), 26);
+    }
 }

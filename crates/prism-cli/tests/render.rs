@@ -83,11 +83,49 @@ fn a_refused_request_prints_the_api_error_and_fails() {
 }
 
 #[test]
-fn model_dir_is_not_wired_yet() {
+fn with_a_model_dir_shows_the_chat_templated_text_and_its_tokens() {
+    let request = example("request.json");
+    let model_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
+    let output = prism(&["render", request.to_str().unwrap(), "--json", "--model-dir", model_dir.to_str().unwrap()]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("stdout is JSON");
+    for (name, question) in json.as_object().unwrap() {
+        let prompt = &question["prompts"][0];
+        let text = prompt["text"].as_str().unwrap();
+        let system = prompt["system"].as_str().unwrap();
+        let user = prompt["user"].as_str().unwrap();
+        // The Qwen3.5 chat template with thinking off, around the two messages.
+        assert_eq!(
+            text,
+            format!(
+                "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n\
+                 <|im_start|>assistant\n<think>\n\n</think>\n\n"
+            ),
+            "{name}"
+        );
+        let ids: Vec<u64> = prompt["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+        assert_eq!(prompt["n_tokens"].as_u64(), Some(ids.len() as u64));
+        // <|im_start|> is id 4097 in the tiny vocabulary; the prompt ends in "\n\n" after </think> (4121).
+        assert_eq!(ids[0], 4097, "{name}");
+        assert!(ids[ids.len() - 2..].contains(&4121), "{name}: {:?}", &ids[ids.len() - 3..]);
+    }
+
+    // Text mode prints the same ids.
+    let text = prism(&["render", request.to_str().unwrap(), "--model-dir", model_dir.to_str().unwrap()]);
+    assert!(text.status.success());
+    let stdout = String::from_utf8_lossy(&text.stdout);
+    assert!(stdout.contains("--- chat template (thinking off)\n<|im_start|>system\n"), "{stdout}");
+    assert_eq!(stdout.matches(" token ids\n[4097, ").count(), 3, "{stdout}");
+}
+
+#[test]
+fn a_model_dir_without_a_tokenizer_is_an_error() {
     let request = example("request.json");
     let output = prism(&["render", request.to_str().unwrap(), "--model-dir", "/nonexistent"]);
     assert!(!output.status.success());
-    assert!(String::from_utf8_lossy(&output.stderr).contains("not wired yet"));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("/nonexistent"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
 #[test]

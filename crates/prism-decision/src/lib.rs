@@ -3,6 +3,7 @@ pub mod chat_template;
 pub mod tokenizer;
 pub mod config;
 pub mod decide;
+pub mod engine;
 pub mod error;
 pub mod model;
 pub mod pyjson;
@@ -12,6 +13,7 @@ pub mod request;
 pub mod response;
 
 pub use config::{DecisionConfig, WideChoiceConfig};
+pub use engine::{DecoderLetterModel, EngineError, LoadedDecisionModel, ModelSource};
 pub use decide::{decide, render_request, ReadMode, RenderedQuestion};
 pub use error::{DecisionError, ErrorBody, FieldError, FieldErrors, ModelError};
 pub use model::{LetterLogits, LetterModel, LetterPrompt};

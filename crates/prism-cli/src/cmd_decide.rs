@@ -1,0 +1,65 @@
+//! `prism decide`: answer one `/v1/systemone` request on this machine and print the response body.
+//!
+//! The whole product path without the HTTP layer: parse and validate the request, render each question,
+//! chat-template and tokenize, run the decoder (shared evidence prefix computed once), read the letters.
+//! Without `--gguf` it uses the tiny model bundled in the repository (random weights: the answers mean
+//! nothing, but every number is checked against transformers in the test suite).
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use prism_decision::{decide, DecisionRequest, DecoderLetterModel, ModelSource, RequestDefaults};
+use prism_model::{LoadOptions, Precision};
+
+use crate::DecideArgs;
+
+/// The bundled default model: the tiny Qwen3.5 fixture made by llama.cpp's converter and quantizer.
+fn bundled_model_dir() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/qwen35-tiny"))
+}
+
+pub fn run(args: &DecideArgs) -> Result<()> {
+    let source = match (&args.gguf, &args.model_dir) {
+        (Some(gguf), dir) => ModelSource { gguf: gguf.clone(), model_dir: dir.clone() },
+        (None, Some(_)) => bail!("--model-dir needs --gguf (the model file)"),
+        (None, None) => {
+            let dir = bundled_model_dir();
+            let gguf = dir.join("tiny-Q8_0.gguf");
+            if !gguf.is_file() {
+                bail!(
+                    "the bundled tiny model ({}) is not here (was the binary moved out of its checkout?); \
+                     pass --gguf FILE [--model-dir DIR]",
+                    gguf.display()
+                );
+            }
+            tracing::info!("no --gguf given: using the bundled tiny random-weight model {}", gguf.display());
+            ModelSource { gguf, model_dir: Some(dir) }
+        }
+    };
+    let precision = Precision::parse(&args.precision)?;
+    let options = LoadOptions { precision, ..LoadOptions::default() };
+    tracing::info!("loading {}", source.gguf.display());
+    let loaded = DecoderLetterModel::load(&source, &options, args.max_tokens)
+        .with_context(|| format!("loading the decision model {}", source.gguf.display()))?;
+    let mut model = loaded.model;
+    tracing::info!("ready: {}", prism_decision::LetterModel::model_name(&model));
+
+    let body = std::fs::read(&args.request).with_context(|| format!("cannot read {}", args.request.display()))?;
+    let result = DecisionRequest::parse(&body, &RequestDefaults::default())
+        .and_then(|request| decide(&request, &loaded.config, &mut model));
+    let mut out = std::io::stdout().lock();
+    match result {
+        Ok(response) => {
+            writeln!(out, "{}", serde_json::to_string_pretty(&response)?)?;
+            out.flush()?;
+            Ok(())
+        }
+        Err(error) => {
+            writeln!(out, "{}", serde_json::to_string_pretty(&error.body())?)?;
+            out.flush()?;
+            eprintln!("prism decide: the API refuses {} (HTTP {})", args.request.display(), error.status());
+            std::process::exit(1);
+        }
+    }
+}

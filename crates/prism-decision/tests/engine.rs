@@ -1,0 +1,200 @@
+//! The real decision model (`DecoderLetterModel`: chat template + tokenizer + Qwen3.5 decoder) against
+//! transformers' float32 logits for the tiny fixture, and the whole `decide` path on top of it.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use prism_decision::{
+    decide, DecisionConfig, DecisionRequest, DecoderLetterModel, EngineError, LetterModel, LetterPrompt,
+    ModelSource, RequestDefaults,
+};
+use prism_model::LoadOptions;
+use serde_json::Value;
+
+fn fixture_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny")
+}
+
+fn read_json(name: &str) -> Value {
+    let path = fixture_dir().join(name);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn load(gguf: &str, max_tokens: usize) -> (DecoderLetterModel, DecisionConfig) {
+    let source = ModelSource { gguf: fixture_dir().join(gguf), model_dir: Some(fixture_dir()) };
+    let loaded = DecoderLetterModel::load(&source, &LoadOptions::default(), max_tokens).expect("model loads");
+    (loaded.model, loaded.config)
+}
+
+/// The fixture prompts that are a system + user conversation (11 of 12), as read-out prompts over all 26
+/// letters, with their index in prompts.json.
+fn fixture_prompts() -> Vec<(usize, LetterPrompt)> {
+    static PROMPTS: OnceLock<Vec<(usize, LetterPrompt)>> = OnceLock::new();
+    PROMPTS
+        .get_or_init(|| {
+            let prompts = read_json("prompts.json");
+            let letters: Vec<String> = ('A'..='Z').map(|c| c.to_string()).collect();
+            prompts["prompts"]
+                .as_array()
+                .expect("prompts")
+                .iter()
+                .filter_map(|p| {
+                    let messages = p["messages"].as_array()?;
+                    if messages.len() != 2 || messages[0]["role"] != "system" || messages[1]["role"] != "user" {
+                        return None;
+                    }
+                    let prompt = LetterPrompt {
+                        system: messages[0]["content"].as_str()?.to_string(),
+                        user: messages[1]["content"].as_str()?.to_string(),
+                        option_ids: letters.clone(),
+                    };
+                    Some((p["index"].as_u64()? as usize, prompt))
+                })
+                .collect()
+        })
+        .clone()
+}
+
+fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+}
+
+#[test]
+fn letter_logits_match_transformers_for_every_fixture_prompt() {
+    let (mut model, _) = load("tiny-BF16.gguf", 4096);
+    let reference = read_json("ref_transformers.json");
+    let prompts = fixture_prompts();
+    assert_eq!(prompts.len(), 11);
+    let letter_ids = *model.prompt_format().letter_ids();
+
+    let batch: Vec<LetterPrompt> = prompts.iter().map(|(_, p)| p.clone()).collect();
+    let together = model.letter_logits(&batch).expect("batch read-out");
+    assert_eq!(together.logits.len(), prompts.len());
+
+    let mut worst: f64 = 0.0;
+    let mut total_tokens = 0;
+    for ((index, prompt), got) in prompts.iter().zip(&together.logits) {
+        // The engine's own rendering of the messages is the token sequence transformers was given.
+        let ids = model.prompt_tokens(prompt).expect("tokenize");
+        let want_ids: Vec<u32> = read_json("prompts.json")["prompts"][*index]["ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|v| v.as_u64().expect("id") as u32)
+            .collect();
+        assert_eq!(ids, want_ids, "prompt {index}: token ids");
+        total_tokens += ids.len() as u64;
+
+        let full = reference["prompts"][*index]["logits"].as_array().expect("reference logits");
+        let want: Vec<f64> = letter_ids.iter().map(|&id| full[id as usize].as_f64().expect("logit")).collect();
+        let d = max_abs_diff(got, &want);
+        worst = worst.max(d);
+        assert!(d < 1e-3, "prompt {index}: letter logits differ from transformers by {d}");
+
+        // Read alone, the prompt gets the same letter logits as in the batch.
+        let alone = model.letter_logits(std::slice::from_ref(prompt)).expect("single read-out");
+        let d_alone = max_abs_diff(&alone.logits[0], got);
+        assert!(d_alone < 1e-5, "prompt {index}: alone vs batched differ by {d_alone}");
+    }
+    assert_eq!(together.input_tokens, total_tokens);
+    assert_eq!(together.output_tokens, 0);
+    eprintln!("letter logits vs transformers: max |Δ| {worst:.2e}");
+}
+
+#[test]
+fn decide_reads_the_probabilities_off_the_letter_logits() {
+    let (mut model, config) = load("tiny-Q8_0.gguf", 4096);
+    let body = std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/request.json"))
+        .expect("examples/request.json");
+    let request = DecisionRequest::parse(&body, &RequestDefaults::default()).expect("valid request");
+    let response = decide(&request, &config, &mut model).expect("decided");
+    let json = serde_json::to_value(&response).expect("serializes");
+
+    // Recompute each answer from the model's letter logits of the rendered prompts.
+    let rendered = prism_decision::render_request(&request, &config).expect("renders");
+    let prompts: Vec<LetterPrompt> = rendered.iter().flat_map(|q| q.prompts.clone()).collect();
+    let read = model.letter_logits(&prompts).expect("read-out");
+    for (question, logits) in rendered.iter().zip(&read.logits) {
+        let t = config.temperature(question.kind);
+        let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let exps: Vec<f64> = logits.iter().map(|l| ((l - max) / t).exp()).collect();
+        let sum: f64 = exps.iter().sum();
+        let probs: Vec<f64> = exps.iter().map(|e| e / sum).collect();
+        let answer = &json["answers"][&question.name];
+        match question.kind.as_str() {
+            "noul" => {
+                let p_yes = answer["noul"].as_f64().expect("noul");
+                assert!((p_yes - probs[0]).abs() < 1e-12, "{}: {p_yes} vs {}", question.name, probs[0]);
+            }
+            _ => {
+                let table = answer["probabilities"].as_object().expect("probabilities");
+                assert_eq!(table.len(), probs.len());
+                for (p, (_, got)) in probs.iter().zip(table) {
+                    assert!((p - got.as_f64().expect("p")).abs() < 1e-12, "{}", question.name);
+                }
+            }
+        }
+    }
+    assert_eq!(json["usage"]["input_tokens"].as_u64(), Some(read.input_tokens));
+    assert_eq!(json["model"], "Qwen35 Tiny");
+}
+
+#[test]
+fn a_prompt_over_the_limit_is_refused_naming_its_question() {
+    let (mut model, config) = load("tiny-Q8_0.gguf", 100);
+    let body = br#"{"state": "short", "questions": {
+        "fits": {"type": "noul", "instructions": "Ok?"},
+        "long": {"type": "noul", "instructions": "Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok? Ok?"}}}"#;
+    let request = DecisionRequest::parse(body, &RequestDefaults::default()).expect("valid request");
+    let error = decide(&request, &config, &mut model).expect_err("too long");
+    assert_eq!(error.status(), 422);
+    let body = serde_json::to_string(&error.body()).expect("error body");
+    assert!(body.contains("long"), "{body}");
+}
+
+#[test]
+fn load_errors_name_what_is_wrong() {
+    let missing = ModelSource { gguf: fixture_dir().join("no-such.gguf"), model_dir: None };
+    match DecoderLetterModel::load(&missing, &LoadOptions::default(), 100) {
+        Err(EngineError::Gguf { path, .. }) => assert!(path.ends_with("no-such.gguf")),
+        Err(other) => panic!("unexpected error {other}"),
+        Ok(_) => panic!("a missing file loaded"),
+    }
+
+    // A decision_config.json whose letter ids disagree with the tokenizer is refused at load.
+    let dir = std::env::temp_dir().join(format!("prism-engine-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    for name in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"] {
+        std::fs::copy(fixture_dir().join(name), dir.join(name)).expect("copy fixture file");
+    }
+    let (model, _) = load("tiny-Q8_0.gguf", 100);
+    let mut ids: Vec<u32> = model.prompt_format().letter_ids().to_vec();
+    ids.swap(0, 1);
+    std::fs::write(dir.join("decision_config.json"), serde_json::json!({ "letter_token_ids": ids }).to_string())
+        .expect("write config");
+    let source = ModelSource { gguf: fixture_dir().join("tiny-Q8_0.gguf"), model_dir: Some(dir.clone()) };
+    let result = DecoderLetterModel::load(&source, &LoadOptions::default(), 100);
+    let _ = std::fs::remove_dir_all(&dir);
+    match result {
+        Err(EngineError::LetterTokenIds(e)) => {
+            let message = e.to_string();
+            assert!(message.contains('A') || message.contains('B'), "{message}");
+        }
+        Err(other) => panic!("unexpected error {other}"),
+        Ok(_) => panic!("mismatched letter ids loaded"),
+    }
+}
+
+#[test]
+fn the_gguf_alone_serves_the_same_read_out() {
+    // Without a model directory the tokenizer and chat template come from the GGUF's own metadata.
+    let source = ModelSource { gguf: fixture_dir().join("tiny-Q8_0.gguf"), model_dir: None };
+    let mut alone = DecoderLetterModel::load(&source, &LoadOptions::default(), 4096).expect("loads").model;
+    let (mut with_dir, _) = load("tiny-Q8_0.gguf", 4096);
+    let prompts: Vec<LetterPrompt> = fixture_prompts().into_iter().take(3).map(|(_, p)| p).collect();
+    let a = alone.letter_logits(&prompts).expect("read-out");
+    let b = with_dir.letter_logits(&prompts).expect("read-out");
+    assert_eq!(a.logits, b.logits);
+}
