@@ -9,6 +9,7 @@ pub mod config;
 pub mod delta_net;
 pub mod delta_rule;
 pub mod error;
+pub mod matmul;
 pub mod ops;
 pub mod qwen35;
 pub mod rope;

@@ -3,7 +3,9 @@
 //! Everything here runs on whatever device the tensors live on; the formulas follow transformers'
 //! Qwen3.5 code so that an f32 run reproduces its numbers to rounding.
 
-use candle_core::{Result, Tensor, D};
+use candle_core::{DType, Result, Tensor, D};
+
+use crate::matmul::RowInvariantMatmul;
 
 /// `x / sqrt(mean(x²) + eps) · weight` over the last axis.
 ///
@@ -39,7 +41,19 @@ pub fn softplus(x: &Tensor) -> Result<Tensor> {
 }
 
 /// `x · Wᵀ` for a packed activation `x: [N, in]` and a weight `W: [out, in]` (PyTorch / GGUF row layout).
+///
+/// On the CPU every output is one dot product in a fixed order ([`crate::matmul`]), so a row's result
+/// does not depend on the other rows in the call. bf16 weights: the activation is rounded to bf16 and
+/// the product accumulates in f32 (exact widening, f32 output). On other devices this falls back to
+/// candle's matmul, which is not batch-invariant.
 pub fn linear(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    if x.device().is_cpu() {
+        let x = match (x.dtype(), weight.dtype()) {
+            (DType::F32, DType::BF16) => x.to_dtype(DType::BF16)?.to_dtype(DType::F32)?,
+            _ => x.contiguous()?,
+        };
+        return x.apply_op2_no_bwd(&weight.contiguous()?, &RowInvariantMatmul);
+    }
     let wt = weight.t()?;
     if x.dtype() == weight.dtype() {
         x.matmul(&wt)
