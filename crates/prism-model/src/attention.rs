@@ -5,10 +5,12 @@
 //! `σ(gate)` before `attn_output`. Projections run on the packed batch, the attention itself per sequence
 //! against that sequence's K/V cache.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
+use rayon::prelude::*;
 
 use crate::config::Qwen35Config;
 use crate::error::Result;
+use crate::matmul::{self, Float};
 use crate::ops::{linear, rms_norm, sigmoid, softmax_last_dim};
 use crate::qwen35::Segment;
 use crate::rope::MRope;
@@ -87,7 +89,7 @@ impl Attention {
         for (seg, cache) in segments.iter().zip(caches.iter_mut()) {
             let t = seg.len;
             let past = cache.len();
-            let q_s = q.narrow(0, seg.start, t)?.transpose(0, 1)?.contiguous()?; // [n_h, T, hd]
+            let q_s = q.narrow(0, seg.start, t)?.contiguous()?; // [T, n_h, hd]
             let k_s = k.narrow(0, seg.start, t)?.transpose(0, 1)?.contiguous()?; // [n_kv, T, hd]
             let v_s = v.narrow(0, seg.start, t)?.transpose(0, 1)?.contiguous()?;
             let (k_all, v_all) = match (&cache.k, &cache.v) {
@@ -96,21 +98,16 @@ impl Attention {
                 }
                 _ => (k_s, v_s),
             };
-            let total = past + t;
-            // Query head h reads KV head h / group: consecutive query heads share one KV head.
-            let q_g = q_s.reshape((n_kv, group * t, hd))?;
-            let scores = (q_g.matmul(&k_all.t()?)? * scale)?.reshape((n_kv, group, t, total))?;
-            let scores = if t > 1 {
-                scores.broadcast_add(&causal_mask(t, past, x.dtype(), x.device())?)?
+            let o = if x.device().is_cpu() {
+                let op = CausalAttention {
+                    past,
+                    n_heads: n_h,
+                    scale,
+                };
+                q_s.apply_op3_no_bwd(&k_all, &v_all, &op)?
             } else {
-                scores
+                attention_tensor_ops(&q_s, &k_all, &v_all, past, group, scale)?
             };
-            let probs = softmax_last_dim(&scores)?.reshape((n_kv, group * t, total))?;
-            let o = probs
-                .matmul(&v_all)?
-                .reshape((n_h, t, hd))?
-                .transpose(0, 1)?
-                .reshape((t, n_h * hd))?;
             outs.push(o);
             cache.k = Some(k_all);
             cache.v = Some(v_all);
@@ -120,11 +117,169 @@ impl Attention {
     }
 }
 
+/// Causal attention of `T` new queries against the `past + T` cached keys and values, for devices without
+/// [`CausalAttention`]: batched matmuls (whose rounding depends on `T` and `past`) and an additive mask.
+/// `q: [T, n_h, hd]`, `k, v: [n_kv, past + T, hd]`; returns `[T, n_h·hd]`.
+fn attention_tensor_ops(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    past: usize,
+    group: usize,
+    scale: f64,
+) -> candle_core::Result<Tensor> {
+    let (t, n_h, hd) = q.dims3()?;
+    let n_kv = k.dim(0)?;
+    let total = past + t;
+    // Query head h reads KV head h / group: consecutive query heads share one KV head.
+    let q_g = q
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((n_kv, group * t, hd))?;
+    let scores = (q_g.matmul(&k.t()?)? * scale)?.reshape((n_kv, group, t, total))?;
+    let scores = if t > 1 {
+        scores.broadcast_add(&causal_mask(t, past, q.dtype(), q.device())?)?
+    } else {
+        scores
+    };
+    let probs = softmax_last_dim(&scores)?.reshape((n_kv, group * t, total))?;
+    probs
+        .matmul(v)?
+        .reshape((n_h, t, hd))?
+        .transpose(0, 1)?
+        .reshape((t, n_h * hd))
+}
+
+/// Causal attention on the CPU with a fixed arithmetic per query row: query `t` (absolute position
+/// `past + t`) reads exactly keys `0..=past + t`; its scores are [`matmul::dot`] products, the softmax
+/// subtracts their maximum and divides by their [`matmul::sum`], and the output adds `p_j · v_j` in
+/// increasing `j`. Nothing depends on how many queries are in the call or whether a key came from the
+/// cache or the current piece, so a row's output is bit-identical however its sequence was split or
+/// batched.
+///
+/// Inputs: `q: [T, n_h, hd]`, `k, v: [n_kv, past + T, hd]` (contiguous); query head `h` reads KV head
+/// `h / (n_h / n_kv)`. Output: `[T, n_h·hd]`.
+pub struct CausalAttention {
+    pub past: usize,
+    pub n_heads: usize,
+    pub scale: f64,
+}
+
+fn attend<F: Float>(
+    q: &[F],
+    k: &[F],
+    v: &[F],
+    (t_len, n_h, n_kv, hd): (usize, usize, usize, usize),
+    past: usize,
+    scale: F,
+) -> Vec<F> {
+    let total = past + t_len;
+    let group = n_h / n_kv;
+    let mut out = vec![F::ZERO; t_len * n_h * hd];
+    out.par_chunks_mut(hd)
+        .enumerate()
+        .for_each_init(Vec::new, |probs: &mut Vec<F>, (row, o)| {
+            let (t, h) = (row / n_h, row % n_h);
+            let kv = h / group;
+            let q_row = &q[row * hd..(row + 1) * hd];
+            let keys = &k[kv * total * hd..(kv * total + past + t + 1) * hd];
+            let values = &v[kv * total * hd..(kv * total + past + t + 1) * hd];
+            probs.clear();
+            probs.extend(
+                keys.chunks_exact(hd)
+                    .map(|k_j| matmul::dot(q_row, k_j) * scale),
+            );
+            let max = probs
+                .iter()
+                .copied()
+                .fold(F::NEG_INFINITY, |m, s| if s > m { s } else { m });
+            probs.iter_mut().for_each(|p| *p = (*p - max).exp());
+            let total_weight = matmul::sum(probs);
+            probs.iter_mut().for_each(|p| *p = *p / total_weight);
+            for (&p, v_j) in probs.iter().zip(values.chunks_exact(hd)) {
+                matmul::axpy(p, v_j, o);
+            }
+        });
+    out
+}
+
+fn contiguous<'a, T>(v: &'a [T], l: &Layout, what: &str) -> candle_core::Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((start, end)) => Ok(&v[start..end]),
+        None => candle_core::bail!("causal attention: {what} must be contiguous"),
+    }
+}
+
+impl CustomOp3 for CausalAttention {
+    fn name(&self) -> &'static str {
+        "causal-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (t_len, n_h, hd) = l1.shape().dims3()?;
+        let (n_kv, total, hd_k) = l2.shape().dims3()?;
+        if l3.shape().dims() != l2.shape().dims()
+            || hd_k != hd
+            || total != self.past + t_len
+            || n_h != self.n_heads
+            || n_kv == 0
+            || n_h % n_kv != 0
+        {
+            candle_core::bail!(
+                "causal attention: q {:?}, k {:?}, v {:?} do not fit {} heads after {} cached tokens",
+                l1.shape().dims(),
+                l2.shape().dims(),
+                l3.shape().dims(),
+                self.n_heads,
+                self.past
+            );
+        }
+        let dims = (t_len, n_h, n_kv, hd);
+        let out = match (s1, s2, s3) {
+            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
+                CpuStorage::F32(attend(
+                    contiguous(q, l1, "q")?,
+                    contiguous(k, l2, "k")?,
+                    contiguous(v, l3, "v")?,
+                    dims,
+                    self.past,
+                    self.scale as f32,
+                ))
+            }
+            (CpuStorage::F64(q), CpuStorage::F64(k), CpuStorage::F64(v)) => {
+                CpuStorage::F64(attend(
+                    contiguous(q, l1, "q")?,
+                    contiguous(k, l2, "k")?,
+                    contiguous(v, l3, "v")?,
+                    dims,
+                    self.past,
+                    self.scale,
+                ))
+            }
+            _ => candle_core::bail!("causal attention: q, k, v must all be f32 or all f64"),
+        };
+        Ok((out, Shape::from((t_len, n_h * hd))))
+    }
+}
+
 /// `[T, past + T]`: 0 where query `t` (absolute `past + t`) may read key `j`, −∞ where `j > past + t`.
-fn causal_mask(t: usize, past: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+fn causal_mask(
+    t: usize,
+    past: usize,
+    dtype: DType,
+    device: &Device,
+) -> candle_core::Result<Tensor> {
     let total = past + t;
     let mask: Vec<f32> = (0..t)
         .flat_map(|i| (0..total).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 }))
         .collect();
-    Ok(Tensor::from_vec(mask, (t, total), device)?.to_dtype(dtype)?)
+    Tensor::from_vec(mask, (t, total), device)?.to_dtype(dtype)
 }
