@@ -176,30 +176,38 @@ fn attend<F: Float>(
     let total = past + t_len;
     let group = n_h / n_kv;
     let mut out = vec![F::ZERO; t_len * n_h * hd];
-    out.par_chunks_mut(hd)
-        .enumerate()
-        .for_each_init(Vec::new, |probs: &mut Vec<F>, (row, o)| {
-            let (t, h) = (row / n_h, row % n_h);
-            let kv = h / group;
-            let q_row = &q[row * hd..(row + 1) * hd];
-            let keys = &k[kv * total * hd..(kv * total + past + t + 1) * hd];
-            let values = &v[kv * total * hd..(kv * total + past + t + 1) * hd];
-            probs.clear();
-            probs.extend(
-                keys.chunks_exact(hd)
-                    .map(|k_j| matmul::dot(q_row, k_j) * scale),
-            );
-            let max = probs
-                .iter()
-                .copied()
-                .fold(F::NEG_INFINITY, |m, s| if s > m { s } else { m });
-            probs.iter_mut().for_each(|p| *p = (*p - max).exp());
-            let total_weight = matmul::sum(probs);
-            probs.iter_mut().for_each(|p| *p = *p / total_weight);
-            for (&p, v_j) in probs.iter().zip(values.chunks_exact(hd)) {
-                matmul::axpy(p, v_j, o);
-            }
-        });
+    let one_row = |probs: &mut Vec<F>, (row, o): (usize, &mut [F])| {
+        let (t, h) = (row / n_h, row % n_h);
+        let kv = h / group;
+        let q_row = &q[row * hd..(row + 1) * hd];
+        let keys = &k[kv * total * hd..(kv * total + past + t + 1) * hd];
+        let values = &v[kv * total * hd..(kv * total + past + t + 1) * hd];
+        probs.clear();
+        probs.extend(
+            keys.chunks_exact(hd)
+                .map(|k_j| matmul::dot(q_row, k_j) * scale),
+        );
+        let max = probs
+            .iter()
+            .copied()
+            .fold(F::NEG_INFINITY, |m, s| if s > m { s } else { m });
+        probs.iter_mut().for_each(|p| *p = (*p - max).exp());
+        let total_weight = matmul::sum(probs);
+        probs.iter_mut().for_each(|p| *p = *p / total_weight);
+        for (&p, v_j) in probs.iter().zip(values.chunks_exact(hd)) {
+            matmul::axpy(p, v_j, o);
+        }
+    };
+    if matmul::use_threads(t_len * n_h * total * hd) {
+        out.par_chunks_mut(hd)
+            .enumerate()
+            .for_each_init(Vec::new, one_row);
+    } else {
+        let mut probs = Vec::new();
+        out.chunks_mut(hd)
+            .enumerate()
+            .for_each(|row| one_row(&mut probs, row));
+    }
     out
 }
 
@@ -282,4 +290,70 @@ fn causal_mask(
         .flat_map(|i| (0..total).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 }))
         .collect();
     Tensor::from_vec(mask, (t, total), device)?.to_dtype(dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    }
+
+    #[test]
+    fn cpu_kernel_matches_the_tensor_op_fallback_and_ignores_the_split() {
+        let dev = Device::Cpu;
+        let (n_h, n_kv, hd, total) = (4, 2, 16, 12);
+        let q = Tensor::randn(0f32, 1.0, (total, n_h, hd), &dev).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (n_kv, total, hd), &dev).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (n_kv, total, hd), &dev).unwrap();
+        let scale = 0.25;
+        let op = |past: usize| CausalAttention {
+            past,
+            n_heads: n_h,
+            scale,
+        };
+        let all = q.apply_op3_no_bwd(&k, &v, &op(0)).unwrap();
+        let fallback = attention_tensor_ops(&q, &k, &v, 0, n_h / n_kv, scale).unwrap();
+        let d = (&all - &fallback)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(d < 1e-5, "kernel vs tensor ops: {d}");
+        // The last 5 queries against a cache of 7: the same bits as inside the full call.
+        let tail = q
+            .narrow(0, 7, 5)
+            .unwrap()
+            .apply_op3_no_bwd(&k, &v, &op(7))
+            .unwrap();
+        assert_eq!(bits(&tail), bits(&all.narrow(0, 7, 5).unwrap()));
+        let fallback_tail =
+            attention_tensor_ops(&q.narrow(0, 7, 5).unwrap(), &k, &v, 7, n_h / n_kv, scale)
+                .unwrap();
+        let d = (&tail - &fallback_tail)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(d < 1e-5, "with a cache: {d}");
+        // Shapes that do not fit are refused.
+        assert!(q.apply_op3_no_bwd(&k, &v, &op(1)).is_err());
+    }
 }

@@ -7,7 +7,7 @@ use candle_core::Tensor;
 
 use crate::config::Qwen35Config;
 use crate::delta_rule;
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 use crate::ops::{gated_rms_norm, l2_norm, linear, sigmoid, softplus};
 use crate::qwen35::Segment;
 use crate::state::DeltaNetState;
@@ -117,28 +117,23 @@ impl DeltaNet {
 
         let mut outs = Vec::with_capacity(segments.len());
         for (seg, state) in segments.iter().zip(states.iter_mut()) {
+            if state.rule.pending != seg.past % delta_rule::CHUNK {
+                return Err(ModelError::InvalidInput(format!(
+                    "DeltaNet state holds {} tokens of the current chunk, but the sequence has {} tokens",
+                    state.rule.pending, seg.past
+                )));
+            }
             let at = |t: &Tensor| t.narrow(0, seg.start, seg.len);
-            let (o, s) = if seg.len == 1 {
-                delta_rule::recurrent(
-                    &at(&q)?,
-                    &at(&k)?,
-                    &at(&v)?,
-                    &at(&g)?,
-                    &at(&beta)?,
-                    &state.recurrent,
-                )?
-            } else {
-                delta_rule::chunked(
-                    &at(&q)?,
-                    &at(&k)?,
-                    &at(&v)?,
-                    &at(&g)?,
-                    &at(&beta)?,
-                    &state.recurrent,
-                    seg.past,
-                )?
-            };
-            state.recurrent = s;
+            // One path for prefill, pieces and decode: bit-identical however the sequence is split.
+            let (o, rule) = delta_rule::chunked(
+                &at(&q)?,
+                &at(&k)?,
+                &at(&v)?,
+                &at(&g)?,
+                &at(&beta)?,
+                &state.rule,
+            )?;
+            state.rule = rule;
             outs.push(o);
         }
         let o = Tensor::cat(&outs, 0)?;

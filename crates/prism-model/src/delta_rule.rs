@@ -1,26 +1,49 @@
 //! The gated delta rule: the recurrence at the heart of a Gated DeltaNet layer.
 //!
-//! Per value head, with state `S ∈ ℝ^{dk×dv}` and per-token `q̂, k̂ ∈ ℝ^{dk}`, `v ∈ ℝ^{dv}`, log-decay
+//! Per value head, with memory `S ∈ ℝ^{dk×dv}` and per-token `q̂, k̂ ∈ ℝ^{dk}`, `v ∈ ℝ^{dv}`, log-decay
 //! `g ≤ 0` and write strength `β ∈ (0,1)`:
 //!
 //! ```text
 //! S ← e^g · S;   δ = β (v − Sᵀk̂);   S ← S + k̂ δᵀ;   o = Sᵀq̂
 //! ```
 //!
-//! Two equivalent forms are implemented: the recurrent one (one token at a time; decode) and the chunked
-//! WY/UT form (prefill), which turns 64 sequential updates into a few matmuls. Chunk boundaries sit at
-//! absolute multiples of the chunk size counted from the sequence start, so the arithmetic a token sees
-//! does not depend on how the prompt was split into calls or batched with others.
+//! [`recurrent`] is that loop, token by token (the test oracle). [`chunked`] is what the model runs: the
+//! chunked (WY) form of transformers / FLA / llama.cpp, with chunks of [`CHUNK`] tokens at absolute
+//! multiples of 64 counted from the sequence start, written row by row. Within a chunk starting from
+//! memory `S₀`, with `Γ_r` the chunk-local cumulative log-decay and `D_rs = e^{Γ_r − Γ_s}`:
 //!
-//! All tensors share one float dtype (f32, or f64 for the ground-truth path). Shapes: `q, k: [T, H, dk]` (already expanded to the `H` value heads), `v: [T, H, dv]`,
-//! `g, beta: [T, H]`, `state: [H, dk, dv]`. Both forms return `(out [T, H, dv], new_state [H, dk, dv])`.
+//! ```text
+//! u_r = β_r (v_r − e^{Γ_r} S₀ᵀk̂_r) − Σ_{s<r} β_r (k̂_r·k̂_s) D_rs u_s      (the "new values")
+//! o_r = e^{Γ_r} S₀ᵀq̂_r + Σ_{s≤r} (q̂_r·k̂_s) D_rs u_s
+//! S₆₄ = e^{Γ_63} S₀ + Σ_s e^{Γ_63 − Γ_s} k̂_s u_sᵀ                        (at the chunk's end)
+//! ```
+//!
+//! Row `r` needs only `S₀` and rows `s < r` of its own chunk. So the state ([`RuleState`]) carries the
+//! memory at the last chunk boundary plus the rows (`k̂_s`, `u_s`, `Γ_s`) of the incomplete chunk, and a
+//! call that starts mid-chunk continues exactly where a one-shot run would be: every token sees the same
+//! operations on the same values in the same order, so outputs and states are **bit-identical for any
+//! split of a sequence into calls** (one-shot prefill, pieces, one token at a time) and independent of
+//! the other sequences in a batch. A decode step costs about what the recurrent step does
+//! (`~3·dk·dv + 2r·(dk + dv)` multiply-adds per head against `4·dk·dv`).
+//!
+//! All reductions use the fixed-order [`matmul::dot`] / [`matmul::axpy`]; decays are formed in f64 (over
+//! a chunk `Γ` can reach hundreds, and `Γ_r − Γ_s` would lose ~|Γ|·1e-7 to cancellation in f32). The
+//! kernel runs on the host; tensors on another device are copied there and back (a device kernel is
+//! future work).
+//!
+//! Shapes: `q, k: [T, H, dk]` (already expanded to the `H` value heads), `v: [T, H, dv]`, `g, beta:
+//! [T, H]`, all of one float dtype (f32, or f64 for the ground-truth path).
 
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor, WithDType};
+use rayon::prelude::*;
+
+use crate::matmul::{self, Float};
 
 /// Chunk length of the chunked form (the value transformers, FLA and llama.cpp use).
 pub const CHUNK: usize = 64;
 
-/// The recurrent form: one token at a time.
+/// The recurrent form: one token at a time from memory `state: [H, dk, dv]`. Returns
+/// `(out [T, H, dv], new memory)`.
 pub fn recurrent(
     q: &Tensor,
     k: &Tensor,
@@ -48,201 +71,323 @@ pub fn recurrent(
     Ok((Tensor::stack(&outs, 0)?, s))
 }
 
-/// The chunked (WY / UT-transform) form. `start` is the number of tokens this sequence has already
-/// processed: the first chunk is the partial one that ends at the next multiple of [`CHUNK`].
+/// The delta-rule state of one sequence in one layer: the memory at the last chunk boundary and the
+/// rows of the chunk in progress. Immutable tensors, so `clone()` is cheap and branches share it.
+#[derive(Debug, Clone)]
+pub struct RuleState {
+    /// Memory at the last multiple of [`CHUNK`] tokens, `[H, dk, dv]`.
+    pub chunk_start: Tensor,
+    /// `k̂_s` of the chunk's first `pending` tokens, `[H, CHUNK, dk]` (rows from `pending` on unused).
+    pub pending_k: Tensor,
+    /// Their new values `u_s`, `[H, CHUNK, dv]`.
+    pub pending_u: Tensor,
+    /// Their chunk-local cumulative log-decays `Γ_s`, `[H, CHUNK]`, always f64.
+    pub pending_gamma: Tensor,
+    /// Tokens of the current chunk already processed (the sequence length mod [`CHUNK`]).
+    pub pending: usize,
+}
+
+impl RuleState {
+    /// The state before the first token: zero memory, no pending rows.
+    pub fn zeros(
+        heads: usize,
+        dk: usize,
+        dv: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        Self::from_memory(&Tensor::zeros((heads, dk, dv), dtype, device)?)
+    }
+
+    /// A state at a chunk boundary holding `memory: [H, dk, dv]`.
+    pub fn from_memory(memory: &Tensor) -> Result<Self> {
+        let (heads, dk, dv) = memory.dims3()?;
+        let (dtype, device) = (memory.dtype(), memory.device());
+        Ok(Self {
+            chunk_start: memory.clone(),
+            pending_k: Tensor::zeros((heads, CHUNK, dk), dtype, device)?,
+            pending_u: Tensor::zeros((heads, CHUNK, dv), dtype, device)?,
+            pending_gamma: Tensor::zeros((heads, CHUNK), DType::F64, device)?,
+            pending: 0,
+        })
+    }
+
+    /// The memory after the last processed token, `[H, dk, dv]` (what [`recurrent`] carries): the chunk
+    /// start advanced through the pending rows with the chunk-end formula.
+    pub fn memory(&self) -> Result<Tensor> {
+        match self.chunk_start.dtype() {
+            DType::F32 => self.memory_typed::<f32>(),
+            DType::F64 => self.memory_typed::<f64>(),
+            other => candle_core::bail!("delta rule: unsupported dtype {other:?}"),
+        }
+    }
+
+    /// `(H, dk, dv)`, after checking that the tensors fit together.
+    fn dims(&self) -> Result<(usize, usize, usize)> {
+        let (heads, dk, dv) = self.chunk_start.dims3()?;
+        if self.pending_k.dims() != [heads, CHUNK, dk]
+            || self.pending_u.dims() != [heads, CHUNK, dv]
+            || self.pending_gamma.dims() != [heads, CHUNK]
+            || self.pending_gamma.dtype() != DType::F64
+            || self.pending_k.dtype() != self.chunk_start.dtype()
+            || self.pending_u.dtype() != self.chunk_start.dtype()
+            || self.pending >= CHUNK
+        {
+            candle_core::bail!(
+                "delta rule: inconsistent state (memory {:?}, pending k {:?}, u {:?}, Γ {:?}, {} pending)",
+                self.chunk_start.dims(),
+                self.pending_k.dims(),
+                self.pending_u.dims(),
+                self.pending_gamma.dims(),
+                self.pending
+            );
+        }
+        Ok((heads, dk, dv))
+    }
+
+    fn memory_typed<F: Float + WithDType>(&self) -> Result<Tensor> {
+        let (heads, dk, dv) = self.dims()?;
+        let mut s = host::<F>(&self.chunk_start)?;
+        let pk = host::<F>(&self.pending_k)?;
+        let pu = host::<F>(&self.pending_u)?;
+        let gamma = host::<f64>(&self.pending_gamma)?;
+        for h in 0..heads {
+            close_chunk(
+                &mut s[h * dk * dv..(h + 1) * dk * dv],
+                &pk[h * CHUNK * dk..(h + 1) * CHUNK * dk],
+                &pu[h * CHUNK * dv..(h + 1) * CHUNK * dv],
+                &gamma[h * CHUNK..(h + 1) * CHUNK],
+                self.pending,
+                (dk, dv),
+            );
+        }
+        Tensor::from_vec(s, (heads, dk, dv), self.chunk_start.device())
+    }
+}
+
+fn host<F: WithDType>(t: &Tensor) -> Result<Vec<F>> {
+    t.flatten_all()?.to_vec1::<F>()
+}
+
+/// The chunked form over one segment of `T ≥ 1` tokens continuing `state`. Returns `(out [T, H, dv],
+/// new state)`; bit-identical to running the same tokens in any other split.
 pub fn chunked(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     g: &Tensor,
     beta: &Tensor,
-    state: &Tensor,
-    start: usize,
-) -> Result<(Tensor, Tensor)> {
-    let (t_len, heads, dk) = k.dims3()?;
-    let dv = v.dim(2)?;
-    let c = CHUNK;
-    // Zero padding before the first token (up to the chunk boundary) and after the last one. Padded rows
-    // have k = v = q = 0, β = 0 and g = 0, so they neither read, write nor decay the state.
-    let lead = start % c;
-    let n_chunks = (lead + t_len).div_ceil(c);
-    let tail = n_chunks * c - lead - t_len;
-    let chunk_heads = |x: &Tensor, width: usize| -> Result<Tensor> {
-        // [T, H, w] → [H, n_chunks, C, w]
-        x.transpose(0, 1)?
-            .pad_with_zeros(1, lead, tail)?
-            .reshape((heads, n_chunks, c, width))
+    state: &RuleState,
+) -> Result<(Tensor, RuleState)> {
+    match q.dtype() {
+        DType::F32 => chunked_typed::<f32>(q, k, v, g, beta, state),
+        DType::F64 => chunked_typed::<f64>(q, k, v, g, beta, state),
+        other => candle_core::bail!("delta rule: unsupported dtype {other:?}"),
+    }
+}
+
+/// One token's inputs for one head.
+struct TokenInputs<'a, F> {
+    q: &'a [F],
+    k: &'a [F],
+    v: &'a [F],
+    g: F,
+    beta: F,
+}
+
+fn chunked_typed<F: Float + WithDType>(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    state: &RuleState,
+) -> Result<(Tensor, RuleState)> {
+    let (heads, dk, dv) = state.dims()?;
+    let t_len = k.dim(0)?;
+    if q.dims() != [t_len, heads, dk]
+        || k.dims() != [t_len, heads, dk]
+        || v.dims() != [t_len, heads, dv]
+        || g.dims() != [t_len, heads]
+        || beta.dims() != [t_len, heads]
+        || state.chunk_start.dtype() != F::DTYPE
+    {
+        candle_core::bail!(
+            "delta rule: q {:?}, k {:?}, v {:?}, g {:?}, beta {:?} do not fit the state {:?} ({} pending)",
+            q.dims(),
+            k.dims(),
+            v.dims(),
+            g.dims(),
+            beta.dims(),
+            state.chunk_start.dims(),
+            state.pending
+        );
+    }
+    let (q, k, v) = (host::<F>(q)?, host::<F>(k)?, host::<F>(v)?);
+    let (g, beta) = (host::<F>(g)?, host::<F>(beta)?);
+    let mut s = host::<F>(&state.chunk_start)?;
+    let mut pk = host::<F>(&state.pending_k)?;
+    let mut pu = host::<F>(&state.pending_u)?;
+    let mut gamma = host::<f64>(&state.pending_gamma)?;
+
+    let run_head = |(h, (((s, pk), pu), gamma)): HeadBuffers<'_, F>| {
+        let mut head = HeadState {
+            s,
+            pk,
+            pu,
+            gamma,
+            pending: state.pending,
+            dk,
+            dv,
+        };
+        let mut out = vec![F::ZERO; t_len * dv];
+        for (t, o) in out.chunks_exact_mut(dv).enumerate() {
+            let row = t * heads + h;
+            head.step(
+                TokenInputs {
+                    q: &q[row * dk..(row + 1) * dk],
+                    k: &k[row * dk..(row + 1) * dk],
+                    v: &v[row * dv..(row + 1) * dv],
+                    g: g[row],
+                    beta: beta[row],
+                },
+                o,
+            );
+        }
+        out
     };
-    let q = chunk_heads(q, dk)?;
-    let k = chunk_heads(k, dk)?;
-    let v = chunk_heads(v, dv)?;
-    let g = g
-        .t()?
-        .pad_with_zeros(1, lead, tail)?
-        .reshape((heads, n_chunks, c))?;
-    let beta = beta
-        .t()?
-        .pad_with_zeros(1, lead, tail)?
-        .reshape((heads, n_chunks, c, 1))?;
-
-    // Γ_r: chunk-local inclusive cumulative log-decay. Kept in f64: over a chunk Γ can reach hundreds,
-    // and in f32 the differences Γ_r − Γ_s below would lose ~|Γ|·1e-7 to cancellation, making the
-    // chunked form measurably noisier than the recurrent one. Only the [C]-sized decays are f64.
-    let dtype = q.dtype();
-    let gamma = g.to_dtype(DType::F64)?.cumsum(D::Minus1)?.contiguous()?;
-    // D_rs = exp(Γ_r − Γ_s) on s ≤ r, 0 above the diagonal (masked before exp so it cannot overflow).
-    let upper_mask = upper_neg_inf(c, DType::F64, q.device())?;
-    let pair = gamma.unsqueeze(3)?.broadcast_sub(&gamma.unsqueeze(2)?)?;
-    let decay_pair = pair.broadcast_add(&upper_mask)?.exp()?.to_dtype(dtype)?;
-
-    let k_t = k.transpose(2, 3)?.contiguous()?;
-    let k_beta = k.broadcast_mul(&beta)?;
-    // A_rs = β_r (k̂_r · k̂_s) D_rs, strictly lower; T = (I + A)⁻¹.
-    let a = k_beta.matmul(&k_t)?.mul(&decay_pair)?;
-    let t_inv = unit_lower_inverse(&a.reshape((heads * n_chunks, c, c))?)?
-        .reshape((heads, n_chunks, c, c))?;
-    let exp_gamma = gamma.exp()?.to_dtype(dtype)?.unsqueeze(3)?;
-    let u = t_inv.matmul(&v.broadcast_mul(&beta)?.contiguous()?)?; // pseudo-values
-    let w = t_inv.matmul(&k_beta.broadcast_mul(&exp_gamma)?.contiguous()?)?; // decayed keys reading S
-    let q_decayed = q.broadcast_mul(&exp_gamma)?;
-    let intra = q.matmul(&k_t)?.mul(&decay_pair)?; // includes the diagonal
-    let gamma_last = gamma.narrow(2, c - 1, 1)?; // [H, n_chunks, 1]
-    let to_end = gamma_last.broadcast_sub(&gamma)?.exp()?.to_dtype(dtype)?;
-    let k_to_end = k.broadcast_mul(&to_end.unsqueeze(3)?)?;
-    let k_to_end_t = k_to_end.transpose(2, 3)?.contiguous()?;
-    let chunk_decay = gamma_last.exp()?.to_dtype(dtype)?.unsqueeze(3)?; // [H, n_chunks, 1, 1]
-
-    let mut s = state.clone();
-    let mut outs = Vec::with_capacity(n_chunks);
-    for i in 0..n_chunks {
-        let at = |x: &Tensor| x.narrow(1, i, 1).and_then(|x| x.squeeze(1));
-        let v_new = (at(&u)? - at(&w)?.matmul(&s)?)?;
-        let o = (at(&q_decayed)?.matmul(&s)? + at(&intra)?.matmul(&v_new)?)?;
-        s = (s.broadcast_mul(&at(&chunk_decay)?)? + at(&k_to_end_t)?.matmul(&v_new)?)?;
-        outs.push(o);
-    }
-    let out = Tensor::cat(&outs, 1)?
-        .narrow(1, lead, t_len)?
-        .transpose(0, 1)?
-        .contiguous()?;
-    Ok((out, s))
-}
-
-/// `[C, C]` with −∞ strictly above the diagonal and 0 elsewhere.
-fn upper_neg_inf(c: usize, dtype: DType, device: &candle_core::Device) -> Result<Tensor> {
-    let mut m = vec![0f32; c * c];
-    for r in 0..c {
-        for s in r + 1..c {
-            m[r * c + s] = f32::NEG_INFINITY;
-        }
-    }
-    Tensor::from_vec(m, (c, c), device)?.to_dtype(dtype)
-}
-
-/// `(I + A)⁻¹` for a batch `[B, C, C]` of matrices, using only the strictly lower triangle of `A` (the
-/// diagonal and upper triangle are ignored, as in transformers' `solve_triangular(unitriangular=True)`).
-/// The result is unit lower-triangular. On the CPU this is a small forward-substitution kernel; on other
-/// devices it falls back to [`unit_lower_inverse_tensor_ops`].
-pub fn unit_lower_inverse(a: &Tensor) -> Result<Tensor> {
-    let a = a.contiguous()?;
-    if a.device().is_cpu() {
-        a.apply_op1_no_bwd(&UnitLowerInverse)
+    let per_head: Vec<Vec<F>> = if matmul::use_threads(t_len * heads * dk * dv * 3) {
+        s.par_chunks_mut(dk * dv)
+            .zip(pk.par_chunks_mut(CHUNK * dk))
+            .zip(pu.par_chunks_mut(CHUNK * dv))
+            .zip(gamma.par_chunks_mut(CHUNK))
+            .enumerate()
+            .map(run_head)
+            .collect()
     } else {
-        unit_lower_inverse_tensor_ops(&a)
-    }
-}
+        s.chunks_mut(dk * dv)
+            .zip(pk.chunks_mut(CHUNK * dk))
+            .zip(pu.chunks_mut(CHUNK * dv))
+            .zip(gamma.chunks_mut(CHUNK))
+            .enumerate()
+            .map(run_head)
+            .collect()
+    };
 
-/// Forward substitution written with tensor ops (row `r` of `T` is `e_r − A[r, :r] · T[:r, :]`), for
-/// devices without a dedicated kernel. C − 1 small batched matmuls.
-pub fn unit_lower_inverse_tensor_ops(a: &Tensor) -> Result<Tensor> {
-    let (b, c, c2) = a.dims3()?;
-    if c != c2 {
-        candle_core::bail!("unit_lower_inverse: matrices must be square, got {c}x{c2}");
-    }
-    let eye = Tensor::eye(c, a.dtype(), a.device())?;
-    let mut rows: Vec<Tensor> = Vec::with_capacity(c);
-    rows.push(
-        eye.narrow(0, 0, 1)?
-            .unsqueeze(0)?
-            .broadcast_as((b, 1, c))?
-            .contiguous()?,
-    );
-    for r in 1..c {
-        let done = Tensor::cat(&rows, 1)?; // [B, r, C]
-        let coeffs = a.narrow(1, r, 1)?.narrow(2, 0, r)?.contiguous()?; // [B, 1, r]
-        let row = eye
-            .narrow(0, r, 1)?
-            .unsqueeze(0)?
-            .broadcast_sub(&coeffs.matmul(&done)?)?;
-        rows.push(row);
-    }
-    Tensor::cat(&rows, 1)
-}
-
-struct UnitLowerInverse;
-
-/// Inverts each `c × c` block of `a` (row-major), accumulating in f64.
-fn invert_unit_lower<T: Copy>(
-    a: &[T],
-    c: usize,
-    to_f64: fn(T) -> f64,
-    from_f64: fn(f64) -> T,
-) -> Vec<T> {
-    let mut out = Vec::with_capacity(a.len());
-    let mut t = vec![0f64; c * c];
-    for m in a.chunks_exact(c * c) {
-        t.iter_mut().for_each(|x| *x = 0.0);
-        for r in 0..c {
-            // T_r = e_r − Σ_{s<r} A_rs T_s; T_s is zero right of column s.
-            let (done, rest) = t.split_at_mut(r * c);
-            let row = &mut rest[..c];
-            row[r] = 1.0;
-            for s in 0..r {
-                let coeff = to_f64(m[r * c + s]);
-                if coeff != 0.0 {
-                    for (x, &y) in row.iter_mut().zip(&done[s * c..s * c + s + 1]) {
-                        *x -= coeff * y;
-                    }
-                }
-            }
+    let mut out = vec![F::ZERO; t_len * heads * dv];
+    for (h, head_out) in per_head.iter().enumerate() {
+        for (t, o) in head_out.chunks_exact(dv).enumerate() {
+            let row = t * heads + h;
+            out[row * dv..(row + 1) * dv].copy_from_slice(o);
         }
-        out.extend(t.iter().map(|&x| from_f64(x)));
     }
-    out
+    let device = state.chunk_start.device();
+    let new_state = RuleState {
+        chunk_start: Tensor::from_vec(s, (heads, dk, dv), device)?,
+        pending_k: Tensor::from_vec(pk, (heads, CHUNK, dk), device)?,
+        pending_u: Tensor::from_vec(pu, (heads, CHUNK, dv), device)?,
+        pending_gamma: Tensor::from_vec(gamma, (heads, CHUNK), device)?,
+        pending: (state.pending + t_len) % CHUNK,
+    };
+    Ok((
+        Tensor::from_vec(out, (t_len, heads, dv), device)?,
+        new_state,
+    ))
 }
 
-impl CustomOp1 for UnitLowerInverse {
-    fn name(&self) -> &'static str {
-        "unit-lower-inverse"
-    }
+/// Head index with its slices of the memory, pending keys, pending new values and pending decays.
+type HeadBuffers<'a, F> = (
+    usize,
+    (((&'a mut [F], &'a mut [F]), &'a mut [F]), &'a mut [f64]),
+);
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let dims = layout.shape().dims();
-        let c = match *dims {
-            [_, c, c2] if c == c2 => c,
-            _ => candle_core::bail!("unit-lower-inverse expects [B, C, C], got {dims:?}"),
-        };
-        let (start, end) = match layout.contiguous_offsets() {
-            Some(offsets) => offsets,
-            None => candle_core::bail!("unit-lower-inverse needs a contiguous input"),
-        };
-        let out = match storage {
-            CpuStorage::F32(v) => {
-                CpuStorage::F32(invert_unit_lower(&v[start..end], c, f64::from, |x| {
-                    x as f32
-                }))
-            }
-            CpuStorage::F64(v) => {
-                CpuStorage::F64(invert_unit_lower(&v[start..end], c, |x| x, |x| x))
-            }
-            other => {
-                candle_core::bail!(
-                    "unit-lower-inverse: unsupported dtype {:?}",
-                    candle_core::backend::BackendStorage::dtype(other)
-                )
-            }
-        };
-        Ok((out, layout.shape().clone()))
+/// One head's state, borrowed from the layer's buffers.
+struct HeadState<'a, F> {
+    /// Memory at the chunk start, `[dk, dv]`.
+    s: &'a mut [F],
+    /// Pending rows: `[CHUNK, dk]`, `[CHUNK, dv]`, `[CHUNK]`.
+    pk: &'a mut [F],
+    pu: &'a mut [F],
+    gamma: &'a mut [f64],
+    pending: usize,
+    dk: usize,
+    dv: usize,
+}
+
+impl<F: Float> HeadState<'_, F> {
+    /// Processes one token as row `pending` of the current chunk; writes its output `o: [dv]`.
+    fn step(&mut self, x: TokenInputs<'_, F>, o: &mut [F]) {
+        let (dk, dv, r) = (self.dk, self.dv, self.pending);
+        let gamma_r = if r == 0 { 0.0 } else { self.gamma[r - 1] } + x.g.to_f64();
+        self.gamma[r] = gamma_r;
+        let decay_r = F::from_f64(gamma_r.exp());
+
+        // S₀ᵀk̂ and S₀ᵀq̂, row by row of S₀ (each output element sums over i in increasing order).
+        let mut read_k = vec![F::ZERO; dv];
+        o.iter_mut().for_each(|x| *x = F::ZERO);
+        for (i, s_row) in self.s.chunks_exact(dv).enumerate() {
+            matmul::axpy(x.k[i], s_row, &mut read_k);
+            matmul::axpy(x.q[i], s_row, o);
+        }
+
+        // u_r = β_r (v_r − e^{Γ_r} S₀ᵀk̂_r) − Σ_{s<r} β_r (k̂_r·k̂_s) D_rs u_s
+        let (done_u, rest_u) = self.pu.split_at_mut(r * dv);
+        let u = &mut rest_u[..dv];
+        for ((u, &v), &read) in u.iter_mut().zip(x.v).zip(&read_k) {
+            *u = x.beta * (-decay_r).fma(read, v);
+        }
+        let done_k = &self.pk[..r * dk];
+        let mut attn = Vec::with_capacity(r + 1);
+        for (s, (k_s, u_s)) in done_k
+            .chunks_exact(dk)
+            .zip(done_u.chunks_exact(dv))
+            .enumerate()
+        {
+            let d = F::from_f64((gamma_r - self.gamma[s]).exp());
+            let a = x.beta * matmul::dot(x.k, k_s) * d;
+            matmul::axpy(-a, u_s, u);
+            attn.push(matmul::dot(x.q, k_s) * d);
+        }
+        attn.push(matmul::dot(x.q, x.k));
+        self.pk[r * dk..(r + 1) * dk].copy_from_slice(x.k);
+
+        // o_r = e^{Γ_r} S₀ᵀq̂_r + Σ_{s≤r} (q̂_r·k̂_s) D_rs u_s
+        o.iter_mut().for_each(|x| *x = decay_r * *x);
+        for (&a, u_s) in attn.iter().zip(self.pu[..(r + 1) * dv].chunks_exact(dv)) {
+            matmul::axpy(a, u_s, o);
+        }
+
+        self.pending = r + 1;
+        if self.pending == CHUNK {
+            close_chunk(self.s, self.pk, self.pu, self.gamma, CHUNK, (dk, dv));
+            self.pending = 0;
+        }
+    }
+}
+
+/// `S ← e^{Γ_last} S + Σ_{s<n} e^{Γ_last − Γ_s} k̂_s u_sᵀ` with `Γ_last = Γ_{n−1}` (nothing for `n = 0`).
+fn close_chunk<F: Float>(
+    s: &mut [F],
+    pk: &[F],
+    pu: &[F],
+    gamma: &[f64],
+    n: usize,
+    (dk, dv): (usize, usize),
+) {
+    if n == 0 {
+        return;
+    }
+    let last = gamma[n - 1];
+    let decay_all = F::from_f64(last.exp());
+    let to_end: Vec<F> = gamma[..n]
+        .iter()
+        .map(|&g| F::from_f64((last - g).exp()))
+        .collect();
+    for (i, s_row) in s.chunks_exact_mut(dv).enumerate() {
+        s_row.iter_mut().for_each(|x| *x = decay_all * *x);
+        for (sidx, u_s) in pu[..n * dv].chunks_exact(dv).enumerate() {
+            matmul::axpy(to_end[sidx] * pk[sidx * dk + i], u_s, s_row);
+        }
     }
 }
 
@@ -250,10 +395,9 @@ impl CustomOp1 for UnitLowerInverse {
 mod tests {
     use super::*;
     use crate::ops::l2_norm;
-    use candle_core::Device;
 
-    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
+    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
             .unwrap()
             .abs()
             .unwrap()
@@ -261,12 +405,27 @@ mod tests {
             .unwrap()
             .max(0)
             .unwrap()
-            .to_scalar::<f32>()
+            .to_scalar::<f64>()
             .unwrap()
     }
 
+    fn bits(t: &Tensor) -> Vec<u64> {
+        match t.dtype() {
+            DType::F64 => host::<f64>(t)
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect(),
+            _ => host::<f32>(t)
+                .unwrap()
+                .iter()
+                .map(|x| u64::from(x.to_bits()))
+                .collect(),
+        }
+    }
+
     /// Random inputs shaped like a DeltaNet segment, with the same value ranges as real ones.
-    fn random_inputs(t: usize, h: usize, dk: usize, dv: usize) -> [Tensor; 6] {
+    fn random_inputs(t: usize, h: usize, dk: usize, dv: usize, dtype: DType) -> [Tensor; 6] {
         let dev = Device::Cpu;
         let q = l2_norm(&Tensor::randn(0f32, 1.0, (t, h, dk), &dev).unwrap(), 1e-6).unwrap();
         let q = (q * (1.0 / (dk as f64).sqrt())).unwrap();
@@ -275,29 +434,86 @@ mod tests {
         let g = Tensor::rand(-2.0f32, 0.0, (t, h), &dev).unwrap();
         let beta = Tensor::rand(0.0f32, 1.0, (t, h), &dev).unwrap();
         let s0 = Tensor::randn(0f32, 0.5, (h, dk, dv), &dev).unwrap();
-        [q, k, v, g, beta, s0]
+        [q, k, v, g, beta, s0].map(|x| x.to_dtype(dtype).unwrap())
+    }
+
+    /// Runs `chunked` over the tokens in pieces of the given sizes; returns all outputs and the state.
+    fn in_pieces(inputs: &[Tensor; 6], sizes: &[usize]) -> (Tensor, RuleState) {
+        let [q, k, v, g, beta, s0] = inputs;
+        let mut state = RuleState::from_memory(s0).unwrap();
+        let mut outs = Vec::new();
+        let mut at = 0;
+        for &n in sizes {
+            let piece = |x: &Tensor| x.narrow(0, at, n).unwrap();
+            let (o, next) = chunked(
+                &piece(q),
+                &piece(k),
+                &piece(v),
+                &piece(g),
+                &piece(beta),
+                &state,
+            )
+            .unwrap();
+            outs.push(o);
+            state = next;
+            at += n;
+        }
+        assert_eq!(at, q.dim(0).unwrap());
+        (Tensor::cat(&outs, 0).unwrap(), state)
     }
 
     #[test]
     fn chunked_equals_recurrent_on_random_data() {
-        // 150 tokens starting at absolute position 37: a partial first chunk, one full chunk, a partial last.
-        let [q, k, v, g, beta, s0] = random_inputs(150, 3, 16, 8);
-        let (o_rec, s_rec) = recurrent(&q, &k, &v, &g, &beta, &s0).unwrap();
-        for start in [0usize, 37, 64, 127] {
-            let (o_chk, s_chk) = chunked(&q, &k, &v, &g, &beta, &s0, start).unwrap();
+        // 150 tokens: two full chunks and a partial one, from a non-zero memory.
+        for (dtype, bound) in [(DType::F32, 1e-5), (DType::F64, 1e-12)] {
+            let inputs = random_inputs(150, 3, 16, 8, dtype);
+            let [q, k, v, g, beta, s0] = &inputs;
+            let (o_rec, s_rec) = recurrent(q, k, v, g, beta, s0).unwrap();
+            let (o_chk, state) = in_pieces(&inputs, &[150]);
+            assert_eq!(state.pending, 150 % CHUNK);
             let d_out = max_abs_diff(&o_rec, &o_chk);
-            let d_state = max_abs_diff(&s_rec, &s_chk);
+            let d_state = max_abs_diff(&s_rec, &state.memory().unwrap());
             assert!(
-                d_out < 1e-5 && d_state < 1e-5,
-                "start {start}: out {d_out}, state {d_state}"
+                d_out < bound && d_state < bound,
+                "{dtype:?}: out {d_out}, state {d_state}"
             );
         }
     }
 
     #[test]
-    fn chunked_is_exact_for_repeated_keys() {
-        // Identical keys with β ≈ 1 make (I + A) close to the all-ones lower triangle, whose inverse is
-        // bidiagonal but whose power series explodes: the solve must stay accurate.
+    fn any_split_into_calls_is_bit_identical() {
+        for dtype in [DType::F32, DType::F64] {
+            let inputs = random_inputs(150, 3, 16, 8, dtype);
+            let (o_one, s_one) = in_pieces(&inputs, &[150]);
+            for sizes in [
+                vec![1, 36, 27, 64, 22],
+                vec![63, 1, 64, 1, 21],
+                vec![64, 65, 21],
+                vec![1; 150],
+            ] {
+                let (o, s) = in_pieces(&inputs, &sizes);
+                assert_eq!(
+                    bits(&o),
+                    bits(&o_one),
+                    "{dtype:?} outputs, pieces {sizes:?}"
+                );
+                assert_eq!(s.pending, s_one.pending);
+                for (a, b) in [
+                    (&s.chunk_start, &s_one.chunk_start),
+                    (&s.pending_k, &s_one.pending_k),
+                    (&s.pending_u, &s_one.pending_u),
+                    (&s.pending_gamma, &s_one.pending_gamma),
+                ] {
+                    assert_eq!(bits(a), bits(b), "{dtype:?} state, pieces {sizes:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn chunked_is_accurate_for_repeated_keys() {
+        // Identical keys with β = 1 make (I + A) the all-ones lower triangle: the row recursion must
+        // stay accurate (the new values telescope to v_r − v_{r−1}).
         let dev = Device::Cpu;
         let t = 64;
         let k1 = l2_norm(&Tensor::randn(0f32, 1.0, (1, 1, 16), &dev).unwrap(), 1e-6).unwrap();
@@ -308,28 +524,17 @@ mod tests {
         let beta = Tensor::ones((t, 1), DType::F32, &dev).unwrap();
         let s0 = Tensor::zeros((1, 16, 8), DType::F32, &dev).unwrap();
         let (o_rec, s_rec) = recurrent(&q, &k, &v, &g, &beta, &s0).unwrap();
-        let (o_chk, s_chk) = chunked(&q, &k, &v, &g, &beta, &s0, 0).unwrap();
+        let (o_chk, state) = in_pieces(&[q, k, v, g, beta, s0], &[t]);
+        assert_eq!(state.pending, 0);
         assert!(max_abs_diff(&o_rec, &o_chk) < 1e-4);
-        assert!(max_abs_diff(&s_rec, &s_chk) < 1e-4);
+        assert!(max_abs_diff(&s_rec, &state.chunk_start) < 1e-4);
     }
 
     #[test]
-    fn cpu_kernel_and_tensor_op_inverse_agree_and_invert() {
-        let dev = Device::Cpu;
-        let a = Tensor::randn(0f32, 0.1, (5, 64, 64), &dev).unwrap();
-        let t1 = unit_lower_inverse(&a).unwrap();
-        let t2 = unit_lower_inverse_tensor_ops(&a).unwrap();
-        assert!(max_abs_diff(&t1, &t2) < 1e-4);
-        // (I + strict_lower(A)) · T = I
-        let strict = a
-            .broadcast_mul(&Tensor::tril2(64, DType::F32, &dev).unwrap())
-            .unwrap();
-        let diag = a
-            .broadcast_mul(&Tensor::eye(64, DType::F32, &dev).unwrap())
-            .unwrap();
-        let strict = (strict - diag).unwrap();
-        let eye = Tensor::eye(64, DType::F32, &dev).unwrap();
-        let lhs = strict.broadcast_add(&eye).unwrap().matmul(&t1).unwrap();
-        assert!(max_abs_diff(&lhs, &eye.broadcast_as((5, 64, 64)).unwrap()) < 1e-4);
+    fn mismatched_shapes_are_refused() {
+        let inputs = random_inputs(5, 3, 16, 8, DType::F32);
+        let [q, k, v, g, beta, _] = &inputs;
+        let other = RuleState::zeros(2, 16, 8, DType::F32, &Device::Cpu).unwrap();
+        assert!(chunked(q, k, v, g, beta, &other).is_err());
     }
 }

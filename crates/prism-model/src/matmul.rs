@@ -46,6 +46,8 @@ pub trait Float:
     fn fma(self, b: Self, c: Self) -> Self;
     fn exp(self) -> Self;
     fn from_f64(x: f64) -> Self;
+    /// Exact.
+    fn to_f64(self) -> f64;
     /// [`dot_portable`], with SIMD where the CPU has it (same bits).
     fn dot(a: &[Self], b: &[Self]) -> Self;
     /// `y_i ← alpha · x_i + y_i` (fused), element by element.
@@ -67,6 +69,10 @@ impl Float for f32 {
     #[inline(always)]
     fn from_f64(x: f64) -> Self {
         x as f32
+    }
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        f64::from(self)
     }
     #[inline]
     fn dot(a: &[Self], b: &[Self]) -> Self {
@@ -103,6 +109,10 @@ impl Float for f64 {
     #[inline(always)]
     fn from_f64(x: f64) -> Self {
         x
+    }
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self
     }
     #[inline]
     fn dot(a: &[Self], b: &[Self]) -> Self {
@@ -426,34 +436,33 @@ mod x86 {
 
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn tile_f64(xs: [&[f64]; MR], ws: [&[f64]; NR], k: usize) -> [[f64; NR]; MR] {
-        // Lanes 0–3 in `lo`, 4–7 in `hi`.
+        // Lanes 0–3 of an output in one register, 4–7 in another. Two passes of two weight rows each
+        // keep the 12 accumulators + 3 operands within the 16 registers.
         let full = k / LANES * LANES;
-        let mut lo = [[_mm256_setzero_pd(); NR]; MR];
-        let mut hi = [[_mm256_setzero_pd(); NR]; MR];
         let xp = [xs[0].as_ptr(), xs[1].as_ptr(), xs[2].as_ptr()];
-        let wp = [
-            ws[0].as_ptr(),
-            ws[1].as_ptr(),
-            ws[2].as_ptr(),
-            ws[3].as_ptr(),
-        ];
-        let mut base = 0;
-        while base < full {
-            for i in 0..MR {
-                let xl = _mm256_loadu_pd(xp[i].add(base));
-                let xh = _mm256_loadu_pd(xp[i].add(base + 4));
-                for j in 0..NR {
-                    lo[i][j] = _mm256_fmadd_pd(xl, _mm256_loadu_pd(wp[j].add(base)), lo[i][j]);
-                    hi[i][j] = _mm256_fmadd_pd(xh, _mm256_loadu_pd(wp[j].add(base + 4)), hi[i][j]);
-                }
-            }
-            base += LANES;
-        }
         let mut acc = [[[0f64; LANES]; NR]; MR];
-        for i in 0..MR {
-            for j in 0..NR {
-                _mm256_storeu_pd(acc[i][j].as_mut_ptr(), lo[i][j]);
-                _mm256_storeu_pd(acc[i][j].as_mut_ptr().add(4), hi[i][j]);
+        for half in 0..2 {
+            let wp = [ws[2 * half].as_ptr(), ws[2 * half + 1].as_ptr()];
+            let mut lo = [[_mm256_setzero_pd(); 2]; MR];
+            let mut hi = [[_mm256_setzero_pd(); 2]; MR];
+            let mut base = 0;
+            while base < full {
+                for j in 0..2 {
+                    let wl = _mm256_loadu_pd(wp[j].add(base));
+                    let wh = _mm256_loadu_pd(wp[j].add(base + 4));
+                    for i in 0..MR {
+                        lo[i][j] = _mm256_fmadd_pd(_mm256_loadu_pd(xp[i].add(base)), wl, lo[i][j]);
+                        hi[i][j] =
+                            _mm256_fmadd_pd(_mm256_loadu_pd(xp[i].add(base + 4)), wh, hi[i][j]);
+                    }
+                }
+                base += LANES;
+            }
+            for i in 0..MR {
+                for j in 0..2 {
+                    _mm256_storeu_pd(acc[i][2 * half + j].as_mut_ptr(), lo[i][j]);
+                    _mm256_storeu_pd(acc[i][2 * half + j].as_mut_ptr().add(4), hi[i][j]);
+                }
             }
         }
         finish_tile(xs, ws, k, acc)
@@ -546,6 +555,13 @@ fn block<T: TileKernel<W>, W: Widen<T>>(
     }
 }
 
+/// Whether `work` multiply-adds are worth spreading over rayon's pool. With a one-thread pool the caller
+/// computes (several callers would otherwise queue on that one worker), and small jobs stay on the caller
+/// too. Only the speed depends on this, never a result.
+pub(crate) fn use_threads(work: usize) -> bool {
+    work >= 1 << 18 && rayon::current_num_threads() > 1
+}
+
 /// `x · wᵀ` for row-major `x: [m, k]` and `w: [n, k]`; returns row-major `[m, n]`. Every element is
 /// [`dot`] of its two rows, bit for bit.
 pub fn matmul_xwt<T: TileKernel<W>, W: Widen<T>>(
@@ -579,14 +595,16 @@ pub fn matmul_xwt<T: TileKernel<W>, W: Widen<T>>(
         block(x, w, k, tasks[0].0, tasks[0].1, &mut out);
         return out;
     }
-    let results: Vec<Vec<T>> = tasks
-        .par_iter()
-        .map(|&(ms, ns)| {
-            let mut buf = vec![T::ZERO; (ms.1 - ms.0) * (ns.1 - ns.0)];
-            block(x, w, k, ms, ns, &mut buf);
-            buf
-        })
-        .collect();
+    let run = |&(ms, ns): &((usize, usize), (usize, usize))| {
+        let mut buf = vec![T::ZERO; (ms.1 - ms.0) * (ns.1 - ns.0)];
+        block(x, w, k, ms, ns, &mut buf);
+        buf
+    };
+    let results: Vec<Vec<T>> = if use_threads(m * n * k) {
+        tasks.par_iter().map(run).collect()
+    } else {
+        tasks.iter().map(run).collect()
+    };
     for (((m0, m1), (n0, n1)), buf) in tasks.iter().zip(&results) {
         let width = n1 - n0;
         for r in *m0..*m1 {
@@ -674,28 +692,54 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn every_element_is_the_reference_dot_product_whatever_the_shape() {
-        // k = 37: full lane blocks and a tail; n = 70, m = 53: edge tiles in both directions and several
-        // blocks, so threads and tiling are exercised.
-        let (m, n, k) = (53, 70, 37);
-        let x = pseudo_random(m * k, 1);
-        let w = pseudo_random(n * k, 2);
-        let y = matmul_xwt(&x, &w, m, n, k);
+    /// Every element of `matmul_xwt` is `dot_portable` of its rows, bit for bit, and any subset of rows
+    /// gives the same bits as inside the full batch.
+    fn check_row_invariance<T: TileKernel<T> + Widen<T> + std::fmt::Debug>(
+        x: &[T],
+        w: &[T],
+        m: usize,
+        n: usize,
+        k: usize,
+    ) {
+        let y = matmul_xwt(x, w, m, n, k);
         for r in 0..m {
             for c in 0..n {
-                let want = dot(&x[r * k..(r + 1) * k], &w[c * k..(c + 1) * k]);
-                assert_eq!(y[r * n + c].to_bits(), want.to_bits(), "({r}, {c})");
+                let want = dot_portable(&x[r * k..(r + 1) * k], &w[c * k..(c + 1) * k]);
+                assert!(
+                    y[r * n + c] == want,
+                    "({r}, {c}): {:?} vs {want:?}",
+                    y[r * n + c]
+                );
+                assert!(dot(&x[r * k..(r + 1) * k], &w[c * k..(c + 1) * k]) == want);
             }
         }
-        // Any subset of rows gives the same bits as inside the full batch.
-        for (start, len) in [(0, 1), (5, 2), (17, 3), (50, 3), (1, 52)] {
-            let part = matmul_xwt(&x[start * k..(start + len) * k], &w, len, n, k);
-            assert_eq!(part, y[start * n..(start + len) * n]);
+        for (start, len) in [(0, 1), (5, 2), (17, 3), (m - 3, 3), (1, m - 1)] {
+            let part = matmul_xwt(&x[start * k..(start + len) * k], w, len, n, k);
+            assert!(
+                part == y[start * n..(start + len) * n],
+                "rows {start}..{}",
+                start + len
+            );
         }
-        // Close to the exact value.
-        let exact: f64 = (0..k).map(|i| f64::from(x[i]) * f64::from(w[i])).sum();
-        assert!((f64::from(y[0]) - exact).abs() < 1e-5);
+    }
+
+    #[test]
+    fn every_element_is_the_reference_dot_product_whatever_the_shape() {
+        // k = 37 and 64: full lane blocks with and without a tail; n = 70, m = 53: edge tiles in both
+        // directions and several blocks, so threads and tiling are exercised.
+        for k in [37, 64] {
+            let (m, n) = (53, 70);
+            let x = pseudo_random(m * k, 1);
+            let w = pseudo_random(n * k, 2);
+            check_row_invariance(&x, &w, m, n, k);
+            let x64: Vec<f64> = x.iter().map(|&v| f64::from(v) / 3.0).collect();
+            let w64: Vec<f64> = w.iter().map(|&v| f64::from(v) / 7.0).collect();
+            check_row_invariance(&x64, &w64, m, n, k);
+            // Close to the exact value.
+            let y = matmul_xwt(&x, &w, 1, 1, k);
+            let exact: f64 = (0..k).map(|i| f64::from(x[i]) * f64::from(w[i])).sum();
+            assert!((f64::from(y[0]) - exact).abs() < 1e-5);
+        }
     }
 
     #[test]

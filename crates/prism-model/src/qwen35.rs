@@ -532,8 +532,8 @@ impl Qwen35Model {
     }
 
     /// The last hidden state of each prompt, `[B, d]`, computing the prompts' common prefix once. The
-    /// shared part is rounded down to a multiple of the delta-rule chunk (64 tokens) so that every chunk
-    /// boundary falls where it would in a one-by-one run.
+    /// branch point may fall anywhere (the delta-rule state carries the chunk in progress), and the
+    /// result is bit-identical to running each prompt alone.
     pub fn last_hidden_shared_prefix(&self, prompts: &[&[u32]]) -> Result<Tensor> {
         if let Some(index) = prompts.iter().position(|p| p.is_empty()) {
             return Err(ModelError::EmptyPrompt { index });
@@ -592,7 +592,8 @@ impl Qwen35Model {
 }
 
 /// Length of the prefix shared by all prompts, capped so that every prompt keeps at least one token of
-/// its own, and rounded down to a multiple of the delta-rule chunk. 0 for fewer than two prompts.
+/// its own. 0 for fewer than two prompts. (Branching needs no alignment: any branch point gives the same
+/// bits as one-by-one runs.)
 pub fn shared_prefix_len(prompts: &[&[u32]]) -> usize {
     let (first, rest) = match prompts.split_first() {
         Some(split) if prompts.len() >= 2 => split,
@@ -609,8 +610,7 @@ pub fn shared_prefix_len(prompts: &[&[u32]]) -> usize {
         );
     }
     let shortest = prompts.iter().map(|p| p.len()).min().unwrap_or(0);
-    let capped = common.min(shortest.saturating_sub(1));
-    capped / crate::delta_rule::CHUNK * crate::delta_rule::CHUNK
+    common.min(shortest.saturating_sub(1))
 }
 
 /// Index of the largest logit of a `[1, vocab]` or `[vocab]` tensor (the first one on ties).
@@ -645,15 +645,15 @@ mod tests {
     }
 
     #[test]
-    fn shared_prefix_length_is_capped_and_chunk_aligned() {
+    fn shared_prefix_length_is_the_common_prefix_capped() {
         let a: Vec<u32> = (0..200).collect();
         let mut b = a.clone();
         b[150] = 9999;
-        assert_eq!(shared_prefix_len(&[&a, &b]), 128);
+        assert_eq!(shared_prefix_len(&[&a, &b]), 150);
         assert_eq!(shared_prefix_len(&[&a]), 0);
-        // Identical prompts: each keeps at least its last token, so 199 → 192.
-        assert_eq!(shared_prefix_len(&[&a, &a]), 192);
-        assert_eq!(shared_prefix_len(&[&a[..64], &a]), 0);
-        assert_eq!(shared_prefix_len(&[&a[..65], &a]), 64);
+        // Identical prompts: each keeps at least its last token.
+        assert_eq!(shared_prefix_len(&[&a, &a]), 199);
+        assert_eq!(shared_prefix_len(&[&a[..64], &a]), 63);
+        assert_eq!(shared_prefix_len(&[&b, &a[..1], &a]), 0);
     }
 }

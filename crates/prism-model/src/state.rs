@@ -1,7 +1,7 @@
 //! Per-sequence decoding state.
 //!
 //! A [`SequenceState`] holds everything a sequence needs to continue: the K/V cache of every attention
-//! layer, the conv window and recurrent matrix of every DeltaNet layer, the number of tokens seen and the
+//! layer, the conv window and delta-rule state of every DeltaNet layer, the number of tokens seen and the
 //! next M-RoPE position. Tensors are immutable and reference-counted, so `clone()` is cheap (no copy):
 //! that is how a shared prefix branches into several continuations. Updates always build new tensors, so
 //! branches never see each other's writes.
@@ -9,6 +9,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::config::{LayerKind, Qwen35Config};
+use crate::delta_rule::RuleState;
 use crate::error::Result;
 
 /// State of one DeltaNet layer for one sequence.
@@ -17,8 +18,9 @@ pub struct DeltaNetState {
     /// The last `conv_kernel − 1` PRE-conv inputs (raw `attn_qkv` projections), `[K−1, conv_dim]` in the activation dtype,
     /// oldest first. Zeros at the sequence start.
     pub conv: Tensor,
-    /// The delta-rule memory, `[n_v, dk, dv]` in the activation dtype (key index on axis 1, as in transformers).
-    pub recurrent: Tensor,
+    /// The delta-rule memory at the last 64-token boundary (`[n_v, dk, dv]`, key index on axis 1 as in
+    /// transformers) and the rows of the chunk in progress.
+    pub rule: RuleState,
 }
 
 /// K/V cache of one attention layer for one sequence.
@@ -72,12 +74,10 @@ impl SequenceState {
                             dtype,
                             device,
                         )?,
-                        recurrent: Tensor::zeros(
-                            (
-                                config.linear_value_heads,
-                                config.linear_key_head_dim,
-                                config.linear_value_head_dim,
-                            ),
+                        rule: RuleState::zeros(
+                            config.linear_value_heads,
+                            config.linear_key_head_dim,
+                            config.linear_value_head_dim,
                             dtype,
                             device,
                         )?,

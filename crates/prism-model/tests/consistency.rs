@@ -1,53 +1,50 @@
 //! Batched, branched (shared prefix), chunked (prompt in pieces) and token-by-token runs must equal the
-//! one-by-one one-shot runs, compared on final-normed hidden states and on full logits.
+//! one-by-one one-shot runs **bit for bit**, compared on final-normed hidden states, on the full logits
+//! they produce and on the sequence states left behind.
 //!
-//! Every scenario runs twice:
-//! - in f64 (`tiny-BF16.gguf` computed in f64), where rounding is ~1e-16 and any difference would be a
-//!   logic error (state handling, chunk alignment, masks, positions): bound 1e-9;
-//! - in f32, the reference path. Different batch shapes pick different gemm kernels (gemm is not
-//!   row-invariant), and the chunked, recurrent and split forms of the delta rule round differently. This
-//!   random model amplifies rounding (fixture README: ~9 × logit std × relative noise), so f32 variants
-//!   differ from each other by up to ~1e-4 in logits — the same size as the f32 one-shot's own distance
-//!   to the f64 truth (see `f32_rounding_floor`). Bound: 3e-4 on logits, 1e-4 on hidden states.
+//! Bit-identity is what the design promises, not a tolerance that happens to hold: on the CPU every
+//! matmul output, every attention row and every delta-rule token is computed by a fixed sequence of
+//! operations that depends only on that row's own inputs (`matmul`, `attention::CausalAttention`,
+//! `delta_rule::chunked`, whose state carries the 64-token chunk in progress). So nothing may differ,
+//! not even in the last bit, whatever the batch, the branch point or the split into calls.
+//!
+//! Every scenario runs in f32 (the reference path) and in f64 (`tiny-BF16.gguf` computed in f64, whose
+//! ~1e-16 rounding would have exposed any logic error even before the arithmetic was made
+//! order-invariant); the mixed batch also runs on the bf16 path.
 
 mod common;
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use common::*;
+use prism_model::state::LayerState;
 use prism_model::{BatchItem, Precision, Qwen35Model, SequenceState};
 
-struct Bounds {
-    hidden: f64,
-    logits: f64,
+fn models() -> [&'static Qwen35Model; 2] {
+    [f64_model(), bf16_model()]
 }
 
-const F64_BOUNDS: Bounds = Bounds {
-    hidden: 1e-9,
-    logits: 1e-9,
-};
-const F32_BOUNDS: Bounds = Bounds {
-    hidden: 1e-4,
-    logits: 3e-4,
-};
-
-fn models() -> [(&'static Qwen35Model, &'static Bounds); 2] {
-    [(f64_model(), &F64_BOUNDS), (bf16_model(), &F32_BOUNDS)]
+/// tiny-BF16.gguf on the bf16 path (bf16 matrices and matmul inputs, f32 accumulation).
+fn bf16_precision_model() -> &'static Qwen35Model {
+    static M: OnceLock<Qwen35Model> = OnceLock::new();
+    M.get_or_init(|| load_with("tiny-BF16.gguf", Precision::Bf16))
 }
 
-/// One-shot prefill of prompt `i` alone: the hidden states at every position, `[len, d]` (cached).
-fn one_shot(model: &Qwen35Model, i: usize) -> Tensor {
-    static CACHE: Mutex<Option<HashMap<(bool, usize), Tensor>>> = Mutex::new(None);
-    let key = (model.precision() == Precision::F64, i);
-    if let Some(t) = CACHE
+/// One-shot prefill of prompt `i` alone: the hidden states at every position, `[len, d]`, and the final
+/// state (cached).
+fn one_shot(model: &Qwen35Model, i: usize) -> (Tensor, SequenceState) {
+    type Cache = HashMap<(String, usize), (Tensor, SequenceState)>;
+    static CACHE: Mutex<Option<Cache>> = Mutex::new(None);
+    let key = (format!("{:?}", model.precision()), i);
+    if let Some(hit) = CACHE
         .lock()
         .unwrap()
         .get_or_insert_with(HashMap::new)
         .get(&key)
     {
-        return t.clone();
+        return hit.clone();
     }
     let mut state = model.new_state().unwrap();
     let hidden = model
@@ -58,8 +55,12 @@ fn one_shot(model: &Qwen35Model, i: usize) -> Tensor {
         .lock()
         .unwrap()
         .get_or_insert_with(HashMap::new)
-        .insert(key, hidden.clone());
-    hidden
+        .insert(key, (hidden.clone(), state.clone()));
+    (hidden, state)
+}
+
+fn one_shot_hidden(model: &Qwen35Model, i: usize) -> Tensor {
+    one_shot(model, i).0
 }
 
 fn last_row(t: &Tensor) -> Tensor {
@@ -67,40 +68,88 @@ fn last_row(t: &Tensor) -> Tensor {
     t.narrow(0, n - 1, 1).unwrap()
 }
 
-/// max |Δ| of hidden states and of the full logits they produce.
-fn compare(model: &Qwen35Model, got: &Tensor, want: &Tensor) -> (f64, f64) {
-    let dh = max_abs_diff_tensors(got, want);
-    let dl = max_abs_diff_tensors(&model.logits(got).unwrap(), &model.logits(want).unwrap());
-    (dh, dl)
+/// The exact bit patterns of a float tensor (f32 widened losslessly to its bits, or f64).
+fn bits(t: &Tensor) -> Vec<u64> {
+    let flat = t.flatten_all().unwrap();
+    match flat.dtype() {
+        DType::F64 => flat
+            .to_vec1::<f64>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect(),
+        DType::F32 => flat
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| u64::from(x.to_bits()))
+            .collect(),
+        other => panic!("unexpected dtype {other:?}"),
+    }
 }
 
-fn worst(a: (f64, f64), b: (f64, f64)) -> (f64, f64) {
-    (a.0.max(b.0), a.1.max(b.1))
-}
-
-fn assert_close(model: &Qwen35Model, bounds: &Bounds, what: &str, (dh, dl): (f64, f64)) {
+/// Asserts that `got` and `want` (hidden states, `[rows, d]`) are bitwise equal, and so are the full
+/// logits computed from each (the LM head runs on batches of different sizes here).
+fn assert_identical(model: &Qwen35Model, what: &str, got: &Tensor, want: &Tensor) {
     let precision = format!("{:?}", model.precision());
+    let (lg, lw) = (model.logits(got).unwrap(), model.logits(want).unwrap());
+    let dh = max_abs_diff_tensors(got, want);
+    let dl = max_abs_diff_tensors(&lg, &lw);
     eprintln!("[{precision}] {what}: hidden max |Δ| {dh:.3e}, logits max |Δ| {dl:.3e}");
+    assert_eq!(got.dims(), want.dims(), "[{precision}] {what}: shapes");
     assert!(
-        dh < bounds.hidden && dl < bounds.logits,
-        "[{precision}] {what}: hidden {dh:e} (bound {:e}), logits {dl:e} (bound {:e})",
-        bounds.hidden,
-        bounds.logits
+        bits(got) == bits(want),
+        "[{precision}] {what}: hidden states differ (max |Δ| {dh:e})"
     );
+    assert!(
+        bits(&lg) == bits(&lw),
+        "[{precision}] {what}: logits differ (max |Δ| {dl:e})"
+    );
+}
+
+/// Every tensor of two sequence states is bitwise equal (K/V caches, conv windows, delta-rule memory at
+/// the chunk start and the rows of the chunk in progress), and so are the counters.
+fn assert_states_identical(what: &str, a: &SequenceState, b: &SequenceState) {
+    assert_eq!(a.n_tokens(), b.n_tokens(), "{what}: token counts");
+    assert_eq!(a.next_position(), b.next_position(), "{what}: positions");
+    for (l, (x, y)) in a.layers().iter().zip(b.layers()).enumerate() {
+        let pairs: Vec<(&Tensor, &Tensor)> = match (x, y) {
+            (LayerState::DeltaNet(x), LayerState::DeltaNet(y)) => {
+                assert_eq!(x.rule.pending, y.rule.pending, "{what}: layer {l} pending");
+                vec![
+                    (&x.conv, &y.conv),
+                    (&x.rule.chunk_start, &y.rule.chunk_start),
+                    (&x.rule.pending_k, &y.rule.pending_k),
+                    (&x.rule.pending_u, &y.rule.pending_u),
+                    (&x.rule.pending_gamma, &y.rule.pending_gamma),
+                ]
+            }
+            (LayerState::Attention(x), LayerState::Attention(y)) => {
+                match (&x.k, &y.k, &x.v, &y.v) {
+                    (Some(xk), Some(yk), Some(xv), Some(yv)) => vec![(xk, yk), (xv, yv)],
+                    _ => panic!("{what}: layer {l} has an empty cache"),
+                }
+            }
+            _ => panic!("{what}: layer {l} kinds differ"),
+        };
+        for (p, q) in pairs {
+            assert!(bits(p) == bits(q), "{what}: layer {l} state differs");
+        }
+    }
 }
 
 #[test]
 fn f32_rounding_floor() {
     // The f32 one-shot against the f64 truth, and transformers' fp32 logits against the same truth: the
-    // scale of rounding differences on this model, which the f32 bounds above must sit above.
+    // size of rounding differences on this model (bit-identity above is not a matter of tolerance).
     let reference = read_json("ref_transformers.json");
     let (mut ours, mut theirs) = (0f64, 0f64);
     for i in [0, 1, 11] {
         let l64 = f64_model()
-            .logits(&last_row(&one_shot(f64_model(), i)))
+            .logits(&last_row(&one_shot_hidden(f64_model(), i)))
             .unwrap();
         let l32 = bf16_model()
-            .logits(&last_row(&one_shot(bf16_model(), i)))
+            .logits(&last_row(&one_shot_hidden(bf16_model(), i)))
             .unwrap();
         ours = ours.max(max_abs_diff_tensors(&l32, &l64));
         let hf = floats(&reference["prompts"][i]["logits"]);
@@ -110,23 +159,32 @@ fn f32_rounding_floor() {
     eprintln!(
         "last-position logits vs f64 truth: ours (f32) {ours:.3e}, transformers fp32 {theirs:.3e}"
     );
-    assert!(ours < F32_BOUNDS.logits && theirs < 1e-3);
+    assert!(
+        ours < 1e-4 && theirs < 1e-3,
+        "ours {ours}, transformers {theirs}"
+    );
 }
 
 #[test]
 fn mixed_length_batch_equals_one_by_one() {
-    // f32: all 12 prompts; f64 (slower): four of different lengths.
+    // f32: all 12 prompts; f64 and bf16: four of different lengths.
     let all: Vec<usize> = (0..prompts().len()).collect();
-    for ((model, bounds), members) in models().into_iter().zip([vec![1, 0, 2, 11], all]) {
+    let runs = [
+        (f64_model(), vec![1, 0, 2, 11]),
+        (bf16_model(), all),
+        (bf16_precision_model(), vec![1, 0, 2, 11]),
+    ];
+    for (model, members) in runs {
         let refs: Vec<&[u32]> = members.iter().map(|&i| prompts()[i].as_slice()).collect();
         let batched = model.last_hidden(&refs).unwrap();
-        let mut w = (0.0, 0.0);
-        for (j, &i) in members.iter().enumerate() {
-            let want = last_row(&one_shot(model, i));
-            w = worst(w, compare(model, &batched.narrow(0, j, 1).unwrap(), &want));
+        let mut alone = Vec::new();
+        for &i in &members {
+            let mut state = model.new_state().unwrap();
+            alone.push(model.prefill(&mut state, &prompts()[i]).unwrap());
         }
+        let alone = Tensor::cat(&alone, 0).unwrap();
         let what = format!("{} prompts batched vs one by one", members.len());
-        assert_close(model, bounds, &what, w);
+        assert_identical(model, &what, &batched, &alone);
     }
 }
 
@@ -136,7 +194,7 @@ fn batch_of_sequences_at_different_stages_equals_one_by_one() {
     // prompt 1 from scratch, 3 continues prompt 3 after 64 tokens: all in one batch.
     let p = prompts();
     let starts = [(0usize, 50usize), (2, p[2].len() - 1), (1, 0), (3, 64)];
-    for (model, bounds) in models() {
+    for model in models() {
         let mut states: Vec<SequenceState> = starts
             .iter()
             .map(|&(i, k)| {
@@ -153,16 +211,14 @@ fn batch_of_sequences_at_different_stages_equals_one_by_one() {
             .map(|(s, &(i, k))| BatchItem::new(s, &p[i][k..]))
             .collect();
         let out = model.forward(&mut items).unwrap();
-        let mut w = (0.0, 0.0);
         for (j, &(i, k)) in starts.iter().enumerate() {
-            let want = one_shot(model, i).narrow(0, k, p[i].len() - k).unwrap();
-            w = worst(w, compare(model, &out.sequence_hidden(j).unwrap(), &want));
+            let want = one_shot_hidden(model, i)
+                .narrow(0, k, p[i].len() - k)
+                .unwrap();
+            let what = format!("prompt {i} from token {k} in a mixed batch vs one shot");
+            assert_identical(model, &what, &out.sequence_hidden(j).unwrap(), &want);
+            assert_states_identical(&what, &states[j], &one_shot(model, i).1);
         }
-        for (s, &(i, _)) in states.iter().zip(&starts) {
-            assert_eq!(s.n_tokens(), p[i].len());
-            assert_eq!(s.next_position() as usize, p[i].len());
-        }
-        assert_close(model, bounds, "batch at different stages vs one by one", w);
     }
 }
 
@@ -176,27 +232,55 @@ fn shared_prefix_batches_equal_one_by_one() {
         for p in &prompts {
             assert_eq!(&p[..common], &prompts[0][..common]);
         }
-        assert_eq!(prism_model::shared_prefix_len(&prompts), common / 64 * 64);
-        let suffixes: Vec<&[u32]> = prompts.iter().map(|p| &p[common..]).collect();
-        // f64 (slower) on batch B only.
-        for (model, bounds) in models() {
+        // The read-out shares the whole common prefix (every prompt is longer than it).
+        assert_eq!(prism_model::shared_prefix_len(&prompts), common);
+        assert!(
+            common % 64 != 0,
+            "the fixture's branch points are not chunk aligned"
+        );
+        for model in models() {
+            // f64 (slower) on batch B only.
             if model.precision() == Precision::F64 && batch["name"] != "B" {
                 continue;
             }
-            // Branch at the exact common prefix (not chunk aligned), and through the aligned helper.
-            let exact = model
-                .forward_branched(&prompts[0][..common], &suffixes)
+            let want: Vec<Tensor> = members
+                .iter()
+                .map(|&i| last_row(&one_shot_hidden(model, i)))
+                .collect();
+            let want = Tensor::cat(&want, 0).unwrap();
+            // The read-out path (exact common prefix), and a branch at the 64-aligned point below it.
+            let read_out = model.last_hidden_shared_prefix(&prompts).unwrap();
+            let aligned = common / 64 * 64;
+            let suffixes: Vec<&[u32]> = prompts.iter().map(|p| &p[aligned..]).collect();
+            let at_aligned = model
+                .forward_branched(&prompts[0][..aligned], &suffixes)
                 .unwrap();
-            let aligned = model.last_hidden_shared_prefix(&prompts).unwrap();
-            for (what, got) in [("exact prefix", &exact), ("aligned prefix", &aligned)] {
-                let mut w = (0.0, 0.0);
-                for (j, &i) in members.iter().enumerate() {
-                    let row = got.narrow(0, j, 1).unwrap();
-                    w = worst(w, compare(model, &row, &last_row(&one_shot(model, i))));
-                }
+            for (what, got) in [
+                (format!("exact prefix {common}"), &read_out),
+                (format!("aligned prefix {aligned}"), &at_aligned),
+            ] {
                 let name = format!("batch {} ({what}) vs one by one", batch["name"]);
-                assert_close(model, bounds, &name, w);
+                assert_identical(model, &name, got, &want);
             }
+        }
+    }
+}
+
+#[test]
+fn any_branch_point_equals_one_by_one() {
+    // Prompt 3 (376 tokens) branched at points on and off the chunk boundaries, two siblings each
+    // (f64, slower, at two of them).
+    let p = &prompts()[3];
+    let points: [&[usize]; 2] = [&[65, 200], &[1, 63, 64, 65, 127, 200, 375]];
+    for (model, points) in models().into_iter().zip(points) {
+        let want = last_row(&one_shot_hidden(model, 3));
+        for &at in points {
+            let got = model
+                .forward_branched(&p[..at], &[&p[at..], &p[at..]])
+                .unwrap();
+            let what = format!("prompt 3 branched after {at} tokens");
+            assert_identical(model, &what, &got.narrow(0, 0, 1).unwrap(), &want);
+            assert_identical(model, &what, &got.narrow(0, 1, 1).unwrap(), &want);
         }
     }
 }
@@ -216,25 +300,30 @@ fn last_position_rows_are_the_full_logits_at_those_rows() {
             .unwrap(),
     );
     for (g, f) in got.iter().zip(&full) {
-        let want: Vec<f32> = rows.iter().map(|&r| f[r as usize]).collect();
-        assert!(max_abs_diff(g, &want) < 1e-5, "{g:?} vs {want:?}");
+        let want: Vec<u32> = rows.iter().map(|&r| f[r as usize].to_bits()).collect();
+        let g: Vec<u32> = g.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(g, want);
     }
 }
 
 #[test]
 fn branching_with_an_empty_suffix_returns_the_prefix_state() {
     let p = &prompts()[1];
-    for (model, bounds) in models() {
+    for model in models() {
         let got = model.forward_branched(&p[..20], &[&p[20..], &[]]).unwrap();
-        let want = &one_shot(model, 1);
-        let empty = compare(
+        let want = one_shot_hidden(model, 1);
+        assert_identical(
             model,
+            "branch with empty suffix",
             &got.narrow(0, 1, 1).unwrap(),
             &want.narrow(0, 19, 1).unwrap(),
         );
-        assert_close(model, bounds, "branch with empty suffix", empty);
-        let full = compare(model, &got.narrow(0, 0, 1).unwrap(), &last_row(want));
-        assert_close(model, bounds, "branch with full suffix", full);
+        assert_identical(
+            model,
+            "branch with full suffix",
+            &got.narrow(0, 0, 1).unwrap(),
+            &last_row(&want),
+        );
     }
 }
 
@@ -244,7 +333,7 @@ fn prompt_in_pieces_equals_one_shot() {
     let p = &prompts()[3];
     let sizes = [1usize, 7, 63, 64, 65, 1, 2, 100];
     let rest = p.len() - sizes.iter().sum::<usize>();
-    for (model, bounds) in models() {
+    for model in models() {
         let mut state = model.new_state().unwrap();
         let mut rows = Vec::new();
         let mut at = 0;
@@ -257,45 +346,48 @@ fn prompt_in_pieces_equals_one_shot() {
         }
         assert_eq!(at, p.len());
         let pieces = Tensor::cat(&rows, 0).unwrap();
-        let d = compare(model, &pieces, &one_shot(model, 3));
-        assert_close(
+        assert_identical(
             model,
-            bounds,
             "prompt 3 in 9 pieces vs one shot (all positions)",
-            d,
+            &pieces,
+            &one_shot_hidden(model, 3),
         );
+        let (_, mut fresh) = one_shot(model, 3);
+        assert_states_identical("state after pieces vs after one shot", &state, &fresh);
         // The states must continue identically too.
-        let mut fresh = model.new_state().unwrap();
-        model.prefill(&mut fresh, p).unwrap();
         let next = [p[5]];
         let a = model.prefill(&mut state, &next).unwrap();
         let b = model.prefill(&mut fresh, &next).unwrap();
-        assert_close(
+        assert_identical(
             model,
-            bounds,
             "one more token after pieces vs after one shot",
-            compare(model, &a, &b),
+            &a,
+            &b,
         );
     }
 }
 
 #[test]
 fn token_by_token_decode_equals_one_shot_prefill() {
-    // Prompt 0 (119 tokens) one token at a time: the recurrent delta rule against the chunked one.
+    // Prompt 0 (119 tokens) one token at a time: the decode path is the prefill path, row by row.
     let p = &prompts()[0];
-    for (model, bounds) in models() {
+    for model in models() {
         let mut state = model.new_state().unwrap();
         let rows: Vec<Tensor> = p
             .iter()
             .map(|&t| model.prefill(&mut state, &[t]).unwrap())
             .collect();
         let stepped = Tensor::cat(&rows, 0).unwrap();
-        let d = compare(model, &stepped, &one_shot(model, 0));
-        assert_close(
+        assert_identical(
             model,
-            bounds,
             "prompt 0 token by token vs one shot (all positions)",
-            d,
+            &stepped,
+            &one_shot_hidden(model, 0),
+        );
+        assert_states_identical(
+            "state after token-by-token vs after one shot",
+            &state,
+            &one_shot(model, 0).1,
         );
     }
 }
@@ -304,7 +396,7 @@ fn token_by_token_decode_equals_one_shot_prefill() {
 fn branches_do_not_see_each_other() {
     // Two continuations of one cloned state: the first one's tokens must not leak into the second.
     let p = &prompts()[1];
-    for (model, bounds) in models() {
+    for model in models() {
         let mut base = model.new_state().unwrap();
         model.prefill(&mut base, &p[..30]).unwrap();
         let mut a = base.clone();
@@ -313,7 +405,12 @@ fn branches_do_not_see_each_other() {
         let hb = model.prefill(&mut b, &p[30..]).unwrap();
         assert_eq!(base.n_tokens(), 30);
         assert_eq!(a.n_tokens(), 33);
-        let d = compare(model, &hb, &last_row(&one_shot(model, 1)));
-        assert_close(model, bounds, "continuation after a sibling branch ran", d);
+        assert_identical(
+            model,
+            "continuation after a sibling branch ran",
+            &hb,
+            &last_row(&one_shot_hidden(model, 1)),
+        );
+        assert_states_identical("sibling branch", &b, &one_shot(model, 1).1);
     }
 }
