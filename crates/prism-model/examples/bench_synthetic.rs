@@ -9,8 +9,9 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use candle_core::Tensor;
 use prism_gguf::{GgmlType, GgufWriter, MetadataValue};
-use prism_model::{argmax, BatchItem, LoadOptions, Qwen35Model};
+use prism_model::{argmax, delta_rule, BatchItem, LoadOptions, Qwen35Model};
 
 const D: u64 = 1024;
 const LAYERS: u64 = 24;
@@ -158,6 +159,63 @@ fn write_model(path: &PathBuf) -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     out.finish()?;
+
+    // The delta rule alone at this shape (16 heads, dk = dv = 128): one decode token after 40 tokens of
+    // the current chunk, row form (what the model runs) against candle tensor ops of the recurrent step.
+    let dev = candle_core::Device::Cpu;
+    let (h, dk) = (N_V as usize, DK as usize);
+    let unit = |t: usize| -> Result<Tensor, candle_core::Error> {
+        let x = Tensor::randn(0f32, 1.0, (t, h, dk), &dev)?;
+        x.broadcast_div(&x.sqr()?.sum_keepdim(2)?.sqrt()?)
+    };
+    let (q, k, v) = (
+        unit(41)?,
+        unit(41)?,
+        Tensor::randn(0f32, 1.0, (41, h, dk), &dev)?,
+    );
+    let g = Tensor::rand(-1f32, 0.0, (41, h), &dev)?;
+    let beta = Tensor::rand(0f32, 1.0, (41, h), &dev)?;
+    let start = delta_rule::RuleState::zeros(h, dk, dk, candle_core::DType::F32, &dev)?;
+    let part = |x: &Tensor, a: usize, n: usize| x.narrow(0, a, n);
+    let (_, state) = delta_rule::chunked(
+        &part(&q, 0, 40)?,
+        &part(&k, 0, 40)?,
+        &part(&v, 0, 40)?,
+        &part(&g, 0, 40)?,
+        &part(&beta, 0, 40)?,
+        &start,
+    )?;
+    let memory = state.memory()?;
+    let reps = 50;
+    let t = Instant::now();
+    for _ in 0..reps {
+        delta_rule::chunked(
+            &part(&q, 40, 1)?,
+            &part(&k, 40, 1)?,
+            &part(&v, 40, 1)?,
+            &part(&g, 40, 1)?,
+            &part(&beta, 40, 1)?,
+            &state,
+        )?;
+    }
+    let row_form = t.elapsed().as_secs_f64() / reps as f64;
+    let t = Instant::now();
+    for _ in 0..reps {
+        delta_rule::recurrent(
+            &part(&q, 40, 1)?,
+            &part(&k, 40, 1)?,
+            &part(&v, 40, 1)?,
+            &part(&g, 40, 1)?,
+            &part(&beta, 40, 1)?,
+            &memory,
+        )?;
+    }
+    let recurrent = t.elapsed().as_secs_f64() / reps as f64;
+    println!(
+        "delta rule, one decode token, one layer: row form {:.0} µs, recurrent tensor ops {:.0} µs",
+        row_form * 1e6,
+        recurrent * 1e6
+    );
     Ok(())
 }
 
@@ -244,6 +302,63 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "read-out (4 prompts, 300 shared + 40 own tokens, 26 rows): {:.2} s; first logit {:.4}",
         t.elapsed().as_secs_f64(),
         letters[0][0]
+    );
+
+    // The delta rule alone at this shape (16 heads, dk = dv = 128): one decode token after 40 tokens of
+    // the current chunk, row form (what the model runs) against candle tensor ops of the recurrent step.
+    let dev = candle_core::Device::Cpu;
+    let (h, dk) = (N_V as usize, DK as usize);
+    let unit = |t: usize| -> Result<Tensor, candle_core::Error> {
+        let x = Tensor::randn(0f32, 1.0, (t, h, dk), &dev)?;
+        x.broadcast_div(&x.sqr()?.sum_keepdim(2)?.sqrt()?)
+    };
+    let (q, k, v) = (
+        unit(41)?,
+        unit(41)?,
+        Tensor::randn(0f32, 1.0, (41, h, dk), &dev)?,
+    );
+    let g = Tensor::rand(-1f32, 0.0, (41, h), &dev)?;
+    let beta = Tensor::rand(0f32, 1.0, (41, h), &dev)?;
+    let start = delta_rule::RuleState::zeros(h, dk, dk, candle_core::DType::F32, &dev)?;
+    let part = |x: &Tensor, a: usize, n: usize| x.narrow(0, a, n);
+    let (_, state) = delta_rule::chunked(
+        &part(&q, 0, 40)?,
+        &part(&k, 0, 40)?,
+        &part(&v, 0, 40)?,
+        &part(&g, 0, 40)?,
+        &part(&beta, 0, 40)?,
+        &start,
+    )?;
+    let memory = state.memory()?;
+    let reps = 50;
+    let t = Instant::now();
+    for _ in 0..reps {
+        delta_rule::chunked(
+            &part(&q, 40, 1)?,
+            &part(&k, 40, 1)?,
+            &part(&v, 40, 1)?,
+            &part(&g, 40, 1)?,
+            &part(&beta, 40, 1)?,
+            &state,
+        )?;
+    }
+    let row_form = t.elapsed().as_secs_f64() / reps as f64;
+    let t = Instant::now();
+    for _ in 0..reps {
+        delta_rule::recurrent(
+            &part(&q, 40, 1)?,
+            &part(&k, 40, 1)?,
+            &part(&v, 40, 1)?,
+            &part(&g, 40, 1)?,
+            &part(&beta, 40, 1)?,
+            &memory,
+        )?;
+    }
+    let recurrent = t.elapsed().as_secs_f64() / reps as f64;
+    println!(
+        "delta rule, one decode token, one layer: row form {:.0} µs, recurrent tensor ops {:.0} µs",
+        row_form * 1e6,
+        recurrent * 1e6
     );
     Ok(())
 }

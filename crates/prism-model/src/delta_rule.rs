@@ -473,6 +473,7 @@ mod tests {
             assert_eq!(state.pending, 150 % CHUNK);
             let d_out = max_abs_diff(&o_rec, &o_chk);
             let d_state = max_abs_diff(&s_rec, &state.memory().unwrap());
+            eprintln!("{dtype:?}: chunked vs recurrent, out {d_out:.2e}, memory {d_state:.2e}");
             assert!(
                 d_out < bound && d_state < bound,
                 "{dtype:?}: out {d_out}, state {d_state}"

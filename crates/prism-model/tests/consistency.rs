@@ -414,3 +414,26 @@ fn branches_do_not_see_each_other() {
         assert_states_identical("sibling branch", &b, &one_shot(model, 1).1);
     }
 }
+
+#[test]
+fn thread_count_does_not_change_results() {
+    // The test binaries run rayon with one thread; the kernels split work differently on more threads
+    // (by blocks of outputs and by heads), which must not change a bit.
+    let model = bf16_model();
+    for threads in [2, 3] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let (hidden, state) = pool.install(|| {
+            let mut state = model.new_state().unwrap();
+            let out = model
+                .forward(&mut [BatchItem::new(&mut state, &prompts()[3])])
+                .unwrap();
+            (out.hidden, state)
+        });
+        let what = format!("prompt 3 on {threads} threads vs on one");
+        assert_identical(model, &what, &hidden, &one_shot_hidden(model, 3));
+        assert_states_identical(&what, &state, &one_shot(model, 3).1);
+    }
+}
