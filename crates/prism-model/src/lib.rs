@@ -3,6 +3,12 @@
 //! Entry points: [`Qwen35Model::load`] (GGUF → model), [`Qwen35Model::new_state`] /
 //! [`Qwen35Model::forward`] (batched, varlen, stateful), [`Qwen35Model::logits_for_rows`] (read-out rows
 //! only), [`Qwen35Model::last_hidden_shared_prefix`] (shared evidence), [`Qwen35Model::generate_greedy`].
+//!
+//! On the CPU the forward pass is batch-invariant by construction: every matmul output ([`matmul`]),
+//! attention row ([`attention::CausalAttention`]) and delta-rule token ([`delta_rule::chunked`]) is
+//! computed by a fixed sequence of operations on that row's own inputs, so a sequence's results are
+//! bit-identical whatever it is batched with, wherever it branches from a shared prefix, however its
+//! tokens are split into calls (decode included) and however many threads run.
 
 pub mod attention;
 pub mod config;

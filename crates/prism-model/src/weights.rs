@@ -13,8 +13,9 @@ use crate::error::{ModelError, Result};
 pub enum Precision {
     /// Weights dequantized to f32, all arithmetic in f32: the reference path.
     F32,
-    /// Matrices rounded to bf16; activations are rounded to bf16 at each matmul, which accumulates in
-    /// f32 (candle's CPU kernel widens to f32). Norms, the delta rule, softmax and residuals stay f32.
+    /// Matrices rounded to bf16; activations are rounded to bf16 at each matmul, which widens both
+    /// exactly to f32, accumulates in f32 and returns f32. Norms, the delta rule, attention and
+    /// residuals stay f32.
     Bf16,
     /// Everything in f64: not a serving mode, but the ground truth that tests measure the f32 path's
     /// rounding against.

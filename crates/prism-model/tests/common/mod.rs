@@ -8,9 +8,9 @@ use candle_core::{DType, Tensor};
 use prism_model::{LoadOptions, Precision, Qwen35Model};
 use serde_json::Value;
 
-/// libtest already runs tests on every core; candle's gemm would add its own rayon threads, which spin
-/// against each other on a 2-core CI machine (a measured 5× slowdown). candle reads this variable at each
-/// matmul. Results do not depend on it (gemm splits output tiles, not the reduction).
+/// libtest already runs tests on every core; rayon worker threads (candle's and our kernels') would spin
+/// against them on a 2-core CI machine (a measured 5× slowdown). With a one-thread pool our kernels
+/// compute on the calling thread. Results do not depend on it (`thread_count_does_not_change_results`).
 pub fn single_threaded_matmuls() {
     static ONCE: OnceLock<()> = OnceLock::new();
     ONCE.get_or_init(|| std::env::set_var("RAYON_NUM_THREADS", "1"));
