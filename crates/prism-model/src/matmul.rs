@@ -246,7 +246,8 @@ pub trait TileKernel<W: Widen<Self>>: Float {
     /// The same arithmetic with explicit SIMD. Only called when [`Self::simd_available`].
     ///
     /// # Safety
-    /// The CPU must support the instructions the implementation uses.
+    /// The CPU must support the instructions the implementation uses, and every row slice must hold at
+    /// least `k` elements (they are read through raw pointers).
     #[inline(always)]
     unsafe fn tile_simd(xs: [&[Self]; MR], ws: [&[W]; NR], k: usize) -> [[Self; NR]; MR] {
         tile_portable(xs, ws, k)
