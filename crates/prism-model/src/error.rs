@@ -77,6 +77,9 @@ pub enum ModelError {
     #[error("unsupported precision {0:?}: use \"f32\", \"bf16\" or \"f64\"")]
     UnsupportedPrecision(String),
 
+    #[error(transparent)]
+    Hf(#[from] crate::hf::HfError),
+
     #[error("tensor computation failed: {0}")]
     Candle(#[from] candle_core::Error),
 }

@@ -1,6 +1,7 @@
 //! The Qwen3.5 hybrid decoder (Gated DeltaNet + gated attention) on candle.
 //!
-//! Entry points: [`Qwen35Model::load`] (GGUF → model), [`Qwen35Model::new_state`] /
+//! Entry points: [`Qwen35Model::load`] (GGUF → model), [`Qwen35Model::from_hf_dir`] (Hugging Face
+//! safetensors → the same model, for parity work), [`Qwen35Model::new_state`] /
 //! [`Qwen35Model::forward`] (batched, varlen, stateful), [`Qwen35Model::logits_for_rows`] (read-out rows
 //! only), [`Qwen35Model::last_hidden_shared_prefix`] (shared evidence), [`Qwen35Model::generate_greedy`].
 //!
@@ -15,6 +16,7 @@ pub mod config;
 pub mod delta_net;
 pub mod delta_rule;
 pub mod error;
+pub mod hf;
 pub mod matmul;
 pub mod ops;
 pub mod qwen35;
@@ -24,6 +26,7 @@ pub mod weights;
 
 pub use config::{read_hf_config, LayerKind, Metadata, Qwen35Config};
 pub use error::{ModelError, Result};
+pub use hf::{HfCheckpoint, HfError, HfTextConfig};
 pub use qwen35::{
     argmax, shared_prefix_len, BatchItem, BatchOutput, LoadOptions, Qwen35Model, Segment,
 };

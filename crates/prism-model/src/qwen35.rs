@@ -188,6 +188,17 @@ impl Qwen35Model {
                 }
             }
         }
+        Self::from_weights(config, &w, tied, options)
+    }
+
+    /// Builds the model from `w` (a GGUF file, or an HF checkpoint read through GGUF names and layouts):
+    /// every tensor of the main layers by name, each shape checked against `config`.
+    pub(crate) fn from_weights(
+        config: Qwen35Config,
+        w: &WeightLoader<'_>,
+        tied: bool,
+        options: &LoadOptions,
+    ) -> Result<Self> {
         let d = config.hidden_size;
         let embed = w.matrix("token_embd.weight", config.vocab_size, d)?;
         let lm_head = if tied {
@@ -199,14 +210,14 @@ impl Qwen35Model {
         let mut layers = Vec::with_capacity(config.n_layers);
         for (i, kind) in config.layer_kinds.iter().enumerate() {
             let mixer = match kind {
-                LayerKind::DeltaNet => Mixer::DeltaNet(DeltaNet::load(&w, &config, i)?),
-                LayerKind::Attention => Mixer::Attention(Attention::load(&w, &config, i)?),
+                LayerKind::DeltaNet => Mixer::DeltaNet(DeltaNet::load(w, &config, i)?),
+                LayerKind::Attention => Mixer::Attention(Attention::load(w, &config, i)?),
             };
             layers.push(DecoderLayer {
                 attn_norm: w.vector(&format!("blk.{i}.attn_norm.weight"), d)?,
                 post_norm: w.vector(&format!("blk.{i}.post_attention_norm.weight"), d)?,
                 mixer,
-                mlp: Mlp::load(&w, &config, i)?,
+                mlp: Mlp::load(w, &config, i)?,
             });
         }
         let rope = MRope::new(

@@ -7,6 +7,7 @@ use candle_core::{DType, Device, Tensor};
 use prism_gguf::GgufFile;
 
 use crate::error::{ModelError, Result};
+use crate::hf::HfWeights;
 
 /// Arithmetic of the forward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,9 +51,16 @@ impl Precision {
     }
 }
 
-/// Reads named tensors out of one GGUF file onto a device.
+/// Where the tensors come from. Both give GGUF names and layouts.
+enum WeightSource<'a> {
+    Gguf(&'a GgufFile),
+    /// A Hugging Face safetensors checkpoint, converted to the GGUF layout as it is read.
+    Hf(&'a HfWeights<'a>),
+}
+
+/// Reads named tensors out of one GGUF file (or an HF checkpoint seen through GGUF names) onto a device.
 pub struct WeightLoader<'a> {
-    gguf: &'a GgufFile,
+    source: WeightSource<'a>,
     device: Device,
     precision: Precision,
 }
@@ -60,21 +68,40 @@ pub struct WeightLoader<'a> {
 impl<'a> WeightLoader<'a> {
     pub fn new(gguf: &'a GgufFile, device: &Device, precision: Precision) -> Self {
         Self {
-            gguf,
+            source: WeightSource::Gguf(gguf),
+            device: device.clone(),
+            precision,
+        }
+    }
+
+    /// Reads an HF checkpoint by GGUF names ([`HfWeights`] does the conversion).
+    pub fn from_hf(hf: &'a HfWeights<'a>, device: &Device, precision: Precision) -> Self {
+        Self {
+            source: WeightSource::Hf(hf),
             device: device.clone(),
             precision,
         }
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.gguf.tensor_info(name).is_some()
+        match self.source {
+            WeightSource::Gguf(gguf) => gguf.tensor_info(name).is_some(),
+            WeightSource::Hf(hf) => hf.contains(name),
+        }
     }
 
     /// The tensor `name`, which must have exactly `ne` (ggml order, `ne[0]` contiguous). Returned with the
     /// dims reversed (row-major), in f32.
     pub fn f32_tensor(&self, name: &str, ne: &[usize]) -> Result<Tensor> {
-        let info = self
-            .gguf
+        let gguf = match self.source {
+            WeightSource::Gguf(gguf) => gguf,
+            WeightSource::Hf(hf) => {
+                let values = hf.gguf_values(name, ne)?;
+                let shape: Vec<usize> = ne.iter().rev().copied().collect();
+                return Ok(Tensor::from_vec(values, shape, &self.device)?);
+            }
+        };
+        let info = gguf
             .tensor_info(name)
             .ok_or_else(|| ModelError::MissingTensor {
                 name: name.to_string(),
@@ -87,8 +114,7 @@ impl<'a> WeightLoader<'a> {
                 found: info.dims.clone(),
             });
         }
-        let values = self
-            .gguf
+        let values = gguf
             .dequantize(name)
             .map_err(|source| ModelError::TensorRead {
                 name: name.to_string(),
