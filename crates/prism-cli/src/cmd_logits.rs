@@ -19,12 +19,23 @@ const LETTERS: [&str; 26] = [
 
 pub fn run(args: &LogitsArgs) -> Result<()> {
     let precision = Precision::parse(&args.precision)?;
-    let gguf =
-        GgufFile::open(&args.gguf).with_context(|| format!("opening {}", args.gguf.display()))?;
-    // The tokenizer and chat template: the model directory's files, else the GGUF's own vocabulary.
-    // They give text prompts their ids and the read-out its letter rows (with the spec's load checks).
-    let model_dir = args.model_dir.clone().unwrap_or_default();
-    let format = PromptFormat::load_from_model_dir(&model_dir, Some(&gguf));
+    // Exactly one weight source: a GGUF file, or (for parity work) a Hugging Face checkpoint directory.
+    let gguf = match (&args.gguf, &args.hf_dir) {
+        (Some(path), None) => {
+            Some(GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?)
+        }
+        (None, Some(_)) => None,
+        _ => bail!("give exactly one of --gguf FILE and --hf-dir DIR"),
+    };
+    // The tokenizer and chat template: the model directory's files (an --hf-dir is one), else the GGUF's
+    // own vocabulary. They give text prompts their ids and the read-out its letter rows (with the spec's
+    // load checks).
+    let model_dir = args
+        .model_dir
+        .clone()
+        .or_else(|| args.hf_dir.clone())
+        .unwrap_or_default();
+    let format = PromptFormat::load_from_model_dir(&model_dir, gguf.as_ref());
     let prompts = match (&args.tokens, &args.prompt_file) {
         (Some(path), _) => read_token_file(path)?,
         (None, Some(path)) => {
@@ -54,8 +65,13 @@ pub fn run(args: &LogitsArgs) -> Result<()> {
         hf_config,
         ..LoadOptions::default()
     };
-    let model = Qwen35Model::from_gguf(&gguf, &options)
-        .with_context(|| format!("loading the model from {}", args.gguf.display()))?;
+    let model = match (&gguf, &args.gguf, &args.hf_dir) {
+        (Some(gguf), Some(path), _) => Qwen35Model::from_gguf(gguf, &options)
+            .with_context(|| format!("loading the model from {}", path.display()))?,
+        (None, _, Some(dir)) => Qwen35Model::from_hf_dir(dir, &options)
+            .with_context(|| format!("loading the model from {}", dir.display()))?,
+        _ => bail!("give exactly one of --gguf FILE and --hf-dir DIR"),
+    };
     let letter_ids: Option<Vec<u32>> = match &format {
         Ok(format) => Some(format.letter_ids().to_vec()),
         Err(e) => {

@@ -61,8 +61,12 @@ pub struct RenderArgs {
 #[derive(Args)]
 pub struct LogitsArgs {
     /// The model's GGUF file.
-    #[arg(long)]
-    pub gguf: PathBuf,
+    #[arg(long, required_unless_present = "hf_dir")]
+    pub gguf: Option<PathBuf>,
+    /// Instead of --gguf: a Hugging Face checkpoint directory (config.json, model.safetensors or its
+    /// sharded index), for parity work. It is also the model directory unless --model-dir is given.
+    #[arg(long, conflicts_with = "gguf")]
+    pub hf_dir: Option<PathBuf>,
     /// The model directory (tokenizer, chat template, config.json).
     #[arg(long)]
     pub model_dir: Option<PathBuf>,

@@ -184,3 +184,228 @@ fn prompt_file_is_tokenized_with_special_tokens_and_matches_transformers() {
         assert_eq!(line["letter_logits"].as_array().unwrap().len(), 26);
     }
 }
+
+// ---------------------------------------------------------------------------------------------------
+// --hf-dir: the same decoder loaded from Hugging Face safetensors
+// ---------------------------------------------------------------------------------------------------
+
+#[path = "../../prism-model/tests/hf/gguf_to_hf.rs"]
+mod gguf_to_hf;
+
+/// An HF checkpoint directory rebuilt from tiny-BF16.gguf (the model tests check it equals the
+/// reference safetensors bit for bit), with the fixture's config.json and tokenizer files.
+fn derived_hf_dir(tag: &str) -> PathBuf {
+    let gguf = prism_gguf::GgufFile::open(fixture_dir().join("tiny-BF16.gguf")).unwrap();
+    let tensors = gguf_to_hf::hf_tensors_from_gguf(&gguf, gguf_to_hf::Storage::AllBf16);
+    let dir = gguf_to_hf::temp_dir(&format!("cli-{tag}"));
+    gguf_to_hf::write_safetensors(&dir.join("model.safetensors"), &tensors);
+    for file in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+    ] {
+        std::fs::copy(fixture_dir().join(file), dir.join(file)).unwrap();
+    }
+    dir
+}
+
+fn prism_logits(args: &[&std::ffi::OsStr]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_prism"))
+        .arg("logits")
+        .args(args)
+        .env("RAYON_NUM_THREADS", "1")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap()
+}
+
+fn json_lines(out: &Output) -> Vec<Value> {
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout.clone())
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// Writes the token ids of fixture prompts `order` to a file in `dir`.
+fn token_file(dir: &std::path::Path, order: &[usize]) -> PathBuf {
+    let prompts = read_json("prompts.json");
+    let tokens: Vec<&Value> = order
+        .iter()
+        .map(|&i| &prompts["prompts"][i]["ids"])
+        .collect();
+    let path = dir.join("tokens.json");
+    std::fs::write(&path, serde_json::to_string(&tokens).unwrap()).unwrap();
+    path
+}
+
+#[test]
+fn hf_dir_matches_transformers_and_the_gguf() {
+    let dir = derived_hf_dir("match");
+    let reference = read_json("ref_transformers.json");
+    let order = [1usize, 0, 8];
+    let tokens = token_file(&dir, &order);
+    let hf = prism_logits(&[
+        "--hf-dir".as_ref(),
+        dir.as_os_str(),
+        "--tokens".as_ref(),
+        tokens.as_os_str(),
+        "--json".as_ref(),
+        "--full".as_ref(),
+    ]);
+    let gguf_path = fixture_dir().join("tiny-BF16.gguf");
+    let fixture = fixture_dir();
+    let gguf = prism_logits(&[
+        "--gguf".as_ref(),
+        gguf_path.as_os_str(),
+        "--model-dir".as_ref(),
+        fixture.as_os_str(),
+        "--tokens".as_ref(),
+        tokens.as_os_str(),
+        "--json".as_ref(),
+        "--full".as_ref(),
+    ]);
+    let (hf, gguf) = (json_lines(&hf), json_lines(&gguf));
+    assert_eq!(hf.len(), order.len());
+    for ((line, &i), gguf_line) in hf.iter().zip(&order).zip(&gguf) {
+        let want = floats(&reference["prompts"][i]["logits"]);
+        let got = floats(&line["logits"]);
+        let d = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(d < 1e-3, "prompt {i}: max |Δ| {d}");
+        assert_eq!(
+            line["argmax"], reference["prompts"][i]["argmax"],
+            "prompt {i}"
+        );
+        // Same weights, same forward pass: the same bits as the GGUF path (letters included).
+        assert_eq!(line, gguf_line, "prompt {i}: --hf-dir and --gguf differ");
+        assert_eq!(line["letter_logits"].as_array().unwrap().len(), 26);
+    }
+
+    // --prompt-file: the tokenizer and chat template come from the --hf-dir directory.
+    let prompt = &read_json("prompts.json")["prompts"][0];
+    let text = dir.join("prompt0.txt");
+    std::fs::write(&text, prompt["text"].as_str().unwrap()).unwrap();
+    let out = prism_logits(&[
+        "--hf-dir".as_ref(),
+        dir.as_os_str(),
+        "--prompt-file".as_ref(),
+        text.as_os_str(),
+        "--json".as_ref(),
+        "--full".as_ref(),
+    ]);
+    let line = &json_lines(&out)[0];
+    assert_eq!(line["n_tokens"].as_u64(), prompt["n_tokens"].as_u64());
+    let want = floats(&reference["prompts"][0]["logits"]);
+    let d = floats(&line["logits"])
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(d < 1e-3, "--prompt-file: max |Δ| {d}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn hf_dir_flag_errors() {
+    let dir = std::env::temp_dir().join(format!("prism-cli-hf-flags-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tokens = dir.join("tokens.json");
+    std::fs::write(&tokens, "[[4097, 82, 597]]").unwrap();
+    let gguf_path = fixture_dir().join("tiny-BF16.gguf");
+    let fixture = fixture_dir();
+    // Both sources, or neither: a usage error (clap's exit code 2).
+    let both = prism_logits(&[
+        "--gguf".as_ref(),
+        gguf_path.as_os_str(),
+        "--hf-dir".as_ref(),
+        fixture.as_os_str(),
+        "--tokens".as_ref(),
+        tokens.as_os_str(),
+    ]);
+    assert_eq!(both.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&both.stderr).contains("cannot be used with"));
+    let neither = prism_logits(&["--tokens".as_ref(), tokens.as_os_str()]);
+    assert_eq!(neither.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&neither.stderr).contains("--gguf"));
+    // A directory without config.json, then one without weights: exit 1 naming what is missing.
+    let empty = prism_logits(&[
+        "--hf-dir".as_ref(),
+        dir.as_os_str(),
+        "--tokens".as_ref(),
+        tokens.as_os_str(),
+    ]);
+    let stderr = String::from_utf8_lossy(&empty.stderr);
+    assert_eq!(empty.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("config.json") && !stderr.contains("panicked"),
+        "{stderr}"
+    );
+    std::fs::copy(fixture_dir().join("config.json"), dir.join("config.json")).unwrap();
+    let no_weights = prism_logits(&[
+        "--hf-dir".as_ref(),
+        dir.as_os_str(),
+        "--tokens".as_ref(),
+        tokens.as_os_str(),
+    ]);
+    let stderr = String::from_utf8_lossy(&no_weights.stderr);
+    assert_eq!(no_weights.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("no model.safetensors"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `prism logits --hf-dir` on the real reference checkpoint (the shared fixture folder, whose 14.8 MB
+/// model.safetensors is not in the repository), all 12 prompts against transformers fp32. Ignored by
+/// default; run with
+/// `PRISM_HF_REFERENCE_DIR=/path/to/qwen35-tiny cargo test -p prism-cli --test logits -- --ignored --nocapture`.
+#[test]
+#[ignore = "needs PRISM_HF_REFERENCE_DIR (the fixture's model.safetensors + config.json)"]
+fn hf_dir_reference_checkpoint_matches_transformers() {
+    let dir =
+        PathBuf::from(std::env::var("PRISM_HF_REFERENCE_DIR").expect("set PRISM_HF_REFERENCE_DIR"));
+    let scratch = std::env::temp_dir().join(format!("prism-cli-hf-ref-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).unwrap();
+    let order: Vec<usize> = (0..12).collect();
+    let tokens = token_file(&scratch, &order);
+    let out = prism_logits(&[
+        "--hf-dir".as_ref(),
+        dir.as_os_str(),
+        "--tokens".as_ref(),
+        tokens.as_os_str(),
+        "--json".as_ref(),
+        "--full".as_ref(),
+    ]);
+    let lines = json_lines(&out);
+    let reference = read_json("ref_transformers.json");
+    let mut max_d: f64 = 0.0;
+    for (line, &i) in lines.iter().zip(&order) {
+        let want = floats(&reference["prompts"][i]["logits"]);
+        let d = floats(&line["logits"])
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert_eq!(
+            line["argmax"], reference["prompts"][i]["argmax"],
+            "prompt {i}"
+        );
+        max_d = max_d.max(d);
+    }
+    assert_eq!(lines.len(), 12);
+    eprintln!(
+        "prism logits --hf-dir {}: 12 prompts, max |Δ| vs transformers fp32 {max_d:.3e}",
+        dir.display()
+    );
+    assert!(max_d < 1e-3);
+    let _ = std::fs::remove_dir_all(&scratch);
+}
