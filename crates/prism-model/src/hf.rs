@@ -167,18 +167,27 @@ impl<'a> Fields<'a> {
             .ok_or_else(|| missing(&self.path(&format!("rope_parameters.{name}"))))
     }
 
-    /// A boolean of the text config, else of the wrapper (where multimodal configs keep
-    /// `tie_word_embeddings`).
-    fn bool_or(&self, name: &str, default: bool) -> Result<bool> {
-        let (field, v) = match self.get(name) {
-            Some(v) => (self.path(name), v),
-            None => match self.root.get(name).filter(|v| !v.is_null()) {
-                Some(v) => (name.to_string(), v),
-                None => return Ok(default),
-            },
-        };
-        v.as_bool()
-            .ok_or_else(|| bad(&field, format!("{v} is not a boolean")))
+    /// `tie_word_embeddings`: true if the text config or the multimodal wrapper says so (wrappers keep
+    /// it at the top level, and serialized text configs may carry the class default `false` next to a
+    /// wrapper's `true`). Absent everywhere: false, transformers' default for Qwen3.5.
+    fn tie_word_embeddings(&self) -> Result<bool> {
+        let name = "tie_word_embeddings";
+        let mut sources = vec![(self.path(name), self.get(name))];
+        if !std::ptr::eq(self.root, self.text) {
+            sources.push((
+                name.to_string(),
+                self.root.get(name).filter(|v| !v.is_null()),
+            ));
+        }
+        let mut tied = false;
+        for (field, value) in sources {
+            if let Some(v) = value {
+                tied |= v
+                    .as_bool()
+                    .ok_or_else(|| bad(&field, format!("{v} is not a boolean")))?;
+            }
+        }
+        Ok(tied)
     }
 }
 
@@ -356,7 +365,7 @@ impl HfTextConfig {
         config.validate()?;
         Ok(Self {
             config,
-            tie_word_embeddings: f.bool_or("tie_word_embeddings", false)?,
+            tie_word_embeddings: f.tie_word_embeddings()?,
         })
     }
 }
@@ -479,7 +488,7 @@ impl HfCheckpoint {
         self.routing.keys().map(String::as_str)
     }
 
-    /// The shape and dtype of tensor `name` as stored.
+    /// The shape of tensor `name` as stored.
     pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
         let shard = self.shard(name)?;
         let view = shard
@@ -835,26 +844,22 @@ impl Qwen35Model {
 mod tests {
     use super::*;
 
-    fn weights_with_heads(n_k: usize, n_v: usize) -> (HfCheckpoint, usize, usize) {
-        (
-            HfCheckpoint {
-                shards: Vec::new(),
-                routing: HashMap::new(),
-            },
-            n_k,
-            n_v,
-        )
+    fn empty_checkpoint() -> HfCheckpoint {
+        HfCheckpoint {
+            shards: Vec::new(),
+            routing: HashMap::new(),
+        }
     }
 
     #[test]
     fn grouped_to_tiled_permutation() {
-        let (ckpt, n_k, n_v) = weights_with_heads(2, 4);
+        let ckpt = empty_checkpoint();
         let w = HfWeights {
             checkpoint: &ckpt,
             prefix: "model.",
             tied: false,
-            n_k,
-            n_v,
+            n_k: 2,
+            n_v: 4,
             dv: 1,
             key_dim: 0,
         };
@@ -877,13 +882,13 @@ mod tests {
 
     #[test]
     fn every_gguf_name_maps_and_unknown_ones_do_not() {
-        let (ckpt, n_k, n_v) = weights_with_heads(2, 4);
+        let ckpt = empty_checkpoint();
         let w = HfWeights {
             checkpoint: &ckpt,
             prefix: "model.language_model.",
             tied: true,
-            n_k,
-            n_v,
+            n_k: 2,
+            n_v: 4,
             dv: 64,
             key_dim: 128,
         };

@@ -173,6 +173,23 @@ fn config_json_gives_the_gguf_configuration() {
     let w = HfTextConfig::from_json(&wrapped_untagged).unwrap();
     assert_eq!(w.config, hf.config);
     assert!(w.tie_word_embeddings);
+    // A text config carrying the class default `false` next to the wrapper's `true`: tied.
+    assert!(
+        HfTextConfig::from_json(&wrapped)
+            .unwrap()
+            .tie_word_embeddings
+    );
+    // Neither says so: untied.
+    let mut untied = wrapped.clone();
+    untied
+        .as_object_mut()
+        .unwrap()
+        .remove("tie_word_embeddings");
+    assert!(
+        !HfTextConfig::from_json(&untied)
+            .unwrap()
+            .tie_word_embeddings
+    );
     // Without layer_types, full_attention_interval gives the same layers.
     let mut by_interval = fixture_config();
     by_interval.as_object_mut().unwrap().remove("layer_types");
