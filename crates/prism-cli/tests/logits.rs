@@ -16,7 +16,7 @@ fn read_json(name: &str) -> Value {
 
 /// Writes `tokens` to a temporary file and runs `prism logits` on tiny-BF16.gguf with `extra` arguments.
 fn run(name: &str, tokens: &str, extra: &[&str]) -> Output {
-    let dir = std::env::temp_dir().join(format!("prism-cli-logits-{}", std::process::id()));
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("prism-cli-logits-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(format!("{name}.json"));
     std::fs::write(&path, tokens).unwrap();
@@ -161,7 +161,7 @@ fn prompt_file_is_tokenized_with_special_tokens_and_matches_transformers() {
     // and the logits must be transformers' (1e-3).
     let prompts = read_json("prompts.json");
     let prompt = &prompts["prompts"][0];
-    let dir = std::env::temp_dir().join(format!("prism-cli-logits-text-{}", std::process::id()));
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("prism-cli-logits-text-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("prompt0.txt");
     std::fs::write(&path, prompt["text"].as_str().unwrap()).unwrap();
@@ -318,7 +318,7 @@ fn hf_dir_matches_transformers_and_the_gguf() {
 
 #[test]
 fn hf_dir_flag_errors() {
-    let dir = std::env::temp_dir().join(format!("prism-cli-hf-flags-{}", std::process::id()));
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("prism-cli-hf-flags-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let tokens = dir.join("tokens.json");
     std::fs::write(&tokens, "[[4097, 82, 597]]").unwrap();
@@ -373,7 +373,7 @@ fn hf_dir_flag_errors() {
 fn hf_dir_reference_checkpoint_matches_transformers() {
     let dir =
         PathBuf::from(std::env::var("PRISM_HF_REFERENCE_DIR").expect("set PRISM_HF_REFERENCE_DIR"));
-    let scratch = std::env::temp_dir().join(format!("prism-cli-hf-ref-{}", std::process::id()));
+    let scratch = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("prism-cli-hf-ref-{}", std::process::id()));
     std::fs::create_dir_all(&scratch).unwrap();
     let order: Vec<usize> = (0..12).collect();
     let tokens = token_file(&scratch, &order);

@@ -233,7 +233,7 @@ fn decision_config_defaults_and_checks() {
         let config: DecisionConfig = serde_json::from_str(bad).unwrap();
         assert!(config.validate().is_err(), "{bad}");
     }
-    let dir = std::env::temp_dir().join(format!("prism-decision-config-{}", std::process::id()));
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("prism-decision-config-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     assert_eq!(DecisionConfig::from_model_dir(&dir).unwrap(), DecisionConfig::default());
     std::fs::write(dir.join("decision_config.json"), r#"{"wide_choice": {"group": 20}}"#).unwrap();

@@ -164,7 +164,7 @@ fn load_errors_name_what_is_wrong() {
     }
 
     // A decision_config.json whose letter ids disagree with the tokenizer is refused at load.
-    let dir = std::env::temp_dir().join(format!("prism-engine-test-{}", std::process::id()));
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("prism-engine-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     for name in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"] {
         std::fs::copy(fixture_dir().join(name), dir.join(name)).expect("copy fixture file");

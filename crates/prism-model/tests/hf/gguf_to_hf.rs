@@ -363,9 +363,9 @@ pub fn wrap_multimodal(tensors: &[HfTensor]) -> Vec<HfTensor> {
         .collect()
 }
 
-/// A fresh, empty directory under the system temp dir.
+/// A fresh, empty directory under cargo's temp dir for integration tests (`target/tmp`).
 pub fn temp_dir(tag: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("prism-hf-{tag}-{}", std::process::id()));
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("prism-hf-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
