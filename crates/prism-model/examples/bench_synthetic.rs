@@ -11,7 +11,8 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 use prism_gguf::{GgmlType, GgufWriter, MetadataValue};
-use prism_model::{argmax, delta_rule, BatchItem, LoadOptions, Qwen35Model};
+use prism_model::delta_rule::{self, RuleState};
+use prism_model::{argmax, BatchItem, LoadOptions, ModelError, Qwen35Model};
 
 const D: u64 = 1024;
 const LAYERS: u64 = 24;
@@ -160,57 +161,76 @@ fn write_model(path: &PathBuf) -> Result<(), Box<dyn std::error::Error>> {
     }
     out.finish()?;
 
-    // The delta rule alone at this shape (16 heads, dk = dv = 128): one decode token after 40 tokens of
-    // the current chunk, row form (what the model runs) against candle tensor ops of the recurrent step.
+    bench_delta_rule()?;
+    Ok(())
+}
+
+/// Runs `f` once: its value and the seconds it took.
+fn timed<T, E>(f: impl FnOnce() -> Result<T, E>) -> Result<(T, f64), E> {
+    let start = Instant::now();
+    let value = f()?;
+    Ok((value, start.elapsed().as_secs_f64()))
+}
+
+/// Mean seconds per call of `f` over `reps` calls.
+fn mean_secs<E>(reps: u32, mut f: impl FnMut() -> Result<(), E>) -> Result<f64, E> {
+    let ((), total) = timed(|| (0..reps).try_for_each(|_| f()))?;
+    Ok(total / reps as f64)
+}
+
+/// The inputs of one delta-rule layer, `[T, H, …]` each.
+struct RuleInputs {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+}
+
+impl RuleInputs {
+    /// Tokens `start..start + len` of every input.
+    fn rows(&self, start: usize, len: usize) -> candle_core::Result<Self> {
+        let part = |x: &Tensor| x.narrow(0, start, len);
+        Ok(Self {
+            q: part(&self.q)?,
+            k: part(&self.k)?,
+            v: part(&self.v)?,
+            g: part(&self.g)?,
+            beta: part(&self.beta)?,
+        })
+    }
+
+    fn chunked(&self, state: &RuleState) -> candle_core::Result<(Tensor, RuleState)> {
+        delta_rule::chunked(&self.q, &self.k, &self.v, &self.g, &self.beta, state)
+    }
+
+    fn recurrent(&self, memory: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        delta_rule::recurrent(&self.q, &self.k, &self.v, &self.g, &self.beta, memory)
+    }
+}
+
+/// The delta rule alone at this shape (16 heads, dk = dv = 128): one decode token after 40 tokens of
+/// the current chunk, row form (what the model runs) against candle tensor ops of the recurrent step.
+fn bench_delta_rule() -> candle_core::Result<()> {
     let dev = candle_core::Device::Cpu;
     let (h, dk) = (N_V as usize, DK as usize);
-    let unit = |t: usize| -> Result<Tensor, candle_core::Error> {
+    let unit = |t: usize| -> candle_core::Result<Tensor> {
         let x = Tensor::randn(0f32, 1.0, (t, h, dk), &dev)?;
         x.broadcast_div(&x.sqr()?.sum_keepdim(2)?.sqrt()?)
     };
-    let (q, k, v) = (
-        unit(41)?,
-        unit(41)?,
-        Tensor::randn(0f32, 1.0, (41, h, dk), &dev)?,
-    );
-    let g = Tensor::rand(-1f32, 0.0, (41, h), &dev)?;
-    let beta = Tensor::rand(0f32, 1.0, (41, h), &dev)?;
-    let start = delta_rule::RuleState::zeros(h, dk, dk, candle_core::DType::F32, &dev)?;
-    let part = |x: &Tensor, a: usize, n: usize| x.narrow(0, a, n);
-    let (_, state) = delta_rule::chunked(
-        &part(&q, 0, 40)?,
-        &part(&k, 0, 40)?,
-        &part(&v, 0, 40)?,
-        &part(&g, 0, 40)?,
-        &part(&beta, 0, 40)?,
-        &start,
-    )?;
+    let inputs = RuleInputs {
+        q: unit(41)?,
+        k: unit(41)?,
+        v: Tensor::randn(0f32, 1.0, (41, h, dk), &dev)?,
+        g: Tensor::rand(-1f32, 0.0, (41, h), &dev)?,
+        beta: Tensor::rand(0f32, 1.0, (41, h), &dev)?,
+    };
+    let start = RuleState::zeros(h, dk, dk, candle_core::DType::F32, &dev)?;
+    let (_, state) = inputs.rows(0, 40)?.chunked(&start)?;
     let memory = state.memory()?;
     let reps = 50;
-    let t = Instant::now();
-    for _ in 0..reps {
-        delta_rule::chunked(
-            &part(&q, 40, 1)?,
-            &part(&k, 40, 1)?,
-            &part(&v, 40, 1)?,
-            &part(&g, 40, 1)?,
-            &part(&beta, 40, 1)?,
-            &state,
-        )?;
-    }
-    let row_form = t.elapsed().as_secs_f64() / reps as f64;
-    let t = Instant::now();
-    for _ in 0..reps {
-        delta_rule::recurrent(
-            &part(&q, 40, 1)?,
-            &part(&k, 40, 1)?,
-            &part(&v, 40, 1)?,
-            &part(&g, 40, 1)?,
-            &part(&beta, 40, 1)?,
-            &memory,
-        )?;
-    }
-    let recurrent = t.elapsed().as_secs_f64() / reps as f64;
+    let row_form = mean_secs(reps, || inputs.rows(40, 1)?.chunked(&state).map(drop))?;
+    let recurrent = mean_secs(reps, || inputs.rows(40, 1)?.recurrent(&memory).map(drop))?;
     println!(
         "delta rule, one decode token, one layer: row form {:.0} µs, recurrent tensor ops {:.0} µs",
         row_form * 1e6,
@@ -231,39 +251,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("/tmp/prism-synthetic-0.8b.gguf"));
     if !path.exists() {
-        let t = Instant::now();
-        write_model(&path)?;
-        println!(
-            "wrote {} in {:.1} s",
-            path.display(),
-            t.elapsed().as_secs_f64()
-        );
+        let ((), secs) = timed(|| write_model(&path))?;
+        println!("wrote {} in {:.1} s", path.display(), secs);
     }
-    let t = Instant::now();
-    let model = Qwen35Model::load(&path, &LoadOptions::default())?;
-    println!(
-        "load (dequantize to f32): {:.1} s",
-        t.elapsed().as_secs_f64()
-    );
+    let (model, secs) = timed(|| Qwen35Model::load(&path, &LoadOptions::default()))?;
+    println!("load (dequantize to f32): {secs:.1} s");
 
     // One-shot prefill of 512 tokens, then 16 greedy decode steps with full logits.
     let prompt = tokens(512, 1);
     let mut state = model.new_state()?;
-    let t = Instant::now();
-    let mut hidden = model.prefill(&mut state, &prompt)?;
-    let prefill = t.elapsed().as_secs_f64();
+    let (mut hidden, prefill) = timed(|| model.prefill(&mut state, &prompt))?;
     println!(
         "prefill 512 tokens: {:.2} s ({:.0} tokens/s)",
         prefill,
         512.0 / prefill
     );
-    let t = Instant::now();
-    let steps = 16;
-    for _ in 0..steps {
+    let decode = mean_secs(16, || {
         let next = argmax(&model.logits(&hidden)?)?;
         hidden = model.prefill(&mut state, &[next])?;
-    }
-    let decode = t.elapsed().as_secs_f64() / steps as f64;
+        Ok::<(), ModelError>(())
+    })?;
     println!(
         "decode (full logits + one token): {:.0} ms/token",
         decode * 1e3
@@ -280,9 +287,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .zip(&prompts)
         .map(|(s, p)| BatchItem::new(s, p))
         .collect();
-    let t = Instant::now();
-    model.forward(&mut items)?;
-    let batch = t.elapsed().as_secs_f64();
+    let (_, batch) = timed(|| model.forward(&mut items))?;
     println!(
         "batch of 4 x 128 tokens: {:.2} s ({:.0} tokens/s)",
         batch,
@@ -296,69 +301,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .collect();
     let refs: Vec<&[u32]> = readout.iter().map(|p| p.as_slice()).collect();
     let rows: Vec<u32> = (0..26).map(|i| 32 + i).collect();
-    let t = Instant::now();
-    let letters = model.last_position_rows(&refs, &rows)?;
+    let (letters, secs) = timed(|| model.last_position_rows(&refs, &rows))?;
     println!(
         "read-out (4 prompts, 300 shared + 40 own tokens, 26 rows): {:.2} s; first logit {:.4}",
-        t.elapsed().as_secs_f64(),
-        letters[0][0]
+        secs, letters[0][0]
     );
 
-    // The delta rule alone at this shape (16 heads, dk = dv = 128): one decode token after 40 tokens of
-    // the current chunk, row form (what the model runs) against candle tensor ops of the recurrent step.
-    let dev = candle_core::Device::Cpu;
-    let (h, dk) = (N_V as usize, DK as usize);
-    let unit = |t: usize| -> Result<Tensor, candle_core::Error> {
-        let x = Tensor::randn(0f32, 1.0, (t, h, dk), &dev)?;
-        x.broadcast_div(&x.sqr()?.sum_keepdim(2)?.sqrt()?)
-    };
-    let (q, k, v) = (
-        unit(41)?,
-        unit(41)?,
-        Tensor::randn(0f32, 1.0, (41, h, dk), &dev)?,
-    );
-    let g = Tensor::rand(-1f32, 0.0, (41, h), &dev)?;
-    let beta = Tensor::rand(0f32, 1.0, (41, h), &dev)?;
-    let start = delta_rule::RuleState::zeros(h, dk, dk, candle_core::DType::F32, &dev)?;
-    let part = |x: &Tensor, a: usize, n: usize| x.narrow(0, a, n);
-    let (_, state) = delta_rule::chunked(
-        &part(&q, 0, 40)?,
-        &part(&k, 0, 40)?,
-        &part(&v, 0, 40)?,
-        &part(&g, 0, 40)?,
-        &part(&beta, 0, 40)?,
-        &start,
-    )?;
-    let memory = state.memory()?;
-    let reps = 50;
-    let t = Instant::now();
-    for _ in 0..reps {
-        delta_rule::chunked(
-            &part(&q, 40, 1)?,
-            &part(&k, 40, 1)?,
-            &part(&v, 40, 1)?,
-            &part(&g, 40, 1)?,
-            &part(&beta, 40, 1)?,
-            &state,
-        )?;
-    }
-    let row_form = t.elapsed().as_secs_f64() / reps as f64;
-    let t = Instant::now();
-    for _ in 0..reps {
-        delta_rule::recurrent(
-            &part(&q, 40, 1)?,
-            &part(&k, 40, 1)?,
-            &part(&v, 40, 1)?,
-            &part(&g, 40, 1)?,
-            &part(&beta, 40, 1)?,
-            &memory,
-        )?;
-    }
-    let recurrent = t.elapsed().as_secs_f64() / reps as f64;
-    println!(
-        "delta rule, one decode token, one layer: row form {:.0} µs, recurrent tensor ops {:.0} µs",
-        row_form * 1e6,
-        recurrent * 1e6
-    );
+    bench_delta_rule()?;
     Ok(())
 }
