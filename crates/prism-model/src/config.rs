@@ -103,6 +103,20 @@ pub fn hf_text_config(json: &Value) -> &Value {
         .unwrap_or(json)
 }
 
+/// The layer pattern when no per-layer list is given (transformers' rule, which llama.cpp follows):
+/// layer `i` is full attention iff `(i + 1) % interval == 0`. `interval` must be positive.
+pub(crate) fn interval_layer_kinds(n_layers: usize, interval: usize) -> Vec<LayerKind> {
+    (0..n_layers)
+        .map(|i| {
+            if (i + 1) % interval == 0 {
+                LayerKind::Attention
+            } else {
+                LayerKind::DeltaNet
+            }
+        })
+        .collect()
+}
+
 fn key(name: &str) -> String {
     format!("{ARCHITECTURE}.{name}")
 }
@@ -264,15 +278,7 @@ impl Qwen35Config {
                 if interval == 0 {
                     return Err(bad(&interval_key, "must be at least 1"));
                 }
-                (0..n_layers)
-                    .map(|i| {
-                        if (i + 1) % interval == 0 {
-                            LayerKind::Attention
-                        } else {
-                            LayerKind::DeltaNet
-                        }
-                    })
-                    .collect()
+                interval_layer_kinds(n_layers, interval)
             }
         };
 
@@ -459,10 +465,7 @@ impl Qwen35Config {
     /// Compares every field `config.json` states with what the GGUF says; fields it leaves out are not
     /// checked. A disagreement is a [`ModelError::ConfigMismatch`] naming the field.
     pub fn check_hf_config(&self, json: &Value) -> Result<()> {
-        let text = json
-            .get("text_config")
-            .filter(|v| v.is_object())
-            .unwrap_or(json);
+        let text = hf_text_config(json);
         let mismatch = |field: &str, gguf: String, hf: &Value| ModelError::ConfigMismatch {
             field: field.to_string(),
             gguf,
@@ -512,12 +515,13 @@ impl Qwen35Config {
                 return Err(mismatch("layer_types", format!("{kinds:?}"), v));
             }
         } else if let Some(v) = text.get("full_attention_interval") {
-            let ok = v.as_u64().filter(|&n| n > 0).is_some_and(|n| {
-                kinds
-                    .iter()
-                    .enumerate()
-                    .all(|(i, k)| (*k == "full_attention") == ((i as u64 + 1) % n == 0))
-            });
+            let ok = v
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .filter(|&n| n > 0)
+                .is_some_and(|n| {
+                    self.layer_kinds == interval_layer_kinds(self.layer_kinds.len(), n)
+                });
             if !ok {
                 return Err(mismatch("full_attention_interval", format!("{kinds:?}"), v));
             }

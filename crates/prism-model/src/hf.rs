@@ -20,7 +20,9 @@ use candle_core::safetensors::BufferedSafetensors;
 use candle_core::DType;
 use serde_json::Value;
 
-use crate::config::{hf_text_config, read_hf_config, LayerKind, Qwen35Config};
+use crate::config::{
+    hf_text_config, interval_layer_kinds, read_hf_config, LayerKind, Qwen35Config,
+};
 use crate::error::{ModelError, Result};
 use crate::qwen35::{LoadOptions, Qwen35Model};
 use crate::weights::WeightLoader;
@@ -257,8 +259,6 @@ impl HfTextConfig {
                     .collect::<Result<Vec<_>>>()?
             }
             None => {
-                // transformers' rule when layer_types is absent: layer i is full attention iff
-                // (i + 1) % full_attention_interval == 0.
                 let interval = match f.get("full_attention_interval") {
                     Some(_) => f.usize("full_attention_interval")?,
                     None => return Err(missing(&f.path("layer_types"))),
@@ -269,15 +269,7 @@ impl HfTextConfig {
                         "must be at least 1",
                     ));
                 }
-                (0..n_layers)
-                    .map(|i| {
-                        if (i + 1) % interval == 0 {
-                            LayerKind::Attention
-                        } else {
-                            LayerKind::DeltaNet
-                        }
-                    })
-                    .collect()
+                interval_layer_kinds(n_layers, interval)
             }
         };
 
