@@ -1,7 +1,8 @@
 //! `prism logits` on the tiny fixture: the JSON lines must carry transformers' fp32 logits (1e-3, the
 //! decoder's acceptance bound), and bad inputs must fail with a clear message, not a panic.
 
-use std::path::PathBuf;
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use serde_json::Value;
@@ -14,26 +15,45 @@ fn read_json(name: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(fixture_dir().join(name)).unwrap()).unwrap()
 }
 
-/// Writes `tokens` to a temporary file and runs `prism logits` on tiny-BF16.gguf with `extra` arguments.
-fn run(name: &str, tokens: &str, extra: &[&str]) -> Output {
-    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("prism-cli-logits-{}", std::process::id()));
+fn tiny_gguf() -> PathBuf {
+    fixture_dir().join("tiny-BF16.gguf")
+}
+
+/// A scratch directory under cargo's temp dir (`target/tmp`), kept as it is if it exists: tests running
+/// at the same time may share it.
+fn scratch_dir(tag: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("prism-cli-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!("{name}.json"));
-    std::fs::write(&path, tokens).unwrap();
-    let gguf = fixture_dir().join("tiny-BF16.gguf");
+    dir
+}
+
+/// `prism logits ARGS`, on one rayon thread, without panic backtraces.
+fn prism_logits(args: &[&OsStr]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_prism"))
         .arg("logits")
-        .arg("--gguf")
-        .arg(&gguf)
-        .arg("--model-dir")
-        .arg(fixture_dir())
-        .arg("--tokens")
-        .arg(&path)
-        .args(extra)
+        .args(args)
         .env("RAYON_NUM_THREADS", "1")
         .env("RUST_BACKTRACE", "0")
         .output()
         .unwrap()
+}
+
+/// Writes `tokens` to a temporary file and runs `prism logits` on tiny-BF16.gguf with `extra` arguments.
+fn run(name: &str, tokens: &str, extra: &[&str]) -> Output {
+    let path = scratch_dir("logits").join(format!("{name}.json"));
+    std::fs::write(&path, tokens).unwrap();
+    let (gguf, fixture) = (tiny_gguf(), fixture_dir());
+    let mut args: Vec<&OsStr> = vec![
+        "--gguf".as_ref(),
+        gguf.as_os_str(),
+        "--model-dir".as_ref(),
+        fixture.as_os_str(),
+        "--tokens".as_ref(),
+        path.as_os_str(),
+    ];
+    args.extend(extra.iter().map(OsStr::new));
+    prism_logits(&args)
 }
 
 fn floats(v: &Value) -> Vec<f64> {
@@ -42,6 +62,14 @@ fn floats(v: &Value) -> Vec<f64> {
         .iter()
         .map(|x| x.as_f64().unwrap())
         .collect()
+}
+
+/// max |a − b| over the pairs of `a` and `b`.
+fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
 }
 
 #[test]
@@ -85,11 +113,7 @@ fn json_lines_match_transformers() {
         let got = floats(&line["logits"]);
         let want_logits = floats(&want["logits"]);
         assert_eq!(got.len(), want_logits.len());
-        let max_diff = got
-            .iter()
-            .zip(&want_logits)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f64::max);
+        let max_diff = max_abs_diff(&got, &want_logits);
         assert!(max_diff < 1e-3, "prompt {i}: max |Δ| {max_diff}");
         let letters = floats(&line["letter_logits"]);
         assert_eq!(letters.len(), 26);
@@ -143,14 +167,13 @@ fn bad_inputs_fail_with_a_message() {
     }
     // --prompt-file without any tokenizer source: a GGUF with no vocabulary cannot be written here, so
     // check the other failure: a prompt file that does not exist.
-    let out = Command::new(env!("CARGO_BIN_EXE_prism"))
-        .args(["logits", "--gguf"])
-        .arg(fixture_dir().join("tiny-BF16.gguf"))
-        .arg("--prompt-file")
-        .arg(fixture_dir().join("no-such-prompt.txt"))
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .unwrap();
+    let (gguf, missing) = (tiny_gguf(), fixture_dir().join("no-such-prompt.txt"));
+    let out = prism_logits(&[
+        "--gguf".as_ref(),
+        gguf.as_os_str(),
+        "--prompt-file".as_ref(),
+        missing.as_os_str(),
+    ]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no-such-prompt.txt"));
 }
@@ -161,25 +184,33 @@ fn prompt_file_is_tokenized_with_special_tokens_and_matches_transformers() {
     // and the logits must be transformers' (1e-3).
     let prompts = read_json("prompts.json");
     let prompt = &prompts["prompts"][0];
-    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("prism-cli-logits-text-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("prompt0.txt");
+    let path = scratch_dir("logits-text").join("prompt0.txt");
     std::fs::write(&path, prompt["text"].as_str().unwrap()).unwrap();
     let reference = read_json("ref_transformers.json");
     let want = floats(&reference["prompts"][0]["logits"]);
     // Both tokenizer sources: the model directory's tokenizer.json and the GGUF's own vocabulary.
+    let gguf = tiny_gguf();
     for model_dir in [Some(fixture_dir()), None] {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_prism"));
-        command.args(["logits", "--json", "--full", "--gguf"]).arg(fixture_dir().join("tiny-BF16.gguf"));
+        let mut args: Vec<&OsStr> = vec![
+            "--json".as_ref(),
+            "--full".as_ref(),
+            "--gguf".as_ref(),
+            gguf.as_os_str(),
+        ];
         if let Some(d) = &model_dir {
-            command.arg("--model-dir").arg(d);
+            args.extend(["--model-dir".as_ref(), d.as_os_str()]);
         }
-        let out = command.arg("--prompt-file").arg(&path).env("RAYON_NUM_THREADS", "1").output().unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let line: Value = serde_json::from_str(String::from_utf8(out.stdout).unwrap().trim()).unwrap();
+        args.extend(["--prompt-file".as_ref(), path.as_os_str()]);
+        let out = prism_logits(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line: Value =
+            serde_json::from_str(String::from_utf8(out.stdout).unwrap().trim()).unwrap();
         assert_eq!(line["n_tokens"].as_u64(), prompt["n_tokens"].as_u64());
-        let got = floats(&line["logits"]);
-        let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        let d = max_abs_diff(&floats(&line["logits"]), &want);
         assert!(d < 1e-3, "max |Δ| {d} (model dir {model_dir:?})");
         assert_eq!(line["letter_logits"].as_array().unwrap().len(), 26);
     }
@@ -195,7 +226,7 @@ mod gguf_to_hf;
 /// An HF checkpoint directory rebuilt from tiny-BF16.gguf (the model tests check it equals the
 /// reference safetensors bit for bit), with the fixture's config.json and tokenizer files.
 fn derived_hf_dir(tag: &str) -> PathBuf {
-    let gguf = prism_gguf::GgufFile::open(fixture_dir().join("tiny-BF16.gguf")).unwrap();
+    let gguf = prism_gguf::GgufFile::open(tiny_gguf()).unwrap();
     let tensors = gguf_to_hf::hf_tensors_from_gguf(&gguf, gguf_to_hf::Storage::AllBf16);
     let dir = gguf_to_hf::temp_dir(&format!("cli-{tag}"));
     gguf_to_hf::write_safetensors(&dir.join("model.safetensors"), &tensors);
@@ -211,14 +242,17 @@ fn derived_hf_dir(tag: &str) -> PathBuf {
     dir
 }
 
-fn prism_logits(args: &[&std::ffi::OsStr]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_prism"))
-        .arg("logits")
-        .args(args)
-        .env("RAYON_NUM_THREADS", "1")
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .unwrap()
+/// `prism logits --hf-dir DIR INPUT_FLAG INPUT --json --full`: INPUT_FLAG is `--tokens` or
+/// `--prompt-file`.
+fn hf_dir_full_logits(dir: &Path, input_flag: &str, input: &Path) -> Output {
+    prism_logits(&[
+        "--hf-dir".as_ref(),
+        dir.as_os_str(),
+        input_flag.as_ref(),
+        input.as_os_str(),
+        "--json".as_ref(),
+        "--full".as_ref(),
+    ])
 }
 
 fn json_lines(out: &Output) -> Vec<Value> {
@@ -235,7 +269,7 @@ fn json_lines(out: &Output) -> Vec<Value> {
 }
 
 /// Writes the token ids of fixture prompts `order` to a file in `dir`.
-fn token_file(dir: &std::path::Path, order: &[usize]) -> PathBuf {
+fn token_file(dir: &Path, order: &[usize]) -> PathBuf {
     let prompts = read_json("prompts.json");
     let tokens: Vec<&Value> = order
         .iter()
@@ -252,16 +286,8 @@ fn hf_dir_matches_transformers_and_the_gguf() {
     let reference = read_json("ref_transformers.json");
     let order = [1usize, 0, 8];
     let tokens = token_file(&dir, &order);
-    let hf = prism_logits(&[
-        "--hf-dir".as_ref(),
-        dir.as_os_str(),
-        "--tokens".as_ref(),
-        tokens.as_os_str(),
-        "--json".as_ref(),
-        "--full".as_ref(),
-    ]);
-    let gguf_path = fixture_dir().join("tiny-BF16.gguf");
-    let fixture = fixture_dir();
+    let hf = hf_dir_full_logits(&dir, "--tokens", &tokens);
+    let (gguf_path, fixture) = (tiny_gguf(), fixture_dir());
     let gguf = prism_logits(&[
         "--gguf".as_ref(),
         gguf_path.as_os_str(),
@@ -276,12 +302,7 @@ fn hf_dir_matches_transformers_and_the_gguf() {
     assert_eq!(hf.len(), order.len());
     for ((line, &i), gguf_line) in hf.iter().zip(&order).zip(&gguf) {
         let want = floats(&reference["prompts"][i]["logits"]);
-        let got = floats(&line["logits"]);
-        let d = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f64::max);
+        let d = max_abs_diff(&floats(&line["logits"]), &want);
         assert!(d < 1e-3, "prompt {i}: max |Δ| {d}");
         assert_eq!(
             line["argmax"], reference["prompts"][i]["argmax"],
@@ -296,34 +317,21 @@ fn hf_dir_matches_transformers_and_the_gguf() {
     let prompt = &read_json("prompts.json")["prompts"][0];
     let text = dir.join("prompt0.txt");
     std::fs::write(&text, prompt["text"].as_str().unwrap()).unwrap();
-    let out = prism_logits(&[
-        "--hf-dir".as_ref(),
-        dir.as_os_str(),
-        "--prompt-file".as_ref(),
-        text.as_os_str(),
-        "--json".as_ref(),
-        "--full".as_ref(),
-    ]);
+    let out = hf_dir_full_logits(&dir, "--prompt-file", &text);
     let line = &json_lines(&out)[0];
     assert_eq!(line["n_tokens"].as_u64(), prompt["n_tokens"].as_u64());
     let want = floats(&reference["prompts"][0]["logits"]);
-    let d = floats(&line["logits"])
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f64::max);
+    let d = max_abs_diff(&floats(&line["logits"]), &want);
     assert!(d < 1e-3, "--prompt-file: max |Δ| {d}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn hf_dir_flag_errors() {
-    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("prism-cli-hf-flags-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch_dir("hf-flags");
     let tokens = dir.join("tokens.json");
     std::fs::write(&tokens, "[[4097, 82, 597]]").unwrap();
-    let gguf_path = fixture_dir().join("tiny-BF16.gguf");
-    let fixture = fixture_dir();
+    let (gguf_path, fixture) = (tiny_gguf(), fixture_dir());
     // Both sources, or neither: a usage error (clap's exit code 2).
     let both = prism_logits(&[
         "--gguf".as_ref(),
@@ -339,12 +347,15 @@ fn hf_dir_flag_errors() {
     assert_eq!(neither.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&neither.stderr).contains("--gguf"));
     // A directory without config.json, then one without weights: exit 1 naming what is missing.
-    let empty = prism_logits(&[
-        "--hf-dir".as_ref(),
-        dir.as_os_str(),
-        "--tokens".as_ref(),
-        tokens.as_os_str(),
-    ]);
+    let hf_dir_tokens = || {
+        prism_logits(&[
+            "--hf-dir".as_ref(),
+            dir.as_os_str(),
+            "--tokens".as_ref(),
+            tokens.as_os_str(),
+        ])
+    };
+    let empty = hf_dir_tokens();
     let stderr = String::from_utf8_lossy(&empty.stderr);
     assert_eq!(empty.status.code(), Some(1), "{stderr}");
     assert!(
@@ -352,12 +363,7 @@ fn hf_dir_flag_errors() {
         "{stderr}"
     );
     std::fs::copy(fixture_dir().join("config.json"), dir.join("config.json")).unwrap();
-    let no_weights = prism_logits(&[
-        "--hf-dir".as_ref(),
-        dir.as_os_str(),
-        "--tokens".as_ref(),
-        tokens.as_os_str(),
-    ]);
+    let no_weights = hf_dir_tokens();
     let stderr = String::from_utf8_lossy(&no_weights.stderr);
     assert_eq!(no_weights.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("no model.safetensors"), "{stderr}");
@@ -373,28 +379,16 @@ fn hf_dir_flag_errors() {
 fn hf_dir_reference_checkpoint_matches_transformers() {
     let dir =
         PathBuf::from(std::env::var("PRISM_HF_REFERENCE_DIR").expect("set PRISM_HF_REFERENCE_DIR"));
-    let scratch = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("prism-cli-hf-ref-{}", std::process::id()));
-    std::fs::create_dir_all(&scratch).unwrap();
+    let scratch = scratch_dir("hf-ref");
     let order: Vec<usize> = (0..12).collect();
     let tokens = token_file(&scratch, &order);
-    let out = prism_logits(&[
-        "--hf-dir".as_ref(),
-        dir.as_os_str(),
-        "--tokens".as_ref(),
-        tokens.as_os_str(),
-        "--json".as_ref(),
-        "--full".as_ref(),
-    ]);
+    let out = hf_dir_full_logits(&dir, "--tokens", &tokens);
     let lines = json_lines(&out);
     let reference = read_json("ref_transformers.json");
     let mut max_d: f64 = 0.0;
     for (line, &i) in lines.iter().zip(&order) {
         let want = floats(&reference["prompts"][i]["logits"]);
-        let d = floats(&line["logits"])
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f64::max);
+        let d = max_abs_diff(&floats(&line["logits"]), &want);
         assert_eq!(
             line["argmax"], reference["prompts"][i]["argmax"],
             "prompt {i}"
