@@ -233,6 +233,12 @@ fn bad_metadata_gives_errors_that_name_the_key() {
     let base = || metadata(&SIZES[2], true, true);
     let err =
         |m: HashMap<String, MetadataValue>| Qwen35Config::from_metadata(&m, VOCAB).unwrap_err();
+    // The base metadata with one key set.
+    let with = |key: &str, value: MetadataValue| {
+        let mut m = base();
+        m.insert(key.into(), value);
+        m
+    };
 
     let mut m = base();
     m.remove("qwen35.ssm.inner_size");
@@ -240,75 +246,62 @@ fn bad_metadata_gives_errors_that_name_the_key() {
         matches!(err(m), ModelError::MissingMetadata { key } if key == "qwen35.ssm.inner_size")
     );
 
-    let mut m = base();
-    m.insert(
-        "general.architecture".into(),
+    let e = err(with(
+        "general.architecture",
         MetadataValue::String("qwen35moe".into()),
-    );
-    assert!(
-        matches!(err(m), ModelError::UnsupportedArchitecture { found } if found == "qwen35moe")
-    );
+    ));
+    assert!(matches!(e, ModelError::UnsupportedArchitecture { found } if found == "qwen35moe"));
 
-    let mut m = base();
-    m.insert(
-        "qwen35.attention.head_count".into(),
+    let e = err(with(
+        "qwen35.attention.head_count",
         MetadataValue::String("16".into()),
-    );
+    ));
     assert!(
-        matches!(err(m), ModelError::BadMetadata { key, .. } if key == "qwen35.attention.head_count")
+        matches!(e, ModelError::BadMetadata { key, .. } if key == "qwen35.attention.head_count")
     );
 
-    let mut m = base();
-    m.insert(
-        "qwen35.attention.recurrent_layers".into(),
+    let e = err(with(
+        "qwen35.attention.recurrent_layers",
         MetadataValue::Array(vec![MetadataValue::Bool(true); 5]),
-    );
+    ));
     assert!(
-        matches!(err(m), ModelError::BadMetadata { key, .. } if key == "qwen35.attention.recurrent_layers")
+        matches!(e, ModelError::BadMetadata { key, .. } if key == "qwen35.attention.recurrent_layers")
     );
 
-    let mut m = base();
-    m.insert(
-        "qwen35.attention.head_count_kv".into(),
+    let e = err(with(
+        "qwen35.attention.head_count_kv",
         MetadataValue::U32(5),
-    );
-    assert!(matches!(err(m), ModelError::InvalidConfig { field, .. } if field == "n_heads"));
+    ));
+    assert!(matches!(e, ModelError::InvalidConfig { field, .. } if field == "n_heads"));
 
-    let mut m = base();
-    m.insert("qwen35.ssm.time_step_rank".into(), MetadataValue::U32(24));
+    let mut m = with("qwen35.ssm.time_step_rank", MetadataValue::U32(24));
     m.insert("qwen35.ssm.inner_size".into(), MetadataValue::U32(24 * 128));
     assert!(
         matches!(err(m), ModelError::InvalidConfig { field, .. } if field == "linear_value_heads")
     );
 
-    let mut m = base();
-    m.insert(
-        "qwen35.rope.dimension_sections".into(),
-        MetadataValue::Array(
-            [16, 16, 16, 0]
-                .into_iter()
-                .map(MetadataValue::I32)
-                .collect(),
-        ),
-    );
+    let sections = [16, 16, 16, 0]
+        .into_iter()
+        .map(MetadataValue::I32)
+        .collect();
+    let e = err(with(
+        "qwen35.rope.dimension_sections",
+        MetadataValue::Array(sections),
+    ));
     assert!(
-        matches!(err(m), ModelError::InvalidConfig { field, .. } if field == "rope.dimension_sections")
+        matches!(e, ModelError::InvalidConfig { field, .. } if field == "rope.dimension_sections")
     );
 
-    let mut m = base();
-    m.insert("qwen35.nextn_predict_layers".into(), MetadataValue::U32(33));
+    let e = err(with("qwen35.nextn_predict_layers", MetadataValue::U32(33)));
     assert!(
-        matches!(err(m), ModelError::BadMetadata { key, .. } if key == "qwen35.nextn_predict_layers")
+        matches!(e, ModelError::BadMetadata { key, .. } if key == "qwen35.nextn_predict_layers")
     );
 
-    let mut m = base();
-    m.insert(
-        "tokenizer.ggml.tokens".into(),
+    let e = err(with(
+        "tokenizer.ggml.tokens",
         MetadataValue::Array(vec![MetadataValue::String("a".into()); 10]),
-    );
-    assert!(
-        matches!(err(m), ModelError::BadMetadata { key, .. } if key == "tokenizer.ggml.tokens")
-    );
+    ));
+    assert!(matches!(e, ModelError::BadMetadata { key, .. } if key == "tokenizer.ggml.tokens"));
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -412,10 +405,11 @@ fn config_json_agreement_and_mismatches() {
 // Bad files: rewrite the fixture GGUF with one thing changed
 // ---------------------------------------------------------------------------------------------------
 
-/// Copies tiny-BF16.gguf in memory, letting `edit_meta` change metadata and `edit_tensor` rename,
-/// reshape (same bytes) or drop (None) tensors.
+/// Copies tiny-BF16.gguf in memory, letting `edit_meta` change metadata, `added_meta` append keys and
+/// `edit_tensor` rename, reshape (same bytes) or drop (None) tensors.
 fn rewritten(
     edit_meta: impl Fn(&str, &MetadataValue) -> Option<MetadataValue>,
+    added_meta: &[(&str, MetadataValue)],
     edit_tensor: impl Fn(&str, &[u64]) -> Option<Vec<u64>>,
 ) -> GgufFile {
     let src = GgufFile::open(fixture_dir().join("tiny-BF16.gguf")).unwrap();
@@ -424,6 +418,9 @@ fn rewritten(
         if let Some(v) = edit_meta(key, value) {
             w.add_metadata(key.clone(), v).unwrap();
         }
+    }
+    for (key, value) in added_meta {
+        w.add_metadata(*key, value.clone()).unwrap();
     }
     let mut kept = Vec::new();
     for info in src.tensors() {
@@ -440,6 +437,24 @@ fn rewritten(
     GgufFile::from_bytes(data.finish().unwrap()).unwrap()
 }
 
+/// tiny-BF16.gguf with metadata `key` set to `value`.
+fn with_metadata(key: &str, value: MetadataValue) -> GgufFile {
+    rewritten(
+        |k, v| Some(if k == key { value.clone() } else { v.clone() }),
+        &[],
+        |_, d| Some(d.to_vec()),
+    )
+}
+
+/// tiny-BF16.gguf without tensor `name`.
+fn without_tensor(name: &str) -> GgufFile {
+    rewritten(
+        |_, v| Some(v.clone()),
+        &[],
+        |n, d| (n != name).then(|| d.to_vec()),
+    )
+}
+
 fn load_err(gguf: &GgufFile, hf_config: Option<std::path::PathBuf>) -> ModelError {
     let options = LoadOptions {
         hf_config,
@@ -450,7 +465,7 @@ fn load_err(gguf: &GgufFile, hf_config: Option<std::path::PathBuf>) -> ModelErro
 
 #[test]
 fn unmodified_rewrite_loads() {
-    let gguf = rewritten(|_, v| Some(v.clone()), |_, d| Some(d.to_vec()));
+    let gguf = rewritten(|_, v| Some(v.clone()), &[], |_, d| Some(d.to_vec()));
     Qwen35Model::from_gguf(&gguf, &LoadOptions::default()).unwrap();
 }
 
@@ -462,11 +477,7 @@ fn missing_tensor_is_named() {
         "output_norm.weight",
         "blk.7.ffn_down.weight",
     ] {
-        let gguf = rewritten(
-            |_, v| Some(v.clone()),
-            |n, d| (n != name).then(|| d.to_vec()),
-        );
-        match load_err(&gguf, None) {
+        match load_err(&without_tensor(name), None) {
             ModelError::MissingTensor { name: n } => assert_eq!(n, name),
             other => panic!("dropping {name}: {other}"),
         }
@@ -479,6 +490,7 @@ fn misshaped_tensor_is_named() {
     let name = "blk.3.attn_k.weight";
     let gguf = rewritten(
         |_, v| Some(v.clone()),
+        &[],
         |n, d| {
             Some(if n == name {
                 vec![d[1], d[0]]
@@ -504,6 +516,12 @@ fn misshaped_tensor_is_named() {
 #[test]
 fn metadata_that_does_not_fit_the_tensors_is_refused() {
     // One layer more than the file has.
+    let gguf = with_metadata("qwen35.block_count", MetadataValue::U32(9));
+    assert!(
+        matches!(load_err(&gguf, None), ModelError::BadMetadata { key, .. } if key == "qwen35.attention.recurrent_layers")
+    );
+    // An MTP block declared (block_count 9, nextn 1): the 8 main layers load, the missing MTP block is
+    // never looked for.
     let gguf = rewritten(
         |k, v| {
             Some(if k == "qwen35.block_count" {
@@ -512,48 +530,14 @@ fn metadata_that_does_not_fit_the_tensors_is_refused() {
                 v.clone()
             })
         },
+        &[("qwen35.nextn_predict_layers", MetadataValue::U32(1))],
         |_, d| Some(d.to_vec()),
     );
-    assert!(
-        matches!(load_err(&gguf, None), ModelError::BadMetadata { key, .. } if key == "qwen35.attention.recurrent_layers")
-    );
-    // An MTP block declared (block_count 9, nextn 1): the 8 main layers load, the missing MTP block is
-    // never looked for.
-    let src = GgufFile::open(fixture_dir().join("tiny-BF16.gguf")).unwrap();
-    let mut w = GgufWriter::new();
-    for (key, value) in src.metadata() {
-        let v = if key == "qwen35.block_count" {
-            MetadataValue::U32(9)
-        } else {
-            value.clone()
-        };
-        w.add_metadata(key.clone(), v).unwrap();
-    }
-    w.add_metadata("qwen35.nextn_predict_layers", MetadataValue::U32(1))
-        .unwrap();
-    for info in src.tensors() {
-        w.add_tensor(info.name.clone(), &info.dims, info.ggml_type)
-            .unwrap();
-    }
-    let mut data = w.write_header(Vec::new()).unwrap();
-    for info in src.tensors() {
-        data.write_bytes(src.tensor_bytes(info)).unwrap();
-    }
-    let gguf = GgufFile::from_bytes(data.finish().unwrap()).unwrap();
     let model = Qwen35Model::from_gguf(&gguf, &LoadOptions::default()).unwrap();
     assert_eq!(model.config().n_layers, 8);
     assert_eq!(model.config().n_mtp_layers, 1);
     // Wrong hidden size: the first tensor checked names itself.
-    let gguf = rewritten(
-        |k, v| {
-            Some(if k == "qwen35.embedding_length" {
-                MetadataValue::U32(128)
-            } else {
-                v.clone()
-            })
-        },
-        |_, d| Some(d.to_vec()),
-    );
+    let gguf = with_metadata("qwen35.embedding_length", MetadataValue::U32(128));
     assert!(
         matches!(load_err(&gguf, None), ModelError::TensorShape { name, .. } if name == "token_embd.weight")
     );
@@ -591,10 +575,7 @@ fn mismatched_config_json_is_refused() {
         }
     }
     // A tied file (no output.weight) against a config saying untied.
-    let tied = rewritten(
-        |_, v| Some(v.clone()),
-        |n, d| (n != "output.weight").then(|| d.to_vec()),
-    );
+    let tied = without_tensor("output.weight");
     let err = load_err(&tied, Some(fixture_dir().join("config.json")));
     assert!(
         matches!(err, ModelError::ConfigMismatch { field, .. } if field == "tie_word_embeddings")
@@ -610,10 +591,7 @@ fn mismatched_config_json_is_refused() {
 
 #[test]
 fn tied_embeddings_use_the_embedding_matrix_as_the_head() {
-    let tied = rewritten(
-        |_, v| Some(v.clone()),
-        |n, d| (n != "output.weight").then(|| d.to_vec()),
-    );
+    let tied = without_tensor("output.weight");
     let model = Qwen35Model::from_gguf(&tied, &LoadOptions::default()).unwrap();
     assert!(model.tied_embeddings());
     assert!(!bf16_model().tied_embeddings());
