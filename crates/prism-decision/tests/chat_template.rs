@@ -98,24 +98,10 @@ fn assert_reproduces_prompts(format: &PromptFormat) -> usize {
     let prompts = read_json(&tiny_dir().join("prompts.json"));
     let list = prompts["prompts"].as_array().unwrap();
     let mut checked = 0;
-    for p in list {
-        let messages = messages_of(&p["messages"]);
-        let thinking = p["enable_thinking"].as_bool().unwrap();
-        let rendered = format.render_and_encode(&messages, thinking).unwrap();
-        assert_eq!(
-            rendered.text,
-            p["text"].as_str().unwrap(),
-            "prompt {}",
-            p["name"]
-        );
-        assert_eq!(rendered.ids, ids_of(&p["ids"]), "prompt {}", p["name"]);
-        checked += 1;
-    }
-    for p in prompts["thinking_prompts"].as_array().unwrap() {
-        let from = &list[p["from_prompt"].as_u64().unwrap() as usize];
-        assert!(p["enable_thinking"].as_bool().unwrap());
+    // Renders `messages` and compares text and ids with the reference entry `p`.
+    let mut check = |messages: &Value, thinking: bool, p: &Value| {
         let rendered = format
-            .render_and_encode(&messages_of(&from["messages"]), true)
+            .render_and_encode(&messages_of(messages), thinking)
             .unwrap();
         assert_eq!(
             rendered.text,
@@ -125,6 +111,14 @@ fn assert_reproduces_prompts(format: &PromptFormat) -> usize {
         );
         assert_eq!(rendered.ids, ids_of(&p["ids"]), "prompt {}", p["name"]);
         checked += 1;
+    };
+    for p in list {
+        check(&p["messages"], p["enable_thinking"].as_bool().unwrap(), p);
+    }
+    for p in prompts["thinking_prompts"].as_array().unwrap() {
+        let from = &list[p["from_prompt"].as_u64().unwrap() as usize];
+        assert!(p["enable_thinking"].as_bool().unwrap());
+        check(&from["messages"], true, p);
     }
     checked
 }
@@ -338,32 +332,22 @@ fn bad_generation_config_is_a_typed_error() {
     ] {
         dir.copy(f);
     }
-    std::fs::write(
-        dir.0.join("generation_config.json"),
-        b"{\"eos_token_id\": [4098, 99999]}",
-    )
-    .unwrap();
-    let err = PromptFormat::load_from_model_dir(&dir.0, None).unwrap_err();
+    // The directory with generation_config.json holding `text`.
+    let load_with = |text: &[u8]| {
+        std::fs::write(dir.0.join("generation_config.json"), text).unwrap();
+        PromptFormat::load_from_model_dir(&dir.0, None)
+    };
+    let err = load_with(b"{\"eos_token_id\": [4098, 99999]}").unwrap_err();
     assert!(
         matches!(&err, PromptFormatError::BadGenerationConfig { message, .. } if message.contains("99999")),
         "{err}"
     );
-    std::fs::write(
-        dir.0.join("generation_config.json"),
-        b"{\"eos_token_id\": \"x\"",
-    )
-    .unwrap();
-    let err = PromptFormat::load_from_model_dir(&dir.0, None).unwrap_err();
+    let err = load_with(b"{\"eos_token_id\": \"x\"").unwrap_err();
     assert!(
         matches!(err, PromptFormatError::BadGenerationConfig { .. }),
         "{err}"
     );
-    std::fs::write(
-        dir.0.join("generation_config.json"),
-        b"{\"eos_token_id\": 4097}",
-    )
-    .unwrap();
-    let format = PromptFormat::load_from_model_dir(&dir.0, None).unwrap();
+    let format = load_with(b"{\"eos_token_id\": 4097}").unwrap();
     assert_eq!(format.eos_ids(), &[4096, 4097, 4098]);
 }
 
