@@ -206,13 +206,8 @@ fn hf_dir_logits_match_transformers_and_the_gguf_path() {
     let reference = read_json("ref_transformers.json");
     let prompts = prompts();
     let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
-    let logits = to_vec2(&model.logits(&model.last_hidden(&refs).unwrap()).unwrap());
-    let gguf_model = bf16_model();
-    let gguf_logits = to_vec2(
-        &gguf_model
-            .logits(&gguf_model.last_hidden(&refs).unwrap())
-            .unwrap(),
-    );
+    let logits = last_logits(model, &refs);
+    let gguf_logits = last_logits(bf16_model(), &refs);
     let mut vs_transformers: f32 = 0.0;
     let mut vs_gguf: f32 = 0.0;
     let mut identical_prompts = 0;
@@ -261,6 +256,11 @@ fn output_head(model: &Qwen35Model) -> Vec<Vec<f32>> {
     )
 }
 
+/// The full logits at each prompt's last position.
+fn last_logits(model: &Qwen35Model, prompts: &[&[u32]]) -> Vec<Vec<f32>> {
+    to_vec2(&model.logits(&model.last_hidden(prompts).unwrap()).unwrap())
+}
+
 fn gguf_matrix(name: &str) -> Vec<f32> {
     gguf().dequantize(name).unwrap()
 }
@@ -269,7 +269,7 @@ fn gguf_matrix(name: &str) -> Vec<f32> {
 fn wrapper_shards_and_tied_embeddings() {
     let prompt = &prompts()[0];
     let flat = hf_model();
-    let want = to_vec2(&flat.logits(&flat.last_hidden(&[prompt]).unwrap()).unwrap());
+    let want = last_logits(flat, &[prompt]);
 
     // Multimodal wrapper, 3 shards.
     let dir = temp_dir("wrapped");
@@ -285,11 +285,7 @@ fn wrapper_shards_and_tied_embeddings() {
     assert!(!dir.join("model.safetensors").exists());
     let wrapped = load_dir(&dir).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
-    let got = to_vec2(
-        &wrapped
-            .logits(&wrapped.last_hidden(&[prompt]).unwrap())
-            .unwrap(),
-    );
+    let got = last_logits(&wrapped, &[prompt]);
     assert!(
         got[0]
             .iter()
@@ -614,13 +610,8 @@ fn derived_checkpoint_equals_the_reference() {
     let model = load_dir(&dir).unwrap();
     let reference = read_json("ref_transformers.json");
     let refs: Vec<&[u32]> = prompts().iter().map(|p| p.as_slice()).collect();
-    let logits = to_vec2(&model.logits(&model.last_hidden(&refs).unwrap()).unwrap());
-    let gguf_model = bf16_model();
-    let gguf_logits = to_vec2(
-        &gguf_model
-            .logits(&gguf_model.last_hidden(&refs).unwrap())
-            .unwrap(),
-    );
+    let logits = last_logits(&model, &refs);
+    let gguf_logits = last_logits(bf16_model(), &refs);
     let mut vs_transformers: f32 = 0.0;
     let mut vs_gguf: f32 = 0.0;
     for (i, entry) in reference["prompts"].as_array().unwrap().iter().enumerate() {
