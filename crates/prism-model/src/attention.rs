@@ -296,6 +296,19 @@ fn causal_mask(
 mod tests {
     use super::*;
 
+    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
     fn bits(t: &Tensor) -> Vec<u32> {
         t.flatten_all()
             .unwrap()
@@ -321,16 +334,7 @@ mod tests {
         };
         let all = q.apply_op3_no_bwd(&k, &v, &op(0)).unwrap();
         let fallback = attention_tensor_ops(&q, &k, &v, 0, n_h / n_kv, scale).unwrap();
-        let d = (&all - &fallback)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let d = max_abs_diff(&all, &fallback);
         assert!(d < 1e-5, "kernel vs tensor ops: {d}");
         // The last 5 queries against a cache of 7: the same bits as inside the full call.
         let tail = q
@@ -342,16 +346,7 @@ mod tests {
         let fallback_tail =
             attention_tensor_ops(&q.narrow(0, 7, 5).unwrap(), &k, &v, 7, n_h / n_kv, scale)
                 .unwrap();
-        let d = (&tail - &fallback_tail)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let d = max_abs_diff(&tail, &fallback_tail);
         assert!(d < 1e-5, "with a cache: {d}");
         // Shapes that do not fit are refused.
         assert!(q.apply_op3_no_bwd(&k, &v, &op(1)).is_err());
