@@ -160,8 +160,6 @@ fn write_model(path: &PathBuf) -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     out.finish()?;
-
-    bench_delta_rule()?;
     Ok(())
 }
 
