@@ -105,6 +105,8 @@ impl Attention {
                     scale,
                 };
                 q_s.apply_op3_no_bwd(&k_all, &v_all, &op)?
+            } else if cfg!(feature = "cuda") && x.device().is_cuda() && q_s.dtype() == DType::F32 {
+                cuda_attention(&q_s, &k_all, &v_all, past, scale)?
             } else {
                 attention_tensor_ops(&q_s, &k_all, &v_all, past, group, scale)?
             };
@@ -115,6 +117,16 @@ impl Attention {
         let attn = Tensor::cat(&outs, 0)?.mul(&sigmoid(&gate)?)?;
         Ok(linear(&attn, &self.o)?)
     }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: f64) -> candle_core::Result<Tensor> {
+    crate::cuda::causal_attention(q, k, v, past, scale)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_attention(_: &Tensor, _: &Tensor, _: &Tensor, _: usize, _: f64) -> candle_core::Result<Tensor> {
+    candle_core::bail!("this build has no CUDA support")
 }
 
 /// Causal attention of `T` new queries against the `past + T` cached keys and values, for devices without

@@ -147,6 +147,10 @@ impl DeltaNet {
 /// Causal depthwise conv of one segment `x: [T, C]` against the window `[K−1, C]` of earlier inputs, with
 /// `taps: [K, C]`. Returns the pre-activation output `[T, C]` and the new window (the last K−1 inputs).
 pub fn causal_conv(x: &Tensor, window: &Tensor, taps: &Tensor) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && x.dtype() == candle_core::DType::F32 {
+        return Ok(crate::cuda::causal_conv(x, window, taps)?);
+    }
     let t_len = x.dim(0)?;
     let k = taps.dim(0)?;
     let padded = Tensor::cat(&[window, x], 0)?; // [T + K − 1, C]

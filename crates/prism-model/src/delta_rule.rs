@@ -179,6 +179,10 @@ pub fn chunked(
     beta: &Tensor,
     state: &RuleState,
 ) -> Result<(Tensor, RuleState)> {
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() && q.dtype() == DType::F32 {
+        return crate::cuda::delta_rule_chunked(q, k, v, g, beta, state);
+    }
     match q.dtype() {
         DType::F32 => chunked_typed::<f32>(q, k, v, g, beta, state),
         DType::F64 => chunked_typed::<f64>(q, k, v, g, beta, state),

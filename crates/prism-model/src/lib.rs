@@ -13,6 +13,8 @@
 
 pub mod attention;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod delta_net;
 pub mod delta_rule;
 pub mod error;

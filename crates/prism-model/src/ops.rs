@@ -11,6 +11,10 @@ use crate::matmul::RowInvariantMatmul;
 ///
 /// GGUF files already store `1 + w` for Qwen3.5's zero-centred norms, so `weight` is used as is.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && x.dtype() == DType::F32 {
+        return crate::cuda::rms_norm(x, weight, eps);
+    }
     let mean_square = x.sqr()?.mean_keepdim(D::Minus1)?;
     let inv_rms = (mean_square + eps)?.sqrt()?.recip()?;
     x.broadcast_mul(&inv_rms)?.broadcast_mul(weight)
@@ -18,11 +22,19 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
 
 /// The DeltaNet output norm: normalise, then multiply by the plain weight, then by `SiLU(gate)`.
 pub fn gated_rms_norm(x: &Tensor, gate: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && x.dtype() == DType::F32 {
+        return crate::cuda::gated_rms_norm(x, gate, weight, eps);
+    }
     rms_norm(x, weight, eps)?.mul(&gate.silu()?)
 }
 
 /// `x · rsqrt(Σx² + eps)` over the last axis (transformers' / FLA's l2norm, eps under the root).
 pub fn l2_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && x.dtype() == DType::F32 {
+        return crate::cuda::l2_norm(x, eps);
+    }
     let sum_square = x.sqr()?.sum_keepdim(D::Minus1)?;
     let inv_norm = (sum_square + eps)?.sqrt()?.recip()?;
     x.broadcast_mul(&inv_norm)

@@ -1,0 +1,309 @@
+//! Launchers for our CUDA kernels (`kernels/*.cu`, compiled to PTX by build.rs), on candle tensors.
+//!
+//! Each function here has a CPU twin that the CI tests (named in its doc); `prism cuda-check` runs
+//! both on fresh random inputs on the device and reports ‖Δ‖/‖ref‖. All kernels take contiguous f32
+//! tensors (the activation dtype of the bf16 path) and return new tensors.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
+use candle_core::op::BackpropOp;
+use candle_core::{bail, DType, Device, Result, Shape, Storage, Tensor};
+
+use crate::delta_rule::{RuleState, CHUNK};
+
+const DELTA_RULE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/delta_rule.ptx"));
+const OPS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ops.ptx"));
+
+/// Value columns per delta-rule block (`CW` in delta_rule.cu).
+const DELTA_RULE_COLUMNS: usize = 32;
+const DELTA_RULE_THREADS: u32 = 256;
+
+fn cuda_device(t: &Tensor) -> Result<CudaDevice> {
+    match t.device() {
+        Device::Cuda(d) => Ok(d.clone()),
+        other => bail!("expected a CUDA tensor, found one on {other:?}"),
+    }
+}
+
+fn launch_err<E: std::error::Error + Send + Sync + 'static>(e: E) -> candle_core::Error {
+    candle_core::Error::Cuda(Box::new(e))
+}
+
+/// A read guard on a tensor's CUDA storage plus the element range of its (contiguous) layout.
+struct Input<'a> {
+    guard: candle_core::StorageRef<'a>,
+    start: usize,
+    end: usize,
+    name: &'static str,
+}
+
+impl<'a> Input<'a> {
+    fn new(t: &'a Tensor, dtype: DType, name: &'static str) -> Result<Self> {
+        if t.dtype() != dtype {
+            bail!("{name}: expected {dtype:?}, found {:?}", t.dtype());
+        }
+        let (guard, layout) = t.storage_and_layout();
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            bail!("{name} must be contiguous");
+        };
+        Ok(Self {
+            guard,
+            start,
+            end,
+            name,
+        })
+    }
+
+    fn view<T: CudaDType>(&self) -> Result<CudaView<'_, T>> {
+        match &*self.guard {
+            Storage::Cuda(cs) => Ok(cs.as_cuda_slice::<T>()?.slice(self.start..self.end)),
+            _ => bail!("{} is not on a CUDA device", self.name),
+        }
+    }
+}
+
+fn alloc<T: DeviceRepr>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
+    // SAFETY: every element is written by the kernel before it is read.
+    unsafe { dev.alloc::<T>(len.max(1)) }
+}
+
+fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
+    let storage = CudaStorage::wrap_cuda_slice(slice, dev.clone());
+    Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false)
+}
+
+fn i32_arg(x: usize, what: &str) -> Result<i32> {
+    i32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("{what} = {x} does not fit in i32")))
+}
+
+/// The CUDA twin of [`crate::delta_rule::chunked`]: same inputs, same state layout, same chunk
+/// boundaries. f32 only.
+pub fn delta_rule_chunked(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    state: &RuleState,
+) -> Result<(Tensor, RuleState)> {
+    let (heads, dk, dv) = state.chunk_start.dims3()?;
+    let t_len = k.dim(0)?;
+    if q.dims() != [t_len, heads, dk]
+        || k.dims() != [t_len, heads, dk]
+        || v.dims() != [t_len, heads, dv]
+        || g.dims() != [t_len, heads]
+        || beta.dims() != [t_len, heads]
+        || t_len == 0
+        || dv % DELTA_RULE_COLUMNS != 0
+        || state.pending >= CHUNK
+    {
+        bail!(
+            "delta rule (cuda): q {:?}, k {:?}, v {:?}, g {:?}, beta {:?} do not fit the state {:?} ({} pending; dv must be a multiple of {DELTA_RULE_COLUMNS})",
+            q.dims(), k.dims(), v.dims(), g.dims(), beta.dims(), state.chunk_start.dims(), state.pending
+        );
+    }
+    let dev = cuda_device(q)?;
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let (g, beta) = (g.contiguous()?, beta.contiguous()?);
+    let s_in = state.chunk_start.contiguous()?;
+    let pk_in = state.pending_k.contiguous()?;
+    let pu_in = state.pending_u.contiguous()?;
+    let gam_in = state.pending_gamma.contiguous()?;
+    let iq = Input::new(&q, DType::F32, "q")?;
+    let ik = Input::new(&k, DType::F32, "k")?;
+    let iv = Input::new(&v, DType::F32, "v")?;
+    let ig = Input::new(&g, DType::F32, "g")?;
+    let ib = Input::new(&beta, DType::F32, "beta")?;
+    let is = Input::new(&s_in, DType::F32, "memory")?;
+    let ipk = Input::new(&pk_in, DType::F32, "pending keys")?;
+    let ipu = Input::new(&pu_in, DType::F32, "pending values")?;
+    let igam = Input::new(&gam_in, DType::F64, "pending decays")?;
+
+    let out = alloc::<f32>(&dev, t_len * heads * dv)?;
+    let s_out = alloc::<f32>(&dev, heads * dk * dv)?;
+    let pk_out = alloc::<f32>(&dev, heads * CHUNK * dk)?;
+    let pu_out = alloc::<f32>(&dev, heads * CHUNK * dv)?;
+    let gam_out = alloc::<f64>(&dev, heads * CHUNK)?;
+
+    let cw = DELTA_RULE_COLUMNS;
+    let smem_floats = dk * cw + CHUNK * cw * 3 + CHUNK * CHUNK * 2 + CHUNK * (dk + 1) + 2 * CHUNK;
+    let smem = CHUNK * 8 + smem_floats * 4;
+    let func = dev.get_or_load_custom_func("delta_rule_chunked_f32", "prism_delta_rule", DELTA_RULE_PTX)?;
+    func.set_attribute(
+        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        i32_arg(smem, "delta rule shared memory")?,
+    )
+    .map_err(launch_err)?;
+    let cfg = LaunchConfig {
+        grid_dim: ((heads as u32), (dv / cw) as u32, 1),
+        block_dim: (DELTA_RULE_THREADS, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let (t_i, h_i, dk_i, dv_i, p_i) = (
+        i32_arg(t_len, "tokens")?,
+        i32_arg(heads, "heads")?,
+        i32_arg(dk, "dk")?,
+        i32_arg(dv, "dv")?,
+        i32_arg(state.pending, "pending")?,
+    );
+    {
+        let (vq, vk, vv) = (iq.view::<f32>()?, ik.view::<f32>()?, iv.view::<f32>()?);
+        let (vg, vb) = (ig.view::<f32>()?, ib.view::<f32>()?);
+        let (vs, vpk, vpu) = (is.view::<f32>()?, ipk.view::<f32>()?, ipu.view::<f32>()?);
+        let vgam = igam.view::<f64>()?;
+        let mut b = func.builder();
+        b.arg(&vq).arg(&vk).arg(&vv).arg(&vg).arg(&vb);
+        b.arg(&vs).arg(&vpk).arg(&vpu).arg(&vgam);
+        b.arg(&out).arg(&s_out).arg(&pk_out).arg(&pu_out).arg(&gam_out);
+        b.arg(&t_i).arg(&h_i).arg(&dk_i).arg(&dv_i).arg(&p_i);
+        // SAFETY: argument types and buffer sizes match the kernel's signature (checked above).
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    }
+    let new_state = RuleState {
+        chunk_start: wrap(s_out, &dev, (heads, dk, dv)),
+        pending_k: wrap(pk_out, &dev, (heads, CHUNK, dk)),
+        pending_u: wrap(pu_out, &dev, (heads, CHUNK, dv)),
+        pending_gamma: wrap(gam_out, &dev, (heads, CHUNK)),
+        pending: (state.pending + t_len) % CHUNK,
+    };
+    Ok((wrap(out, &dev, (t_len, heads, dv)), new_state))
+}
+
+/// Which normalisation [`norm_rows`] applies (`mode` in ops.cu).
+#[derive(Debug, Clone, Copy)]
+enum NormMode {
+    Rms = 0,
+    GatedRms = 1,
+    L2 = 2,
+}
+
+fn norm_rows(x: &Tensor, weight: Option<&Tensor>, gate: Option<&Tensor>, eps: f64, mode: NormMode) -> Result<Tensor> {
+    let dev = cuda_device(x)?;
+    let x = x.contiguous()?;
+    let d = x.dim(candle_core::D::Minus1)?;
+    let rows = x.elem_count() / d.max(1);
+    let ix = Input::new(&x, DType::F32, "x")?;
+    // Unused pointers still need a valid buffer: pass x.
+    let w = match weight {
+        Some(w) => {
+            if w.dims() != [d] {
+                bail!("norm weight {:?} does not fit rows of {d}", w.dims());
+            }
+            w.contiguous()?
+        }
+        None => x.clone(),
+    };
+    let gate = match gate {
+        Some(g) => {
+            if g.dims() != x.dims() {
+                bail!("norm gate {:?} does not fit x {:?}", g.dims(), x.dims());
+            }
+            g.contiguous()?
+        }
+        None => x.clone(),
+    };
+    let iw = Input::new(&w, DType::F32, "norm weight")?;
+    let ig = Input::new(&gate, DType::F32, "gate")?;
+    let y = alloc::<f32>(&dev, x.elem_count())?;
+    let func = dev.get_or_load_custom_func("norm_rows_f32", "prism_ops", OPS_PTX)?;
+    let rows_per_block = 4u32;
+    let cfg = LaunchConfig {
+        grid_dim: ((rows as u32).div_ceil(rows_per_block), 1, 1),
+        block_dim: (32 * rows_per_block, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (rows_i, d_i, eps_f, mode_i) = (i32_arg(rows, "rows")?, i32_arg(d, "row length")?, eps as f32, mode as i32);
+    {
+        let (vx, vw, vg) = (ix.view::<f32>()?, iw.view::<f32>()?, ig.view::<f32>()?);
+        let mut b = func.builder();
+        b.arg(&vx).arg(&vw).arg(&vg).arg(&y).arg(&rows_i).arg(&d_i).arg(&eps_f).arg(&mode_i);
+        // SAFETY: as above.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    }
+    Ok(wrap(y, &dev, x.shape().clone()))
+}
+
+/// CUDA twin of [`crate::ops::rms_norm`].
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    norm_rows(x, Some(weight), None, eps, NormMode::Rms)
+}
+
+/// CUDA twin of [`crate::ops::gated_rms_norm`].
+pub fn gated_rms_norm(x: &Tensor, gate: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    norm_rows(x, Some(weight), Some(gate), eps, NormMode::GatedRms)
+}
+
+/// CUDA twin of [`crate::ops::l2_norm`].
+pub fn l2_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
+    norm_rows(x, None, None, eps, NormMode::L2)
+}
+
+/// CUDA twin of [`crate::delta_net::causal_conv`] (bitwise equal: same products and sums in order).
+pub fn causal_conv(x: &Tensor, window: &Tensor, taps: &Tensor) -> Result<(Tensor, Tensor)> {
+    let dev = cuda_device(x)?;
+    let (t_len, c) = x.dims2()?;
+    let (k, c_taps) = taps.dims2()?;
+    if c_taps != c || window.dims() != [k.saturating_sub(1), c] || k < 2 {
+        bail!("causal conv: x {:?}, window {:?}, taps {:?} do not fit", x.dims(), window.dims(), taps.dims());
+    }
+    let (x, window, taps) = (x.contiguous()?, window.contiguous()?, taps.contiguous()?);
+    let (ix, iw, it) = (
+        Input::new(&x, DType::F32, "x")?,
+        Input::new(&window, DType::F32, "conv window")?,
+        Input::new(&taps, DType::F32, "conv taps")?,
+    );
+    let out = alloc::<f32>(&dev, t_len * c)?;
+    let new_window = alloc::<f32>(&dev, (k - 1) * c)?;
+    let func = dev.get_or_load_custom_func("causal_conv_f32", "prism_ops", OPS_PTX)?;
+    let total = (t_len + k - 1) * c;
+    let cfg = LaunchConfig::for_num_elems(total as u32);
+    let (t_i, c_i, k_i) = (i32_arg(t_len, "tokens")?, i32_arg(c, "channels")?, i32_arg(k, "taps")?);
+    {
+        let (vx, vw, vt) = (ix.view::<f32>()?, iw.view::<f32>()?, it.view::<f32>()?);
+        let mut b = func.builder();
+        b.arg(&vx).arg(&vw).arg(&vt).arg(&out).arg(&new_window).arg(&t_i).arg(&c_i).arg(&k_i);
+        // SAFETY: as above.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    }
+    Ok((wrap(out, &dev, (t_len, c)), wrap(new_window, &dev, (k - 1, c))))
+}
+
+/// CUDA twin of [`crate::attention::CausalAttention`]: `q: [T, n_h, hd]`, `k, v: [n_kv, past + T, hd]`,
+/// returns `[T, n_h·hd]`.
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: f64) -> Result<Tensor> {
+    let dev = cuda_device(q)?;
+    let (t_len, n_h, hd) = q.dims3()?;
+    let (n_kv, total, hd_k) = k.dims3()?;
+    if v.dims() != k.dims() || hd_k != hd || total != past + t_len || n_kv == 0 || n_h % n_kv != 0 || hd % 32 != 0 || hd > 256 {
+        bail!("causal attention (cuda): q {:?}, k {:?}, v {:?} after {past} cached tokens do not fit", q.dims(), k.dims(), v.dims());
+    }
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let (iq, ik, iv) = (Input::new(&q, DType::F32, "q")?, Input::new(&k, DType::F32, "k")?, Input::new(&v, DType::F32, "v")?);
+    let out = alloc::<f32>(&dev, t_len * n_h * hd)?;
+    let func = dev.get_or_load_custom_func("causal_attention_f32", "prism_ops", OPS_PTX)?;
+    let warps_per_block = 4u32;
+    let rows = (t_len * n_h) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(warps_per_block), 1, 1),
+        block_dim: (32 * warps_per_block, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (t_i, nh_i, nkv_i, hd_i, past_i) = (
+        i32_arg(t_len, "tokens")?,
+        i32_arg(n_h, "heads")?,
+        i32_arg(n_kv, "kv heads")?,
+        i32_arg(hd, "head dim")?,
+        i32_arg(past, "past")?,
+    );
+    let scale_f = scale as f32;
+    {
+        let (vq, vk, vv) = (iq.view::<f32>()?, ik.view::<f32>()?, iv.view::<f32>()?);
+        let mut b = func.builder();
+        b.arg(&vq).arg(&vk).arg(&vv).arg(&out).arg(&t_i).arg(&nh_i).arg(&nkv_i).arg(&hd_i).arg(&past_i).arg(&scale_f);
+        // SAFETY: as above.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    }
+    Ok(wrap(out, &dev, (t_len, n_h * hd)))
+}
