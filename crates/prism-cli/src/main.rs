@@ -7,6 +7,8 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 
+#[cfg(feature = "cuda")]
+mod cmd_cuda_check;
 mod cmd_decide;
 mod cmd_gguf;
 mod cmd_logits;
@@ -32,6 +34,17 @@ enum Command {
     Logits(LogitsArgs),
     /// Answer one /v1/systemone request on this machine (CPU) and print the response body.
     Decide(DecideArgs),
+    /// Device tests (CUDA builds only): our kernels against their CPU twins on random inputs, their
+    /// split/batch invariance, and the fixture model in bf16 on the GPU against the references.
+    #[cfg(feature = "cuda")]
+    CudaCheck {
+        /// The tiny fixture model's folder (tiny-BF16.gguf, prompts.json, ref_transformers.json).
+        #[arg(long)]
+        fixtures: Option<PathBuf>,
+        /// Also write the results as JSON.
+        #[arg(long)]
+        json_out: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -123,5 +136,7 @@ fn main() -> Result<()> {
         Command::Render(args) => cmd_render::run(&args),
         Command::Logits(args) => cmd_logits::run(&args),
         Command::Decide(args) => cmd_decide::run(&args),
+        #[cfg(feature = "cuda")]
+        Command::CudaCheck { fixtures, json_out } => cmd_cuda_check::run(fixtures, json_out),
     }
 }
