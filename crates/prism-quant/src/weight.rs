@@ -1,0 +1,387 @@
+//! Quantized weights as the file stores them, unpacked once into a layout the integer kernels read
+//! directly: one signed byte per weight, the integer sub-block scales and mins, and the f16 block scales
+//! widened (exactly) to f32. Nothing is re-quantized: [`QuantWeight::dequantize_row`] gives back ggml's
+//! own dequantization bit for bit.
+
+use half::f16;
+use prism_gguf::blocks::scale_min_k4;
+use prism_gguf::{GgmlType, QK_K};
+
+use crate::error::{QuantError, Result};
+
+/// The block formats the integer path runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WeightFormat {
+    /// Blocks of 32: `x = d·q`, `q ∈ [−128, 127]` (the quantizer writes `[−127, 127]`).
+    Q8_0,
+    /// Super-blocks of 256 in 8 sub-blocks of 32: `x = d·sc_j·q − dmin·m_j`, `q ∈ [0, 15]`,
+    /// `sc_j, m_j ∈ [0, 63]`.
+    Q4K,
+    /// As [`Self::Q4K`] with a fifth bit: `q ∈ [0, 31]`.
+    Q5K,
+    /// Super-blocks of 256 in 16 sub-blocks of 16: `x = d·sc_j·(q − 32)`, `q − 32 ∈ [−32, 31]`,
+    /// `sc_j ∈ [−128, 127]`.
+    Q6K,
+}
+
+impl WeightFormat {
+    /// The format of a ggml type, `None` for types the integer path does not run.
+    pub fn from_ggml(ty: GgmlType) -> Option<Self> {
+        match ty {
+            GgmlType::Q8_0 => Some(Self::Q8_0),
+            GgmlType::Q4_K => Some(Self::Q4K),
+            GgmlType::Q5_K => Some(Self::Q5K),
+            GgmlType::Q6_K => Some(Self::Q6K),
+            _ => None,
+        }
+    }
+
+    pub fn ggml_type(self) -> GgmlType {
+        match self {
+            Self::Q8_0 => GgmlType::Q8_0,
+            Self::Q4K => GgmlType::Q4_K,
+            Self::Q5K => GgmlType::Q5_K,
+            Self::Q6K => GgmlType::Q6_K,
+        }
+    }
+
+    /// Elements per block: one f32 term (`d`, and `dmin`) of the reduction per block.
+    pub const fn block_len(self) -> usize {
+        match self {
+            Self::Q8_0 => 32,
+            Self::Q4K | Self::Q5K | Self::Q6K => QK_K,
+        }
+    }
+
+    /// Elements per sub-block (one integer scale, and min).
+    pub const fn sub_len(self) -> usize {
+        match self {
+            Self::Q8_0 | Self::Q4K | Self::Q5K => 32,
+            Self::Q6K => 16,
+        }
+    }
+
+    /// Sub-blocks per block.
+    pub const fn subs_per_block(self) -> usize {
+        self.block_len() / self.sub_len()
+    }
+
+    /// Whether the block has integer sub-block scales (all but Q8_0).
+    pub const fn has_sub_scales(self) -> bool {
+        !matches!(self, Self::Q8_0)
+    }
+
+    /// Whether the block has mins (`− dmin·m_j`): Q4_K and Q5_K.
+    pub const fn has_mins(self) -> bool {
+        matches!(self, Self::Q4K | Self::Q5K)
+    }
+
+    /// Bytes of one block in the file.
+    pub fn block_bytes(self) -> usize {
+        self.ggml_type().type_size()
+    }
+}
+
+/// A weight matrix of `rows` outputs × `cols` inputs (GGUF `[cols, rows]`, PyTorch `(rows, cols)`) in one
+/// of the integer formats.
+///
+/// Layout (all row-major, row `n` of the matrix owning a contiguous run of each):
+/// - `q`: `rows·cols` signed bytes, the integer weight of each element (Q8_0: `qs`; Q4_K: the nibble;
+///   Q5_K: nibble + fifth bit; Q6_K: `q − 32`);
+/// - `sub_scales`: `rows·cols/sub_len` integer scales (empty for Q8_0, whose sub-block scale is 1);
+/// - `sub_mins`: `rows·cols/sub_len` integer mins (Q4_K/Q5_K only, else empty);
+/// - `d`: `rows·cols/block_len` block scales, f16 widened to f32 (exact);
+/// - `dmin`: `rows·cols/block_len` block min-scales (Q4_K/Q5_K only, else empty).
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantWeight {
+    name: String,
+    format: WeightFormat,
+    rows: usize,
+    cols: usize,
+    q: Vec<i8>,
+    sub_scales: Vec<i8>,
+    sub_mins: Vec<i8>,
+    d: Vec<f32>,
+    dmin: Vec<f32>,
+}
+
+#[inline]
+fn fp16(lo: u8, hi: u8) -> f32 {
+    f16::from_bits(u16::from_le_bytes([lo, hi])).to_f32()
+}
+
+impl QuantWeight {
+    /// Unpacks the GGUF bytes of tensor `name` (type `ty`, `rows` rows of `cols` elements). Lengths are
+    /// checked before anything is allocated.
+    pub fn from_gguf(
+        name: &str,
+        ty: GgmlType,
+        bytes: &[u8],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self> {
+        let format = WeightFormat::from_ggml(ty).ok_or_else(|| QuantError::UnsupportedType {
+            tensor: name.to_string(),
+            ty,
+        })?;
+        let block = format.block_len();
+        if cols == 0 || cols % block != 0 {
+            return Err(QuantError::PartialBlock {
+                tensor: name.to_string(),
+                ty,
+                cols,
+                block,
+            });
+        }
+        let overflow = || QuantError::SizeOverflow {
+            tensor: name.to_string(),
+            rows,
+            cols,
+        };
+        let n_elements = rows.checked_mul(cols).ok_or_else(overflow)?;
+        let n_blocks = n_elements / block;
+        let expected = n_blocks
+            .checked_mul(format.block_bytes())
+            .ok_or_else(overflow)?;
+        if bytes.len() != expected {
+            return Err(QuantError::ByteLength {
+                tensor: name.to_string(),
+                ty,
+                rows,
+                cols,
+                expected,
+                actual: bytes.len(),
+            });
+        }
+        let n_subs = n_elements / format.sub_len();
+        let mut w = QuantWeight {
+            name: name.to_string(),
+            format,
+            rows,
+            cols,
+            q: vec![0; n_elements],
+            sub_scales: if format.has_sub_scales() {
+                vec![0; n_subs]
+            } else {
+                Vec::new()
+            },
+            sub_mins: if format.has_mins() {
+                vec![0; n_subs]
+            } else {
+                Vec::new()
+            },
+            d: vec![0.0; n_blocks],
+            dmin: if format.has_mins() {
+                vec![0.0; n_blocks]
+            } else {
+                Vec::new()
+            },
+        };
+        let spb = format.subs_per_block();
+        for (b, raw) in bytes.chunks_exact(format.block_bytes()).enumerate() {
+            let q = &mut w.q[b * block..(b + 1) * block];
+            match format {
+                WeightFormat::Q8_0 => {
+                    w.d[b] = fp16(raw[0], raw[1]);
+                    for (qi, &byte) in q.iter_mut().zip(&raw[2..34]) {
+                        *qi = byte as i8;
+                    }
+                }
+                WeightFormat::Q4K | WeightFormat::Q5K => {
+                    w.d[b] = fp16(raw[0], raw[1]);
+                    w.dmin[b] = fp16(raw[2], raw[3]);
+                    let mut packed = [0u8; 12];
+                    packed.copy_from_slice(&raw[4..16]);
+                    for j in 0..8 {
+                        let (sc, m) = scale_min_k4(j, &packed);
+                        // 6-bit values: they fit an i8.
+                        w.sub_scales[b * spb + j] = sc as i8;
+                        w.sub_mins[b * spb + j] = m as i8;
+                    }
+                    let (qh, ql) = if format == WeightFormat::Q5K {
+                        (Some(&raw[16..48]), &raw[48..176])
+                    } else {
+                        (None, &raw[16..144])
+                    };
+                    for c in 0..4 {
+                        for l in 0..32 {
+                            let byte = ql[32 * c + l];
+                            let (mut lo, mut hi) = (byte & 0x0F, byte >> 4);
+                            if let Some(qh) = qh {
+                                lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+                                hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                            }
+                            q[64 * c + l] = lo as i8;
+                            q[64 * c + 32 + l] = hi as i8;
+                        }
+                    }
+                }
+                WeightFormat::Q6K => {
+                    w.d[b] = fp16(raw[208], raw[209]);
+                    for j in 0..16 {
+                        w.sub_scales[b * spb + j] = raw[192 + j] as i8;
+                    }
+                    for n in 0..2 {
+                        let ql = &raw[64 * n..64 * n + 64];
+                        let qh = &raw[128 + 32 * n..128 + 32 * n + 32];
+                        let q = &mut q[128 * n..128 * n + 128];
+                        for l in 0..32 {
+                            let v = [
+                                (ql[l] & 0x0F) | ((qh[l] & 3) << 4),
+                                (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4),
+                                (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4),
+                                (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4),
+                            ];
+                            for (i, v) in v.into_iter().enumerate() {
+                                q[32 * i + l] = v as i8 - 32;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(w)
+    }
+
+    /// The tensor's name (for error messages).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn format(&self) -> WeightFormat {
+        self.format
+    }
+
+    /// Outputs.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Inputs (the reduction length).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Blocks per row.
+    pub fn blocks_per_row(&self) -> usize {
+        self.cols / self.format.block_len()
+    }
+
+    /// Integer weights of row `n` (`cols` values).
+    pub fn row_q(&self, n: usize) -> &[i8] {
+        &self.q[n * self.cols..(n + 1) * self.cols]
+    }
+
+    /// Integer sub-block scales of row `n` (empty for Q8_0).
+    pub fn row_sub_scales(&self, n: usize) -> &[i8] {
+        let per_row = self.cols / self.format.sub_len();
+        self.sub_scales
+            .get(n * per_row..(n + 1) * per_row)
+            .unwrap_or(&[])
+    }
+
+    /// Integer sub-block mins of row `n` (empty unless Q4_K/Q5_K).
+    pub fn row_sub_mins(&self, n: usize) -> &[i8] {
+        let per_row = self.cols / self.format.sub_len();
+        self.sub_mins
+            .get(n * per_row..(n + 1) * per_row)
+            .unwrap_or(&[])
+    }
+
+    /// Block scales `d` of row `n`.
+    pub fn row_d(&self, n: usize) -> &[f32] {
+        let per_row = self.blocks_per_row();
+        &self.d[n * per_row..(n + 1) * per_row]
+    }
+
+    /// Block min-scales `dmin` of row `n` (empty unless Q4_K/Q5_K).
+    pub fn row_dmin(&self, n: usize) -> &[f32] {
+        let per_row = self.blocks_per_row();
+        self.dmin.get(n * per_row..(n + 1) * per_row).unwrap_or(&[])
+    }
+
+    /// Row `n` as f32, exactly as ggml's reference `dequantize_row_*` computes it (the same f32
+    /// operations in the same order), e.g. for an embedding lookup.
+    pub fn dequantize_row(&self, n: usize) -> Result<Vec<f32>> {
+        if n >= self.rows {
+            return Err(QuantError::RowOutOfRange {
+                tensor: self.name.clone(),
+                row: n,
+                rows: self.rows,
+            });
+        }
+        let (q, d) = (self.row_q(n), self.row_d(n));
+        let (sc, m, dmin) = (
+            self.row_sub_scales(n),
+            self.row_sub_mins(n),
+            self.row_dmin(n),
+        );
+        let sub = self.format.sub_len();
+        let mut out = vec![0f32; self.cols];
+        for (e, (y, &qe)) in out.iter_mut().zip(q).enumerate() {
+            let (b, j) = (e / self.format.block_len(), e / sub);
+            *y = match self.format {
+                WeightFormat::Q8_0 => qe as f32 * d[b],
+                WeightFormat::Q4K | WeightFormat::Q5K => {
+                    // ggml: d1 = d·sc, m1 = dmin·m once per sub-block, then d1·q − m1.
+                    let d1 = d[b] * sc[j] as f32;
+                    let m1 = dmin[b] * m[j] as f32;
+                    d1 * qe as f32 - m1
+                }
+                // ggml: (d·sc)·(q − 32).
+                WeightFormat::Q6K => d[b] * sc[j] as f32 * qe as f32,
+            };
+        }
+        Ok(out)
+    }
+
+    /// The whole matrix as f32 (`rows·cols`, row-major), bit-identical to ggml's dequantization.
+    pub fn dequantize(&self) -> Result<Vec<f32>> {
+        let mut out = Vec::with_capacity(self.rows * self.cols);
+        for n in 0..self.rows {
+            out.extend(self.dequantize_row(n)?);
+        }
+        Ok(out)
+    }
+
+    /// A weight made of the given rows, in that order (e.g. the 26 letter rows of the output head).
+    /// Each output of the integer matmul depends only on its own row, so the selected outputs are
+    /// bit-identical to the same outputs of the full matrix.
+    pub fn select_rows(&self, rows: &[u32]) -> Result<QuantWeight> {
+        let mut out = QuantWeight {
+            name: self.name.clone(),
+            format: self.format,
+            rows: rows.len(),
+            cols: self.cols,
+            q: Vec::with_capacity(rows.len() * self.cols),
+            sub_scales: Vec::new(),
+            sub_mins: Vec::new(),
+            d: Vec::new(),
+            dmin: Vec::new(),
+        };
+        for &r in rows {
+            let r = r as usize;
+            if r >= self.rows {
+                return Err(QuantError::RowOutOfRange {
+                    tensor: self.name.clone(),
+                    row: r,
+                    rows: self.rows,
+                });
+            }
+            out.q.extend_from_slice(self.row_q(r));
+            out.sub_scales.extend_from_slice(self.row_sub_scales(r));
+            out.sub_mins.extend_from_slice(self.row_sub_mins(r));
+            out.d.extend_from_slice(self.row_d(r));
+            out.dmin.extend_from_slice(self.row_dmin(r));
+        }
+        Ok(out)
+    }
+
+    /// Bytes held (for logs).
+    pub fn memory_bytes(&self) -> usize {
+        self.q.len()
+            + self.sub_scales.len()
+            + self.sub_mins.len()
+            + 4 * (self.d.len() + self.dmin.len())
+    }
+}
