@@ -1,0 +1,374 @@
+//! The HTTP layer: routes, the API key, request ids, body limits, timeouts and graceful shutdown.
+//!
+//! Kept thin and typed: each handler turns HTTP into a validated `DecisionRequest` (see [`crate::body`]),
+//! hands it to the [`Scheduler`] and turns the answer (or the typed refusal) back into HTTP.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post, MethodRouter};
+use axum::Router;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use prism_decision::{DecisionResponse, RequestDefaults};
+use serde::Serialize;
+use serde_json::json;
+
+use crate::body::{body_kind, decode_zstd, is_zstd, parse_request, BodyError, ParsedRequest};
+use crate::error::{loc, ApiError};
+use crate::scheduler::{Scheduler, SubmitError};
+use crate::stats::Stats;
+
+/// The response header that carries each request's id (the TypeSafe SDK reads it).
+pub const REQUEST_ID_HEADER: &str = "x-typesafe-request-id";
+
+/// What `/v1/models` says about the model being served.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// The model's name (the GGUF's `general.name`), reported in every response's `model`.
+    pub name: String,
+    pub description: String,
+    /// `YYYY-MM-DD` when known, else `unknown`.
+    pub release_date: String,
+    /// The `--precision` the decoder runs in.
+    pub precision: String,
+    /// The longest prompt accepted (`--max-tokens`).
+    pub max_prompt_tokens: usize,
+    /// True for the bundled random-weight demo model.
+    pub demo: bool,
+}
+
+/// Settings of the HTTP layer.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// When set, every endpoint but `/health` needs `Authorization: Bearer KEY`.
+    pub api_key: Option<String>,
+    /// Largest request body, on the wire and after decompression (413 beyond).
+    pub max_body_bytes: usize,
+    /// From arrival to answer (408 while the body is still arriving, 504 after).
+    pub request_timeout: Duration,
+    /// The request defaults (`--gate`, `--none-check`, `--allow-none`).
+    pub defaults: RequestDefaults,
+    pub model: ModelInfo,
+}
+
+struct Shared {
+    config: ServerConfig,
+    scheduler: Scheduler,
+    stats: Arc<Stats>,
+    next_id: AtomicU64,
+    id_seed: u64,
+}
+
+type AppState = Arc<Shared>;
+
+/// The server's router over a running [`Scheduler`].
+pub fn router(config: ServerConfig, scheduler: Scheduler, stats: Arc<Stats>) -> Router {
+    let state: AppState =
+        Arc::new(Shared { config, scheduler, stats, next_id: AtomicU64::new(0), id_seed: random_seed() });
+    let decide_route = || -> MethodRouter<AppState> { post(decide).fallback(method_not_allowed) };
+    Router::new()
+        .route("/v1/systemone", decide_route())
+        .route("/v1/decisions", decide_route())
+        .route("/v1/models", get(models).fallback(method_not_allowed))
+        .route("/health", get(health).fallback(method_not_allowed))
+        .route("/stats", get(stats_page).fallback(method_not_allowed))
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(state.clone(), around_every_request))
+        .with_state(state)
+}
+
+/// Serves `app` on `listener` until `shutdown` resolves, then finishes the requests in flight.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+}
+
+/// A per-process random seed for request ids (std's hasher keys come from the OS's randomness).
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0),
+    );
+    hasher.finish()
+}
+
+/// splitmix64: a bijection, so distinct counters give distinct ids.
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+impl Shared {
+    fn new_request_id(&self) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("req_{:016x}{:016x}", mix(self.id_seed), mix(self.id_seed ^ n.rotate_left(32) ^ n))
+    }
+}
+
+/// Compares without stopping at the first difference, so response time does not reveal the key.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn authorized(headers: &HeaderMap, key: &str) -> Result<(), ApiError> {
+    let Some(value) = headers.get(header::AUTHORIZATION) else {
+        return Err(ApiError::unauthorized("an API key is required: send `Authorization: Bearer KEY`"));
+    };
+    let value = value.as_bytes();
+    let token = value
+        .get(..7)
+        .filter(|scheme| scheme.eq_ignore_ascii_case(b"bearer "))
+        .and_then(|_| value.get(7..))
+        .map(|t| t.trim_ascii());
+    match token {
+        Some(token) if same_secret(token, key.as_bytes()) => Ok(()),
+        Some(_) => Err(ApiError::unauthorized("the API key is not valid")),
+        None => Err(ApiError::unauthorized("the Authorization header must be `Bearer KEY`")),
+    }
+}
+
+/// Request id, API key, counting and logging around every request.
+async fn around_every_request(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let started = Instant::now();
+    let id = state.new_request_id();
+    let method = request.method().clone();
+    let path = request.uri().path().to_string();
+    let mut response = match (&state.config.api_key, path.as_str()) {
+        (Some(key), p) if p != "/health" => match authorized(request.headers(), key) {
+            Ok(()) => next.run(request).await,
+            Err(error) => error.into_response(),
+        },
+        _ => next.run(request).await,
+    };
+    if let Ok(value) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert(REQUEST_ID_HEADER, value);
+    }
+    let status = response.status().as_u16();
+    state.stats.record_http(status);
+    let ms = started.elapsed().as_secs_f64() * 1e3;
+    if status >= 500 {
+        tracing::warn!(request_id = %id, "{method} {path} -> {status} in {ms:.1} ms");
+    } else {
+        tracing::debug!(request_id = %id, "{method} {path} -> {status} in {ms:.1} ms");
+    }
+    response
+}
+
+async fn not_found(uri: Uri) -> ApiError {
+    ApiError::not_found(uri.path())
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::method_not_allowed(method.as_str(), uri.path())
+}
+
+/// A header's value as text; a value that is not visible ASCII is refused.
+fn header_text(headers: &HeaderMap, name: header::HeaderName) -> Result<Option<&str>, ApiError> {
+    match headers.get(&name) {
+        None => Ok(None),
+        Some(value) => value.to_str().map(Some).map_err(|_| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                loc(["header", name.as_str()]),
+                "header_invalid",
+                format!("the {name} header is not readable text"),
+            )
+        }),
+    }
+}
+
+/// Reads the body, refusing more than `limit` bytes (413).
+async fn read_body(body: Body, limit: usize) -> Result<Vec<u8>, ApiError> {
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes().to_vec()),
+        Err(error) if error.is::<LengthLimitError>() => Err(BodyError::TooLarge { limit }.to_api()),
+        Err(error) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            loc(["body"]),
+            "body_unreadable",
+            format!("the request body could not be read: {error}"),
+        )),
+    }
+}
+
+/// The `/v1/systemone` response, with the notes about settings this engine cannot honour yet.
+#[derive(Serialize)]
+struct DecideBody<'a> {
+    #[serde(flatten)]
+    response: &'a DecisionResponse,
+    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    notes: &'a [String],
+}
+
+async fn decide(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let config = &state.config;
+    let limit = config.max_body_bytes;
+    let declared = header_text(&headers, header::CONTENT_LENGTH)?.and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|length| length > limit as u64) {
+        return Err(BodyError::TooLarge { limit }.to_api());
+    }
+    let kind = body_kind(header_text(&headers, header::CONTENT_TYPE)?).map_err(|e| e.to_api())?;
+    let zstd = is_zstd(header_text(&headers, header::CONTENT_ENCODING)?).map_err(|e| e.to_api())?;
+
+    let bytes = match tokio::time::timeout(config.request_timeout, read_body(body, limit)).await {
+        Ok(bytes) => bytes?,
+        Err(_) => {
+            state.stats.record_timeout();
+            return Err(ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                loc(["body"]),
+                "timeout",
+                format!("the request body did not arrive within {} s", config.request_timeout.as_secs_f64()),
+            ));
+        }
+    };
+
+    // Decompression, multipart and JSON parsing are CPU work on untrusted input: off the async threads.
+    let defaults = config.defaults.clone();
+    let parsed: ParsedRequest = tokio::task::spawn_blocking(move || {
+        let decoded = if zstd { decode_zstd(&bytes, limit).map_err(|e| e.to_api())? } else { bytes };
+        parse_request(&kind, &decoded, &defaults)
+    })
+    .await
+    .map_err(|e| internal(format!("the request parser failed: {e}")))??;
+
+    let questions = parsed.request.questions.len();
+    let answer = state.scheduler.submit(parsed.request).map_err(|error| match error {
+        SubmitError::QueueFull { .. } => {
+            state.stats.record_queue_full();
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                loc(["body"]),
+                "overloaded",
+                format!("{error}; retry shortly"),
+            )
+            .with_retry_after(1)
+        }
+        SubmitError::ShuttingDown => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, loc(["body"]), "shutting_down", error.to_string())
+                .with_retry_after(1)
+        }
+    })?;
+    let remaining = config.request_timeout.saturating_sub(arrived.elapsed());
+    let output = match tokio::time::timeout(remaining, answer).await {
+        Ok(Ok(Ok(output))) => output,
+        Ok(Ok(Err(refused))) => return Err(ApiError::from_decision(&refused)),
+        Ok(Err(_)) => return Err(internal("the model worker stopped before answering".into())),
+        Err(_) => {
+            state.stats.record_timeout();
+            return Err(ApiError::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                loc(["body"]),
+                "timeout",
+                format!("the request was not answered within {} s", config.request_timeout.as_secs_f64()),
+            ));
+        }
+    };
+    let mut response = output.response;
+    // The client's latency as the server sees it: arrival to answer, queue wait included.
+    response.latency_ms = arrived.elapsed().as_secs_f64() * 1e3;
+    state.stats.record_decision(
+        questions,
+        response.usage.input_tokens,
+        response.usage.output_tokens,
+        response.latency_ms,
+    );
+    let json = serde_json::to_vec(&DecideBody { response: &response, notes: &parsed.notes })
+        .map_err(|e| internal(format!("the response could not be serialized: {e}")))?;
+    Ok(([(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], json).into_response())
+}
+
+fn internal(message: String) -> ApiError {
+    tracing::error!("{message}");
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, loc(["body"]), "internal", message)
+}
+
+fn json_response(value: serde_json::Value) -> Response {
+    let json = serde_json::to_vec(&value).unwrap_or_default();
+    ([(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], json).into_response()
+}
+
+async fn models(State(state): State<AppState>) -> Response {
+    let m = &state.config.model;
+    json_response(json!({
+        "models": [{
+            "name": m.name,
+            "description": m.description,
+            "release_date": m.release_date,
+            "precision": m.precision,
+            "max_prompt_tokens": m.max_prompt_tokens,
+            "demo": m.demo,
+            "supports": {
+                "question_types": ["choice", "noul", "score"],
+                "wide_choice": true,
+                "single_option_choice": true,
+                "return_details": true,
+                "think_mode": {
+                    "auto": "accepted: one read-out per question (AutoThink is not implemented yet)",
+                    "never": "yes",
+                    "always": "no: refused with 422 (AutoThink is not implemented yet)",
+                },
+                "gate_mix_think_budget_return_thought": "accepted and validated, without effect (no AutoThink yet)",
+                "none_option": "no: none_check and allow_none are accepted and validated, without effect (v1.1)",
+                "images": "no: parsed (JSON `images`, `assets`, multipart parts) and refused with 422 (no vision tower yet)",
+                "content_encoding": ["identity", "zstd"],
+                "content_type": ["application/json", "multipart/form-data"],
+            },
+        }],
+    }))
+}
+
+async fn health(State(state): State<AppState>) -> Response {
+    let queue = state.scheduler.queue_state();
+    json_response(json!({
+        "status": "ok",
+        "model": state.config.model.name,
+        "queue_depth": queue.depth,
+        "running": queue.running,
+    }))
+}
+
+async fn stats_page(State(state): State<AppState>) -> Response {
+    json_response(state.stats.snapshot(&state.config.model.name, state.scheduler.queue_state()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids_are_distinct() {
+        let seed = random_seed();
+        let ids: std::collections::HashSet<u64> = (0..10_000u64).map(|n| mix(seed ^ n.rotate_left(32) ^ n)).collect();
+        assert_eq!(ids.len(), 10_000);
+    }
+
+    #[test]
+    fn bearer_keys() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(authorized(&headers, "k3y").unwrap_err().status, StatusCode::UNAUTHORIZED);
+        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k3y"));
+        assert!(authorized(&headers, "k3y").is_ok());
+        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("bearer k3y"));
+        assert!(authorized(&headers, "k3y").is_ok());
+        for wrong in ["Bearer k3", "Bearer k3yy", "Basic k3y", "k3y", "Bearer"] {
+            headers.insert(header::AUTHORIZATION, HeaderValue::from_static(wrong));
+            let error = authorized(&headers, "k3y").unwrap_err();
+            assert!(error.www_authenticate, "{wrong}");
+        }
+    }
+}
