@@ -4,9 +4,11 @@
 //! both on fresh random inputs on the device and reports ‖Δ‖/‖ref‖. All kernels take contiguous f32
 //! tensors (the activation dtype of the bf16 path) and return new tensors.
 
-use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::cublas::{result as cublas, sys as cublas_sys};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{bail, DType, Device, Result, Shape, Storage, Tensor};
@@ -306,4 +308,60 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: 
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
     Ok(wrap(out, &dev, (t_len, n_h * hd)))
+}
+
+/// `y = x · Wᵀ` with bf16 operands and an **f32 result**: `x: [N, in]` (f32, rounded to bf16 here),
+/// `w: [out, in]` bf16; returns `[N, out]` f32. cuBLAS accumulates in f32 (`CUBLAS_COMPUTE_32F`), and
+/// the output is not rounded to bf16 — the CPU bf16 path ([`crate::ops::linear`]) does the same.
+pub fn linear_bf16(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let dev = cuda_device(x)?;
+    let (n, k) = x.dims2()?;
+    let (out, k_w) = w.dims2()?;
+    if k != k_w || w.dtype() != DType::BF16 || x.dtype() != DType::F32 {
+        bail!("linear (cuda): x {:?} {:?} and weight {:?} {:?} do not fit", x.dims(), x.dtype(), w.dims(), w.dtype());
+    }
+    let xb = x.to_dtype(DType::BF16)?.contiguous()?;
+    let w = w.contiguous()?;
+    let ix = Input::new(&xb, DType::BF16, "x")?;
+    let iw = Input::new(&w, DType::BF16, "weight")?;
+    let mut y = alloc::<f32>(&dev, n * out)?;
+    let (m_i, n_i, k_i) = (i32_arg(out, "out features")?, i32_arg(n, "rows")?, i32_arg(k, "in features")?);
+    {
+        let stream = dev.cuda_stream();
+        let vx = ix.view::<half::bf16>()?;
+        let vw = iw.view::<half::bf16>()?;
+        let (px, _gx) = vx.device_ptr(&stream);
+        let (pw, _gw) = vw.device_ptr(&stream);
+        let (py, _gy) = y.device_ptr_mut(&stream);
+        let (alpha, beta) = (1f32, 0f32);
+        let blas = dev.cublas_handle();
+        // Column-major view: yᵀ [out × N] = (W as [in × out])ᵀ · (x as [in × N]).
+        // SAFETY: the pointers are live device buffers of the sizes the dimensions say; the handle
+        // runs on candle's stream, the one the buffers are used on.
+        unsafe {
+            cublas::gemm_ex(
+                *blas.handle(),
+                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                m_i,
+                n_i,
+                k_i,
+                (&alpha) as *const f32 as *const _,
+                pw as *const _,
+                cublas_sys::cudaDataType::CUDA_R_16BF,
+                k_i,
+                px as *const _,
+                cublas_sys::cudaDataType::CUDA_R_16BF,
+                k_i,
+                (&beta) as *const f32 as *const _,
+                py as *mut _,
+                cublas_sys::cudaDataType::CUDA_R_32F,
+                m_i,
+                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(launch_err)?;
+    }
+    Ok(wrap(y, &dev, (n, out)))
 }

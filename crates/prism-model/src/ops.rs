@@ -66,6 +66,10 @@ pub fn linear(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
         };
         return x.apply_op2_no_bwd(&weight.contiguous()?, &RowInvariantMatmul);
     }
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && x.dtype() == DType::F32 && weight.dtype() == DType::BF16 && x.rank() == 2 {
+        return crate::cuda::linear_bf16(x, weight);
+    }
     let wt = weight.t()?;
     if x.dtype() == weight.dtype() {
         x.matmul(&wt)
