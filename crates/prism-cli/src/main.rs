@@ -13,6 +13,7 @@ mod cmd_decide;
 mod cmd_gguf;
 mod cmd_logits;
 mod cmd_render;
+mod cmd_serve;
 
 #[derive(Parser)]
 #[command(name = "prism", version, about = "Prism: an exact, fast inference engine for StartLux-Decision models")]
@@ -34,6 +35,8 @@ enum Command {
     Logits(LogitsArgs),
     /// Answer one /v1/systemone request on this machine (CPU) and print the response body.
     Decide(DecideArgs),
+    /// Serve the /v1/systemone HTTP API (default: the bundled demo model, random weights).
+    Serve(cmd_serve::ServeArgs),
     /// Device tests (CUDA builds only): our kernels against their CPU twins on random inputs, their
     /// split/batch invariance, and the fixture model in bf16 on the GPU against the references.
     #[cfg(feature = "cuda")]
@@ -136,6 +139,7 @@ fn main() -> Result<()> {
         Command::Render(args) => cmd_render::run(&args),
         Command::Logits(args) => cmd_logits::run(&args),
         Command::Decide(args) => cmd_decide::run(&args),
+        Command::Serve(args) => cmd_serve::run(&args),
         #[cfg(feature = "cuda")]
         Command::CudaCheck { fixtures, json_out } => cmd_cuda_check::run(fixtures, json_out),
     }

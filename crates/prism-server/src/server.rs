@@ -63,7 +63,7 @@ struct Shared {
     scheduler: Scheduler,
     stats: Arc<Stats>,
     next_id: AtomicU64,
-    id_seed: u64,
+    id_seeds: [u64; 2],
 }
 
 type AppState = Arc<Shared>;
@@ -71,7 +71,7 @@ type AppState = Arc<Shared>;
 /// The server's router over a running [`Scheduler`].
 pub fn router(config: ServerConfig, scheduler: Scheduler, stats: Arc<Stats>) -> Router {
     let state: AppState =
-        Arc::new(Shared { config, scheduler, stats, next_id: AtomicU64::new(0), id_seed: random_seed() });
+        Arc::new(Shared { config, scheduler, stats, next_id: AtomicU64::new(0), id_seeds: [random_seed(), random_seed()] });
     let decide_route = || -> MethodRouter<AppState> { post(decide).fallback(method_not_allowed) };
     Router::new()
         .route("/v1/systemone", decide_route())
@@ -97,9 +97,7 @@ pub async fn serve(
 fn random_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u128(
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0),
-    );
+    hasher.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
     hasher.finish()
 }
 
@@ -114,7 +112,8 @@ fn mix(mut x: u64) -> u64 {
 impl Shared {
     fn new_request_id(&self) -> String {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
-        format!("req_{:016x}{:016x}", mix(self.id_seed), mix(self.id_seed ^ n.rotate_left(32) ^ n))
+        // Each half is a bijection of the counter: ids never repeat within a process.
+        format!("req_{:016x}{:016x}", mix(self.id_seeds[0] ^ n), mix(self.id_seeds[1] ^ n))
     }
 }
 
@@ -353,7 +352,7 @@ mod tests {
     #[test]
     fn request_ids_are_distinct() {
         let seed = random_seed();
-        let ids: std::collections::HashSet<u64> = (0..10_000u64).map(|n| mix(seed ^ n.rotate_left(32) ^ n)).collect();
+        let ids: std::collections::HashSet<u64> = (0..10_000u64).map(|n| mix(seed ^ n)).collect();
         assert_eq!(ids.len(), 10_000);
     }
 

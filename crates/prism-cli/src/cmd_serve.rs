@@ -1,0 +1,273 @@
+//! `prism serve`: the `/v1/systemone` HTTP server on this machine's CPU.
+//!
+//! Loads the model (the bundled random-weight demo model when no `--gguf` is given), runs one warm-up
+//! read-out through the whole path, binds, prints `Ready` with the endpoints and a curl line, and serves
+//! until SIGTERM or Ctrl-C, after which the requests in flight are finished before the process exits.
+//! Progress goes to stdout (the tests read the `Ready on http://ADDR` line); logs go to stderr.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::{ArgAction, Args};
+use prism_decision::{decide, DecisionRequest, DecoderLetterModel, LetterModel, ModelSource, RequestDefaults};
+use prism_model::{LoadOptions, Precision};
+use prism_server::{router, serve, ModelInfo, Scheduler, ServerConfig, Stats};
+
+/// Arguments of `prism serve`.
+#[derive(Args)]
+pub struct ServeArgs {
+    /// The model's GGUF file. Default: the bundled demo model (tiny, random weights: meaningless answers).
+    #[arg(long)]
+    pub gguf: Option<PathBuf>,
+    /// The model directory (tokenizer, chat template, config.json, decision_config.json). Without it the
+    /// tokenizer and chat template come from the GGUF and the decision config takes its defaults.
+    #[arg(long)]
+    pub model_dir: Option<PathBuf>,
+    /// Address to bind. The default serves this machine only; give e.g. 0.0.0.0 to serve the network.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to bind (0: any free port; the Ready line says which).
+    #[arg(long, default_value_t = 8092)]
+    pub port: u16,
+    /// Arithmetic of the forward pass (as `prism decide`).
+    #[arg(long, default_value = "f32")]
+    pub precision: String,
+    /// The longest prompt accepted, in tokens; a longer question is refused (HTTP 422).
+    #[arg(long, default_value_t = 32768)]
+    pub max_tokens: usize,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health (else 401). Default: the
+    /// PRISM_API_KEY environment variable, if set.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Largest request body in bytes, compressed or not (413 beyond).
+    #[arg(long, default_value_t = 8 << 20)]
+    pub max_body_bytes: usize,
+    /// Requests that may wait for the model; beyond that the server answers 503 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    pub queue_size: usize,
+    /// Seconds from a request's arrival to its answer (504 beyond; 408 if the body is still arriving).
+    #[arg(long, default_value_t = 60.0)]
+    pub timeout: f64,
+    /// Default `gate` of requests that give none.
+    #[arg(long, default_value_t = 0.6)]
+    pub gate: f64,
+    /// Default `none_check` of requests that give none.
+    #[arg(long, default_value_t = true, action = ArgAction::Set)]
+    pub none_check: bool,
+    /// Default `allow_none` of requests that give none.
+    #[arg(long, default_value_t = true, action = ArgAction::Set)]
+    pub allow_none: bool,
+}
+
+/// The bundled demo model's directory: next to the binary's checkout (target/*/prism), else the source
+/// tree this binary was built from.
+fn bundled_model_dir() -> Option<PathBuf> {
+    let relative = ["tests", "fixtures", "qwen35-tiny"];
+    let from_binary = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.ancestors().nth(3).map(|root| relative.iter().fold(root.to_path_buf(), |p, c| p.join(c))));
+    let from_source = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/qwen35-tiny"));
+    from_binary.into_iter().chain([from_source]).find(|dir| dir.join("tiny-Q8_0.gguf").is_file())
+}
+
+/// One line of progress on stdout, flushed at once (a pipe would otherwise hold it back).
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, $($arg)*);
+        let _ = out.flush();
+    }};
+}
+
+/// A request that exercises the whole path once before the server opens.
+const WARM_UP: &str = r#"{"state": "Prism warm-up.", "questions": {"ready": {"type": "noul", "instructions": "Is the engine ready?"}}}"#;
+
+pub fn run(args: &ServeArgs) -> Result<()> {
+    if !(0.0..=1.0).contains(&args.gate) {
+        bail!("--gate must be from 0 to 1, got {}", args.gate);
+    }
+    if !(args.timeout.is_finite() && args.timeout > 0.0) {
+        bail!("--timeout must be a positive number of seconds, got {}", args.timeout);
+    }
+    if args.queue_size == 0 {
+        bail!("--queue-size must be at least 1");
+    }
+    let api_key = args
+        .api_key
+        .clone()
+        .or_else(|| std::env::var("PRISM_API_KEY").ok())
+        .map(|key| key.trim().to_string())
+        .filter(|key| !key.is_empty());
+    if let Some(key) = &api_key {
+        if !key.bytes().all(|b| b.is_ascii_graphic()) {
+            bail!("the API key must be printable ASCII without spaces");
+        }
+    }
+    let precision = Precision::parse(&args.precision)?;
+
+    say!("Prism {} — /v1/systemone server (CPU)", env!("CARGO_PKG_VERSION"));
+    let (source, demo) = match (&args.gguf, &args.model_dir) {
+        (Some(gguf), dir) => (ModelSource { gguf: gguf.clone(), model_dir: dir.clone() }, false),
+        (None, Some(_)) => bail!("--model-dir needs --gguf (the model file)"),
+        (None, None) => {
+            let Some(dir) = bundled_model_dir() else {
+                bail!(
+                    "the bundled demo model (tests/fixtures/qwen35-tiny) is not next to this binary or its source \
+                     tree; pass --gguf FILE [--model-dir DIR]"
+                );
+            };
+            say!("");
+            say!("  NOTE: no --gguf given, so this serves the bundled DEMO model ({}).", dir.display());
+            say!("  Its weights are random: its answers are meaningless. It is here to try the API and run the tests.");
+            say!("  To serve a real StartLux-Decision release:");
+            say!("    prism serve --gguf StartLux-Decision-v1-4B-Q8_0.gguf --model-dir DIR_WITH_ITS_TOKENIZER_AND_CONFIGS");
+            say!("");
+            (ModelSource { gguf: dir.join("tiny-Q8_0.gguf"), model_dir: Some(dir) }, true)
+        }
+    };
+
+    let size = std::fs::metadata(&source.gguf)
+        .with_context(|| format!("cannot read the model file {}", source.gguf.display()))?
+        .len();
+    say!(
+        "[1/3] Loading {} ({:.1} MB): GGUF, tokenizer, chat template, decision config, decoder weights ({}) ...",
+        source.gguf.display(),
+        size as f64 / 1e6,
+        args.precision
+    );
+    let started = Instant::now();
+    let options = LoadOptions { precision, ..LoadOptions::default() };
+    let loaded = DecoderLetterModel::load(&source, &options, args.max_tokens)
+        .with_context(|| format!("loading the decision model {}", source.gguf.display()))?;
+    let mut model = loaded.model;
+    let config = loaded.config;
+    let name = model.model_name().to_string();
+    let layers = model.decoder().config().n_layers;
+    say!("      done in {:.2} s: {name}, {layers} layers", started.elapsed().as_secs_f64());
+
+    say!("[2/3] Warm-up: one question through the whole path ...");
+    let started = Instant::now();
+    let warm_up = DecisionRequest::parse(WARM_UP.as_bytes(), &RequestDefaults::default())
+        .and_then(|request| decide(&request, &config, &mut model))
+        .context("the warm-up request failed")?;
+    say!("      done in {:.0} ms ({} prompt tokens)", started.elapsed().as_secs_f64() * 1e3, warm_up.usage.input_tokens);
+
+    let stats = Arc::new(Stats::default());
+    let (scheduler, worker) = Scheduler::start(Box::new(model), config, args.queue_size, stats.clone())
+        .context("cannot start the model worker thread")?;
+    let timeout = Duration::from_secs_f64(args.timeout);
+    let server_config = ServerConfig {
+        api_key: api_key.clone(),
+        max_body_bytes: args.max_body_bytes,
+        request_timeout: timeout,
+        defaults: RequestDefaults {
+            gate: args.gate,
+            none_check: args.none_check,
+            allow_none: args.allow_none,
+            ..RequestDefaults::default()
+        },
+        model: ModelInfo {
+            description: if demo {
+                "The bundled demo model: a tiny Qwen3.5 with random weights. Its answers are meaningless.".into()
+            } else {
+                format!("StartLux-Decision model {name}, served by Prism on the CPU")
+            },
+            name,
+            release_date: "unknown".into(),
+            precision: args.precision.clone(),
+            max_prompt_tokens: args.max_tokens,
+            demo,
+        },
+    };
+    let app = router(server_config, scheduler, stats);
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(8)
+        .thread_name("prism-http")
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    say!("[3/3] Binding {}:{} ...", args.host, args.port);
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind((args.host.as_str(), args.port)))
+        .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+    let address = listener.local_addr().context("the listening socket has no address")?;
+    let base = format!("http://{address}");
+    if !address.ip().is_loopback() && api_key.is_none() {
+        say!("  WARNING: listening on {address}, reachable from other machines, without an API key (--api-key).");
+    }
+    say!(
+        "Ready on {base}  (queue {}, timeout {} s, body limit {} bytes, API key {})",
+        args.queue_size,
+        args.timeout,
+        args.max_body_bytes,
+        if api_key.is_some() { "required" } else { "off" }
+    );
+    say!("  POST {base}/v1/systemone   (alias /v1/decisions)");
+    say!("  GET  {base}/v1/models");
+    say!("  GET  {base}/health");
+    say!("  GET  {base}/stats");
+    say!("Try:");
+    let auth = if api_key.is_some() { " -H \"Authorization: Bearer $PRISM_API_KEY\"" } else { "" };
+    say!(
+        "  curl -s {base}/v1/systemone -H 'Content-Type: application/json'{auth} -d '{{\"state\": \"The parcel \
+         arrived two days late and the box was crushed.\", \"questions\": {{\"late\": {{\"type\": \"noul\", \
+         \"instructions\": \"Was the delivery late?\"}}, \"team\": {{\"type\": \"choice\", \"instructions\": \
+         \"Which team should handle this?\", \"criteria\": {{\"shipping\": null, \"billing\": null, \"sales\": \
+         null}}}}}}}}'"
+    );
+
+    // After the signal, in-flight requests get until their own timeout (plus a little) to finish.
+    let grace = timeout + Duration::from_secs(5);
+    let signalled = Arc::new(tokio::sync::Notify::new());
+    let notify = signalled.clone();
+    let outcome = runtime.block_on(async move {
+        let shutdown = async move {
+            wait_for_signal().await;
+            say!("Shutting down: no new connections; finishing the requests in flight ...");
+            notify.notify_one();
+        };
+        tokio::select! {
+            served = serve(listener, app, shutdown) => served.map(|()| true),
+            () = async { signalled.notified().await; tokio::time::sleep(grace).await } => Ok(false),
+        }
+    });
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    match outcome.context("the server failed")? {
+        true => {
+            // Every handle to the scheduler is gone with the router: the worker ends after its last job.
+            worker.join();
+            say!("Stopped.");
+        }
+        false => say!("Stopped after {grace:?} with requests still in flight."),
+    }
+    Ok(())
+}
+
+/// SIGTERM or Ctrl-C (SIGINT).
+async fn wait_for_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = terminate => {},
+    }
+}
