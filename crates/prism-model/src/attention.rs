@@ -11,7 +11,8 @@ use rayon::prelude::*;
 use crate::config::Qwen35Config;
 use crate::error::Result;
 use crate::matmul::{self, Float};
-use crate::ops::{linear, rms_norm, sigmoid, softmax_last_dim};
+use crate::linear::Linear;
+use crate::ops::{rms_norm, sigmoid, softmax_last_dim};
 use crate::qwen35::Segment;
 use crate::rope::MRope;
 use crate::state::KvCache;
@@ -21,13 +22,13 @@ use crate::weights::WeightLoader;
 #[derive(Debug, Clone)]
 pub struct Attention {
     /// `attn_q`: `[n_h·2·hd, d]`, per head `[query (hd) | gate (hd)]`.
-    pub q: Tensor,
+    pub q: Linear,
     /// `attn_k`: `[n_kv·hd, d]`.
-    pub k: Tensor,
+    pub k: Linear,
     /// `attn_v`: `[n_kv·hd, d]`.
-    pub v: Tensor,
+    pub v: Linear,
     /// `attn_output`: `[d, n_h·hd]`.
-    pub o: Tensor,
+    pub o: Linear,
     /// `attn_q_norm`, `attn_k_norm`: `[hd]`, stored as `1 + w`.
     pub q_norm: Tensor,
     pub k_norm: Tensor,
@@ -43,10 +44,10 @@ impl Attention {
         let (n_h, n_kv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
         let n = |s: &str| format!("blk.{layer}.{s}");
         Ok(Self {
-            q: w.matrix(&n("attn_q.weight"), 2 * n_h * hd, d)?,
-            k: w.matrix(&n("attn_k.weight"), n_kv * hd, d)?,
-            v: w.matrix(&n("attn_v.weight"), n_kv * hd, d)?,
-            o: w.matrix(&n("attn_output.weight"), d, n_h * hd)?,
+            q: w.linear(&n("attn_q.weight"), 2 * n_h * hd, d)?,
+            k: w.linear(&n("attn_k.weight"), n_kv * hd, d)?,
+            v: w.linear(&n("attn_v.weight"), n_kv * hd, d)?,
+            o: w.linear(&n("attn_output.weight"), d, n_h * hd)?,
             q_norm: w.vector(&n("attn_q_norm.weight"), hd)?,
             k_norm: w.vector(&n("attn_k_norm.weight"), hd)?,
             n_h,
@@ -68,18 +69,18 @@ impl Attention {
     ) -> Result<Tensor> {
         let n_tokens = x.dim(0)?;
         let (n_h, n_kv, hd) = (self.n_h, self.n_kv, self.hd);
-        let qg = linear(x, &self.q)?.reshape((n_tokens, n_h, 2 * hd))?;
+        let qg = self.q.forward(x)?.reshape((n_tokens, n_h, 2 * hd))?;
         let q = rms_norm(&qg.narrow(2, 0, hd)?, &self.q_norm, self.eps)?;
         let gate = qg
             .narrow(2, hd, hd)?
             .contiguous()?
             .reshape((n_tokens, n_h * hd))?;
         let k = rms_norm(
-            &linear(x, &self.k)?.reshape((n_tokens, n_kv, hd))?,
+            &self.k.forward(x)?.reshape((n_tokens, n_kv, hd))?,
             &self.k_norm,
             self.eps,
         )?;
-        let v = linear(x, &self.v)?.reshape((n_tokens, n_kv, hd))?;
+        let v = self.v.forward(x)?.reshape((n_tokens, n_kv, hd))?;
         let q = rope.apply(&q, cos, sin)?;
         let k = rope.apply(&k, cos, sin)?;
 
@@ -115,7 +116,7 @@ impl Attention {
             cache.v = Some(v_all);
         }
         let attn = Tensor::cat(&outs, 0)?.mul(&sigmoid(&gate)?)?;
-        Ok(linear(&attn, &self.o)?)
+        Ok(self.o.forward(&attn)?)
     }
 }
 

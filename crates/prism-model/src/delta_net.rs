@@ -8,7 +8,8 @@ use candle_core::Tensor;
 use crate::config::Qwen35Config;
 use crate::delta_rule;
 use crate::error::{ModelError, Result};
-use crate::ops::{gated_rms_norm, l2_norm, linear, sigmoid, softplus};
+use crate::linear::Linear;
+use crate::ops::{gated_rms_norm, l2_norm, sigmoid, softplus};
 use crate::qwen35::Segment;
 use crate::state::DeltaNetState;
 use crate::weights::WeightLoader;
@@ -17,13 +18,13 @@ use crate::weights::WeightLoader;
 #[derive(Debug, Clone)]
 pub struct DeltaNet {
     /// `attn_qkv`: `[conv_dim, d]`, output laid out `[q (n_k·dk) | k (n_k·dk) | v (n_v·dv)]`.
-    pub in_qkv: Tensor,
+    pub in_qkv: Linear,
     /// `attn_gate`: `[n_v·dv, d]` (the `z` of the gated norm).
-    pub in_gate: Tensor,
+    pub in_gate: Linear,
     /// `ssm_beta`: `[n_v, d]`.
-    pub in_beta: Tensor,
+    pub in_beta: Linear,
     /// `ssm_alpha`: `[n_v, d]`.
-    pub in_alpha: Tensor,
+    pub in_alpha: Linear,
     /// `ssm_conv1d` as taps: `[K, conv_dim]`, tap `K−1` multiplies the current token.
     pub conv_taps: Tensor,
     /// `ssm_a` = `−exp(A_log)`: `[n_v]`.
@@ -33,7 +34,7 @@ pub struct DeltaNet {
     /// `ssm_norm`: `[dv]`, a plain (not 1+w) weight.
     pub norm: Tensor,
     /// `ssm_out`: `[d, n_v·dv]`.
-    pub out: Tensor,
+    pub out: Linear,
     n_k: usize,
     n_v: usize,
     dk: usize,
@@ -48,15 +49,15 @@ impl DeltaNet {
         let conv =
             w.activation_tensor(&n("ssm_conv1d.weight"), &[cfg.conv_kernel, cfg.conv_dim()])?; // [C, K]
         Ok(Self {
-            in_qkv: w.matrix(&n("attn_qkv.weight"), cfg.conv_dim(), d)?,
-            in_gate: w.matrix(&n("attn_gate.weight"), cfg.linear_value_dim(), d)?,
-            in_beta: w.matrix(&n("ssm_beta.weight"), cfg.linear_value_heads, d)?,
-            in_alpha: w.matrix(&n("ssm_alpha.weight"), cfg.linear_value_heads, d)?,
+            in_qkv: w.linear(&n("attn_qkv.weight"), cfg.conv_dim(), d)?,
+            in_gate: w.linear(&n("attn_gate.weight"), cfg.linear_value_dim(), d)?,
+            in_beta: w.linear(&n("ssm_beta.weight"), cfg.linear_value_heads, d)?,
+            in_alpha: w.linear(&n("ssm_alpha.weight"), cfg.linear_value_heads, d)?,
             conv_taps: conv.t()?.contiguous()?,
             ssm_a: w.vector(&n("ssm_a"), cfg.linear_value_heads)?,
             dt_bias: w.vector(&n("ssm_dt.bias"), cfg.linear_value_heads)?,
             norm: w.vector(&n("ssm_norm.weight"), cfg.linear_value_head_dim)?,
-            out: w.matrix(&n("ssm_out.weight"), d, cfg.linear_value_dim())?,
+            out: w.linear(&n("ssm_out.weight"), d, cfg.linear_value_dim())?,
             n_k: cfg.linear_key_heads,
             n_v: cfg.linear_value_heads,
             dk: cfg.linear_key_head_dim,
@@ -75,10 +76,10 @@ impl DeltaNet {
     ) -> Result<Tensor> {
         let n_tokens = x.dim(0)?;
         let key_dim = self.n_k * self.dk;
-        let mixed = linear(x, &self.in_qkv)?;
-        let z = linear(x, &self.in_gate)?;
-        let beta = sigmoid(&linear(x, &self.in_beta)?)?;
-        let g = softplus(&linear(x, &self.in_alpha)?.broadcast_add(&self.dt_bias)?)?
+        let mixed = self.in_qkv.forward(x)?;
+        let z = self.in_gate.forward(x)?;
+        let beta = sigmoid(&self.in_beta.forward(x)?)?;
+        let g = softplus(&self.in_alpha.forward(x)?.broadcast_add(&self.dt_bias)?)?
             .broadcast_mul(&self.ssm_a)?;
 
         let mut conv_out = Vec::with_capacity(segments.len());
@@ -140,7 +141,7 @@ impl DeltaNet {
         let z = z.reshape((n_tokens, self.n_v, self.dv))?;
         let y = gated_rms_norm(&o, &z, &self.norm, self.eps)?
             .reshape((n_tokens, self.n_v * self.dv))?;
-        Ok(linear(&y, &self.out)?)
+        Ok(self.out.forward(&y)?)
     }
 }
 

@@ -74,8 +74,27 @@ pub enum ModelError {
     #[error("invalid input: {0}")]
     InvalidInput(String),
 
-    #[error("unsupported precision {0:?}: use \"f32\", \"bf16\" or \"f64\"")]
+    #[error(
+        "unsupported precision {0:?}: use \"auto\", \"int8\", \"w4a8\", \"bf16\", \"f32\" or \"f64\""
+    )]
     UnsupportedPrecision(String),
+
+    #[error("precision {precision} cannot run tensor {name:?}: {reason}")]
+    PrecisionMismatch {
+        precision: String,
+        name: String,
+        reason: String,
+    },
+
+    #[error("tensor {name:?}: {source}")]
+    Quant {
+        name: String,
+        #[source]
+        source: prism_quant::QuantError,
+    },
+
+    #[error("calibration: {0}")]
+    Calibration(String),
 
     #[error(transparent)]
     Hf(#[from] crate::hf::HfError),

@@ -12,6 +12,7 @@
 //! tokens are split into calls (decode included) and however many threads run.
 
 pub mod attention;
+pub mod calibration;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -19,6 +20,7 @@ pub mod delta_net;
 pub mod delta_rule;
 pub mod error;
 pub mod hf;
+pub mod linear;
 pub mod matmul;
 pub mod ops;
 pub mod qwen35;

@@ -10,10 +10,12 @@ use candle_core::{DType, Device, Tensor};
 use prism_gguf::GgufFile;
 
 use crate::attention::Attention;
+use crate::calibration::Calibration;
 use crate::config::{hf_text_config, read_hf_config, LayerKind, Qwen35Config};
 use crate::delta_net::DeltaNet;
 use crate::error::{ModelError, Result};
-use crate::ops::{linear, rms_norm};
+use crate::linear::Linear;
+use crate::ops::rms_norm;
 use crate::rope::{MRope, Position3};
 use crate::state::{DeltaNetState, KvCache, LayerState, SequenceState};
 use crate::weights::{Precision, WeightLoader};
@@ -52,24 +54,24 @@ impl Default for LoadOptions {
 #[derive(Debug, Clone)]
 pub struct Mlp {
     /// `ffn_gate`, `ffn_up`: `[ffn, d]`; `ffn_down`: `[d, ffn]`.
-    pub gate: Tensor,
-    pub up: Tensor,
-    pub down: Tensor,
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
 }
 
 impl Mlp {
     fn load(w: &WeightLoader<'_>, cfg: &Qwen35Config, layer: usize) -> Result<Self> {
         let (d, f) = (cfg.hidden_size, cfg.intermediate_size);
         Ok(Self {
-            gate: w.matrix(&format!("blk.{layer}.ffn_gate.weight"), f, d)?,
-            up: w.matrix(&format!("blk.{layer}.ffn_up.weight"), f, d)?,
-            down: w.matrix(&format!("blk.{layer}.ffn_down.weight"), d, f)?,
+            gate: w.linear(&format!("blk.{layer}.ffn_gate.weight"), f, d)?,
+            up: w.linear(&format!("blk.{layer}.ffn_up.weight"), f, d)?,
+            down: w.linear(&format!("blk.{layer}.ffn_down.weight"), d, f)?,
         })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = linear(x, &self.gate)?.silu()?.mul(&linear(x, &self.up)?)?;
-        Ok(linear(&h, &self.down)?)
+        let h = self.gate.forward(x)?.silu()?.mul(&self.up.forward(x)?)?;
+        Ok(self.down.forward(&h)?)
     }
 }
 
@@ -152,8 +154,9 @@ pub struct Qwen35Model {
     precision: Precision,
     /// `token_embd`: `[vocab, d]`.
     embed: Tensor,
-    /// `output` (or `token_embd` when the embeddings are tied): `[vocab, d]`.
-    lm_head: Tensor,
+    /// `output` (or `token_embd` when the embeddings are tied): `[vocab, d]`. On the integer path it
+    /// is quantized like every projection; the embedding lookup stays the exact dequantized row.
+    lm_head: Linear,
     tied_embeddings: bool,
     /// `output_norm` (1 + w baked in).
     final_norm: Tensor,
@@ -169,10 +172,41 @@ impl Qwen35Model {
     }
 
     /// Loads every tensor of the main layers by name, checking each shape against the configuration.
-    /// MTP (`nextn`) blocks are not loaded.
+    /// MTP (`nextn`) blocks are not loaded. The integer precisions need activation ranges: use
+    /// [`Self::from_gguf_calibrated`].
     pub fn from_gguf(gguf: &GgufFile, options: &LoadOptions) -> Result<Self> {
-        let config = Qwen35Config::from_gguf(gguf)?;
         let w = WeightLoader::new(gguf, &options.device, options.precision);
+        Self::from_loader(gguf, &w, options)
+    }
+
+    /// [`Self::from_gguf`] with the static activation ranges the integer precisions
+    /// ([`Precision::Int8`], [`Precision::W4a8`]) quantize each projection's input with
+    /// ([`crate::calibration::load_or_calibrate`] measures them). The calibration must be of this file.
+    pub fn from_gguf_calibrated(
+        gguf: &GgufFile,
+        options: &LoadOptions,
+        calibration: &Calibration,
+    ) -> Result<Self> {
+        let key = crate::calibration::model_key(gguf);
+        if calibration.model_key != key {
+            return Err(ModelError::Calibration(format!(
+                "the activation ranges were measured on another model file (key {}…, this file {}…)",
+                calibration.model_key.get(..12).unwrap_or(&calibration.model_key),
+                key.get(..12).unwrap_or(&key)
+            )));
+        }
+        let w = WeightLoader::new(gguf, &options.device, options.precision)
+            .with_calibration(calibration);
+        Self::from_loader(gguf, &w, options)
+    }
+
+    /// Loads through `w` (which may carry a calibration or a range recorder).
+    pub(crate) fn from_loader(
+        gguf: &GgufFile,
+        w: &WeightLoader<'_>,
+        options: &LoadOptions,
+    ) -> Result<Self> {
+        let config = Qwen35Config::from_gguf(gguf)?;
         let tied = !w.contains("output.weight");
         if let Some(path) = &options.hf_config {
             let json = read_hf_config(path)?;
@@ -188,7 +222,7 @@ impl Qwen35Model {
                 }
             }
         }
-        Self::from_weights(config, &w, tied, options)
+        Self::from_weights(config, w, tied, options)
     }
 
     /// Builds the model from `w` (a GGUF file, or an HF checkpoint read through GGUF names and layouts):
@@ -201,10 +235,11 @@ impl Qwen35Model {
     ) -> Result<Self> {
         let d = config.hidden_size;
         let embed = w.matrix("token_embd.weight", config.vocab_size, d)?;
-        let lm_head = if tied {
-            embed.clone()
-        } else {
-            w.matrix("output.weight", config.vocab_size, d)?
+        let lm_head = match (tied, w.linear_is_dense()) {
+            // A dense tied head is the embedding matrix itself (no second copy).
+            (true, true) => Linear::Dense(embed.clone()),
+            (true, false) => w.linear("token_embd.weight", config.vocab_size, d)?,
+            (false, _) => w.linear("output.weight", config.vocab_size, d)?,
         };
         let final_norm = w.vector("output_norm.weight", d)?;
         let mut layers = Vec::with_capacity(config.n_layers);
@@ -459,7 +494,7 @@ impl Qwen35Model {
 
     /// Full logits `[rows, vocab]` for final-normed hidden states `[rows, d]`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(linear(hidden, &self.lm_head)?)
+        Ok(self.lm_head.forward(hidden)?)
     }
 
     /// Logits of the selected vocabulary rows only, `[rows, row_ids.len()]` (e.g. the 26 letters of a
@@ -474,9 +509,7 @@ impl Qwen35Model {
                 vocab_size: self.config.vocab_size,
             });
         }
-        let idx = Tensor::from_vec(row_ids.to_vec(), row_ids.len(), &self.device)?;
-        let rows = self.lm_head.index_select(&idx, 0)?;
-        Ok(linear(hidden, &rows)?)
+        Ok(self.lm_head.select_rows(row_ids)?.forward(hidden)?)
     }
 
     /// Feeds `tokens` through `state` (prefill, a later piece of a prompt, or one decode step) and returns

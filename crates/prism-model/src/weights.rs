@@ -2,12 +2,21 @@
 //!
 //! The reference path dequantizes every tensor (BF16, Q8_0, Q4_K, Q6_K, …) to f32 with `prism-gguf`'s
 //! bit-exact llama.cpp dequantization. Matrices can then be kept in f32 or rounded to bf16.
+//!
+//! The integer precisions ([`Precision::Int8`], [`Precision::W4a8`]) keep each quantized projection in
+//! the file's own blocks ([`prism_quant::QuantWeight`], no re-quantization) and give it the static
+//! activation scale of its input from a [`Calibration`]; float tensors of such a file stay dense.
+
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use prism_gguf::GgufFile;
+use prism_gguf::{GgmlType, GgufFile};
+use prism_quant::{QuantMatmul, QuantWeight, WeightFormat};
 
+use crate::calibration::{Calibration, RangeRecorder};
 use crate::error::{ModelError, Result};
 use crate::hf::HfWeights;
+use crate::linear::Linear;
 
 /// Arithmetic of the forward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,22 +30,81 @@ pub enum Precision {
     /// Everything in f64: not a serving mode, but the ground truth that tests measure the f32 path's
     /// rounding against.
     F64,
+    /// W8A8: Q8_0 weights as int8 with their block scales, int8 activations at static scales, exact
+    /// integer sums ([`prism_quant`]). Everything else as [`Precision::F32`]. Needs a [`Calibration`].
+    Int8,
+    /// W4A8: the file's K-quant (and Q8_0) weights on their own sub-block scales and mins, int8
+    /// activations; otherwise as [`Precision::Int8`].
+    W4a8,
 }
 
 impl Precision {
+    /// `f32`, `bf16`, `f64`, `int8` or `w4a8` (`auto` needs the file: [`Precision::resolve`]).
     pub fn parse(s: &str) -> Result<Self> {
         match s {
             "f32" => Ok(Precision::F32),
             "bf16" => Ok(Precision::Bf16),
             "f64" => Ok(Precision::F64),
+            "int8" => Ok(Precision::Int8),
+            "w4a8" => Ok(Precision::W4a8),
             other => Err(ModelError::UnsupportedPrecision(other.to_string())),
         }
     }
 
-    /// The dtype matrices are stored in.
+    /// [`Precision::parse`], plus `auto`: the precision the file's weights call for
+    /// ([`Precision::auto_for`]).
+    pub fn resolve(s: &str, gguf: &GgufFile) -> Result<Self> {
+        if s == "auto" {
+            Self::auto_for(gguf)
+        } else {
+            Self::parse(s)
+        }
+    }
+
+    /// `auto`: a file with K-quant weights (Q4_K_M and the like) runs [`Precision::W4a8`], a file whose
+    /// quantized weights are all Q8_0 runs [`Precision::Int8`], a float file [`Precision::Bf16`].
+    pub fn auto_for(gguf: &GgufFile) -> Result<Self> {
+        let mut precision = Precision::Bf16;
+        for info in gguf.tensors() {
+            match info.ggml_type {
+                GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {}
+                GgmlType::Q8_0 => {
+                    if precision == Precision::Bf16 {
+                        precision = Precision::Int8;
+                    }
+                }
+                ty if WeightFormat::from_ggml(ty).is_some() => precision = Precision::W4a8,
+                ty => {
+                    return Err(ModelError::PrecisionMismatch {
+                        precision: "auto".into(),
+                        name: info.name.clone(),
+                        reason: format!("{ty:?} has no integer kernel (Q8_0, Q4_K, Q5_K, Q6_K do)"),
+                    })
+                }
+            }
+        }
+        Ok(precision)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+            Precision::F64 => "f64",
+            Precision::Int8 => "int8",
+            Precision::W4a8 => "w4a8",
+        }
+    }
+
+    /// Whether quantized projections run on the exact integer path.
+    pub fn is_integer(self) -> bool {
+        matches!(self, Precision::Int8 | Precision::W4a8)
+    }
+
+    /// The dtype matrices are stored in (the float tensors of a quantized file, and the embedding).
     pub fn matrix_dtype(self) -> DType {
         match self {
-            Precision::F32 => DType::F32,
+            Precision::F32 | Precision::Int8 | Precision::W4a8 => DType::F32,
             Precision::Bf16 => DType::BF16,
             Precision::F64 => DType::F64,
         }
@@ -45,7 +113,7 @@ impl Precision {
     /// The dtype of activations, norms, states and everything that is not a matrix.
     pub fn activation_dtype(self) -> DType {
         match self {
-            Precision::F32 | Precision::Bf16 => DType::F32,
+            Precision::F32 | Precision::Bf16 | Precision::Int8 | Precision::W4a8 => DType::F32,
             Precision::F64 => DType::F64,
         }
     }
@@ -63,6 +131,10 @@ pub struct WeightLoader<'a> {
     source: WeightSource<'a>,
     device: Device,
     precision: Precision,
+    /// Static activation ranges (integer precisions).
+    calibration: Option<&'a Calibration>,
+    /// Calibration run: every projection records its input range here.
+    recorder: Option<Arc<RangeRecorder>>,
 }
 
 impl<'a> WeightLoader<'a> {
@@ -71,7 +143,30 @@ impl<'a> WeightLoader<'a> {
             source: WeightSource::Gguf(gguf),
             device: device.clone(),
             precision,
+            calibration: None,
+            recorder: None,
         }
+    }
+
+    /// The activation ranges the integer precisions take their scales from.
+    pub fn with_calibration(mut self, calibration: &'a Calibration) -> Self {
+        self.calibration = Some(calibration);
+        self
+    }
+
+    /// Makes every projection a dense one that records its input range into `recorder`.
+    pub fn with_recorder(mut self, recorder: Arc<RangeRecorder>) -> Self {
+        self.recorder = Some(recorder);
+        self
+    }
+
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// Whether [`Self::linear`] gives plain dense matrices (no integer path, no recording).
+    pub fn linear_is_dense(&self) -> bool {
+        self.recorder.is_none() && !self.precision.is_integer()
     }
 
     /// Reads an HF checkpoint by GGUF names ([`HfWeights`] does the conversion).
@@ -80,6 +175,8 @@ impl<'a> WeightLoader<'a> {
             source: WeightSource::Hf(hf),
             device: device.clone(),
             precision,
+            calibration: None,
+            recorder: None,
         }
     }
 
@@ -149,5 +246,85 @@ impl<'a> WeightLoader<'a> {
     pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Tensor> {
         let t = self.f32_tensor(name, &[cols, rows])?;
         Ok(t.to_dtype(self.precision.matrix_dtype())?)
+    }
+
+    /// The projection `name` with `rows` outputs of `cols` inputs (GGUF `[cols, rows]`): on the integer
+    /// path when the precision is integer and the tensor is quantized, dense otherwise (see [`Linear`]).
+    pub fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Linear> {
+        if let Some(recorder) = &self.recorder {
+            return Ok(Linear::Recording {
+                weight: self.matrix(name, rows, cols)?,
+                name: name.to_string(),
+                recorder: recorder.clone(),
+            });
+        }
+        if !self.precision.is_integer() {
+            return Ok(Linear::Dense(self.matrix(name, rows, cols)?));
+        }
+        match self.quant_weight(name, rows, cols)? {
+            Some(weight) => {
+                let calibration = self.calibration.ok_or_else(|| {
+                    ModelError::Calibration(format!(
+                        "precision {} needs activation ranges (a calibration) for {name:?}",
+                        self.precision.as_str()
+                    ))
+                })?;
+                let scale = calibration.scale(name)?;
+                Ok(Linear::Quant(QuantMatmul::new(Arc::new(weight), scale)))
+            }
+            None => Ok(Linear::Dense(self.matrix(name, rows, cols)?)),
+        }
+    }
+
+    /// The quantized weight `name` as stored (`None` for a float tensor, which stays dense).
+    fn quant_weight(&self, name: &str, rows: usize, cols: usize) -> Result<Option<QuantWeight>> {
+        let mismatch = |reason: String| ModelError::PrecisionMismatch {
+            precision: self.precision.as_str().into(),
+            name: name.to_string(),
+            reason,
+        };
+        let gguf = match self.source {
+            WeightSource::Gguf(gguf) => gguf,
+            WeightSource::Hf(_) => {
+                return Err(mismatch(
+                    "the integer path runs a GGUF file's quantized blocks; a Hugging Face checkpoint has none"
+                        .into(),
+                ))
+            }
+        };
+        let info = gguf
+            .tensor_info(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_string(),
+            })?;
+        let expected = vec![cols as u64, rows as u64];
+        if info.dims != expected {
+            return Err(ModelError::TensorShape {
+                name: name.to_string(),
+                expected,
+                found: info.dims.clone(),
+            });
+        }
+        let format = match info.ggml_type {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => return Ok(None),
+            ty => WeightFormat::from_ggml(ty).ok_or_else(|| {
+                mismatch(format!(
+                    "{ty:?} has no integer kernel (Q8_0, Q4_K, Q5_K and Q6_K do)"
+                ))
+            })?,
+        };
+        if self.precision == Precision::Int8 && format != WeightFormat::Q8_0 {
+            return Err(mismatch(format!(
+                "int8 runs Q8_0 weights and this one is {:?}; use w4a8 (or auto) for K-quant files",
+                info.ggml_type
+            )));
+        }
+        let weight =
+            QuantWeight::from_gguf(name, info.ggml_type, gguf.tensor_bytes(info), rows, cols)
+                .map_err(|source| ModelError::Quant {
+                    name: name.to_string(),
+                    source,
+                })?;
+        Ok(Some(weight))
     }
 }

@@ -63,21 +63,31 @@ fn block_q8_0(q: &[i8], qa: &[i8], b: usize) -> (i32, i32) {
 
 #[inline(always)]
 fn block_k32(q: &[i8], sc: &[i8], m: &[i8], qa: &[i8], sums: &[i32], b: usize) -> (i32, i32) {
+    // Fixed-length views of the block, so the loops below have no bounds checks.
+    let (q, qa) = (&q[256 * b..256 * b + 256], &qa[256 * b..256 * b + 256]);
+    let (sc, m, sums) = (
+        &sc[8 * b..8 * b + 8],
+        &m[8 * b..8 * b + 8],
+        &sums[8 * b..8 * b + 8],
+    );
     let (mut d, mut mn) = (0i32, 0i32);
     for j in 0..8 {
-        let s = 8 * b + j;
-        d += i32::from(sc[s]) * isum::<32>(&q[32 * s..], &qa[32 * s..]);
-        mn += i32::from(m[s]) * sums[s];
+        d += i32::from(sc[j]) * isum::<32>(&q[32 * j..], &qa[32 * j..]);
+        mn += i32::from(m[j]) * sums[j];
     }
     (d, mn)
 }
 
 #[inline(always)]
 fn block_q6_k(q: &[i8], sc: &[i8], qa: &[i8], b: usize) -> (i32, i32) {
+    let (q, qa, sc) = (
+        &q[256 * b..256 * b + 256],
+        &qa[256 * b..256 * b + 256],
+        &sc[16 * b..16 * b + 16],
+    );
     let mut d = 0i32;
     for j in 0..16 {
-        let s = 16 * b + j;
-        d += i32::from(sc[s]) * isum::<16>(&q[16 * s..], &qa[16 * s..]);
+        d += i32::from(sc[j]) * isum::<16>(&q[16 * j..], &qa[16 * j..]);
     }
     (d, 0)
 }
@@ -106,6 +116,7 @@ fn reduce_blocks<F: Fn(usize) -> (i32, i32)>(d: &[f32], dmin: &[f32], mins: bool
 
 /// The unscaled output for weight row `n` and quantized activation row `qa` (with its 32-element sums
 /// for Q4_K/Q5_K). Multiply by the activation scale to get `y`.
+#[inline(always)]
 pub fn row_dot(w: &QuantWeight, n: usize, qa: &[i8], sums: &[i32]) -> f32 {
     let (q, sc, m) = (w.row_q(n), w.row_sub_scales(n), w.row_sub_mins(n));
     let (d, dmin) = (w.row_d(n), w.row_dmin(n));
@@ -159,6 +170,18 @@ pub fn matmul(x: &[f32], m: usize, w: &QuantWeight, scale: &ActivationScale) -> 
 /// [`matmul`] from already quantized activations (which must have `w.cols()` columns and, for
 /// Q4_K/Q5_K weights, their 32-element sums).
 pub fn matmul_quantized(qx: &QuantizedRows, w: &QuantWeight, scale: &ActivationScale) -> Vec<f32> {
+    matmul_quantized_with(qx, w, scale, has_avx2_fma())
+}
+
+/// [`matmul_quantized`] with the AVX2 build of the loops (`simd`, only where the CPU has AVX2 and FMA)
+/// or the portable one; tests check that both give the same bits.
+pub fn matmul_quantized_with(
+    qx: &QuantizedRows,
+    w: &QuantWeight,
+    scale: &ActivationScale,
+    simd: bool,
+) -> Vec<f32> {
+    let simd = simd && has_avx2_fma();
     let (m, n) = (qx.rows, w.rows());
     let s = scale.scale();
     let mut out = vec![0f32; m * n];
@@ -167,15 +190,15 @@ pub fn matmul_quantized(qx: &QuantizedRows, w: &QuantWeight, scale: &ActivationS
     }
     let strip = |n0: usize| -> Vec<f32> {
         let n1 = (n0 + STRIP).min(n);
-        let width = n1 - n0;
-        let mut buf = vec![0f32; m * width];
-        for r0 in (0..m).step_by(ROW_TILE) {
-            let r1 = (r0 + ROW_TILE).min(m);
-            for nn in n0..n1 {
-                for r in r0..r1 {
-                    buf[r * width + nn - n0] = row_dot(w, nn, qx.row(r), qx.row_sums(r)) * s;
-                }
-            }
+        let mut buf = vec![0f32; m * (n1 - n0)];
+        if simd {
+            // SAFETY: the CPU has AVX2 and FMA (checked above).
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                strip_avx2(qx, w, s, (n0, n1), &mut buf)
+            };
+        } else {
+            strip_portable(qx, w, s, (n0, n1), &mut buf);
         }
         buf
     };
@@ -193,4 +216,50 @@ pub fn matmul_quantized(qx: &QuantizedRows, w: &QuantWeight, scale: &ActivationS
         }
     }
     out
+}
+
+/// Outputs `n0..n1` of every activation row into `buf` (`m × (n1 − n0)`, row-major).
+#[inline(always)]
+fn strip_portable(
+    qx: &QuantizedRows,
+    w: &QuantWeight,
+    s: f32,
+    (n0, n1): (usize, usize),
+    buf: &mut [f32],
+) {
+    let (m, width) = (qx.rows, n1 - n0);
+    for r0 in (0..m).step_by(ROW_TILE) {
+        let r1 = (r0 + ROW_TILE).min(m);
+        for nn in n0..n1 {
+            for r in r0..r1 {
+                buf[r * width + nn - n0] = row_dot(w, nn, qx.row(r), qx.row_sums(r)) * s;
+            }
+        }
+    }
+}
+
+/// [`strip_portable`] compiled for AVX2 + FMA: the integer sums vectorize, `mul_add` is one
+/// instruction. Integer sums are exact and `mul_add` is a fused multiply-add either way, so the bits
+/// are those of the portable code.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn strip_avx2(
+    qx: &QuantizedRows,
+    w: &QuantWeight,
+    s: f32,
+    range: (usize, usize),
+    buf: &mut [f32],
+) {
+    strip_portable(qx, w, s, range, buf)
+}
+
+/// Whether this CPU runs the AVX2 + FMA build of the loops.
+pub fn has_avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
 }

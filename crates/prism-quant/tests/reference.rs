@@ -11,7 +11,9 @@ use half::f16;
 use prism_gguf::blocks::{dequantize, scale_min_k4};
 use prism_gguf::quantize::quantize;
 use prism_gguf::{GgmlType, GgufFile};
-use prism_quant::kernel::{block_sums, matmul_quantized, quantize_for, row_dot};
+use prism_quant::kernel::{
+    block_sums, matmul_quantized, matmul_quantized_with, quantize_for, row_dot,
+};
 use prism_quant::{
     matmul, part_bounds, ActivationScale, QuantError, QuantMatmul, QuantWeight, WeightFormat,
 };
@@ -488,6 +490,13 @@ fn the_candle_op_is_the_kernel() {
             want[2 * w.rows() + 3]
         );
         assert_eq!(matmul_quantized(&qx, &w, &scale), want);
+        // The portable loops give the AVX2 build's bits.
+        let portable = matmul_quantized_with(&qx, &w, &scale, false);
+        assert_eq!(
+            portable.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "{name}: portable vs SIMD"
+        );
     }
 }
 
