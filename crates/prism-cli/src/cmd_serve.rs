@@ -83,7 +83,8 @@ macro_rules! say {
 }
 
 /// A request that exercises the whole path once before the server opens.
-const WARM_UP: &str = r#"{"state": "Prism warm-up.", "questions": {"ready": {"type": "noul", "instructions": "Is the engine ready?"}}}"#;
+const WARM_UP: &str =
+    r#"{"state": "Prism warm-up.", "questions": {"ready": {"type": "noul", "instructions": "Is the engine ready?"}}}"#;
 
 pub fn run(args: &ServeArgs) -> Result<()> {
     if !(0.0..=1.0).contains(&args.gate) {
@@ -153,7 +154,11 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let warm_up = DecisionRequest::parse(WARM_UP.as_bytes(), &RequestDefaults::default())
         .and_then(|request| decide(&request, &config, &mut model))
         .context("the warm-up request failed")?;
-    say!("      done in {:.0} ms ({} prompt tokens)", started.elapsed().as_secs_f64() * 1e3, warm_up.usage.input_tokens);
+    say!(
+        "      done in {:.0} ms ({} prompt tokens)",
+        started.elapsed().as_secs_f64() * 1e3,
+        warm_up.usage.input_tokens
+    );
 
     let stats = Arc::new(Stats::default());
     let (scheduler, worker) = Scheduler::start(Box::new(model), config, args.queue_size, stats.clone())

@@ -28,7 +28,8 @@ fn post(server: &Server, body: &Value) -> Reply {
 }
 
 fn probabilities(answer: &Value) -> Vec<f64> {
-    let map = if answer["type"] == "noul" { return vec![answer["noul"].as_f64().unwrap()] } else { &answer["probabilities"] };
+    let map =
+        if answer["type"] == "noul" { return vec![answer["noul"].as_f64().unwrap()] } else { &answer["probabilities"] };
     map.as_object().unwrap().values().map(|p| p.as_f64().unwrap()).collect()
 }
 
@@ -40,11 +41,13 @@ fn check_answer_arithmetic(name: &str, answer: &Value) {
             let n = p.len() as f64;
             let sum: f64 = p.iter().sum();
             assert!((sum - 1.0).abs() < 1e-9, "{name}: sum {sum}");
-            let (best, p_max) = answer["probabilities"]
-                .as_object()
-                .unwrap()
-                .iter()
-                .fold(("", -1.0), |acc, (k, v)| if v.as_f64().unwrap() > acc.1 { (k.as_str(), v.as_f64().unwrap()) } else { acc });
+            let (best, p_max) = answer["probabilities"].as_object().unwrap().iter().fold(("", -1.0), |acc, (k, v)| {
+                if v.as_f64().unwrap() > acc.1 {
+                    (k.as_str(), v.as_f64().unwrap())
+                } else {
+                    acc
+                }
+            });
             assert_eq!(answer["choice"], best, "{name}");
             if p.len() > 1 {
                 let expected = (p_max - 1.0 / n) / (1.0 - 1.0 / n);
@@ -71,8 +74,18 @@ fn check_answer_arithmetic(name: &str, answer: &Value) {
 fn readme_examples_endpoints_and_banner() {
     let server = Server::start(&[]);
     let banner = server.stdout.lock().unwrap().clone();
-    for expected in ["DEMO model", "random", "meaningless", "--gguf", "[1/3]", "[2/3]", "[3/3]", "Ready on", "/v1/models", "curl -s"]
-    {
+    for expected in [
+        "DEMO model",
+        "random",
+        "meaningless",
+        "--gguf",
+        "[1/3]",
+        "[2/3]",
+        "[3/3]",
+        "Ready on",
+        "/v1/models",
+        "curl -s",
+    ] {
         assert!(banner.contains(expected), "banner lacks {expected:?}:\n{banner}");
     }
 
@@ -115,7 +128,8 @@ fn readme_examples_endpoints_and_banner() {
         assert_eq!(reply.status, 200, "{body}: {}", String::from_utf8_lossy(&reply.body));
     }
     // The README's refused example.
-    let refused = server.post_json("/v1/systemone", &std::fs::read(repo_path("examples/refused-request.json")).unwrap());
+    let refused =
+        server.post_json("/v1/systemone", &std::fs::read(repo_path("examples/refused-request.json")).unwrap());
     assert_eq!(refused.status, 422);
     assert_eq!(refused.locs()[0], ["body", "questions", "rating", "criteria"]);
 
@@ -230,7 +244,8 @@ fn decision_rules_through_http() {
     assert!(notes.iter().any(|n| n.as_str().unwrap().contains("none option")), "{notes:?}");
 
     // think_mode "always" needs AutoThink: refused, naming the field.
-    let always = post(&server, &json!({"state": "s", "questions": {"q": questions["noul_default"]}, "think_mode": "always"}));
+    let always =
+        post(&server, &json!({"state": "s", "questions": {"q": questions["noul_default"]}, "think_mode": "always"}));
     assert_eq!(always.status, 422);
     assert_eq!(always.locs()[0], ["body", "think_mode"]);
 }
@@ -277,7 +292,8 @@ fn hostile_cases() -> Vec<Case> {
     let levels = |n: usize| (0..n).map(|i| format!("\"level {i}\"")).collect::<Vec<_>>().join(", ");
     let valid = format!(r#"{{"state": "s", {q}}}"#);
     let image = r#""iVBORw0KGgo=""#;
-    let asset_json = format!(r#"{{"state": "<image:1>", {q}, "assets": {{"<image:1>": {{"type": "image", "part": "asset-0"}}}}}}"#);
+    let asset_json =
+        format!(r#"{{"state": "<image:1>", {q}, "assets": {{"<image:1>": {{"type": "image", "part": "asset-0"}}}}}}"#);
     let mut cases = vec![
         case("truncated JSON", r#"{"state": "s", "questions": {"#, 400, &["body", "29"]),
         case("empty body", "", 400, &["body", "0"]),
@@ -295,30 +311,148 @@ fn hostile_cases() -> Vec<Case> {
         case("question a string", question(r#""why?""#), 400, &["body", "questions", "q"]),
         case("question without type", question(r#"{"instructions": "x"}"#), 400, &["body", "questions", "q", "type"]),
         case("type a number", question(r#"{"type": 3}"#), 400, &["body", "questions", "q", "type"]),
-        case("unknown type", question(r#"{"type": "essay", "instructions": "x"}"#), 400, &["body", "questions", "q", "type"]),
-        case("box question", question(r#"{"type": "box", "instructions": "x"}"#), 422, &["body", "questions", "q", "type"]),
-        case("empty instructions", question(r#"{"type": "choice", "instructions": "", "criteria": ["a", "b"]}"#), 400, &["body", "questions", "q", "instructions"]),
-        case("blank instructions", question(r#"{"type": "score", "instructions": "  \n ", "criteria": ["a", "b"]}"#), 400, &["body", "questions", "q", "instructions"]),
-        case("instructions a number", question(r#"{"type": "choice", "instructions": 5, "criteria": ["a", "b"]}"#), 400, &["body", "questions", "q", "instructions"]),
-        case("instructions and question", question(r#"{"type": "noul", "instructions": "a", "question": "b"}"#), 400, &["body", "questions", "q", "question"]),
-        case("choice without criteria", question(r#"{"type": "choice", "instructions": "x"}"#), 400, &["body", "questions", "q", "criteria"]),
-        case("choice with no options", question(r#"{"type": "choice", "instructions": "x", "criteria": {}}"#), 400, &["body", "questions", "q", "criteria"]),
-        case("criteria a number", question(r#"{"type": "choice", "instructions": "x", "criteria": 7}"#), 400, &["body", "questions", "q", "criteria"]),
-        case("duplicate ids", question(r#"{"type": "choice", "instructions": "x", "criteria": ["a", "a"]}"#), 400, &["body", "questions", "q", "criteria", "1"]),
-        case("empty id", question(r#"{"type": "choice", "instructions": "x", "criteria": {"": "nothing", "b": "b"}}"#), 400, &["body", "questions", "q", "criteria", ""]),
-        case("id with a newline", question(r#"{"type": "choice", "instructions": "x", "criteria": ["a\nb", "c"]}"#), 400, &["body", "questions", "q", "criteria", "0"]),
-        case("id of 201 characters", question(&format!(r#"{{"type": "choice", "instructions": "x", "criteria": ["{}", "b"]}}"#, "i".repeat(201))), 400, &["body", "questions", "q", "criteria", "0"]),
-        case("id not a string", question(r#"{"type": "choice", "instructions": "x", "criteria": ["a", 2]}"#), 400, &["body", "questions", "q", "criteria", "1"]),
-        case("2001 options", question(&format!(r#"{{"type": "choice", "instructions": "x", "criteria": [{}]}}"#, options(2001))), 422, &["body", "questions", "q", "criteria"]),
-        case("noul key maybe", question(r#"{"type": "noul", "instructions": "x", "criteria": {"maybe": "?"}}"#), 400, &["body", "questions", "q", "criteria", "maybe"]),
-        case("noul criteria a list", question(r#"{"type": "noul", "instructions": "x", "criteria": ["yes", "no"]}"#), 400, &["body", "questions", "q", "criteria"]),
-        case("score of one level", question(r#"{"type": "score", "instructions": "x", "criteria": ["only"]}"#), 400, &["body", "questions", "q", "criteria"]),
-        case("score of 11 levels", question(&format!(r#"{{"type": "score", "instructions": "x", "criteria": [{}]}}"#, levels(11))), 422, &["body", "questions", "q", "criteria"]),
-        case("score of 27 levels", question(&format!(r#"{{"type": "score", "instructions": "x", "criteria": [{}]}}"#, levels(27))), 422, &["body", "questions", "q", "criteria"]),
-        case("score level null", question(r#"{"type": "score", "instructions": "x", "criteria": ["a", null, "c"]}"#), 400, &["body", "questions", "q", "criteria", "1"]),
-        case("score criteria a string", question(r#"{"type": "score", "instructions": "x", "criteria": "0-10"}"#), 400, &["body", "questions", "q", "criteria"]),
+        case(
+            "unknown type",
+            question(r#"{"type": "essay", "instructions": "x"}"#),
+            400,
+            &["body", "questions", "q", "type"],
+        ),
+        case(
+            "box question",
+            question(r#"{"type": "box", "instructions": "x"}"#),
+            422,
+            &["body", "questions", "q", "type"],
+        ),
+        case(
+            "empty instructions",
+            question(r#"{"type": "choice", "instructions": "", "criteria": ["a", "b"]}"#),
+            400,
+            &["body", "questions", "q", "instructions"],
+        ),
+        case(
+            "blank instructions",
+            question(r#"{"type": "score", "instructions": "  \n ", "criteria": ["a", "b"]}"#),
+            400,
+            &["body", "questions", "q", "instructions"],
+        ),
+        case(
+            "instructions a number",
+            question(r#"{"type": "choice", "instructions": 5, "criteria": ["a", "b"]}"#),
+            400,
+            &["body", "questions", "q", "instructions"],
+        ),
+        case(
+            "instructions and question",
+            question(r#"{"type": "noul", "instructions": "a", "question": "b"}"#),
+            400,
+            &["body", "questions", "q", "question"],
+        ),
+        case(
+            "choice without criteria",
+            question(r#"{"type": "choice", "instructions": "x"}"#),
+            400,
+            &["body", "questions", "q", "criteria"],
+        ),
+        case(
+            "choice with no options",
+            question(r#"{"type": "choice", "instructions": "x", "criteria": {}}"#),
+            400,
+            &["body", "questions", "q", "criteria"],
+        ),
+        case(
+            "criteria a number",
+            question(r#"{"type": "choice", "instructions": "x", "criteria": 7}"#),
+            400,
+            &["body", "questions", "q", "criteria"],
+        ),
+        case(
+            "duplicate ids",
+            question(r#"{"type": "choice", "instructions": "x", "criteria": ["a", "a"]}"#),
+            400,
+            &["body", "questions", "q", "criteria", "1"],
+        ),
+        case(
+            "empty id",
+            question(r#"{"type": "choice", "instructions": "x", "criteria": {"": "nothing", "b": "b"}}"#),
+            400,
+            &["body", "questions", "q", "criteria", ""],
+        ),
+        case(
+            "id with a newline",
+            question(r#"{"type": "choice", "instructions": "x", "criteria": ["a\nb", "c"]}"#),
+            400,
+            &["body", "questions", "q", "criteria", "0"],
+        ),
+        case(
+            "id of 201 characters",
+            question(&format!(
+                r#"{{"type": "choice", "instructions": "x", "criteria": ["{}", "b"]}}"#,
+                "i".repeat(201)
+            )),
+            400,
+            &["body", "questions", "q", "criteria", "0"],
+        ),
+        case(
+            "id not a string",
+            question(r#"{"type": "choice", "instructions": "x", "criteria": ["a", 2]}"#),
+            400,
+            &["body", "questions", "q", "criteria", "1"],
+        ),
+        case(
+            "2001 options",
+            question(&format!(r#"{{"type": "choice", "instructions": "x", "criteria": [{}]}}"#, options(2001))),
+            422,
+            &["body", "questions", "q", "criteria"],
+        ),
+        case(
+            "noul key maybe",
+            question(r#"{"type": "noul", "instructions": "x", "criteria": {"maybe": "?"}}"#),
+            400,
+            &["body", "questions", "q", "criteria", "maybe"],
+        ),
+        case(
+            "noul criteria a list",
+            question(r#"{"type": "noul", "instructions": "x", "criteria": ["yes", "no"]}"#),
+            400,
+            &["body", "questions", "q", "criteria"],
+        ),
+        case(
+            "score of one level",
+            question(r#"{"type": "score", "instructions": "x", "criteria": ["only"]}"#),
+            400,
+            &["body", "questions", "q", "criteria"],
+        ),
+        case(
+            "score of 11 levels",
+            question(&format!(r#"{{"type": "score", "instructions": "x", "criteria": [{}]}}"#, levels(11))),
+            422,
+            &["body", "questions", "q", "criteria"],
+        ),
+        case(
+            "score of 27 levels",
+            question(&format!(r#"{{"type": "score", "instructions": "x", "criteria": [{}]}}"#, levels(27))),
+            422,
+            &["body", "questions", "q", "criteria"],
+        ),
+        case(
+            "score level null",
+            question(r#"{"type": "score", "instructions": "x", "criteria": ["a", null, "c"]}"#),
+            400,
+            &["body", "questions", "q", "criteria", "1"],
+        ),
+        case(
+            "score criteria a string",
+            question(r#"{"type": "score", "instructions": "x", "criteria": "0-10"}"#),
+            400,
+            &["body", "questions", "q", "criteria"],
+        ),
         case("unknown field", with(r#""temperature": 0.5"#), 400, &["body", "temperature"]),
-        case("unknown question field", question(r#"{"type": "noul", "instructions": "x", "weight": 2}"#), 400, &["body", "questions", "q", "weight"]),
+        case(
+            "unknown question field",
+            question(r#"{"type": "noul", "instructions": "x", "weight": 2}"#),
+            400,
+            &["body", "questions", "q", "weight"],
+        ),
         case("think_mode unknown", with(r#""think_mode": "sometimes""#), 400, &["body", "think_mode"]),
         case("gate above 1", with(r#""gate": 1.5"#), 400, &["body", "gate"]),
         case("mix a string", with(r#""mix": "half""#), 400, &["body", "mix"]),
@@ -328,20 +462,58 @@ fn hostile_cases() -> Vec<Case> {
         case("model a number", with(r#""model": 5"#), 400, &["body", "model"]),
         case("images not a list", with(&format!(r#""images": {image}"#)), 400, &["body", "images"]),
         case("an image", with(&format!(r#""images": [{image}]"#)), 422, &["body", "images"]),
-        case("nine images", with(&format!(r#""images": [{}]"#, vec![image; 9].join(", "))), 422, &["body", "images"]),
-        case("assets inline", with(r#""assets": {"a": {"type": "image", "format": "png", "data_base64": "iVBO"}}"#), 422, &["body", "assets"]),
-        case("assets naming a part without multipart", with(r#""assets": {"a": {"part": "asset-0"}}"#), 400, &["body", "assets", "a", "part"]),
+        case("nine images", with(&format!(r#""images": [{}]"#, [image; 9].join(", "))), 422, &["body", "images"]),
+        case(
+            "assets inline",
+            with(r#""assets": {"a": {"type": "image", "format": "png", "data_base64": "iVBO"}}"#),
+            422,
+            &["body", "assets"],
+        ),
+        case(
+            "assets naming a part without multipart",
+            with(r#""assets": {"a": {"part": "asset-0"}}"#),
+            400,
+            &["body", "assets", "a", "part"],
+        ),
     ];
     let mut odd = |name, content_type, encoding, body: Vec<u8>, status, loc: &[&str]| {
-        cases.push(Case { name, content_type, encoding, body, status, loc: loc.iter().map(|s| s.to_string()).collect() })
+        cases.push(Case {
+            name,
+            content_type,
+            encoding,
+            body,
+            status,
+            loc: loc.iter().map(|s| s.to_string()).collect(),
+        })
     };
     odd("text/plain", "text/plain", None, valid.clone().into_bytes(), 415, &["header", "content-type"]);
-    odd("form encoded", "application/x-www-form-urlencoded", None, valid.clone().into_bytes(), 415, &["header", "content-type"]);
-    odd("latin-1 JSON", "application/json; charset=latin-1", None, valid.clone().into_bytes(), 415, &["header", "content-type"]);
+    odd(
+        "form encoded",
+        "application/x-www-form-urlencoded",
+        None,
+        valid.clone().into_bytes(),
+        415,
+        &["header", "content-type"],
+    );
+    odd(
+        "latin-1 JSON",
+        "application/json; charset=latin-1",
+        None,
+        valid.clone().into_bytes(),
+        415,
+        &["header", "content-type"],
+    );
     odd("gzip", "application/json", Some("gzip"), valid.clone().into_bytes(), 415, &["header", "content-encoding"]);
     odd("bad zstd", "application/json", Some("zstd"), valid.clone().into_bytes(), 400, &["body"]);
     let compressed = zstd(valid.as_bytes());
-    odd("truncated zstd", "application/json", Some("zstd"), compressed[..compressed.len() - 6].to_vec(), 400, &["body"]);
+    odd(
+        "truncated zstd",
+        "application/json",
+        Some("zstd"),
+        compressed[..compressed.len() - 6].to_vec(),
+        400,
+        &["body"],
+    );
     let mut flipped = zstd(valid.repeat(20).as_bytes());
     let last = flipped.len() - 1;
     flipped[last] ^= 0x55;
@@ -350,7 +522,14 @@ fn hostile_cases() -> Vec<Case> {
     odd("multipart without boundary", "multipart/form-data", None, valid.clone().into_bytes(), 400, &["body"]);
     odd("multipart garbage", "multipart/form-data; boundary=xyz", None, b"garbage".to_vec(), 400, &["body"]);
     let unclosed = multipart("xyz", &[("request", "application/json", valid.as_bytes())]);
-    odd("multipart unclosed", "multipart/form-data; boundary=xyz", None, unclosed[..unclosed.len() - 9].to_vec(), 400, &["body"]);
+    odd(
+        "multipart unclosed",
+        "multipart/form-data; boundary=xyz",
+        None,
+        unclosed[..unclosed.len() - 9].to_vec(),
+        400,
+        &["body"],
+    );
     odd(
         "multipart without request",
         "multipart/form-data; boundary=xyz",
@@ -379,7 +558,10 @@ fn hostile_cases() -> Vec<Case> {
         "multipart image (the SDK's form)",
         "multipart/form-data; boundary=xyz",
         None,
-        multipart("xyz", &[("request", "application/json", asset_json.as_bytes()), ("asset-0", "image/png", b"\x89PNG\r\n")]),
+        multipart(
+            "xyz",
+            &[("request", "application/json", asset_json.as_bytes()), ("asset-0", "image/png", b"\x89PNG\r\n")],
+        ),
         422,
         &["body", "assets"],
     );
@@ -387,7 +569,10 @@ fn hostile_cases() -> Vec<Case> {
         "zstd multipart image",
         "multipart/form-data; boundary=xyz",
         Some("zstd"),
-        zstd(&multipart("xyz", &[("request", "application/json", asset_json.as_bytes()), ("asset-0", "image/png", b"\x89PNG")])),
+        zstd(&multipart(
+            "xyz",
+            &[("request", "application/json", asset_json.as_bytes()), ("asset-0", "image/png", b"\x89PNG")],
+        )),
         422,
         &["body", "assets"],
     );
@@ -424,7 +609,9 @@ fn hostile_bodies_get_the_right_status_and_field_and_the_server_keeps_serving() 
 
     // 27 options is a wide choice, not an error: every option gets a probability.
     let wide = (0..27).map(|i| format!("\"o{i}\"")).collect::<Vec<_>>().join(", ");
-    let wide = format!(r#"{{"state": "s", "questions": {{"q": {{"type": "choice", "instructions": "x", "criteria": [{wide}]}}}}}}"#);
+    let wide = format!(
+        r#"{{"state": "s", "questions": {{"q": {{"type": "choice", "instructions": "x", "criteria": [{wide}]}}}}}}"#
+    );
     let reply = server.post_json("/v1/systemone", wide.as_bytes());
     assert_eq!(reply.status, 200);
     assert_eq!(reply.json()["answers"]["q"]["probabilities"].as_object().unwrap().len(), 27);
@@ -511,9 +698,19 @@ fn thirty_two_concurrent_clients_get_exactly_their_sequential_answers() {
                 (0..2)
                     .map(|round| {
                         let which = (client + round) % bodies.len();
-                        let reply = send(addr, "POST", "/v1/systemone", &[("Content-Type", "application/json")], &bodies[which]);
+                        let reply = send(
+                            addr,
+                            "POST",
+                            "/v1/systemone",
+                            &[("Content-Type", "application/json")],
+                            &bodies[which],
+                        );
                         assert_eq!(reply.status, 200);
-                        (which, reply.answer_bytes().to_vec(), reply.header("x-typesafe-request-id").unwrap().to_string())
+                        (
+                            which,
+                            reply.answer_bytes().to_vec(),
+                            reply.header("x-typesafe-request-id").unwrap().to_string(),
+                        )
                     })
                     .collect::<Vec<_>>()
             })
@@ -540,7 +737,10 @@ fn api_key() {
     assert_eq!(missing.status, 401);
     assert_eq!(missing.header("www-authenticate"), Some("Bearer"));
     assert_eq!(missing.locs()[0], ["header", "authorization"]);
-    assert_eq!(send(server.addr, "POST", "/v1/systemone", &[json, ("Authorization", "Bearer wrong")], body).status, 401);
+    assert_eq!(
+        send(server.addr, "POST", "/v1/systemone", &[json, ("Authorization", "Bearer wrong")], body).status,
+        401
+    );
     assert_eq!(send(server.addr, "POST", "/v1/systemone", &[json, ("Authorization", "s3cret")], body).status, 401);
     assert_eq!(send(server.addr, "GET", "/v1/models", &[], b"").status, 401);
     assert_eq!(send(server.addr, "GET", "/stats", &[], b"").status, 401);
@@ -552,13 +752,18 @@ fn api_key() {
     // The key can come from PRISM_API_KEY.
     let from_env = Server::start_with_env(&[], &[("PRISM_API_KEY", "k3y")]);
     assert_eq!(send(from_env.addr, "POST", "/v1/systemone", &[json], body).status, 401);
-    assert_eq!(send(from_env.addr, "POST", "/v1/systemone", &[json, ("Authorization", "Bearer k3y")], body).status, 200);
+    assert_eq!(
+        send(from_env.addr, "POST", "/v1/systemone", &[json, ("Authorization", "Bearer k3y")], body).status,
+        200
+    );
 }
 
 /// A request whose prompt is long enough to keep the tiny model busy for a while (~3,000 tokens).
 fn slow_body() -> Vec<u8> {
-    serde_json::to_vec(&json!({"state": "word ".repeat(3000), "questions": {"q": {"type": "noul", "instructions": "Busy?"}}}))
-        .unwrap()
+    serde_json::to_vec(
+        &json!({"state": "word ".repeat(3000), "questions": {"q": {"type": "noul", "instructions": "Busy?"}}}),
+    )
+    .unwrap()
 }
 
 #[test]
@@ -567,7 +772,11 @@ fn full_queue_timeout_and_prompt_limit() {
     let server = Server::start(&["--queue-size", "1"]);
     let addr = server.addr;
     let clients: Vec<_> = (0..6)
-        .map(|_| std::thread::spawn(move || send(addr, "POST", "/v1/systemone", &[("Content-Type", "application/json")], &slow_body())))
+        .map(|_| {
+            std::thread::spawn(move || {
+                send(addr, "POST", "/v1/systemone", &[("Content-Type", "application/json")], &slow_body())
+            })
+        })
         .collect();
     let replies: Vec<Reply> = clients.into_iter().map(|c| c.join().unwrap()).collect();
     let busy: Vec<&Reply> = replies.iter().filter(|r| r.status == 503).collect();
@@ -608,7 +817,9 @@ fn full_queue_timeout_and_prompt_limit() {
 fn sigterm_finishes_the_request_in_flight() {
     let mut server = Server::start(&[]);
     let addr = server.addr;
-    let in_flight = std::thread::spawn(move || send(addr, "POST", "/v1/systemone", &[("Content-Type", "application/json")], &slow_body()));
+    let in_flight = std::thread::spawn(move || {
+        send(addr, "POST", "/v1/systemone", &[("Content-Type", "application/json")], &slow_body())
+    });
     let started = Instant::now();
     while server.get("/stats").json()["queue"]["running"] != 1 {
         assert!(started.elapsed() < Duration::from_secs(30), "the request never started");

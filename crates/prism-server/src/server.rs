@@ -70,8 +70,13 @@ type AppState = Arc<Shared>;
 
 /// The server's router over a running [`Scheduler`].
 pub fn router(config: ServerConfig, scheduler: Scheduler, stats: Arc<Stats>) -> Router {
-    let state: AppState =
-        Arc::new(Shared { config, scheduler, stats, next_id: AtomicU64::new(0), id_seeds: [random_seed(), random_seed()] });
+    let state: AppState = Arc::new(Shared {
+        config,
+        scheduler,
+        stats,
+        next_id: AtomicU64::new(0),
+        id_seeds: [random_seed(), random_seed()],
+    });
     let decide_route = || -> MethodRouter<AppState> { post(decide).fallback(method_not_allowed) };
     Router::new()
         .route("/v1/systemone", decide_route())
@@ -97,7 +102,9 @@ pub async fn serve(
 fn random_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
+    hasher.write_u128(
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0),
+    );
     hasher.finish()
 }
 

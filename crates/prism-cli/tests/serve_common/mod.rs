@@ -153,7 +153,12 @@ impl Reply {
             .unwrap_or_else(|| panic!("no detail list: {body}"))
             .iter()
             .map(|d| {
-                d["loc"].as_array().expect("loc").iter().map(|p| p.as_str().map(String::from).unwrap_or(p.to_string())).collect()
+                d["loc"]
+                    .as_array()
+                    .expect("loc")
+                    .iter()
+                    .map(|p| p.as_str().map(String::from).unwrap_or(p.to_string()))
+                    .collect()
             })
             .collect()
     }
