@@ -46,6 +46,7 @@
 //! - [`op`]: [`QuantMatmul`], the candle `CustomOp1` (CPU; the CUDA forward is not written yet).
 
 pub mod activation;
+pub mod cuda_plan;
 pub mod error;
 pub mod kernel;
 pub mod op;

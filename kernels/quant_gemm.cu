@@ -1,0 +1,504 @@
+// The exact integer matmul of prism-quant (W8A8 for Q8_0 weights, W4A8 for Q4_K / Q5_K / Q6_K) on CUDA:
+// the device twins of crates/prism-quant/src/activation.rs (`quantize_rows`) and kernel.rs (`matmul`).
+// Every output must have the CPU reference's bits, whatever M, the tile shapes or the grid. The contract
+// is the crate docs' "The arithmetic, exactly"; in short, for output (m, n):
+//
+//   D_b  = exact i32 block sum (Q8_0: Σ q·qa over 32; K-quants: Σ_j sc_j · Σ_{i∈j} q·qa)
+//   M_b  = Σ_j m_j · Σ_{i∈j} qa                       (Q4_K / Q5_K only)
+//   part p = blocks ⌊p·nb/4⌋ .. ⌊(p+1)·nb/4⌋, from +0.0 in increasing block order:
+//            acc = fma(d_b, f32(D_b), acc) [; acc = fma(−dmin_b, f32(M_b), acc)]
+//   y    = ((p0 + p1) + (p2 + p3)) · scale
+//
+// How the kernels keep that order: the integer sums are exact, so the tensor cores may produce them in
+// any order; the float work is done per output, by the one thread that holds the output's accumulator
+// fragment, one block at a time in increasing block order. Tiles only decide which thread does the work,
+// never the order of the float operations of an output.
+//
+// Weights are the unpacked arrays of `QuantWeight` (one signed byte per weight, row-major [N, K]); the
+// integer sub-block scales / mins are bytes [N, K/sub]; block scales f32 [N, K/block].
+
+#include <stdint.h>
+
+#define FMT_Q8_0 0
+#define FMT_K32 1  // Q4_K and Q5_K: sub-blocks of 32 with scales and mins (q in 0..15 / 0..31)
+#define FMT_Q6K 2  // sub-blocks of 16 with signed scales, q − 32 in −32..31
+
+// ---------------------------------------------------------------------------------------------------
+// Activation quantization: qa = clamp(rint(x · inv_scale), −127, 127); one thread per group of 32.
+// `bad` receives the smallest linear index of a non-finite input (the CPU reports the first one in row
+// order, which is the same element); the host reads it and refuses the call.
+// ---------------------------------------------------------------------------------------------------
+extern "C" __global__ void quantize_act_i8(const float* __restrict__ x, int8_t* __restrict__ qa,
+                                           int* __restrict__ sums, unsigned long long* __restrict__ bad,
+                                           long long n_groups, float inv_scale, int want_sums) {
+    const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= n_groups) return;
+    const float4* src = reinterpret_cast<const float4*>(x + g * 32);
+    unsigned int packed[8];
+    int sum = 0;
+    unsigned long long first_bad = ~0ull;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float4 v4 = src[i];
+        const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+        unsigned int word = 0;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            if (!isfinite(v[c]) && first_bad == ~0ull) first_bad = (unsigned long long)(g * 32 + 4 * i + c);
+            // One IEEE multiplication (never contracted), round half to even, clamp after rounding.
+            const float r = fminf(fmaxf(rintf(__fmul_rn(v[c], inv_scale)), -127.f), 127.f);
+            const int q = (int)r;
+            sum += q;
+            word |= ((unsigned int)(q & 0xff)) << (8 * c);
+        }
+        packed[i] = word;
+    }
+    uint4* dst = reinterpret_cast<uint4*>(qa + g * 32);
+    dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    if (want_sums) sums[g] = sum;
+    if (first_bad != ~0ull) atomicMin(bad, first_bad);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The plain reference kernel: one thread per output, integer loops, the contract written out. A second
+// oracle for the tensor-core kernel (and the fallback for GPUs without int8 mma).
+// ---------------------------------------------------------------------------------------------------
+extern "C" __global__ void qgemm_simt(int fmt, const int8_t* __restrict__ qa, const int* __restrict__ asums,
+                                      const int8_t* __restrict__ wq, const int8_t* __restrict__ wsc,
+                                      const int8_t* __restrict__ wmin, const float* __restrict__ wd,
+                                      const float* __restrict__ wdmin, float* __restrict__ y, int M, int N,
+                                      int K, float scale) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)M * N) return;
+    const int m = (int)(idx / N), n = (int)(idx % N);
+    const int blk = fmt == FMT_Q8_0 ? 32 : 256;
+    const int sub = fmt == FMT_Q6K ? 16 : 32;
+    const int nb = K / blk, nsub = K / sub;
+    const int8_t* a = qa + (size_t)m * K;
+    const int8_t* w = wq + (size_t)n * K;
+    float parts[4];
+    for (int p = 0; p < 4; ++p) {
+        float acc = 0.f;
+        for (int b = p * nb / 4; b < (p + 1) * nb / 4; ++b) {
+            int D = 0, Mb = 0;
+            for (int j = 0; j < blk / sub; ++j) {
+                const int s = b * (blk / sub) + j;
+                int isum = 0, asum = 0;
+                for (int i = 0; i < sub; ++i) {
+                    isum += (int)w[s * sub + i] * (int)a[s * sub + i];
+                    asum += (int)a[s * sub + i];
+                }
+                if (fmt == FMT_Q8_0) {
+                    D += isum;
+                } else {
+                    D += (int)wsc[(size_t)n * nsub + s] * isum;
+                    if (fmt == FMT_K32) Mb += (int)wmin[(size_t)n * nsub + s] * asum;
+                }
+            }
+            acc = fmaf(wd[(size_t)n * nb + b], __int2float_rn(D), acc);
+            if (fmt == FMT_K32) acc = fmaf(-wdmin[(size_t)n * nb + b], __int2float_rn(Mb), acc);
+        }
+        parts[p] = acc;
+    }
+    y[idx] = __fmul_rn(__fadd_rn(__fadd_rn(parts[0], parts[1]), __fadd_rn(parts[2], parts[3])), scale);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Tensor-core kernel.
+//
+// CTA tile BM × BN outputs (BM = WARPS_M·MT·16 activation rows, BN = WARPS_N·NT·8 weight rows), warp
+// tile (MT·16) × (NT·8). The K loop runs over stages of BK bytes (Q8_0: 4 blocks of 32; K-quants: one
+// block of 256), staged through shared memory by cp.async (zero-filled outside M, N and the CTA's block
+// range), STAGES deep. Shared rows are 16-byte chunks XOR-swizzled by (row & 7) so ldmatrix is
+// conflict-free.
+//
+// Per k=32 slice of a stage: Q8_0 issues one m16n8k32 mma per block whose accumulator input is the
+// constant 0x4B400000 (the bits of 1.5·2^23), so each i32 result is the float 1.5·2^23 + D_b exactly
+// (|D_b| ≤ 520,192 < 2^22); one exact subtraction gives f32(D_b) — the same value as __int2float_rn
+// without the slow conversion unit — and one fma folds it into the output's running part. K-quants
+// issue one k32 mma (sub-blocks of 32) or two k16 mmas (Q6_K, sub-blocks of 16) from a zero
+// accumulator, multiply each sub-block sum by its integer scale in i32 (exact), and after the block's
+// last sub-block convert D_b (and M_b, from the 32-element activation sums and the mins in shared
+// memory) with __int2float_rn and do the block's fma(s).
+//
+// Parts: the CTA owns parts [z·4/G, (z+1)·4/G) of the block reduction (G = gridDim.z ∈ {1, 2, 4}). Its
+// threads walk those blocks in increasing order; when a part ends the running value is folded by the
+// fixed tree: even part → `lo`; odd part → pair = lo + acc; G = 1: s = pair (part 1) or s + pair
+// (part 3); G = 2: s = pair; G = 4: s = acc. G = 1 writes s·scale; G = 2/4 write s to a workspace
+// [G, M, N] that `qgemm_combine` folds with the same tree. So the arithmetic of an output is the same
+// for every G, tile shape and M.
+// ---------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 8 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+// d = a·b + c, 16×8 outputs, k = 32, int8 → int32 (exact: nothing here can overflow).
+__device__ __forceinline__ void mma_k32(int (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1, int c) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c), "r"(c), "r"(c), "r"(c));
+}
+
+// k = 16 (Q6_K's sub-blocks of 16).
+__device__ __forceinline__ void mma_k16(int (&d)[4], unsigned a0, unsigned a1, unsigned b0) {
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(b0), "r"(0));
+}
+
+// The i32 accumulator's bits 0x4B400000 + D are the float 1.5·2^23 + D (exact for |D| < 2^22).
+#define MAGIC_I 0x4B400000
+#define MAGIC_F 12582912.0f
+
+template <int FMT>
+struct Layout {
+    static constexpr int BK = FMT == FMT_Q8_0 ? 128 : 256;  // bytes of K per stage
+    static constexpr int BLK = FMT == FMT_Q8_0 ? 32 : 256;  // elements per block
+    static constexpr int BPS = BK / BLK;                     // blocks per stage
+    static constexpr int SUB = FMT == FMT_Q6K ? 16 : 32;     // elements per sub-block
+    static constexpr int SPB = BLK / SUB;                    // sub-blocks per block (Q8_0: 1)
+};
+
+template <int FMT, int BM, int BN>
+struct Smem {
+    using L = Layout<FMT>;
+    static constexpr int A = 0;
+    static constexpr int B = A + BM * L::BK;
+    static constexpr int D = B + BN * L::BK;                                      // f32 [BPS][BN]
+    static constexpr int DMIN = D + 4 * L::BPS * BN;                              // f32 [BN]
+    static constexpr int SC = DMIN + (FMT == FMT_K32 ? 4 * BN : 0);               // i8 [BN][SPB]
+    static constexpr int MIN = SC + (FMT == FMT_Q8_0 ? 0 : BN * L::SPB);          // i8 [BN][8]
+    static constexpr int ASUM = MIN + (FMT == FMT_K32 ? BN * 8 : 0);              // i32 [BM][8]
+    static constexpr int END = ASUM + (FMT == FMT_K32 ? 4 * BM * 8 : 0);
+    static constexpr int STAGE = (END + 127) / 128 * 128;
+};
+
+template <int FMT, int WARPS_M, int WARPS_N, int MT, int NT, int STAGES>
+__device__ __forceinline__ void qgemm_tc(const int8_t* __restrict__ qa, const int* __restrict__ asums,
+                                         const int8_t* __restrict__ wq, const int8_t* __restrict__ wsc,
+                                         const int8_t* __restrict__ wmin, const float* __restrict__ wd,
+                                         const float* __restrict__ wdmin, float* __restrict__ out, int M,
+                                         int N, int K, float scale) {
+    using L = Layout<FMT>;
+    constexpr int BM = WARPS_M * MT * 16, BN = WARPS_N * NT * 8, THREADS = WARPS_M * WARPS_N * 32;
+    constexpr int BK = L::BK, CHUNKS = BK / 16;
+    using S = Smem<FMT, BM, BN>;
+    static_assert(NT % 2 == 0, "B fragments are loaded two n-tiles at a time");
+    extern __shared__ __align__(128) unsigned char smem[];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const int G = gridDim.z, z = blockIdx.z;
+    const int nb = K / L::BLK, nsub = K / L::SUB, n32 = K / 32;
+    const int p_begin = z * 4 / G, p_end = (z + 1) * 4 / G;
+    const int b_begin = p_begin * nb / 4, b_end = p_end * nb / 4;
+    const int n_stages = (b_end - b_begin + L::BPS - 1) / L::BPS;
+
+    auto load_stage = [&](int buf, int bs) {
+        unsigned char* st = smem + buf * S::STAGE;
+        const int valid_bytes = min(L::BPS, b_end - bs) * L::BLK;
+        const size_t k0 = (size_t)bs * L::BLK;
+        for (int i = tid; i < BM * CHUNKS; i += THREADS) {
+            const int r = i / CHUNKS, c = i % CHUNKS;
+            const bool ok = m0 + r < M && c * 16 < valid_bytes;
+            const int8_t* src = ok ? qa + (size_t)(m0 + r) * K + k0 + c * 16 : qa;
+            cp_async16(st + S::A + r * BK + ((c ^ (r & 7)) << 4), src, ok);
+        }
+        for (int i = tid; i < BN * CHUNKS; i += THREADS) {
+            const int r = i / CHUNKS, c = i % CHUNKS;
+            const bool ok = n0 + r < N && c * 16 < valid_bytes;
+            const int8_t* src = ok ? wq + (size_t)(n0 + r) * K + k0 + c * 16 : wq;
+            cp_async16(st + S::B + r * BK + ((c ^ (r & 7)) << 4), src, ok);
+        }
+        for (int i = tid; i < L::BPS * BN; i += THREADS) {
+            const int blk = i / BN, col = i % BN;
+            const bool ok = n0 + col < N && bs + blk < b_end;
+            const float* src = ok ? wd + (size_t)(n0 + col) * nb + bs + blk : wd;
+            cp_async4(st + S::D + 4 * i, src, ok);
+        }
+        if constexpr (FMT == FMT_K32) {
+            for (int i = tid; i < BN; i += THREADS) {
+                const bool ok = n0 + i < N;
+                const size_t row = (size_t)(ok ? n0 + i : 0);
+                cp_async4(st + S::DMIN + 4 * i, wdmin + row * nb + bs, ok);
+                cp_async8(st + S::SC + 8 * i, wsc + row * nsub + (size_t)bs * 8, ok);
+                cp_async8(st + S::MIN + 8 * i, wmin + row * nsub + (size_t)bs * 8, ok);
+            }
+            for (int i = tid; i < BM * 2; i += THREADS) {
+                const int r = i / 2, half = i % 2;
+                const bool ok = m0 + r < M;
+                const int* src = asums + (size_t)(ok ? m0 + r : 0) * n32 + (size_t)bs * 8 + half * 4;
+                cp_async16(st + S::ASUM + 16 * i, src, ok);
+            }
+        }
+        if constexpr (FMT == FMT_Q6K) {
+            for (int i = tid; i < BN; i += THREADS) {
+                const bool ok = n0 + i < N;
+                const size_t row = (size_t)(ok ? n0 + i : 0);
+                cp_async16(st + S::SC + 16 * i, wsc + row * nsub + (size_t)bs * 16, ok);
+            }
+        }
+    };
+
+    float acc[MT][NT][4], lo[MT][NT][4], s[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = lo[i][j][e] = s[i][j][e] = 0.f;
+
+    // Close part `p` of every output this thread holds (see the header comment for the tree).
+    auto finish_part = [&](int p) {
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float a = acc[i][j][e];
+                    if (G == 4) {
+                        s[i][j][e] = a;
+                    } else if ((p & 1) == 0) {
+                        lo[i][j][e] = a;
+                    } else {
+                        const float pair = __fadd_rn(lo[i][j][e], a);
+                        s[i][j][e] = (G == 1 && p == 3) ? __fadd_rn(s[i][j][e], pair) : pair;
+                    }
+                    acc[i][j][e] = 0.f;
+                }
+    };
+
+    // Row / column of this thread's fragment elements inside the CTA tile.
+    const int a_row = wm * MT * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;  // ldmatrix A address row
+    const int a_chunk = lane >> 4;
+    const int b_row = wn * NT * 8 + (lane & 7) + ((lane >> 4) << 3);      // ldmatrix B address row
+    const int b_chunk = (lane >> 3) & 1;
+    const int c_col = wn * NT * 8 + 2 * (lane & 3);                       // + nt·8 (+1)
+    const int c_row = wm * MT * 16 + (lane >> 2);                         // + mt·16 (+8)
+
+    // Loads the A and B fragments of the k=32 slice `kc` of a stage.
+    auto load_frags = [&](const unsigned char* st, int kc, unsigned (&af)[MT][4], unsigned (&bf)[NT][2]) {
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+            const int r = a_row + i * 16, c = 2 * kc + a_chunk;
+            ldmatrix_x4(af[i], st + S::A + r * BK + ((c ^ (r & 7)) << 4));
+        }
+#pragma unroll
+        for (int j = 0; j < NT; j += 2) {
+            const int r = b_row + j * 8, c = 2 * kc + b_chunk;
+            unsigned t[4];
+            ldmatrix_x4(t, st + S::B + r * BK + ((c ^ (r & 7)) << 4));
+            bf[j][0] = t[0];
+            bf[j][1] = t[1];
+            bf[j + 1][0] = t[2];
+            bf[j + 1][1] = t[3];
+        }
+    };
+
+    int part = p_begin;
+    for (int st_i = 0; st_i < STAGES - 1; ++st_i) {
+        if (st_i < n_stages) load_stage(st_i, b_begin + st_i * L::BPS);
+        cp_async_commit();
+    }
+    for (int it = 0; it < n_stages; ++it) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        {
+            const int nxt = it + STAGES - 1;
+            if (nxt < n_stages) load_stage(nxt % STAGES, b_begin + nxt * L::BPS);
+            cp_async_commit();
+        }
+        const unsigned char* st = smem + (it % STAGES) * S::STAGE;
+        const int bs = b_begin + it * L::BPS;
+#pragma unroll
+        for (int blk = 0; blk < L::BPS; ++blk) {
+            const int b = bs + blk;
+            if (b >= b_end) break;
+            while (b >= (part + 1) * nb / 4) {  // parts that end before block b (empty ones included)
+                finish_part(part);
+                ++part;
+            }
+            if constexpr (FMT == FMT_Q8_0) {
+                unsigned af[MT][4], bf[NT][2];
+                load_frags(st, blk, af, bf);
+                const float* dsm = reinterpret_cast<const float*>(st + S::D) + blk * BN;
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    const float2 dv = *reinterpret_cast<const float2*>(dsm + c_col + j * 8);
+#pragma unroll
+                    for (int i = 0; i < MT; ++i) {
+                        int c[4];
+                        mma_k32(c, af[i], bf[j][0], bf[j][1], MAGIC_I);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const float db = __fsub_rn(__int_as_float(c[e]), MAGIC_F);  // = f32(D_b), exact
+                            acc[i][j][e] = fmaf((e & 1) ? dv.y : dv.x, db, acc[i][j][e]);
+                        }
+                    }
+                }
+            } else {
+                int dsum[MT][NT][4];
+#pragma unroll
+                for (int i = 0; i < MT; ++i)
+#pragma unroll
+                    for (int j = 0; j < NT; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) dsum[i][j][e] = 0;
+                const int8_t* scs = reinterpret_cast<const int8_t*>(st + S::SC);
+#pragma unroll 2
+                for (int kc = 0; kc < BK / 32; ++kc) {
+                    unsigned af[MT][4], bf[NT][2];
+                    load_frags(st, kc, af, bf);
+#pragma unroll
+                    for (int j = 0; j < NT; ++j) {
+                        const int col = c_col + j * 8;
+                        if constexpr (FMT == FMT_K32) {
+                            const int sc0 = scs[col * 8 + kc], sc1 = scs[(col + 1) * 8 + kc];
+#pragma unroll
+                            for (int i = 0; i < MT; ++i) {
+                                int c[4];
+                                mma_k32(c, af[i], bf[j][0], bf[j][1], 0);
+                                dsum[i][j][0] += sc0 * c[0];
+                                dsum[i][j][1] += sc1 * c[1];
+                                dsum[i][j][2] += sc0 * c[2];
+                                dsum[i][j][3] += sc1 * c[3];
+                            }
+                        } else {
+                            // Two sub-blocks of 16: A regs {0,1} / B reg 0 are k 0..15, {2,3} / 1 are k 16..31.
+                            const int sa0 = scs[col * 16 + 2 * kc], sa1 = scs[(col + 1) * 16 + 2 * kc];
+                            const int sb0 = scs[col * 16 + 2 * kc + 1], sb1 = scs[(col + 1) * 16 + 2 * kc + 1];
+#pragma unroll
+                            for (int i = 0; i < MT; ++i) {
+                                int c[4], d[4];
+                                mma_k16(c, af[i][0], af[i][1], bf[j][0]);
+                                mma_k16(d, af[i][2], af[i][3], bf[j][1]);
+                                dsum[i][j][0] += sa0 * c[0] + sb0 * d[0];
+                                dsum[i][j][1] += sa1 * c[1] + sb1 * d[1];
+                                dsum[i][j][2] += sa0 * c[2] + sb0 * d[2];
+                                dsum[i][j][3] += sa1 * c[3] + sb1 * d[3];
+                            }
+                        }
+                    }
+                }
+                const float* dsm = reinterpret_cast<const float*>(st + S::D);
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    const int col = c_col + j * 8;
+                    const float2 dv = *reinterpret_cast<const float2*>(dsm + col);
+                    if constexpr (FMT == FMT_K32) {
+                        const float2 dm = *reinterpret_cast<const float2*>(
+                            reinterpret_cast<const float*>(st + S::DMIN) + col);
+                        const int8_t* mins = reinterpret_cast<const int8_t*>(st + S::MIN);
+                        const int* as = reinterpret_cast<const int*>(st + S::ASUM);
+#pragma unroll
+                        for (int i = 0; i < MT; ++i) {
+                            const int r0 = c_row + i * 16, r1 = r0 + 8;
+                            int mb[4] = {0, 0, 0, 0};
+#pragma unroll
+                            for (int q = 0; q < 8; ++q) {
+                                const int m_c0 = mins[col * 8 + q], m_c1 = mins[(col + 1) * 8 + q];
+                                const int s0 = as[r0 * 8 + q], s1 = as[r1 * 8 + q];
+                                mb[0] += m_c0 * s0;
+                                mb[1] += m_c1 * s0;
+                                mb[2] += m_c0 * s1;
+                                mb[3] += m_c1 * s1;
+                            }
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const float dd = (e & 1) ? dv.y : dv.x, dmn = (e & 1) ? dm.y : dm.x;
+                                float a = fmaf(dd, __int2float_rn(dsum[i][j][e]), acc[i][j][e]);
+                                acc[i][j][e] = fmaf(-dmn, __int2float_rn(mb[e]), a);
+                            }
+                        }
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < MT; ++i)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e)
+                                acc[i][j][e] = fmaf((e & 1) ? dv.y : dv.x, __int2float_rn(dsum[i][j][e]),
+                                                    acc[i][j][e]);
+                    }
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    while (part < p_end) {  // the last part, and any empty parts after the last block
+        finish_part(part);
+        ++part;
+    }
+
+    float* dst = G == 1 ? out : out + (size_t)z * M * N;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = m0 + c_row + i * 16 + (e >> 1) * 8, c = n0 + c_col + j * 8 + (e & 1);
+                if (r < M && c < N) {
+                    const float v = s[i][j][e];
+                    dst[(size_t)r * N + c] = G == 1 ? __fmul_rn(v, scale) : v;
+                }
+            }
+}
+
+// Folds the G partial results of a split launch with the fixed tree and applies the scale.
+extern "C" __global__ void qgemm_combine(const float* __restrict__ ws, float* __restrict__ y, long long count,
+                                         int G, float scale) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    float t;
+    if (G == 4)
+        t = __fadd_rn(__fadd_rn(ws[i], ws[count + i]), __fadd_rn(ws[2 * count + i], ws[3 * count + i]));
+    else
+        t = __fadd_rn(ws[i], ws[count + i]);
+    y[i] = __fmul_rn(t, scale);
+}
+
+// The instantiations the host launches (names in crates/prism-quant/src/cuda_plan.rs). 4 warps of 32×32
+// outputs: CTA tile 64×64; Q8_0 4 stages of 17 KiB, K-quants 3 stages of ~34 KiB (dynamic shared memory).
+#define QGEMM_ARGS                                                                                          \
+    const int8_t *__restrict__ qa, const int *__restrict__ asums, const int8_t *__restrict__ wq,          \
+        const int8_t *__restrict__ wsc, const int8_t *__restrict__ wmin, const float *__restrict__ wd,    \
+        const float *__restrict__ wdmin, float *__restrict__ out, int M, int N, int K, float scale
+#define QGEMM_PASS qa, asums, wq, wsc, wmin, wd, wdmin, out, M, N, K, scale
+
+extern "C" __global__ void __launch_bounds__(128) qgemm_q8_0_64x64(QGEMM_ARGS) {
+    qgemm_tc<FMT_Q8_0, 2, 2, 2, 4, 4>(QGEMM_PASS);
+}
+extern "C" __global__ void __launch_bounds__(128) qgemm_k32_64x64(QGEMM_ARGS) {
+    qgemm_tc<FMT_K32, 2, 2, 2, 4, 3>(QGEMM_PASS);
+}
+extern "C" __global__ void __launch_bounds__(128) qgemm_q6k_64x64(QGEMM_ARGS) {
+    qgemm_tc<FMT_Q6K, 2, 2, 2, 4, 3>(QGEMM_PASS);
+}
