@@ -37,7 +37,12 @@ pub fn run(args: &DecideArgs) -> Result<()> {
             ModelSource { gguf, model_dir: Some(dir) }
         }
     };
-    let precision = Precision::parse(&args.precision)?;
+    let precision = if args.precision == "auto" {
+        let gguf = prism_gguf::GgufFile::open(&source.gguf).with_context(|| format!("opening {}", source.gguf.display()))?;
+        Precision::resolve("auto", &gguf)?
+    } else {
+        Precision::parse(&args.precision)?
+    };
     let options = LoadOptions { precision, ..LoadOptions::default() };
     tracing::info!("loading {}", source.gguf.display());
     let loaded = DecoderLetterModel::load(&source, &options, args.max_tokens)

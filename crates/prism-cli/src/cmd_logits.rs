@@ -18,7 +18,6 @@ const LETTERS: [&str; 26] = [
 ];
 
 pub fn run(args: &LogitsArgs) -> Result<()> {
-    let precision = Precision::parse(&args.precision)?;
     // Exactly one weight source: a GGUF file, or (for parity work) a Hugging Face checkpoint directory.
     let gguf = match (&args.gguf, &args.hf_dir) {
         (Some(path), None) => {
@@ -26,6 +25,11 @@ pub fn run(args: &LogitsArgs) -> Result<()> {
         }
         (None, Some(_)) => None,
         _ => bail!("give exactly one of --gguf FILE and --hf-dir DIR"),
+    };
+    // `auto` reads the file's weight types (Q8_0 → int8, K-quants → w4a8, float → bf16).
+    let precision = match &gguf {
+        Some(gguf) => Precision::resolve(&args.precision, gguf)?,
+        None => Precision::parse(&args.precision)?,
     };
     // The tokenizer and chat template: the model directory's files (an --hf-dir is one), else the GGUF's
     // own vocabulary. They give text prompts their ids and the read-out its letter rows (with the spec's
@@ -66,6 +70,15 @@ pub fn run(args: &LogitsArgs) -> Result<()> {
         ..LoadOptions::default()
     };
     let model = match (&gguf, &args.gguf, &args.hf_dir) {
+        (Some(gguf), Some(path), _) if precision.is_integer() => {
+            // int8 / w4a8 quantize activations at static ranges measured on the built-in decision
+            // prompts, which need the tokenizer and chat template.
+            let format = format.as_ref().map_err(|e| {
+                anyhow::anyhow!("--precision {} needs the tokenizer and chat template, which did not load: {e}", precision.as_str())
+            })?;
+            prism_decision::calibration_prompts::load_decoder(gguf, &options, format, None)
+                .with_context(|| format!("loading the model from {}", path.display()))?
+        }
         (Some(gguf), Some(path), _) => Qwen35Model::from_gguf(gguf, &options)
             .with_context(|| format!("loading the model from {}", path.display()))?,
         (None, _, Some(dir)) => Qwen35Model::from_hf_dir(dir, &options)

@@ -92,7 +92,10 @@ pub struct LogitsArgs {
     /// A JSON array of token-id arrays, one per prompt, run together as one batch.
     #[arg(long)]
     pub tokens: Option<PathBuf>,
-    /// Arithmetic of the forward pass. `f32` dequantizes the weights and computes in f32 (the reference).
+    /// Arithmetic of the forward pass. `f32` dequantizes the weights and computes in f32 (the reference);
+    /// `int8` (Q8_0 files) and `w4a8` (K-quant files) run the file's own blocks with int8 activations and
+    /// exact integer sums (activation ranges calibrated once per file, cached); `auto` picks by the
+    /// file's weights; also `bf16`, `f64`.
     #[arg(long, default_value = "f32")]
     pub precision: String,
     /// One JSON line per prompt.
@@ -115,7 +118,8 @@ pub struct DecideArgs {
     /// tokenizer and chat template come from the GGUF and the decision config takes its defaults.
     #[arg(long)]
     pub model_dir: Option<PathBuf>,
-    /// Arithmetic of the forward pass: `f32` (dequantized weights, the reference), `bf16` or `f64`.
+    /// Arithmetic of the forward pass: `f32` (dequantized weights, the reference), `int8` (Q8_0 files),
+    /// `w4a8` (K-quant files), `auto` (by the file's weights), `bf16` or `f64`.
     #[arg(long, default_value = "f32")]
     pub precision: String,
     /// The longest prompt accepted, in tokens; a longer question is refused (HTTP 422).

@@ -1,4 +1,5 @@
 //! StartLux-Decision: requests, prompt rendering, read-out and calibrated probabilities.
+pub mod calibration_prompts;
 pub mod chat_template;
 pub mod tokenizer;
 pub mod config;
