@@ -26,6 +26,7 @@ pub mod ops;
 pub mod qwen35;
 pub mod rope;
 pub mod state;
+pub mod synth;
 pub mod weights;
 
 pub use config::{read_hf_config, LayerKind, Metadata, Qwen35Config};
