@@ -12,6 +12,7 @@ pub mod readout;
 pub mod render;
 pub mod request;
 pub mod response;
+pub mod synth_files;
 
 pub use config::{DecisionConfig, WideChoiceConfig};
 pub use engine::{DecoderLetterModel, EngineError, LoadedDecisionModel, ModelSource};
