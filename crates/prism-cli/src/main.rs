@@ -9,11 +9,13 @@ use clap::{Args, Parser, Subcommand};
 
 #[cfg(feature = "cuda")]
 mod cmd_cuda_check;
+mod cmd_bench;
 mod cmd_decide;
 mod cmd_gguf;
 mod cmd_logits;
 mod cmd_render;
 mod cmd_serve;
+mod cmd_synth;
 
 #[derive(Parser)]
 #[command(name = "prism", version, about = "Prism: an exact, fast inference engine for StartLux-Decision models")]
@@ -37,6 +39,10 @@ enum Command {
     Decide(DecideArgs),
     /// Serve the /v1/systemone HTTP API (default: the bundled demo model, random weights).
     Serve(cmd_serve::ServeArgs),
+    /// Write a random-weight model directory with the real Qwen3.5 shapes of a size (GGUF + small files).
+    Synth(SynthArgs),
+    /// Latency of the decision path (short question, shared evidence, long question) against its floors.
+    Bench(BenchArgs),
     /// Device tests (CUDA builds only): our kernels against their CPU twins on random inputs, their
     /// split/batch invariance, and the fixture model in bf16 on the GPU against the references.
     #[cfg(feature = "cuda")]
@@ -127,6 +133,67 @@ pub struct DecideArgs {
     pub max_tokens: usize,
 }
 
+/// Arguments of `prism synth`.
+#[derive(Args)]
+pub struct SynthArgs {
+    /// The released size whose shapes to use: 0.8b, 2b, 4b, 9b or 27b.
+    #[arg(long)]
+    pub shape: String,
+    /// The file type: bf16, q8_0 or q4_k_m (llama-quantize's Q4_K/Q6_K mix).
+    #[arg(long = "type")]
+    pub r#type: String,
+    /// The model directory to write (model.gguf and the small files); created if missing.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Seed of the random weights (same seed, same bytes).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Keep only the first N layers (real widths; the 3:1 DeltaNet/attention pattern is kept).
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// Also write the multi-token-prediction block (block_count = layers + 1), as current converters do.
+    #[arg(long)]
+    pub mtp: bool,
+    /// The tiktoken rank file of the vocabulary. Default: the Qwen3.5 ranks bundled in tests/fixtures.
+    #[arg(long)]
+    pub ranks: Option<PathBuf>,
+    /// The chat template. Default: the Qwen3.5 template bundled in tests/fixtures.
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
+    /// Test only: keep the first N ranks of the vocabulary (rows = N + 33 added tokens).
+    #[arg(long, hide = true)]
+    pub vocab_ranks: Option<usize>,
+}
+
+/// Arguments of `prism bench`.
+#[derive(Args)]
+pub struct BenchArgs {
+    /// The model directory (tokenizer, chat template, config.json, decision_config.json).
+    #[arg(long)]
+    pub model_dir: PathBuf,
+    /// The model's GGUF file. Default: DIR/model.gguf (or the directory's only .gguf).
+    #[arg(long)]
+    pub gguf: Option<PathBuf>,
+    /// Arithmetic of the forward pass, as for `prism decide` (`auto` included).
+    #[arg(long, default_value = "f32")]
+    pub precision: String,
+    /// cpu or cuda (device 0; needs a build with the `cuda` feature).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Timed runs per scenario.
+    #[arg(long, default_value_t = 10)]
+    pub runs: usize,
+    /// Untimed runs per scenario before the timed ones.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
+    /// Prompt length of the long scenario, in tokens.
+    #[arg(long, default_value_t = 8192)]
+    pub long_tokens: usize,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -144,6 +211,8 @@ fn main() -> Result<()> {
         Command::Logits(args) => cmd_logits::run(&args),
         Command::Decide(args) => cmd_decide::run(&args),
         Command::Serve(args) => cmd_serve::run(&args),
+        Command::Synth(args) => cmd_synth::run(&args),
+        Command::Bench(args) => cmd_bench::run(&args),
         #[cfg(feature = "cuda")]
         Command::CudaCheck { fixtures, json_out } => cmd_cuda_check::run(fixtures, json_out),
     }
