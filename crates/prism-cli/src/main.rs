@@ -9,6 +9,8 @@ use clap::{Args, Parser, Subcommand};
 
 #[cfg(feature = "cuda")]
 mod cmd_cuda_check;
+#[cfg(feature = "cuda")]
+mod cmd_cuda_check_quant;
 mod cmd_bench;
 mod cmd_decide;
 mod cmd_gguf;
@@ -53,6 +55,17 @@ enum Command {
         /// Also write the results as JSON.
         #[arg(long)]
         json_out: Option<PathBuf>,
+    },
+    /// Device tests of the CUDA integer matmul (CUDA builds only): bit-for-bit against the CPU reference
+    /// at real shapes, every kernel choice, batch invariance; then timings next to cuBLAS bf16.
+    #[cfg(feature = "cuda")]
+    CudaQuantCheck {
+        /// Also write the results as JSON.
+        #[arg(long)]
+        json_out: Option<PathBuf>,
+        /// Skip the timings.
+        #[arg(long)]
+        no_timing: bool,
     },
 }
 
@@ -215,5 +228,7 @@ fn main() -> Result<()> {
         Command::Bench(args) => cmd_bench::run(&args),
         #[cfg(feature = "cuda")]
         Command::CudaCheck { fixtures, json_out } => cmd_cuda_check::run(fixtures, json_out),
+        #[cfg(feature = "cuda")]
+        Command::CudaQuantCheck { json_out, no_timing } => cmd_cuda_check_quant::run(json_out, !no_timing),
     }
 }

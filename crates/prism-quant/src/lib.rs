@@ -46,6 +46,8 @@
 //! - [`op`]: [`QuantMatmul`], the candle `CustomOp1` (CPU; the CUDA forward is not written yet).
 
 pub mod activation;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod cuda_plan;
 pub mod error;
 pub mod kernel;

@@ -1,0 +1,393 @@
+//! `prism cuda-quant-check`: device tests and timings of the CUDA integer matmul (prism-quant's
+//! `cuda` module, kernels/quant_gemm.cu).
+//!
+//! Random weights quantized by prism-gguf's Q8_0 / Q4_K / Q6_K quantizers (and random Q5_K bytes) at
+//! the real shapes run on the GPU and on the CPU reference (`prism_quant::kernel::matmul`); the outputs
+//! must be equal bit for bit. On the GPU every kernel choice (tensor cores with 1, 2 or 4 part groups,
+//! the plain one-thread-per-output kernel) must give the same bits, and a row alone the same bits as
+//! inside a batch. Then the GEMMs are timed next to cuBLAS bf16 at 27B shapes. Exit status 1 if any
+//! output differs.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::backend::BackendDevice;
+use candle_core::{DType, Device, Tensor};
+use prism_gguf::quantize::quantize;
+use prism_quant::cuda::{self as qcuda, CudaQuantWeight};
+use prism_quant::cuda_plan::GemmKernel;
+use prism_quant::{ActivationScale, QuantError, QuantWeight, WeightFormat};
+use rayon::prelude::*;
+use serde_json::{json, Value};
+
+/// Deterministic pseudo-random numbers (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Uniform in [-1, 1).
+    fn next_f32(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    /// Roughly normal (sum of four uniforms), with a rare 8× outlier like real activations.
+    fn activation(&mut self) -> f32 {
+        let v = (self.next_f32() + self.next_f32() + self.next_f32() + self.next_f32()) * 0.5;
+        if self.next_u64() % 997 == 0 {
+            v * 8.0
+        } else {
+            v
+        }
+    }
+}
+
+struct Report {
+    rows: Vec<Value>,
+    failed: usize,
+}
+
+impl Report {
+    fn bits(&mut self, name: &str, got: &[f32], want: &[f32]) {
+        let differing = got
+            .iter()
+            .zip(want)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count()
+            + got.len().abs_diff(want.len());
+        let ok = differing == 0;
+        println!(
+            "{name:<78} {differing:>8} of {:>10} differ  {}",
+            want.len(),
+            if ok { "ok" } else { "FAIL" }
+        );
+        self.failed += usize::from(!ok);
+        self.rows.push(
+            json!({"check": name, "outputs": want.len(), "differing_bits": differing, "ok": ok}),
+        );
+    }
+
+    fn pass(&mut self, name: &str, ok: bool, detail: String) {
+        println!("{name:<78} {detail}  {}", if ok { "ok" } else { "FAIL" });
+        self.failed += usize::from(!ok);
+        self.rows
+            .push(json!({"check": name, "detail": detail, "ok": ok}));
+    }
+}
+
+/// A weight of `n` rows × `k` inputs in `format`: random values through prism-gguf's quantizers (rows
+/// quantized in parallel), or, for Q5_K (no quantizer here), random block bytes with small scales.
+fn random_weight(format: WeightFormat, n: usize, k: usize, seed: u64) -> Result<QuantWeight> {
+    let ty = format.ggml_type();
+    let rows_per_task = 64;
+    let chunks: Vec<Vec<u8>> = (0..n.div_ceil(rows_per_task))
+        .into_par_iter()
+        .map(|c| -> Result<Vec<u8>> {
+            let mut rng = Rng(seed ^ (c as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let rows = rows_per_task.min(n - c * rows_per_task);
+            if format == WeightFormat::Q5K {
+                let block_bytes = ty.type_size();
+                let mut bytes: Vec<u8> = (0..rows * k / 256 * block_bytes)
+                    .map(|_| rng.next_u64() as u8)
+                    .collect();
+                for block in bytes.chunks_exact_mut(block_bytes) {
+                    let d = f16_bits(0.001 + 0.002 * rng.next_f32().abs());
+                    let dmin = f16_bits(0.0005 + 0.001 * rng.next_f32().abs());
+                    block[0..2].copy_from_slice(&d.to_le_bytes());
+                    block[2..4].copy_from_slice(&dmin.to_le_bytes());
+                }
+                return Ok(bytes);
+            }
+            let values: Vec<f32> = (0..rows * k).map(|_| rng.next_f32() * 0.04).collect();
+            Ok(quantize(ty, &values)?)
+        })
+        .collect::<Result<_>>()?;
+    let bytes = chunks.concat();
+    Ok(QuantWeight::from_gguf("random", ty, &bytes, n, k)?)
+}
+
+/// The f16 bits of a positive normal value (mantissa truncated: any f16 scale will do here).
+fn f16_bits(v: f32) -> u16 {
+    let b = v.to_bits();
+    let exp = ((b >> 23) & 0xff) as i32 - 127 + 15;
+    ((exp.clamp(1, 30) as u16) << 10) | ((b >> 13) & 0x3ff) as u16
+}
+
+fn to_vec(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// The rows of an `m`-row batch compared with the CPU reference: all of them up to 64, else 64 spread
+/// rows including the first, the last and the ones around the 64-row tile edges.
+fn checked_rows(m: usize) -> Vec<usize> {
+    if m <= 64 {
+        return (0..m).collect();
+    }
+    let mut rows: Vec<usize> = vec![0, 1, 62, 63, 64, 65, m / 2, m - 2, m - 1];
+    let step = m / 55;
+    rows.extend((0..55).map(|i| (i * step + 7).min(m - 1)));
+    rows.sort_unstable();
+    rows.dedup();
+    rows
+}
+
+fn quant_checks(r: &mut Report, gpu: &Device, dev: &candle_core::CudaDevice) -> Result<()> {
+    let shapes = [
+        (1024usize, 3584usize),
+        (5120, 17408),
+        (17408, 5120),
+        (5120, 6144),
+    ];
+    let batch_sizes = [1usize, 7, 64, 190, 1000, 4096];
+    let formats = [WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q6K];
+    let mut rng = Rng(0xD1B5_4A32_D192_ED03);
+    for (si, &(k, n)) in shapes.iter().enumerate() {
+        for (fi, &format) in formats.iter().enumerate() {
+            let t0 = Instant::now();
+            let w = random_weight(format, n, k, 1000 + (si * 10 + fi) as u64)?;
+            let wg = CudaQuantWeight::upload(&w, dev)?;
+            let quantized_s = t0.elapsed().as_secs_f64();
+            for &m in &batch_sizes {
+                let x: Vec<f32> = (0..m * k).map(|_| rng.activation()).collect();
+                // A calibrated range below the batch's max, so some inputs clamp at ±127.
+                let absmax = x.iter().fold(0f32, |a, v| a.max(v.abs())) * 0.9;
+                let scale = ActivationScale::from_absmax(absmax)?;
+                let xg = Tensor::from_slice(&x, (m, k), gpu)?;
+                let tag = format!("{format:?} K={k} N={n} M={m}");
+                let y_auto = to_vec(&qcuda::matmul(&xg, &wg, &scale)?)?;
+
+                // The CPU reference on the checked rows (each output depends only on its own row).
+                let rows = checked_rows(m);
+                let xr: Vec<f32> = rows
+                    .iter()
+                    .flat_map(|&i| x[i * k..(i + 1) * k].iter().copied())
+                    .collect();
+                let want = prism_quant::kernel::matmul(&xr, rows.len(), &w, &scale)?;
+                let got: Vec<f32> = rows
+                    .iter()
+                    .flat_map(|&i| y_auto[i * n..(i + 1) * n].iter().copied())
+                    .collect();
+                r.bits(
+                    &format!("{tag}: GPU (auto) vs CPU reference, {} rows", rows.len()),
+                    &got,
+                    &want,
+                );
+
+                for groups in [1u32, 2, 4] {
+                    let y = to_vec(&qcuda::matmul_with(
+                        &xg,
+                        &wg,
+                        &scale,
+                        GemmKernel::TensorCore {
+                            part_groups: groups,
+                        },
+                    )?)?;
+                    r.bits(
+                        &format!("{tag}: tensor cores, {groups} part group(s) vs auto"),
+                        &y,
+                        &y_auto,
+                    );
+                }
+                if m <= 190 {
+                    let y = to_vec(&qcuda::matmul_with(&xg, &wg, &scale, GemmKernel::Simt)?)?;
+                    r.bits(&format!("{tag}: plain kernel vs tensor cores"), &y, &y_auto);
+                }
+                if m > 1 {
+                    let i = m - 1;
+                    let alone = to_vec(&qcuda::matmul(&xg.narrow(0, i, 1)?, &wg, &scale)?)?;
+                    r.bits(
+                        &format!("{tag}: row {i} alone vs in the batch"),
+                        &alone,
+                        &y_auto[i * n..(i + 1) * n],
+                    );
+                }
+            }
+            println!("  ({format:?} K={k} N={n}: quantize + upload {quantized_s:.1} s)");
+        }
+    }
+    // Q5_K (random block bytes: no quantizer in prism-gguf) at one shape.
+    let (k, n) = (5120, 3584);
+    let w = random_weight(WeightFormat::Q5K, n, k, 77)?;
+    let wg = CudaQuantWeight::upload(&w, dev)?;
+    for m in [1usize, 190] {
+        let x: Vec<f32> = (0..m * k).map(|_| rng.activation()).collect();
+        let scale = ActivationScale::from_absmax(x.iter().fold(0f32, |a, v| a.max(v.abs())))?;
+        let y = to_vec(&qcuda::matmul(
+            &Tensor::from_slice(&x, (m, k), gpu)?,
+            &wg,
+            &scale,
+        )?)?;
+        let want = prism_quant::kernel::matmul(&x, m, &w, &scale)?;
+        r.bits(
+            &format!("Q5K K={k} N={n} M={m}: GPU vs CPU reference"),
+            &y,
+            &want,
+        );
+    }
+    Ok(())
+}
+
+fn activation_checks(r: &mut Report, gpu: &Device) -> Result<()> {
+    let (m, k) = (300usize, 5120usize);
+    let mut rng = Rng(42);
+    let mut x: Vec<f32> = (0..m * k).map(|_| rng.activation() * 3.0).collect();
+    // Exact ties of x · inv_scale (inv_scale = 1 for absmax 127) and the clamp.
+    x[..8].copy_from_slice(&[0.5, 1.5, 2.5, -0.5, -2.5, 126.5, 127.5, -300.0]);
+    let scale = ActivationScale::from_absmax(127.0)?;
+    let xs = ActivationScale::from_absmax(6.0)?;
+    for (name, s) in [("inv_scale 1 (ties)", scale), ("absmax 6 (clamping)", xs)] {
+        let want = prism_quant::quantize_rows(&x, m, k, &s, 32)?;
+        let xg = Tensor::from_slice(&x, (m, k), gpu)?;
+        let dq = qcuda::quantize_activations(&xg, &s, true)?;
+        let dev = match gpu {
+            Device::Cuda(d) => d.clone(),
+            _ => bail!("not a CUDA device"),
+        };
+        dq.check_finite(&xg, &dev)?;
+        let (q, sums) = dq.into_tensors(&dev);
+        let q: Vec<u8> = q.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?;
+        let differ = q
+            .iter()
+            .zip(&want.q)
+            .filter(|(a, b)| **a as i8 != **b)
+            .count();
+        r.pass(
+            &format!("activation quantization [{m}, {k}], {name}"),
+            differ == 0,
+            format!("{differ} of {} differ", q.len()),
+        );
+        let sums: Vec<i32> = match sums {
+            Some(t) => t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?,
+            None => Vec::new(),
+        };
+        let ok = sums == want.group_sums;
+        r.pass(
+            &format!("activation sums per 32, {name}"),
+            ok,
+            format!("{} sums", want.group_sums.len()),
+        );
+    }
+    // A non-finite input is the CPU's error, naming the same element.
+    x[3 * k + 17] = f32::NAN;
+    x[5 * k + 2] = f32::INFINITY;
+    let w = random_weight(WeightFormat::Q8_0, 64, k, 5)?;
+    let dev = match gpu {
+        Device::Cuda(d) => d.clone(),
+        _ => bail!("not a CUDA device"),
+    };
+    let wg = CudaQuantWeight::upload(&w, &dev)?;
+    let cpu = prism_quant::kernel::matmul(&x, m, &w, &xs);
+    let gpu_err = qcuda::matmul(&Tensor::from_slice(&x, (m, k), gpu)?, &wg, &xs);
+    let same = match (&cpu, &gpu_err) {
+        (Err(QuantError::NonFiniteActivation { row, col, .. }), Err(e)) => {
+            let msg = e.to_string();
+            msg.contains(&format!("row {row}, element {col}"))
+        }
+        _ => false,
+    };
+    r.pass(
+        "non-finite activation: the CPU's error (row 3, element 17)",
+        same,
+        format!("GPU: {:?}", gpu_err.as_ref().err().map(|e| e.to_string())),
+    );
+    Ok(())
+}
+
+/// Median seconds of `runs` calls after two warm-up calls, synchronizing around each.
+fn time_median(
+    dev: &candle_core::CudaDevice,
+    runs: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
+    f()?;
+    f()?;
+    dev.synchronize()?;
+    let mut times = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let t = Instant::now();
+        f()?;
+        dev.synchronize()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[runs / 2])
+}
+
+fn timings(r: &mut Report, gpu: &Device, dev: &candle_core::CudaDevice) -> Result<()> {
+    let shapes = [(5120usize, 17408usize), (17408, 5120), (5120, 6144)];
+    let batch_sizes = [1usize, 128, 512, 2048, 4096, 8192, 16384];
+    println!(
+        "\n{:<7} {:>6} {:>6} {:>6}  {:>12} {:>9}  {:>12} {:>9}  {:>6}",
+        "format", "K", "N", "M", "int8 ms", "TOPS", "bf16 ms", "TFLOPS", "ratio"
+    );
+    for &(k, n) in &shapes {
+        let wb = Tensor::randn(0f32, 0.02, (n, k), gpu)?.to_dtype(DType::BF16)?;
+        for format in [WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q6K] {
+            let w = random_weight(format, n, k, 9)?;
+            let wg = CudaQuantWeight::upload(&w, dev)?;
+            for &m in &batch_sizes {
+                let x = Tensor::randn(0f32, 1.0, (m, k), gpu)?;
+                let scale = ActivationScale::from_absmax(5.0)?;
+                let t_q = time_median(dev, 20, || {
+                    qcuda::matmul_deferred(&x, &wg, &scale, GemmKernel::Auto)?;
+                    Ok(())
+                })?;
+                let xb = x.to_dtype(DType::BF16)?;
+                let t_b = time_median(dev, 20, || {
+                    xb.matmul(&wb.t()?)?;
+                    Ok(())
+                })?;
+                let ops = 2.0 * (m * n * k) as f64;
+                println!(
+                    "{:<7} {k:>6} {n:>6} {m:>6}  {:>12.3} {:>9.1}  {:>12.3} {:>9.1}  {:>6.2}",
+                    format!("{format:?}"),
+                    t_q * 1e3,
+                    ops / t_q / 1e12,
+                    t_b * 1e3,
+                    ops / t_b / 1e12,
+                    t_b / t_q
+                );
+                r.rows.push(json!({
+                    "timing": format!("{format:?}"), "k": k, "n": n, "m": m,
+                    "int8_ms": t_q * 1e3, "int8_tops": ops / t_q / 1e12,
+                    "bf16_ms": t_b * 1e3, "bf16_tflops": ops / t_b / 1e12,
+                    "note": "int8 time includes the activation quantization; median of 20 after 2 warm-ups"
+                }));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs the checks (and, with `time`, the timings); writes the results as JSON to `json_out`.
+pub fn run(json_out: Option<PathBuf>, time: bool) -> Result<()> {
+    let gpu = Device::new_cuda(0).context("no CUDA device")?;
+    let dev = match &gpu {
+        Device::Cuda(d) => d.clone(),
+        _ => bail!("not a CUDA device"),
+    };
+    let mut report = Report {
+        rows: Vec::new(),
+        failed: 0,
+    };
+    activation_checks(&mut report, &gpu)?;
+    quant_checks(&mut report, &gpu, &dev)?;
+    if time {
+        timings(&mut report, &gpu, &dev)?;
+    }
+    if let Some(path) = json_out {
+        std::fs::write(&path, serde_json::to_string_pretty(&report.rows)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if report.failed > 0 {
+        bail!("{} CUDA integer-matmul checks failed", report.failed);
+    }
+    println!("all CUDA integer-matmul checks passed");
+    Ok(())
+}

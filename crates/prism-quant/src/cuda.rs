@@ -1,0 +1,453 @@
+//! The integer matmul on CUDA: launchers for `kernels/quant_gemm.cu` (compiled to PTX by build.rs).
+//!
+//! [`CudaQuantWeight::upload`] puts a [`QuantWeight`]'s unpacked arrays on the device (one byte per
+//! weight, stored as `U8` and read as `int8` by the kernels; block scales `F32`); [`matmul`] quantizes
+//! an f32 activation with its static scale and runs the integer GEMM. Every output has the bits of the
+//! CPU reference ([`crate::kernel::matmul`]) whatever the kernel, the tiling, the part grouping or `M`
+//! (`prism cuda-quant-check` checks it on the device). The host-side plan (tiles, part groups, checks,
+//! the flat arrays) is [`crate::cuda_plan`], which CI tests.
+
+use candle_core::cuda_backend::cudarc::driver::sys::{
+    CUdevice_attribute, CUfunction_attribute_enum,
+};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
+use candle_core::op::BackpropOp;
+use candle_core::{bail, DType, Device, Result, Shape, Storage, Tensor};
+
+use crate::activation::ActivationScale;
+use crate::cuda_plan::{self, FlatWeight, GemmKernel, SIMT_THREADS, TC_THREADS};
+use crate::error::QuantError;
+use crate::weight::{QuantWeight, WeightFormat};
+
+const QUANT_GEMM_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/quant_gemm.ptx"));
+const MODULE: &str = "prism_quant_gemm";
+
+fn launch_err<E: std::error::Error + Send + Sync + 'static>(e: E) -> candle_core::Error {
+    candle_core::Error::Cuda(Box::new(e))
+}
+
+fn quant_err(e: QuantError) -> candle_core::Error {
+    candle_core::Error::wrap(e)
+}
+
+fn i32_arg(x: usize, what: &str) -> Result<i32> {
+    i32::try_from(x)
+        .map_err(|_| candle_core::Error::Msg(format!("{what} = {x} does not fit in i32")))
+}
+
+fn cuda_device(t: &Tensor) -> Result<CudaDevice> {
+    match t.device() {
+        Device::Cuda(d) => Ok(d.clone()),
+        other => bail!("integer matmul (cuda): expected a CUDA tensor, found one on {other:?}"),
+    }
+}
+
+/// A read guard on a tensor's CUDA storage plus the element range of its (contiguous) layout.
+struct Input<'a> {
+    guard: candle_core::StorageRef<'a>,
+    start: usize,
+    end: usize,
+    name: &'static str,
+}
+
+impl<'a> Input<'a> {
+    fn new(t: &'a Tensor, dtype: DType, name: &'static str) -> Result<Self> {
+        if t.dtype() != dtype {
+            bail!("{name}: expected {dtype:?}, found {:?}", t.dtype());
+        }
+        let (guard, layout) = t.storage_and_layout();
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            bail!("{name} must be contiguous");
+        };
+        Ok(Self {
+            guard,
+            start,
+            end,
+            name,
+        })
+    }
+
+    fn view<T: CudaDType>(&self) -> Result<CudaView<'_, T>> {
+        match &*self.guard {
+            Storage::Cuda(cs) => Ok(cs.as_cuda_slice::<T>()?.slice(self.start..self.end)),
+            _ => bail!("{} is not on a CUDA device", self.name),
+        }
+    }
+}
+
+fn alloc<T: DeviceRepr>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
+    // SAFETY: every element is written by a kernel before it is read.
+    unsafe { dev.alloc::<T>(len.max(1)) }
+}
+
+fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
+    let storage = CudaStorage::wrap_cuda_slice(slice, dev.clone());
+    Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false)
+}
+
+/// A [`QuantWeight`] on a CUDA device: the arrays of [`FlatWeight`], row-major. Arrays the format does
+/// not have hold one unused element (the kernels take a pointer for every argument).
+#[derive(Debug, Clone)]
+pub struct CudaQuantWeight {
+    name: String,
+    format: WeightFormat,
+    rows: usize,
+    cols: usize,
+    /// `[rows · cols]` U8: the signed weight bytes.
+    q: Tensor,
+    /// `[rows · cols / sub_len]` U8 (signed): sub-block scales.
+    sub_scales: Tensor,
+    /// `[rows · cols / 32]` U8: sub-block mins (Q4_K / Q5_K).
+    sub_mins: Tensor,
+    /// `[rows · cols / block_len]` F32.
+    d: Tensor,
+    /// `[rows · cols / block_len]` F32 (Q4_K / Q5_K).
+    dmin: Tensor,
+}
+
+impl CudaQuantWeight {
+    pub fn upload(w: &QuantWeight, device: &CudaDevice) -> Result<Self> {
+        let flat = FlatWeight::new(w);
+        let dev = Device::Cuda(device.clone());
+        let bytes = |mut v: Vec<u8>| -> Result<Tensor> {
+            if v.is_empty() {
+                v.push(0);
+            }
+            let n = v.len();
+            Tensor::from_vec(v, n, &dev)
+        };
+        let floats = |mut v: Vec<f32>| -> Result<Tensor> {
+            if v.is_empty() {
+                v.push(0.0);
+            }
+            let n = v.len();
+            Tensor::from_vec(v, n, &dev)
+        };
+        Ok(Self {
+            name: w.name().to_string(),
+            format: w.format(),
+            rows: w.rows(),
+            cols: w.cols(),
+            q: bytes(flat.q)?,
+            sub_scales: bytes(flat.sub_scales)?,
+            sub_mins: bytes(flat.sub_mins)?,
+            d: floats(flat.d)?,
+            dmin: floats(flat.dmin)?,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn format(&self) -> WeightFormat {
+        self.format
+    }
+
+    /// Outputs.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Inputs (the reduction length).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Device bytes held.
+    pub fn memory_bytes(&self) -> usize {
+        [
+            &self.q,
+            &self.sub_scales,
+            &self.sub_mins,
+            &self.d,
+            &self.dmin,
+        ]
+        .iter()
+        .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+        .sum()
+    }
+}
+
+/// Activations quantized on the device: `q` `[M, K]` U8 (int8 bits) and, for formats with mins, the
+/// sums of each 32 quantized values `[M, K/32]` I32.
+pub struct DeviceQuantized {
+    pub rows: usize,
+    pub cols: usize,
+    pub q: CudaSlice<u8>,
+    pub sums: Option<CudaSlice<i32>>,
+    /// The smallest linear index of a non-finite input (`u64::MAX`: none).
+    first_bad: CudaSlice<u64>,
+}
+
+impl DeviceQuantized {
+    /// Reads the non-finite flag back (synchronizes with the stream) and turns it into the CPU's error.
+    pub fn check_finite(&self, x: &Tensor, dev: &CudaDevice) -> Result<()> {
+        let bad = dev.clone_dtoh(&self.first_bad)?;
+        match bad.first() {
+            Some(&i) if i != u64::MAX => {
+                let i = i as usize;
+                let value = x
+                    .flatten_all()?
+                    .narrow(0, i, 1)?
+                    .to_vec1::<f32>()?
+                    .first()
+                    .copied()
+                    .unwrap_or(f32::NAN);
+                Err(quant_err(QuantError::NonFiniteActivation {
+                    row: i / self.cols.max(1),
+                    col: i % self.cols.max(1),
+                    value,
+                }))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The quantized values as a `[rows, cols]` U8 tensor (int8 bits) and the sums `[rows, cols/32]` I32.
+    pub fn into_tensors(self, dev: &CudaDevice) -> (Tensor, Option<Tensor>) {
+        let (rows, cols) = (self.rows, self.cols);
+        let q = wrap(self.q, dev, (rows, cols));
+        let sums = self.sums.map(|s| wrap(s, dev, (rows, cols / 32)));
+        (q, sums)
+    }
+}
+
+/// `qa = clamp(rint(x · inv_scale), −127, 127)` for `x: [M, K]` f32 on CUDA (`K` a multiple of 32), with
+/// the per-32 sums when `with_sums`. Does not synchronize: call [`DeviceQuantized::check_finite`].
+pub fn quantize_activations(
+    x: &Tensor,
+    scale: &ActivationScale,
+    with_sums: bool,
+) -> Result<DeviceQuantized> {
+    let dev = cuda_device(x)?;
+    let (m, k) = x.dims2()?;
+    if k % 32 != 0 {
+        bail!("int8 quantization (cuda): rows of {k} are not whole groups of 32");
+    }
+    let mut x = x.contiguous()?;
+    // The kernel reads float4s: the view must start on a 16-byte boundary.
+    if x.layout().start_offset() % 4 != 0 {
+        x = x.copy()?;
+    }
+    let ix = Input::new(&x, DType::F32, "activations")?;
+    let q = alloc::<u8>(&dev, m * k)?;
+    let sums = if with_sums {
+        Some(alloc::<i32>(&dev, m * k / 32)?)
+    } else {
+        None
+    };
+    let first_bad = dev.clone_htod(&[u64::MAX])?;
+    let groups = m * k / 32;
+    if groups > 0 {
+        let func = dev.get_or_load_custom_func("quantize_act_i8", MODULE, QUANT_GEMM_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (groups.div_ceil(SIMT_THREADS as usize) as u32, 1, 1),
+            block_dim: (SIMT_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (n_groups, inv, want) = (groups as i64, scale.inv_scale(), i32::from(with_sums));
+        let vx = ix.view::<f32>()?;
+        let mut b = func.builder();
+        b.arg(&vx).arg(&q);
+        match &sums {
+            Some(s) => b.arg(s),
+            None => b.arg(&q), // unused (want_sums = 0)
+        };
+        b.arg(&first_bad).arg(&n_groups).arg(&inv).arg(&want);
+        // SAFETY: x holds m·k f32 (16-byte aligned, checked above), q m·k bytes, sums m·k/32 i32.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    }
+    Ok(DeviceQuantized {
+        rows: m,
+        cols: k,
+        q,
+        sums,
+        first_bad,
+    })
+}
+
+fn sm_count(dev: &CudaDevice) -> Result<usize> {
+    let n = dev
+        .cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(launch_err)?;
+    Ok(n.max(1) as usize)
+}
+
+/// The integer GEMM on already quantized activations: `y: [M, N]` f32. Every kernel choice gives the
+/// same bits.
+pub fn gemm_quantized(
+    qx: &DeviceQuantized,
+    w: &CudaQuantWeight,
+    scale: &ActivationScale,
+    kernel: GemmKernel,
+    dev: &CudaDevice,
+) -> Result<Tensor> {
+    let (m, n, k) = (qx.rows, w.rows, w.cols);
+    if qx.cols != k || (w.format.has_mins() && qx.sums.is_none()) {
+        bail!(
+            "integer matmul (cuda) of {:?}: activations [{m}, {}]{} do not fit a weight of {k} inputs",
+            w.name,
+            qx.cols,
+            if qx.sums.is_none() { " without sums" } else { "" }
+        );
+    }
+    let plan = cuda_plan::tile_plan(w.format);
+    let groups = match kernel {
+        GemmKernel::Auto => cuda_plan::part_groups(&plan, m, n, sm_count(dev)?),
+        GemmKernel::TensorCore { part_groups } => part_groups,
+        GemmKernel::Simt => 1,
+    };
+    cuda_plan::check_launch(&w.name, w.format, m, n, k, groups).map_err(quant_err)?;
+    let y = alloc::<f32>(dev, m * n)?;
+    if m == 0 || n == 0 {
+        return Ok(wrap(y, dev, (m, n)));
+    }
+    let (m_i, n_i, k_i) = (
+        i32_arg(m, "rows")?,
+        i32_arg(n, "outputs")?,
+        i32_arg(k, "inputs")?,
+    );
+    let s = scale.scale();
+    let (iq, isc, imin, id, idmin) = (
+        Input::new(&w.q, DType::U8, "weight bytes")?,
+        Input::new(&w.sub_scales, DType::U8, "sub-block scales")?,
+        Input::new(&w.sub_mins, DType::U8, "sub-block mins")?,
+        Input::new(&w.d, DType::F32, "block scales")?,
+        Input::new(&w.dmin, DType::F32, "block min scales")?,
+    );
+    let (vq, vsc, vmin) = (iq.view::<u8>()?, isc.view::<u8>()?, imin.view::<u8>()?);
+    let (vd, vdmin) = (id.view::<f32>()?, idmin.view::<f32>()?);
+    // Formats without mins never read the sums: any valid pointer will do.
+    let no_sums;
+    let sums = match &qx.sums {
+        Some(sm) => sm,
+        None => {
+            no_sums = alloc::<i32>(dev, 1)?;
+            &no_sums
+        }
+    };
+
+    if kernel == GemmKernel::Simt {
+        let func = dev.get_or_load_custom_func("qgemm_simt", MODULE, QUANT_GEMM_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: ((m * n).div_ceil(SIMT_THREADS as usize) as u32, 1, 1),
+            block_dim: (SIMT_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let fmt = cuda_plan::simt_format_code(w.format);
+        let mut b = func.builder();
+        b.arg(&fmt)
+            .arg(&qx.q)
+            .arg(sums)
+            .arg(&vq)
+            .arg(&vsc)
+            .arg(&vmin)
+            .arg(&vd)
+            .arg(&vdmin);
+        b.arg(&y).arg(&m_i).arg(&n_i).arg(&k_i).arg(&s);
+        // SAFETY: the buffers have the sizes the dimensions say (checked at upload and above).
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+        return Ok(wrap(y, dev, (m, n)));
+    }
+
+    let func = dev.get_or_load_custom_func(plan.kernel, MODULE, QUANT_GEMM_PTX)?;
+    func.set_attribute(
+        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        i32_arg(plan.smem_bytes, "shared memory")?,
+    )
+    .map_err(launch_err)?;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            m.div_ceil(plan.bm) as u32,
+            n.div_ceil(plan.bn) as u32,
+            groups,
+        ),
+        block_dim: (TC_THREADS, 1, 1),
+        shared_mem_bytes: plan.smem_bytes as u32,
+    };
+    // G > 1: per-group partial results, folded by the combine kernel.
+    let target = if groups == 1 {
+        None
+    } else {
+        Some(alloc::<f32>(dev, groups as usize * m * n)?)
+    };
+    {
+        let out = target.as_ref().unwrap_or(&y);
+        let mut b = func.builder();
+        b.arg(&qx.q)
+            .arg(sums)
+            .arg(&vq)
+            .arg(&vsc)
+            .arg(&vmin)
+            .arg(&vd)
+            .arg(&vdmin);
+        b.arg(out).arg(&m_i).arg(&n_i).arg(&k_i).arg(&s);
+        // SAFETY: as above; the workspace holds G·m·n f32.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    }
+    if let Some(ws) = &target {
+        let func = dev.get_or_load_custom_func("qgemm_combine", MODULE, QUANT_GEMM_PTX)?;
+        let count = m * n;
+        let cfg = LaunchConfig {
+            grid_dim: (count.div_ceil(SIMT_THREADS as usize) as u32, 1, 1),
+            block_dim: (SIMT_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (count_i, g_i) = (count as i64, groups as i32);
+        let mut b = func.builder();
+        b.arg(ws).arg(&y).arg(&count_i).arg(&g_i).arg(&s);
+        // SAFETY: ws holds G·count f32, y count f32.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    }
+    Ok(wrap(y, dev, (m, n)))
+}
+
+/// `y = x · Wᵀ` on the integer path for `x: [M, K]` f32 on CUDA; returns `[M, N]` f32 with the CPU
+/// reference's bits. A non-finite activation is the CPU's [`QuantError::NonFiniteActivation`] (wrapped
+/// in a candle error); checking it reads 8 bytes back, so this synchronizes with the stream —
+/// [`matmul_deferred`] leaves the check to the caller.
+pub fn matmul(x: &Tensor, w: &CudaQuantWeight, scale: &ActivationScale) -> Result<Tensor> {
+    matmul_with(x, w, scale, GemmKernel::Auto)
+}
+
+/// [`matmul`] with a chosen kernel (the device checks run all of them).
+pub fn matmul_with(
+    x: &Tensor,
+    w: &CudaQuantWeight,
+    scale: &ActivationScale,
+    kernel: GemmKernel,
+) -> Result<Tensor> {
+    let (y, qx) = matmul_deferred(x, w, scale, kernel)?;
+    qx.check_finite(x, &cuda_device(x)?)?;
+    Ok(y)
+}
+
+/// [`matmul_with`] without the finiteness check: returns the quantized activations too, whose
+/// [`DeviceQuantized::check_finite`] the caller runs when it can afford the synchronization (the output
+/// of a call with a non-finite input is meaningless).
+pub fn matmul_deferred(
+    x: &Tensor,
+    w: &CudaQuantWeight,
+    scale: &ActivationScale,
+    kernel: GemmKernel,
+) -> Result<(Tensor, DeviceQuantized)> {
+    let dev = cuda_device(x)?;
+    let (_, k) = x.dims2()?;
+    if k != w.cols {
+        return Err(quant_err(QuantError::InputWidth {
+            tensor: w.name.clone(),
+            expected: w.cols,
+            found: k,
+        }));
+    }
+    cuda_plan::check_launch(&w.name, w.format, 1, w.rows, k, 1).map_err(quant_err)?;
+    let qx = quantize_activations(x, scale, w.format.has_mins())?;
+    let y = gemm_quantized(&qx, w, scale, kernel, &dev)?;
+    Ok((y, qx))
+}
