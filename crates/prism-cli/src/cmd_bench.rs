@@ -490,6 +490,28 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         }
         timed.push(timings);
     }
+    let mut profiles = serde_json::Map::new();
+    if args.profile {
+        prism_model::profile::set_enabled(true);
+        prism_model::profile::take();
+        for scenario in &scenarios {
+            let start = Instant::now();
+            decide(&scenario.request, &loaded.config, &mut model)
+                .map_err(|e| anyhow::anyhow!("profiling {}: {}", scenario.name, serde_json::to_string(&e.body()).unwrap_or_default()))?;
+            device.synchronize()?;
+            let total = start.elapsed().as_secs_f64();
+            let sections = prism_model::profile::take();
+            eprintln!("profile of {} (one synchronized run, {:.1} ms):", scenario.name, ms(total));
+            let mut rows = Vec::new();
+            for (name, time, calls) in &sections {
+                let t = time.as_secs_f64();
+                eprintln!("  {name:<45} {:>10.2} ms {:>6.1}%  {calls:>6} calls", ms(t), 100.0 * t / total);
+                rows.push(json!({"section": name, "ms": ms(t), "calls": calls}));
+            }
+            profiles.insert(scenario.name.to_string(), json!({"total_ms": ms(total), "sections": rows}));
+        }
+        prism_model::profile::set_enabled(false);
+    }
     // Memory before the floor measurements, whose buffers would otherwise be the peak.
     let memory_after = process_memory();
     let device_after = device_memory(&device);
@@ -528,6 +550,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         }));
     }
     let report = json!({
+        "profile": profiles,
         "model": prism_decision::LetterModel::model_name(&model),
         "gguf": gguf_path.display().to_string(),
         "device": args.device,

@@ -168,6 +168,15 @@ fn attention_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
         scale,
     )?;
     r.identical("causal attention (GPU): last 30 queries alone vs in the call", &tail, &got.narrow(0, 100, 30)?)?;
+
+    // A long prompt takes the batched-matmul path (pieces of query rows): 2,500 new tokens after 300.
+    let (past, t, n_h, n_kv, hd) = (300usize, 2500usize, 8usize, 2usize, 256usize);
+    let q = rng.tensor(&[t, n_h, hd], 1.0)?;
+    let k = rng.tensor(&[n_kv, past + t, hd], 1.0)?;
+    let v = rng.tensor(&[n_kv, past + t, hd], 1.0)?;
+    let want = prism_model::attention::attend_segment(&q, &k, &v, past, scale)?;
+    let got = prism_model::attention::attend_segment(&q.to_device(gpu)?, &k.to_device(gpu)?, &v.to_device(gpu)?, past, scale)?;
+    r.compare("attention, long prompt (matmul path): 300 cached + 2500 new", &got, &want, 1e-4)?;
     Ok(())
 }
 

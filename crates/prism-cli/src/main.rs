@@ -205,6 +205,10 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// After the timed runs, run each scenario once more with a device synchronization around every
+    /// section of the forward pass and print where the time goes (slower than a plain run).
+    #[arg(long)]
+    pub profile: bool,
 }
 
 fn main() -> Result<()> {

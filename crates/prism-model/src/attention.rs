@@ -84,7 +84,7 @@ impl Attention {
         let q = rope.apply(&q, cos, sin)?;
         let k = rope.apply(&k, cos, sin)?;
 
-        let group = n_h / n_kv;
+        let attend_timer = crate::profile::Section::start("attention: kernel + cache append", x.device())?;
         let scale = 1.0 / (hd as f64).sqrt();
         let mut outs = Vec::with_capacity(segments.len());
         for (seg, cache) in segments.iter().zip(caches.iter_mut()) {
@@ -99,26 +99,71 @@ impl Attention {
                 }
                 _ => (k_s, v_s),
             };
-            let o = if x.device().is_cpu() {
-                let op = CausalAttention {
-                    past,
-                    n_heads: n_h,
-                    scale,
-                };
-                q_s.apply_op3_no_bwd(&k_all, &v_all, &op)?
-            } else if cfg!(feature = "cuda") && x.device().is_cuda() && q_s.dtype() == DType::F32 {
-                cuda_attention(&q_s, &k_all, &v_all, past, scale)?
-            } else {
-                attention_tensor_ops(&q_s, &k_all, &v_all, past, group, scale)?
-            };
+            let o = attend_segment(&q_s, &k_all, &v_all, past, scale)?;
             outs.push(o);
             cache.k = Some(k_all);
             cache.v = Some(v_all);
         }
+        attend_timer.stop()?;
         let attn = Tensor::cat(&outs, 0)?.mul(&sigmoid(&gate)?)?;
         Ok(self.o.forward(&attn)?)
     }
 }
+
+/// Causal attention of one sequence's `T` new queries `q: [T, n_h, hd]` against its `past + T` keys and
+/// values `[n_kv, past + T, hd]`; returns `[T, n_h·hd]`. The CPU runs [`CausalAttention`] (fixed order,
+/// batch-invariant); CUDA runs our kernel for short prompts and batched matmuls, in pieces of query
+/// rows, for long ones; other devices run the tensor-op formulation.
+pub fn attend_segment(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    past: usize,
+    scale: f64,
+) -> candle_core::Result<Tensor> {
+    let (t, n_h, _) = q.dims3()?;
+    let n_kv = k.dim(0)?;
+    if n_kv == 0 || n_h % n_kv != 0 {
+        candle_core::bail!("attention: {n_h} query heads do not group over {n_kv} KV heads");
+    }
+    let group = n_h / n_kv;
+    if q.device().is_cpu() {
+        let op = CausalAttention {
+            past,
+            n_heads: n_h,
+            scale,
+        };
+        return q.apply_op3_no_bwd(k, v, &op);
+    }
+    if !q.device().is_cuda() {
+        return attention_tensor_ops(q, k, v, past, group, scale);
+    }
+    if q.dtype() == DType::F32 && t * (past + t) <= CUDA_KERNEL_MAX_SCORES {
+        return cuda_attention(q, k, v, past, scale);
+    }
+    // Long prompts: the one-warp-per-row kernel rereads every key per query row; batched cuBLAS
+    // matmuls use the tensor pipes. Query rows go in pieces to bound the score memory.
+    let mut pieces = Vec::new();
+    for start in (0..t).step_by(CUDA_QUERY_PIECE) {
+        let len = CUDA_QUERY_PIECE.min(t - start);
+        let keys = past + start + len;
+        pieces.push(attention_tensor_ops(
+            &q.narrow(0, start, len)?,
+            &k.narrow(1, 0, keys)?,
+            &v.narrow(1, 0, keys)?,
+            past + start,
+            group,
+            scale,
+        )?);
+    }
+    Tensor::cat(&pieces, 0)
+}
+
+/// Up to this many (query, key) scores per sequence and layer, CUDA runs our attention kernel; above it,
+/// batched matmuls (see [`Attention::forward`]).
+const CUDA_KERNEL_MAX_SCORES: usize = 512 * 1024;
+/// Query rows per piece of the matmul path (the scores of one piece: heads × piece × keys f32).
+const CUDA_QUERY_PIECE: usize = 2048;
 
 #[cfg(feature = "cuda")]
 fn cuda_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: f64) -> candle_core::Result<Tensor> {

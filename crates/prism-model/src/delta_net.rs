@@ -10,6 +10,7 @@ use crate::delta_rule;
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
 use crate::ops::{gated_rms_norm, l2_norm, sigmoid, softplus};
+use crate::profile;
 use crate::qwen35::Segment;
 use crate::state::DeltaNetState;
 use crate::weights::WeightLoader;
@@ -76,23 +77,29 @@ impl DeltaNet {
     ) -> Result<Tensor> {
         let n_tokens = x.dim(0)?;
         let key_dim = self.n_k * self.dk;
-        let mixed = self.in_qkv.forward(x)?;
-        let z = self.in_gate.forward(x)?;
-        let beta = sigmoid(&self.in_beta.forward(x)?)?;
-        let g = softplus(&self.in_alpha.forward(x)?.broadcast_add(&self.dt_bias)?)?
-            .broadcast_mul(&self.ssm_a)?;
+        let dev = x.device();
+        let (mixed, z, beta, g) = profile::time("deltanet: input projections", dev, || -> Result<_> {
+            let mixed = self.in_qkv.forward(x)?;
+            let z = self.in_gate.forward(x)?;
+            let beta = sigmoid(&self.in_beta.forward(x)?)?;
+            let g = softplus(&self.in_alpha.forward(x)?.broadcast_add(&self.dt_bias)?)?
+                .broadcast_mul(&self.ssm_a)?;
+            Ok((mixed, z, beta, g))
+        })?;
 
-        let mut conv_out = Vec::with_capacity(segments.len());
-        for (seg, state) in segments.iter().zip(states.iter_mut()) {
-            let (out, window) = causal_conv(
-                &mixed.narrow(0, seg.start, seg.len)?,
-                &state.conv,
-                &self.conv_taps,
-            )?;
-            state.conv = window;
-            conv_out.push(out);
-        }
-        let conv_out = Tensor::cat(&conv_out, 0)?.silu()?;
+        let conv_out = profile::time("deltanet: conv", dev, || -> Result<_> {
+            let mut conv_out = Vec::with_capacity(segments.len());
+            for (seg, state) in segments.iter().zip(states.iter_mut()) {
+                let (out, window) = causal_conv(
+                    &mixed.narrow(0, seg.start, seg.len)?,
+                    &state.conv,
+                    &self.conv_taps,
+                )?;
+                state.conv = window;
+                conv_out.push(out);
+            }
+            Ok(Tensor::cat(&conv_out, 0)?.silu()?)
+        })?;
 
         let q = conv_out
             .narrow(1, 0, key_dim)?
@@ -116,6 +123,7 @@ impl DeltaNet {
             (q, k)
         };
 
+        let rule_timer = profile::Section::start("deltanet: delta rule", dev)?;
         let mut outs = Vec::with_capacity(segments.len());
         for (seg, state) in segments.iter().zip(states.iter_mut()) {
             if state.rule.pending != seg.past % delta_rule::CHUNK {
@@ -138,10 +146,13 @@ impl DeltaNet {
             outs.push(o);
         }
         let o = Tensor::cat(&outs, 0)?;
-        let z = z.reshape((n_tokens, self.n_v, self.dv))?;
-        let y = gated_rms_norm(&o, &z, &self.norm, self.eps)?
-            .reshape((n_tokens, self.n_v * self.dv))?;
-        Ok(self.out.forward(&y)?)
+        rule_timer.stop()?;
+        profile::time("deltanet: gated norm + output projection", dev, || -> Result<_> {
+            let z = z.reshape((n_tokens, self.n_v, self.dv))?;
+            let y = gated_rms_norm(&o, &z, &self.norm, self.eps)?
+                .reshape((n_tokens, self.n_v * self.dv))?;
+            Ok(self.out.forward(&y)?)
+        })
     }
 }
 

@@ -23,6 +23,7 @@ pub mod hf;
 pub mod linear;
 pub mod matmul;
 pub mod ops;
+pub mod profile;
 pub mod qwen35;
 pub mod rope;
 pub mod state;

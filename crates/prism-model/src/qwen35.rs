@@ -16,6 +16,7 @@ use crate::delta_net::DeltaNet;
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
 use crate::ops::rms_norm;
+use crate::profile;
 use crate::rope::{MRope, Position3};
 use crate::state::{DeltaNetState, KvCache, LayerState, SequenceState};
 use crate::weights::{Precision, WeightLoader};
@@ -421,7 +422,8 @@ impl Qwen35Model {
         let (cos, sin) = self.rope.cos_sin(&positions)?;
         let eps = self.config.rms_norm_eps;
         for (l, layer) in self.layers.iter().enumerate() {
-            let h = rms_norm(&x, &layer.attn_norm, eps)?;
+            let dev = &self.device;
+            let h = profile::time("norm", dev, || rms_norm(&x, &layer.attn_norm, eps))?;
             let mixed = match &layer.mixer {
                 Mixer::DeltaNet(net) => {
                     let mut states: Vec<&mut DeltaNetState> = work
@@ -433,7 +435,7 @@ impl Qwen35Model {
                             ))),
                         })
                         .collect::<Result<_>>()?;
-                    net.forward(&h, &segments, &mut states)?
+                    profile::time("deltanet layer", dev, || net.forward(&h, &segments, &mut states))?
                 }
                 Mixer::Attention(attn) => {
                     let mut caches: Vec<&mut KvCache> = work
@@ -445,12 +447,14 @@ impl Qwen35Model {
                             ))),
                         })
                         .collect::<Result<_>>()?;
-                    attn.forward(&h, &self.rope, &cos, &sin, &segments, &mut caches)?
+                    profile::time("attention layer", dev, || {
+                        attn.forward(&h, &self.rope, &cos, &sin, &segments, &mut caches)
+                    })?
                 }
             };
             x = (x + mixed)?;
-            let h = rms_norm(&x, &layer.post_norm, eps)?;
-            x = (&x + layer.mlp.forward(&h)?)?;
+            let h = profile::time("norm", dev, || rms_norm(&x, &layer.post_norm, eps))?;
+            x = (&x + profile::time("mlp", dev, || layer.mlp.forward(&h))?)?;
             if let Some(t) = trace.as_deref_mut() {
                 t.push(x.clone());
             }
