@@ -180,14 +180,12 @@ fn attention_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
     Ok(())
 }
 
-/// The tiny fixture model in bf16 on CUDA against transformers (fp32) and against the CPU bf16 path.
-fn model_checks(r: &mut Report, gpu: &Device, fixtures: &PathBuf) -> Result<()> {
-    let read = |name: &str| -> Result<Value> {
-        let path = fixtures.join(name);
-        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-        Ok(serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?)
-    };
-    let prompts: Vec<Vec<u32>> = read("prompts.json")?["prompts"]
+/// The 12 prompts of the fixture's prompts.json, as token ids.
+fn fixture_prompts(fixtures: &std::path::Path) -> Result<Vec<Vec<u32>>> {
+    let path = fixtures.join("prompts.json");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let json: Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    json["prompts"]
         .as_array()
         .context("prompts.json: no prompts")?
         .iter()
@@ -195,7 +193,17 @@ fn model_checks(r: &mut Report, gpu: &Device, fixtures: &PathBuf) -> Result<()> 
             p["ids"].as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect())
         })
         .collect::<Option<_>>()
-        .context("prompts.json: bad ids")?;
+        .context("prompts.json: bad ids")
+}
+
+/// The tiny fixture model in bf16 on CUDA against transformers (fp32) and against the CPU bf16 path.
+fn model_checks(r: &mut Report, gpu: &Device, fixtures: &PathBuf) -> Result<()> {
+    let read = |name: &str| -> Result<Value> {
+        let path = fixtures.join(name);
+        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        Ok(serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?)
+    };
+    let prompts = fixture_prompts(fixtures)?;
     let reference = read("ref_transformers.json")?;
     let entries = reference["prompts"].as_array().context("ref_transformers.json: no prompts")?;
     let gguf = fixtures.join("tiny-BF16.gguf");
@@ -238,6 +246,50 @@ fn model_checks(r: &mut Report, gpu: &Device, fixtures: &PathBuf) -> Result<()> 
     Ok(())
 }
 
+/// The integer path on the GPU: the tiny Q8_0 (int8) and Q4_K_M (w4a8) files with one calibration made
+/// on the CPU. Its matmuls equal the CPU reference bit for bit (cuda-quant-check); here the whole forward
+/// pass is checked for invariance on the GPU (alone vs batched, shared prefix, pieces) bit for bit, and
+/// its distance to the CPU integer path (whose norms, attention and delta rule use other reduction
+/// orders) is reported.
+fn integer_model_checks(r: &mut Report, gpu: &Device, fixtures: &std::path::Path, prompts: &[Vec<u32>]) -> Result<()> {
+    for (file, precision) in [("tiny-Q8_0.gguf", Precision::Int8), ("tiny-Q4_K_M.gguf", Precision::W4a8)] {
+        let label = precision.as_str();
+        let gguf = prism_gguf::GgufFile::open(&fixtures.join(file)).with_context(|| format!("opening {file}"))?;
+        let cpu_opts = LoadOptions { device: Device::Cpu, precision, hf_config: None };
+        let calibration = prism_model::calibration::calibrate(&gguf, &cpu_opts, &prompts[..6], "cuda-check")?;
+        let gpu_opts = LoadOptions { device: gpu.clone(), ..cpu_opts.clone() };
+        let gpu_model = Qwen35Model::from_gguf_calibrated(&gguf, &gpu_opts, &calibration)?;
+        let cpu_model = Qwen35Model::from_gguf_calibrated(&gguf, &cpu_opts, &calibration)?;
+        let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+        let batched = gpu_model.logits(&gpu_model.last_hidden(&refs)?)?;
+        let cpu = cpu_model.logits(&cpu_model.last_hidden(&refs)?)?;
+        r.compare(&format!("{label} ({file}): GPU vs CPU integer path, 12 prompts"), &batched, &cpu, 5e-2)?;
+        let alone = gpu_model.logits(&gpu_model.last_hidden(&refs[3..4])?)?;
+        r.identical(&format!("{label} (GPU): prompt 3 alone vs in a batch of 12, all logits"), &alone, &batched.narrow(0, 3, 1)?)?;
+        let with_two = gpu_model.logits(&gpu_model.last_hidden(&[refs[7], refs[3], refs[1]])?)?;
+        r.identical(&format!("{label} (GPU): prompt 3 between prompts 7 and 1"), &with_two.narrow(0, 1, 1)?, &alone)?;
+        // Shared prefix: the prompts share their chat-template opening; branch from it.
+        let shared = gpu_model.logits(&gpu_model.last_hidden_shared_prefix(&refs[..4])?)?;
+        r.identical(&format!("{label} (GPU): 4 prompts branched from their shared prefix vs one batch"), &shared, &batched.narrow(0, 0, 4)?)?;
+        // Pieces: prompt 0 in pieces of 1, 7, 64 and the rest.
+        let p0 = &prompts[0];
+        let mut state = gpu_model.new_state()?;
+        let mut at = 0;
+        let mut last = None;
+        for piece in [1usize, 7, 64, usize::MAX] {
+            let n = piece.min(p0.len() - at);
+            if n == 0 {
+                break;
+            }
+            last = Some(gpu_model.prefill(&mut state, &p0[at..at + n])?);
+            at += n;
+        }
+        let last = last.context("prompt 0 is empty")?;
+        r.identical(&format!("{label} (GPU): prompt 0 in pieces 1/7/64/rest vs one call"), &gpu_model.logits(&last)?, &batched.narrow(0, 0, 1)?)?;
+    }
+    Ok(())
+}
+
 pub fn run(fixtures: Option<PathBuf>, json_out: Option<PathBuf>) -> Result<()> {
     let gpu = Device::new_cuda(0).context("no CUDA device")?;
     let fixtures = fixtures.unwrap_or_else(|| PathBuf::from("tests/fixtures/qwen35-tiny"));
@@ -248,6 +300,8 @@ pub fn run(fixtures: Option<PathBuf>, json_out: Option<PathBuf>) -> Result<()> {
     attention_checks(&mut report, &gpu, &mut rng)?;
     delta_rule_checks(&mut report, &gpu, &mut rng)?;
     model_checks(&mut report, &gpu, &fixtures)?;
+    let prompts = fixture_prompts(&fixtures)?;
+    integer_model_checks(&mut report, &gpu, &fixtures, &prompts)?;
     if let Some(path) = json_out {
         std::fs::write(&path, serde_json::to_string_pretty(&report.rows)?)
             .with_context(|| format!("writing {}", path.display()))?;

@@ -15,16 +15,50 @@ use crate::weight::QuantWeight;
 pub struct QuantMatmul {
     pub weight: Arc<QuantWeight>,
     pub scale: ActivationScale,
+    /// The weight's copy on the GPU, uploaded on the first product there and shared by clones.
+    #[cfg(feature = "cuda")]
+    device_weight: Arc<std::sync::Mutex<Option<Arc<crate::cuda::CudaQuantWeight>>>>,
 }
 
 impl QuantMatmul {
     pub fn new(weight: Arc<QuantWeight>, scale: ActivationScale) -> Self {
-        Self { weight, scale }
+        Self {
+            weight,
+            scale,
+            #[cfg(feature = "cuda")]
+            device_weight: Arc::default(),
+        }
     }
 
-    /// Applies the op to `x: [m, k]` (made contiguous first).
+    /// Applies the op to `x: [m, k]` (made contiguous first). On a CUDA device this runs
+    /// [`crate::cuda::matmul`], which returns the CPU reference's bits.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let candle_core::Device::Cuda(dev) = x.device() {
+            let weight = {
+                let mut slot = self.device_weight.lock().unwrap_or_else(|e| e.into_inner());
+                match slot.as_ref() {
+                    Some(w) => w.clone(),
+                    None => {
+                        let w = Arc::new(crate::cuda::CudaQuantWeight::upload(&self.weight, dev)?);
+                        *slot = Some(w.clone());
+                        w
+                    }
+                }
+            };
+            return crate::cuda::matmul(&x.contiguous()?, &weight, &self.scale);
+        }
         x.contiguous()?.apply_op1_no_bwd(self)
+    }
+
+    /// Uploads the weight to `device` now (at load time) rather than on the first product.
+    #[cfg(feature = "cuda")]
+    pub fn upload_to(&self, device: &candle_core::CudaDevice) -> candle_core::Result<()> {
+        let mut slot = self.device_weight.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_none() {
+            *slot = Some(Arc::new(crate::cuda::CudaQuantWeight::upload(&self.weight, device)?));
+        }
+        Ok(())
     }
 }
 
