@@ -66,44 +66,91 @@ extern "C" __global__ void causal_conv_f32(const float* __restrict__ x,       //
 #undef PADDED
 }
 
-// Causal attention, one warp per (query row, head), keys in increasing order with an online softmax.
-// q: [T, n_h, hd]; k, v: [n_kv, past + T, hd]; out: [T, n_h·hd]. Query t (absolute past + t) reads keys
-// 0..=past+t; head h reads KV head h / (n_h / n_kv). hd must be a multiple of 32, at most 256.
+// Causal attention with an online softmax, keys in increasing order. q: [T, n_h, hd]; k, v:
+// [n_kv, past + T, hd]; out: [T, n_h·hd]. Query t (absolute past + t) reads keys 0..=past+t; head h
+// reads KV head h / (n_h / n_kv). hd must be a multiple of 32, at most 256.
+//
+// One block per (ROWS consecutive query rows, HEADS query heads of one KV group), one warp per (row,
+// head). The block stages tiles of ATT_KEYS keys and values in shared memory once for all its warps
+// (the group's heads and the neighbouring rows read the same keys), instead of each warp streaming
+// them from L2. Each warp does, per key and in key order, exactly what the one-warp-per-row version
+// did: the score is lane-strided fmaf partial sums, a fixed butterfly, times the scale; then the
+// online-softmax update. The scores of a tile are formed first (independent across keys, so they
+// overlap) and kept one per lane; the update then walks them in order. The float sequence of an
+// output depends only on its (row, head) and its keys, never on T, the tiling or the other rows.
+#define ATT_KEYS 32
+
 extern "C" __global__ void causal_attention_f32(const float* __restrict__ q, const float* __restrict__ k,
                                                 const float* __restrict__ v, float* __restrict__ out,
                                                 int T, int n_h, int n_kv, int hd, int past,
-                                                float scale) {
-    const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;  // t * n_h + h
-    const int lane = threadIdx.x % WARP;
-    if (row >= T * n_h) return;
-    const int t = row / n_h, h = row % n_h;
-    const int kv = h / (n_h / n_kv);
+                                                float scale, int rows_per_block, int heads_per_block) {
+    extern __shared__ float att_smem[];
+    float* Ks = att_smem;               // [ATT_KEYS][hd]
+    float* Vs = att_smem + ATT_KEYS * hd;  // [ATT_KEYS][hd]
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int group = n_h / n_kv;
+    const int splits = group / heads_per_block;  // blocks per KV head
+    const int kv = blockIdx.y / splits;
+    const int h = kv * group + (blockIdx.y % splits) * heads_per_block + warp % heads_per_block;
+    const int row0 = blockIdx.x * rows_per_block;
+    const int t = row0 + warp / heads_per_block;
+    const bool live = t < T;
     const int total = past + T;
     const int per_lane = hd / WARP;
     float qv[8], acc[8];
-    const float* qr = q + (size_t)row * hd;
-    for (int e = 0; e < per_lane; ++e) {
-        qv[e] = qr[lane + e * WARP];
-        acc[e] = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) qv[e] = acc[e] = 0.f;
+    if (live) {
+        const float* qr = q + ((size_t)t * n_h + h) * hd;
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            if (e < per_lane) qv[e] = qr[lane + e * WARP];
     }
     const float* kb = k + (size_t)kv * total * hd;
     const float* vb = v + (size_t)kv * total * hd;
     float m = -INFINITY, l = 0.f;
     const int n_keys = past + t + 1;
-    for (int j = 0; j < n_keys; ++j) {
-        const float* kj = kb + (size_t)j * hd;
-        float part = 0.f;
-        for (int e = 0; e < per_lane; ++e) part = fmaf(qv[e], kj[lane + e * WARP], part);
-        const float s = warp_sum(part) * scale;
-        const float m_new = fmaxf(m, s);
-        const float corr = expf(m - m_new);
-        const float p = expf(s - m_new);
-        l = l * corr + p;
-        const float* vj = vb + (size_t)j * hd;
-        for (int e = 0; e < per_lane; ++e) acc[e] = fmaf(p, vj[lane + e * WARP], acc[e] * corr);
-        m = m_new;
+    const int block_keys = past + min(T, row0 + rows_per_block);  // keys of the block's last row
+    for (int j0 = 0; j0 < block_keys; j0 += ATT_KEYS) {
+        const int nk = min(ATT_KEYS, block_keys - j0);
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < nk * hd; idx += blockDim.x) {
+            Ks[idx] = kb[(size_t)j0 * hd + idx];
+            Vs[idx] = vb[(size_t)j0 * hd + idx];
+        }
+        __syncthreads();
+        if (!live) continue;
+        const int mine = min(nk, n_keys - j0);  // keys of this tile that this row reads
+        if (mine <= 0) continue;
+        // The tile's scores, lane jj keeping key jj's.
+        float my_score = 0.f;
+#pragma unroll 4
+        for (int jj = 0; jj < mine; ++jj) {
+            const float* kj = Ks + jj * hd;
+            float part = 0.f;
+            #pragma unroll
+            for (int e = 0; e < 8; ++e)
+                if (e < per_lane) part = fmaf(qv[e], kj[lane + e * WARP], part);
+            const float s = warp_sum(part) * scale;
+            if (lane == jj) my_score = s;
+        }
+        for (int jj = 0; jj < mine; ++jj) {
+            const float s = __shfl_sync(0xffffffffu, my_score, jj);
+            const float m_new = fmaxf(m, s);
+            const float corr = expf(m - m_new);
+            const float p = expf(s - m_new);
+            l = l * corr + p;
+            const float* vj = Vs + jj * hd;
+            #pragma unroll
+            for (int e = 0; e < 8; ++e)
+                if (e < per_lane) acc[e] = fmaf(p, vj[lane + e * WARP], acc[e] * corr);
+            m = m_new;
+        }
     }
-    float* o = out + (size_t)row * hd;
+    if (!live) return;
+    float* o = out + ((size_t)t * n_h + h) * hd;
     const float inv = 1.f / l;
-    for (int e = 0; e < per_lane; ++e) o[lane + e * WARP] = acc[e] * inv;
+    #pragma unroll
+    for (int e = 0; e < 8; ++e)
+        if (e < per_lane) o[lane + e * WARP] = acc[e] * inv;
 }

@@ -76,31 +76,31 @@ impl Report {
     }
 }
 
-fn delta_rule_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
-    // Real 27B DeltaNet head shapes: dk = dv = 128; 3 heads keep the CPU twin quick.
-    let (t, h, dk, dv) = (300usize, 3usize, 128usize, 128usize);
+/// Random delta-rule inputs `[q, k, v, g, beta]` with the value ranges of real ones.
+fn delta_rule_inputs(rng: &mut Rng, t: usize, h: usize, dk: usize, dv: usize) -> Result<[Tensor; 5]> {
     let q = prism_model::ops::l2_norm(&rng.tensor(&[t, h, dk], 1.0)?, 1e-6)?;
     let q = (q * (1.0 / (dk as f64).sqrt()))?;
     let k = prism_model::ops::l2_norm(&rng.tensor(&[t, h, dk], 1.0)?, 1e-6)?;
     let v = rng.tensor(&[t, h, dv], 1.0)?;
     let g = ((rng.tensor(&[t, h], 1.0)? - 1.0)? * 0.1)?; // log-decays in (-0.2, 0]
     let beta = ((rng.tensor(&[t, h], 0.5)? + 0.5)?).clamp(0.01f32, 0.99f32)?;
-    let cpu_state = RuleState::zeros(h, dk, dv, DType::F32, &Device::Cpu)?;
-    let (want, want_state) = delta_rule::chunked(&q, &k, &v, &g, &beta, &cpu_state)?;
-    let on = |x: &Tensor| x.to_device(gpu);
-    let gpu_state = RuleState::zeros(h, dk, dv, DType::F32, gpu)?;
-    let (got, got_state) = delta_rule::chunked(&on(&q)?, &on(&k)?, &on(&v)?, &on(&g)?, &on(&beta)?, &gpu_state)?;
-    r.compare("delta rule chunked, T=300 H=3 dk=dv=128: output", &got, &want, 1e-4)?;
-    r.compare("delta rule chunked: memory after 300 tokens", &got_state.memory()?, &want_state.memory()?, 1e-4)?;
+    Ok([q, k, v, g, beta])
+}
 
-    // The same tokens in pieces (decode-like single steps included) must give the same bits on the GPU.
-    let mut state = gpu_state.clone();
+/// The delta rule over `x` on `device` from `state`, in calls of the given sizes (the last one takes
+/// what is left); returns all outputs and the final state.
+fn delta_rule_in_pieces(x: &[Tensor; 5], device: &Device, state: &RuleState, pieces: &[usize]) -> Result<(Tensor, RuleState)> {
+    let t = x[0].dim(0)?;
+    let mut state = state.clone();
     let mut outs = Vec::new();
     let mut at = 0;
-    for piece in [1usize, 63, 1, 64, 7, 100, 1, 1, 62] {
-        let n = piece.min(t - at);
-        let s = |x: &Tensor| -> Result<Tensor> { Ok(on(&x.narrow(0, at, n)?)?) };
-        let (o, next) = delta_rule::chunked(&s(&q)?, &s(&k)?, &s(&v)?, &s(&g)?, &s(&beta)?, &state)?;
+    for (i, &piece) in pieces.iter().enumerate() {
+        let n = if i + 1 == pieces.len() { t - at } else { piece.min(t - at) };
+        if n == 0 {
+            continue;
+        }
+        let s = |x: &Tensor| -> Result<Tensor> { Ok(x.narrow(0, at, n)?.to_device(device)?) };
+        let (o, next) = delta_rule::chunked(&s(&x[0])?, &s(&x[1])?, &s(&x[2])?, &s(&x[3])?, &s(&x[4])?, &state)?;
         outs.push(o);
         state = next;
         at += n;
@@ -108,8 +108,54 @@ fn delta_rule_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> 
     if at != t {
         bail!("piece sizes cover {at} of {t} tokens");
     }
-    r.identical("delta rule (GPU): pieces 1/63/1/64/7/100/1/1/62 vs one call", &Tensor::cat(&outs, 0)?, &got)?;
-    r.identical("delta rule (GPU): memory after pieces vs one call", &state.memory()?, &got_state.memory()?)?;
+    Ok((Tensor::cat(&outs, 0)?, state))
+}
+
+fn delta_rule_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
+    // Real 27B DeltaNet head shapes: dk = dv = 128; 3 heads keep the CPU twin quick.
+    let (t, h, dk, dv) = (300usize, 3usize, 128usize, 128usize);
+    let x = delta_rule_inputs(rng, t, h, dk, dv)?;
+    let cpu_state = RuleState::zeros(h, dk, dv, DType::F32, &Device::Cpu)?;
+    let gpu_state = RuleState::zeros(h, dk, dv, DType::F32, gpu)?;
+    let (want, want_state) = delta_rule_in_pieces(&x, &Device::Cpu, &cpu_state, &[t])?;
+    let (got, got_state) = delta_rule_in_pieces(&x, gpu, &gpu_state, &[t])?;
+    r.compare("delta rule chunked, T=300 H=3 dk=dv=128: output", &got, &want, 1e-4)?;
+    r.compare("delta rule chunked: memory after 300 tokens", &got_state.memory()?, &want_state.memory()?, 1e-4)?;
+
+    // The same tokens in pieces (decode-like single steps included, pieces starting at chunk rows that
+    // are not multiples of 16) must give the same bits on the GPU.
+    for pieces in [&[1usize, 63, 1, 64, 7, 100, 1, 1, 62][..], &[5, 17, 200, 3, 1, 74], &[3, 13, 16, 33, 1, 1, 1, 29, 203]] {
+        let (o, state) = delta_rule_in_pieces(&x, gpu, &gpu_state, pieces)?;
+        let name = format!("delta rule (GPU): pieces {pieces:?} vs one call");
+        r.identical(&name, &o, &got)?;
+        r.identical(&format!("  … memory after {pieces:?}"), &state.memory()?, &got_state.memory()?)?;
+        r.identical(&format!("  … pending values after {pieces:?}"), &state.pending_u, &got_state.pending_u)?;
+    }
+
+    // 27B head count (48) from a non-zero memory: the grid, not the math, changes.
+    let h = 48;
+    let x = delta_rule_inputs(rng, 275, h, dk, dv)?;
+    let s0 = rng.tensor(&[h, dk, dv], 0.5)?;
+    let (want, want_state) = delta_rule_in_pieces(&x, &Device::Cpu, &RuleState::from_memory(&s0)?, &[275])?;
+    let gpu_s0 = RuleState::from_memory(&s0.to_device(gpu)?)?;
+    let (got, got_state) = delta_rule_in_pieces(&x, gpu, &gpu_s0, &[275])?;
+    r.compare("delta rule chunked, T=275 H=48 from a random memory: output", &got, &want, 1e-4)?;
+    r.compare("delta rule chunked, H=48: memory after 275 tokens", &got_state.memory()?, &want_state.memory()?, 1e-4)?;
+    let (o, _) = delta_rule_in_pieces(&x, gpu, &gpu_s0, &[100, 1, 1, 173])?;
+    r.identical("delta rule (GPU), H=48: pieces 100/1/1/173 vs one call", &o, &got)?;
+
+    // A long prompt takes several launches (32 chunks each); then single decode steps.
+    let (t, h) = (2200usize, 2usize);
+    let x = delta_rule_inputs(rng, t, h, dk, dv)?;
+    let cpu_state = RuleState::zeros(h, dk, dv, DType::F32, &Device::Cpu)?;
+    let gpu_state = RuleState::zeros(h, dk, dv, DType::F32, gpu)?;
+    let (want, want_state) = delta_rule_in_pieces(&x, &Device::Cpu, &cpu_state, &[t])?;
+    let (got, got_state) = delta_rule_in_pieces(&x, gpu, &gpu_state, &[t])?;
+    r.compare("delta rule chunked, T=2200 (several launches): output", &got, &want, 1e-4)?;
+    r.compare("delta rule chunked, T=2200: memory", &got_state.memory()?, &want_state.memory()?, 1e-4)?;
+    let (o, state) = delta_rule_in_pieces(&x, gpu, &gpu_state, &[2047, 1, 100, 1, 1, 1, 1])?;
+    r.identical("delta rule (GPU): prefill 2047/1/100 + decode steps vs one call", &o, &got)?;
+    r.identical("delta rule (GPU): memory after decode steps vs one call", &state.memory()?, &got_state.memory()?)?;
     Ok(())
 }
 
@@ -168,6 +214,33 @@ fn attention_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
         scale,
     )?;
     r.identical("causal attention (GPU): last 30 queries alone vs in the call", &tail, &got.narrow(0, 100, 30)?)?;
+    // The last query as a decode step (T = 1: one row per block).
+    let last = prism_model::cuda::causal_attention(
+        &q.narrow(0, 129, 1)?.to_device(gpu)?,
+        &k.to_device(gpu)?,
+        &v.to_device(gpu)?,
+        past + 129,
+        scale,
+    )?;
+    r.identical("causal attention (GPU): last query as a decode step vs in the call", &last, &got.narrow(0, 129, 1)?)?;
+
+    // 4B/9B shapes: 16 query heads over 4 KV heads (other rows × heads per block).
+    let (past, t, n_h, n_kv, hd) = (5usize, 250usize, 16usize, 4usize, 256usize);
+    let q = rng.tensor(&[t, n_h, hd], 1.0)?;
+    let k = rng.tensor(&[n_kv, past + t, hd], 1.0)?;
+    let v = rng.tensor(&[n_kv, past + t, hd], 1.0)?;
+    let op = CausalAttention { past, n_heads: n_h, scale };
+    let want = q.apply_op3_no_bwd(&k, &v, &op)?;
+    let got = prism_model::cuda::causal_attention(&q.to_device(gpu)?, &k.to_device(gpu)?, &v.to_device(gpu)?, past, scale)?;
+    r.compare("causal attention, 5 cached + 250 new, 16/4 heads, hd 256", &got, &want, 1e-5)?;
+    let tail = prism_model::cuda::causal_attention(
+        &q.narrow(0, 243, 7)?.to_device(gpu)?,
+        &k.to_device(gpu)?,
+        &v.to_device(gpu)?,
+        past + 243,
+        scale,
+    )?;
+    r.identical("causal attention (GPU), 16/4 heads: last 7 queries alone vs in the call", &tail, &got.narrow(0, 243, 7)?)?;
 
     // A long prompt takes the batched-matmul path (pieces of query rows): 2,500 new tokens after 300.
     let (past, t, n_h, n_kv, hd) = (300usize, 2500usize, 8usize, 2usize, 256usize);

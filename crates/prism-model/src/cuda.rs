@@ -21,6 +21,10 @@ const OPS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ops.ptx"));
 /// Value columns per delta-rule block (`CW` in delta_rule.cu).
 const DELTA_RULE_COLUMNS: usize = 32;
 const DELTA_RULE_THREADS: u32 = 256;
+/// Chunks per launch of the delta-rule kernels: bounds the pair-scalar scratch (32 KiB per head and
+/// chunk) for long prompts. Launch boundaries fall on chunk boundaries, and the state carries across
+/// them exactly as across calls, so the split changes no bits.
+const DELTA_RULE_CHUNKS_PER_LAUNCH: usize = 32;
 
 fn cuda_device(t: &Tensor) -> Result<CudaDevice> {
     match t.device() {
@@ -82,6 +86,10 @@ fn i32_arg(x: usize, what: &str) -> Result<i32> {
 
 /// The CUDA twin of [`crate::delta_rule::chunked`]: same inputs, same state layout, same chunk
 /// boundaries. f32 only.
+///
+/// Runs in launches of up to [`DELTA_RULE_CHUNKS_PER_LAUNCH`] chunks, each two kernels: the pair
+/// scalars of all its chunks in parallel (`delta_rule_pairs_f32`), then the chunks in order
+/// (`delta_rule_chunked_f32`); see delta_rule.cu.
 pub fn delta_rule_chunked(
     q: &Tensor,
     k: &Tensor,
@@ -99,78 +107,151 @@ pub fn delta_rule_chunked(
         || beta.dims() != [t_len, heads]
         || t_len == 0
         || dv % DELTA_RULE_COLUMNS != 0
+        || dk % 4 != 0
+        || dk > 256
         || state.pending >= CHUNK
     {
         bail!(
-            "delta rule (cuda): q {:?}, k {:?}, v {:?}, g {:?}, beta {:?} do not fit the state {:?} ({} pending; dv must be a multiple of {DELTA_RULE_COLUMNS})",
+            "delta rule (cuda): q {:?}, k {:?}, v {:?}, g {:?}, beta {:?} do not fit the state {:?} ({} pending; dv must be a multiple of {DELTA_RULE_COLUMNS}, dk a multiple of 4 up to 256)",
             q.dims(), k.dims(), v.dims(), g.dims(), beta.dims(), state.chunk_start.dims(), state.pending
         );
     }
     let dev = cuda_device(q)?;
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let (g, beta) = (g.contiguous()?, beta.contiguous()?);
-    let s_in = state.chunk_start.contiguous()?;
-    let pk_in = state.pending_k.contiguous()?;
-    let pu_in = state.pending_u.contiguous()?;
-    let gam_in = state.pending_gamma.contiguous()?;
     let iq = Input::new(&q, DType::F32, "q")?;
     let ik = Input::new(&k, DType::F32, "k")?;
     let iv = Input::new(&v, DType::F32, "v")?;
     let ig = Input::new(&g, DType::F32, "g")?;
     let ib = Input::new(&beta, DType::F32, "beta")?;
+    let tokens = TokenInputs {
+        q: iq.view::<f32>()?,
+        k: ik.view::<f32>()?,
+        v: iv.view::<f32>()?,
+        g: ig.view::<f32>()?,
+        beta: ib.view::<f32>()?,
+        heads: i32_arg(heads, "heads")?,
+        dk,
+        dv,
+    };
+    let out = alloc::<f32>(&dev, t_len * heads * dv)?;
+    let mut state = state.clone();
+    let mut t0 = 0;
+    while t0 < t_len {
+        let room = DELTA_RULE_CHUNKS_PER_LAUNCH * CHUNK - state.pending;
+        let n = room.min(t_len - t0);
+        state = delta_rule_launch(&dev, &tokens, &out, t0, n, &state)?;
+        t0 += n;
+    }
+    Ok((wrap(out, &dev, (t_len, heads, dv)), state))
+}
+
+/// The token inputs of one delta-rule call, as device views.
+struct TokenInputs<'a> {
+    q: CudaView<'a, f32>,
+    k: CudaView<'a, f32>,
+    v: CudaView<'a, f32>,
+    g: CudaView<'a, f32>,
+    beta: CudaView<'a, f32>,
+    heads: i32,
+    dk: usize,
+    dv: usize,
+}
+
+/// Sets a kernel's dynamic shared memory limit to what this launch needs.
+fn allow_shared(func: &candle_core::cuda_backend::cudarc::driver::CudaFunction, bytes: usize, what: &str) -> Result<()> {
+    func.set_attribute(
+        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        i32_arg(bytes, what)?,
+    )
+    .map_err(launch_err)
+}
+
+/// Tokens `t0..t0 + n` of a call (whole chunks, except possibly the last) from `state`: writes their
+/// outputs into `out` and returns the state after them.
+fn delta_rule_launch(
+    dev: &CudaDevice,
+    x: &TokenInputs<'_>,
+    out: &CudaSlice<f32>,
+    t0: usize,
+    n: usize,
+    state: &RuleState,
+) -> Result<RuleState> {
+    let (heads, dk, dv) = (x.heads as usize, x.dk, x.dv);
+    let chunks = (state.pending + n).div_ceil(CHUNK);
+    let s_in = state.chunk_start.contiguous()?;
+    let pk_in = state.pending_k.contiguous()?;
+    let pu_in = state.pending_u.contiguous()?;
+    let gam_in = state.pending_gamma.contiguous()?;
     let is = Input::new(&s_in, DType::F32, "memory")?;
     let ipk = Input::new(&pk_in, DType::F32, "pending keys")?;
     let ipu = Input::new(&pu_in, DType::F32, "pending values")?;
     let igam = Input::new(&gam_in, DType::F64, "pending decays")?;
+    let (vs, vpk, vpu) = (is.view::<f32>()?, ipk.view::<f32>()?, ipu.view::<f32>()?);
+    let vgam = igam.view::<f64>()?;
 
-    let out = alloc::<f32>(&dev, t_len * heads * dv)?;
-    let s_out = alloc::<f32>(&dev, heads * dk * dv)?;
-    let pk_out = alloc::<f32>(&dev, heads * CHUNK * dk)?;
-    let pu_out = alloc::<f32>(&dev, heads * CHUNK * dv)?;
-    let gam_out = alloc::<f64>(&dev, heads * CHUNK)?;
+    // Scratch of the pair kernel: At/Bt [H, chunks, 2, 64, 64] and Γ [H, chunks, 64], all written.
+    let ab = alloc::<f32>(dev, heads * chunks * 2 * CHUNK * CHUNK)?;
+    let gam_s = alloc::<f64>(dev, heads * chunks * CHUNK)?;
+    let s_out = alloc::<f32>(dev, heads * dk * dv)?;
+    let pk_out = alloc::<f32>(dev, heads * CHUNK * dk)?;
+    let pu_out = alloc::<f32>(dev, heads * CHUNK * dv)?;
+    let gam_out = alloc::<f64>(dev, heads * CHUNK)?;
 
-    let cw = DELTA_RULE_COLUMNS;
-    let smem_floats = dk * cw + CHUNK * cw * 3 + CHUNK * CHUNK * 2 + CHUNK * (dk + 1) + 2 * CHUNK;
-    let smem = CHUNK * 8 + smem_floats * 4;
-    let func = dev.get_or_load_custom_func("delta_rule_chunked_f32", "prism_delta_rule", DELTA_RULE_PTX)?;
-    func.set_attribute(
-        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        i32_arg(smem, "delta rule shared memory")?,
-    )
-    .map_err(launch_err)?;
-    let cfg = LaunchConfig {
-        grid_dim: ((heads as u32), (dv / cw) as u32, 1),
-        block_dim: (DELTA_RULE_THREADS, 1, 1),
-        shared_mem_bytes: smem as u32,
-    };
-    let (t_i, h_i, dk_i, dv_i, p_i) = (
-        i32_arg(t_len, "tokens")?,
-        i32_arg(heads, "heads")?,
+    // Shared memory, as laid out at the top of each kernel (XS = CHUNK + 4, US = CW + 4).
+    let (xs, us, cw) = (CHUNK + 4, DELTA_RULE_COLUMNS + 4, DELTA_RULE_COLUMNS);
+    let pairs_smem = CHUNK * 8 + CHUNK * 4 + 2 * dk * xs * 4;
+    let main_smem =
+        CHUNK * 8 + 3 * CHUNK * 4 + (dk * cw + 2 * CHUNK * us + dk * xs + (dk * xs).max(2 * CHUNK * CHUNK)) * 4;
+    let (t0_i, n_i, dk_i, dv_i, p_i, ch_i) = (
+        i32_arg(t0, "token offset")?,
+        i32_arg(n, "tokens")?,
         i32_arg(dk, "dk")?,
         i32_arg(dv, "dv")?,
         i32_arg(state.pending, "pending")?,
+        i32_arg(chunks, "chunks")?,
     );
+
+    let pairs = dev.get_or_load_custom_func("delta_rule_pairs_f32", "prism_delta_rule", DELTA_RULE_PTX)?;
+    allow_shared(&pairs, pairs_smem, "delta rule pair shared memory")?;
+    let cfg = LaunchConfig {
+        grid_dim: (heads as u32, chunks as u32, 1),
+        block_dim: (DELTA_RULE_THREADS, 1, 1),
+        shared_mem_bytes: pairs_smem as u32,
+    };
     {
-        let (vq, vk, vv) = (iq.view::<f32>()?, ik.view::<f32>()?, iv.view::<f32>()?);
-        let (vg, vb) = (ig.view::<f32>()?, ib.view::<f32>()?);
-        let (vs, vpk, vpu) = (is.view::<f32>()?, ipk.view::<f32>()?, ipu.view::<f32>()?);
-        let vgam = igam.view::<f64>()?;
-        let mut b = func.builder();
-        b.arg(&vq).arg(&vk).arg(&vv).arg(&vg).arg(&vb);
-        b.arg(&vs).arg(&vpk).arg(&vpu).arg(&vgam);
-        b.arg(&out).arg(&s_out).arg(&pk_out).arg(&pu_out).arg(&gam_out);
-        b.arg(&t_i).arg(&h_i).arg(&dk_i).arg(&dv_i).arg(&p_i);
-        // SAFETY: argument types and buffer sizes match the kernel's signature (checked above).
+        let mut b = pairs.builder();
+        b.arg(&x.q).arg(&x.k).arg(&x.g).arg(&x.beta).arg(&vpk).arg(&vgam);
+        b.arg(&ab).arg(&gam_s);
+        b.arg(&t0_i).arg(&n_i).arg(&x.heads).arg(&dk_i).arg(&p_i);
+        // SAFETY: argument types and buffer sizes match the kernel's signature (checked by the caller
+        // and above); the kernel reads tokens t0..t0 + n only.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
-    let new_state = RuleState {
-        chunk_start: wrap(s_out, &dev, (heads, dk, dv)),
-        pending_k: wrap(pk_out, &dev, (heads, CHUNK, dk)),
-        pending_u: wrap(pu_out, &dev, (heads, CHUNK, dv)),
-        pending_gamma: wrap(gam_out, &dev, (heads, CHUNK)),
-        pending: (state.pending + t_len) % CHUNK,
+
+    let main = dev.get_or_load_custom_func("delta_rule_chunked_f32", "prism_delta_rule", DELTA_RULE_PTX)?;
+    allow_shared(&main, main_smem, "delta rule shared memory")?;
+    let cfg = LaunchConfig {
+        grid_dim: (heads as u32, (dv / cw) as u32, 1),
+        block_dim: (DELTA_RULE_THREADS, 1, 1),
+        shared_mem_bytes: main_smem as u32,
     };
-    Ok((wrap(out, &dev, (t_len, heads, dv)), new_state))
+    {
+        let mut b = main.builder();
+        b.arg(&x.q).arg(&x.k).arg(&x.v).arg(&x.beta).arg(&ab).arg(&gam_s);
+        b.arg(&vs).arg(&vpk).arg(&vpu);
+        b.arg(out).arg(&s_out).arg(&pk_out).arg(&pu_out).arg(&gam_out);
+        b.arg(&t0_i).arg(&n_i).arg(&x.heads).arg(&dk_i).arg(&dv_i).arg(&p_i).arg(&ch_i);
+        // SAFETY: as above; `out` holds all tokens of the call and this launch writes t0..t0 + n.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    }
+    Ok(RuleState {
+        chunk_start: wrap(s_out, dev, (heads, dk, dv)),
+        pending_k: wrap(pk_out, dev, (heads, CHUNK, dk)),
+        pending_u: wrap(pu_out, dev, (heads, CHUNK, dv)),
+        pending_gamma: wrap(gam_out, dev, (heads, CHUNK)),
+        pending: (state.pending + n) % CHUNK,
+    })
 }
 
 /// Which normalisation [`norm_rows`] applies (`mode` in ops.cu).
@@ -272,6 +353,11 @@ pub fn causal_conv(x: &Tensor, window: &Tensor, taps: &Tensor) -> Result<(Tensor
     Ok((wrap(out, &dev, (t_len, c)), wrap(new_window, &dev, (k - 1, c))))
 }
 
+/// Warps per block of the attention kernel (rows × heads of one KV group; see ops.cu).
+const ATTENTION_WARPS: usize = 12;
+/// Keys per shared-memory tile of the attention kernel (`ATT_KEYS` in ops.cu).
+const ATTENTION_KEYS: usize = 32;
+
 /// CUDA twin of [`crate::attention::CausalAttention`]: `q: [T, n_h, hd]`, `k, v: [n_kv, past + T, hd]`,
 /// returns `[T, n_h·hd]`.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: f64) -> Result<Tensor> {
@@ -285,12 +371,18 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: 
     let (iq, ik, iv) = (Input::new(&q, DType::F32, "q")?, Input::new(&k, DType::F32, "k")?, Input::new(&v, DType::F32, "v")?);
     let out = alloc::<f32>(&dev, t_len * n_h * hd)?;
     let func = dev.get_or_load_custom_func("causal_attention_f32", "prism_ops", OPS_PTX)?;
-    let warps_per_block = 4u32;
-    let rows = (t_len * n_h) as u32;
+    // One warp per (row, head); a block takes `rows` query rows × `heads` query heads of one KV group
+    // (about 12 warps: 56 registers a thread leave room for three blocks an SM) and shares its key
+    // tiles among them.
+    let group = n_h / n_kv;
+    let heads = (1..=group.min(ATTENTION_WARPS)).rev().find(|d| group % d == 0).unwrap_or(1);
+    let rows = (ATTENTION_WARPS / heads).max(1).min(t_len.max(1));
+    let smem = 2 * ATTENTION_KEYS * hd * 4;
+    allow_shared(&func, smem, "attention shared memory")?;
     let cfg = LaunchConfig {
-        grid_dim: (rows.div_ceil(warps_per_block), 1, 1),
-        block_dim: (32 * warps_per_block, 1, 1),
-        shared_mem_bytes: 0,
+        grid_dim: (t_len.div_ceil(rows) as u32, (n_kv * (group / heads)) as u32, 1),
+        block_dim: (32 * (rows * heads) as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
     };
     let (t_i, nh_i, nkv_i, hd_i, past_i) = (
         i32_arg(t_len, "tokens")?,
@@ -299,11 +391,13 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: 
         i32_arg(hd, "head dim")?,
         i32_arg(past, "past")?,
     );
+    let (rows_i, heads_i) = (i32_arg(rows, "rows per block")?, i32_arg(heads, "heads per block")?);
     let scale_f = scale as f32;
     {
         let (vq, vk, vv) = (iq.view::<f32>()?, ik.view::<f32>()?, iv.view::<f32>()?);
         let mut b = func.builder();
         b.arg(&vq).arg(&vk).arg(&vv).arg(&out).arg(&t_i).arg(&nh_i).arg(&nkv_i).arg(&hd_i).arg(&past_i).arg(&scale_f);
+        b.arg(&rows_i).arg(&heads_i);
         // SAFETY: as above.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
