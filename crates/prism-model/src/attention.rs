@@ -67,6 +67,13 @@ impl Attention {
         segments: &[Segment],
         caches: &mut [&mut KvCache],
     ) -> Result<Tensor> {
+        if caches.len() != segments.len() {
+            return Err(crate::ModelError::InvalidInput(format!(
+                "attention: {} segments but {} states",
+                segments.len(),
+                caches.len()
+            )));
+        }
         let n_tokens = x.dim(0)?;
         let (n_h, n_kv, hd) = (self.n_h, self.n_kv, self.hd);
         let qg = self.q.forward(x)?.reshape((n_tokens, n_h, 2 * hd))?;
@@ -87,7 +94,13 @@ impl Attention {
         let attend_timer = crate::profile::Section::start("attention: kernel + cache append", x.device())?;
         let scale = 1.0 / (hd as f64).sqrt();
         let mut outs = Vec::with_capacity(segments.len());
-        for (seg, cache) in segments.iter().zip(caches.iter_mut()) {
+        for (i, seg) in segments.iter().enumerate() {
+            // A branch reads its parent's keys and values, the parent's own tokens of this call included.
+            if let Some(p) = seg.parent.filter(|&p| p < i) {
+                let parent = caches[p].clone();
+                *caches[i] = parent;
+            }
+            let cache = &mut *caches[i];
             let t = seg.len;
             let past = cache.len();
             let q_s = q.narrow(0, seg.start, t)?.contiguous()?; // [T, n_h, hd]

@@ -75,6 +75,13 @@ impl DeltaNet {
         segments: &[Segment],
         states: &mut [&mut DeltaNetState],
     ) -> Result<Tensor> {
+        if states.len() != segments.len() {
+            return Err(ModelError::InvalidInput(format!(
+                "DeltaNet: {} segments but {} states",
+                segments.len(),
+                states.len()
+            )));
+        }
         let n_tokens = x.dim(0)?;
         let key_dim = self.n_k * self.dk;
         let dev = x.device();
@@ -89,13 +96,18 @@ impl DeltaNet {
 
         let conv_out = profile::time("deltanet: conv", dev, || -> Result<_> {
             let mut conv_out = Vec::with_capacity(segments.len());
-            for (seg, state) in segments.iter().zip(states.iter_mut()) {
+            for (i, seg) in segments.iter().enumerate() {
+                // A branch starts from its parent's window right after the parent's tokens.
+                if let Some(p) = seg.parent.filter(|&p| p < i) {
+                    let window = states[p].conv.clone();
+                    states[i].conv = window;
+                }
                 let (out, window) = causal_conv(
                     &mixed.narrow(0, seg.start, seg.len)?,
-                    &state.conv,
+                    &states[i].conv,
                     &self.conv_taps,
                 )?;
-                state.conv = window;
+                states[i].conv = window;
                 conv_out.push(out);
             }
             Ok(Tensor::cat(&conv_out, 0)?.silu()?)
@@ -125,7 +137,12 @@ impl DeltaNet {
 
         let rule_timer = profile::Section::start("deltanet: delta rule", dev)?;
         let mut outs = Vec::with_capacity(segments.len());
-        for (seg, state) in segments.iter().zip(states.iter_mut()) {
+        for (i, seg) in segments.iter().enumerate() {
+            if let Some(p) = seg.parent.filter(|&p| p < i) {
+                let rule = states[p].rule.clone();
+                states[i].rule = rule;
+            }
+            let state = &mut *states[i];
             if state.rule.pending != seg.past % delta_rule::CHUNK {
                 return Err(ModelError::InvalidInput(format!(
                     "DeltaNet state holds {} tokens of the current chunk, but the sequence has {} tokens",

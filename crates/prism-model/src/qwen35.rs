@@ -30,6 +30,9 @@ pub struct Segment {
     pub len: usize,
     /// Tokens the sequence had processed before this call.
     pub past: usize,
+    /// `Some(p)`: this sequence branches from segment `p` of the same batch (an earlier one) and starts,
+    /// in every layer, from `p`'s state right after `p`'s rows ([`BatchItem::parent`]).
+    pub parent: Option<usize>,
 }
 
 /// How to load a model.
@@ -101,6 +104,13 @@ pub struct BatchItem<'a> {
     /// Explicit M-RoPE positions, one per token (for image blocks). `None`: text positions
     /// `(p, p, p)` continuing from the state's next position.
     pub positions: Option<&'a [Position3]>,
+    /// `Some(p)`: this item continues item `p` of the same batch (`p` earlier in the batch) from the
+    /// point where `p`'s tokens end — a branch off a shared prefix computed in the same pass. Its own
+    /// `state` is ignored on input and holds the branch's state on output. In every layer the branch
+    /// starts from `p`'s layer state right after `p`'s tokens, so the weights are read once for the
+    /// prefix and all its branches, with the same bits as a prefill of `p` followed by a batch of
+    /// branches.
+    pub parent: Option<usize>,
 }
 
 impl<'a> BatchItem<'a> {
@@ -109,6 +119,7 @@ impl<'a> BatchItem<'a> {
             state,
             tokens,
             positions: None,
+            parent: None,
         }
     }
 }
@@ -352,7 +363,22 @@ impl Qwen35Model {
             if item.tokens.is_empty() {
                 return Err(ModelError::EmptyPrompt { index });
             }
-            self.check_state(item.state, index)?;
+            // A branch's starting point: its parent's state after the parent's tokens of this call.
+            let (start_tokens, start_position) = match item.parent {
+                Some(p) if p < index => {
+                    let seg: &Segment = &segments[p];
+                    (seg.past + seg.len, next_positions[p])
+                }
+                Some(p) => {
+                    return Err(ModelError::InvalidInput(format!(
+                        "batch item {index} branches from item {p}, which is not earlier in the batch"
+                    )))
+                }
+                None => {
+                    self.check_state(item.state, index)?;
+                    (item.state.n_tokens, item.state.next_position)
+                }
+            };
             if let Some((position, &token)) = item
                 .tokens
                 .iter()
@@ -377,7 +403,7 @@ impl Qwen35Model {
                 }
                 Some(p) => positions.extend_from_slice(p),
                 None => {
-                    let p0 = item.state.next_position;
+                    let p0 = start_position;
                     for j in 0..t_len {
                         let p = u32::try_from(j)
                             .ok()
@@ -399,11 +425,12 @@ impl Qwen35Model {
             let next = max_pos.checked_add(1).ok_or_else(|| {
                 ModelError::InvalidInput(format!("prompt {index}: position overflows u32"))
             })?;
-            next_positions.push(next.max(item.state.next_position));
+            next_positions.push(next.max(start_position));
             segments.push(Segment {
                 start: ids.len(),
                 len: t_len,
-                past: item.state.n_tokens,
+                past: start_tokens,
+                parent: item.parent,
             });
             ids.extend_from_slice(item.tokens);
         }
@@ -435,7 +462,9 @@ impl Qwen35Model {
                             ))),
                         })
                         .collect::<Result<_>>()?;
-                    profile::time("deltanet layer", dev, || net.forward(&h, &segments, &mut states))?
+                    profile::time("deltanet layer", dev, || {
+                        net.forward(&h, &segments, &mut states)
+                    })?
                 }
                 Mixer::Attention(attn) => {
                     let mut caches: Vec<&mut KvCache> = work
@@ -467,7 +496,7 @@ impl Qwen35Model {
             .zip(&segments)
             .zip(next_positions)
         {
-            state.n_tokens += seg.len;
+            state.n_tokens = seg.past + seg.len;
             state.next_position = next;
             *item.state = state;
         }
@@ -550,30 +579,29 @@ impl Qwen35Model {
             }
             return self.last_hidden(suffixes);
         }
-        let mut prefix_state = self.new_state()?;
-        let prefix_last = self.prefill(&mut prefix_state, prefix)?;
-        let mut states: Vec<SequenceState> =
-            suffixes.iter().map(|_| prefix_state.clone()).collect();
-        let mut items: Vec<BatchItem<'_>> = states
-            .iter_mut()
-            .zip(suffixes)
-            .filter(|(_, s)| !s.is_empty())
-            .map(|(st, s)| BatchItem::new(st, s))
-            .collect();
-        let suffix_last = if items.is_empty() {
-            None
-        } else {
-            Some(self.forward(&mut items)?.last_hidden()?)
-        };
+        // One pass: the prefix is item 0 and every non-empty suffix branches from it, so each layer's
+        // weights are read once for all of them.
+        let mut states: Vec<SequenceState> = (0..=suffixes.len())
+            .map(|_| self.new_state())
+            .collect::<Result<_>>()?;
+        let (prefix_state, branch_states) = states.split_at_mut(1);
+        let mut items = vec![BatchItem::new(&mut prefix_state[0], prefix)];
+        for (st, s) in branch_states.iter_mut().zip(suffixes) {
+            if !s.is_empty() {
+                let mut item = BatchItem::new(st, s);
+                item.parent = Some(0);
+                items.push(item);
+            }
+        }
+        let last = self.forward(&mut items)?.last_hidden()?;
         let mut rows = Vec::with_capacity(suffixes.len());
-        let mut next_suffix_row = 0;
+        let mut next_suffix_row = 1;
         for s in suffixes {
-            match (&suffix_last, s.is_empty()) {
-                (Some(last), false) => {
-                    rows.push(last.narrow(0, next_suffix_row, 1)?);
-                    next_suffix_row += 1;
-                }
-                _ => rows.push(prefix_last.clone()),
+            if s.is_empty() {
+                rows.push(last.narrow(0, 0, 1)?);
+            } else {
+                rows.push(last.narrow(0, next_suffix_row, 1)?);
+                next_suffix_row += 1;
             }
         }
         Ok(Tensor::cat(&rows, 0)?)

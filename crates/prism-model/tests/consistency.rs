@@ -437,3 +437,56 @@ fn thread_count_does_not_change_results() {
         assert_states_identical(&what, &state, &one_shot(model, 3).1);
     }
 }
+
+/// Branches computed in the same pass as their prefix (`BatchItem::parent`): a prefix, two branches of
+/// it, an unrelated prompt in between and a branch of a branch give the hidden states and final states
+/// of running each full sequence alone, bit for bit.
+#[test]
+fn branches_in_the_same_pass_equal_one_by_one() {
+    for model in models() {
+        let (p1, p2) = (&prompts()[1], &prompts()[2]);
+        // Prompt 1 split as prefix | middle | tail; prompt 2 and 3 unrelated.
+        let (a, rest) = p1.split_at(p1.len() / 2);
+        let (b, c) = rest.split_at(rest.len() / 3);
+        let mut states: Vec<SequenceState> = (0..5).map(|_| model.new_state().unwrap()).collect();
+        let [s0, s1, s2, s3, s4] = &mut states[..] else { unreachable!() };
+        let mut items = vec![
+            BatchItem::new(s0, a),
+            BatchItem::new(s1, p2),
+            BatchItem::new(s2, b),
+            BatchItem::new(s3, rest),
+            BatchItem::new(s4, c),
+        ];
+        items[2].parent = Some(0); // a ++ b
+        items[3].parent = Some(0); // a ++ rest = prompt 1
+        items[4].parent = Some(2); // a ++ b ++ c = prompt 1, through a branch of a branch
+        let out = model.forward(&mut items).unwrap();
+        drop(items);
+        let full = one_shot(model, 1);
+        let alone2 = one_shot(model, 2);
+        let seq = |i: usize| out.sequence_hidden(i).unwrap();
+        let at = |start: usize, len: usize| full.0.narrow(0, start, len).unwrap();
+        assert_identical(model, "prefix item", &seq(0), &at(0, a.len()));
+        assert_identical(model, "unrelated item between branches", &seq(1), &alone2.0);
+        assert_identical(model, "branch a|b", &seq(2), &at(a.len(), b.len()));
+        assert_identical(model, "branch a|rest", &seq(3), &at(a.len(), rest.len()));
+        assert_identical(model, "branch of a branch a|b|c", &seq(4), &at(a.len() + b.len(), c.len()));
+        assert_states_identical("branch a|rest state", &states[3], &full.1);
+        assert_states_identical("branch a|b|c state", &states[4], &full.1);
+    }
+}
+
+#[test]
+fn a_branch_must_follow_its_parent() {
+    let model = bf16_model();
+    let p = &prompts()[0];
+    let mut s0 = model.new_state().unwrap();
+    let mut s1 = model.new_state().unwrap();
+    let mut items = vec![BatchItem::new(&mut s0, p), BatchItem::new(&mut s1, p)];
+    items[0].parent = Some(1);
+    let err = model.forward(&mut items).unwrap_err().to_string();
+    assert!(err.contains("not earlier in the batch"), "{err}");
+    items[0].parent = Some(0);
+    let err = model.forward(&mut items).unwrap_err().to_string();
+    assert!(err.contains("not earlier in the batch"), "{err}");
+}
