@@ -27,9 +27,9 @@
 //! (`~3·dk·dv + 2r·(dk + dv)` multiply-adds per head against `4·dk·dv`).
 //!
 //! All reductions use the fixed-order [`matmul::dot`] / [`matmul::axpy`]; decays are formed in f64 (over
-//! a chunk `Γ` can reach hundreds, and `Γ_r − Γ_s` would lose ~|Γ|·1e-7 to cancellation in f32). The
-//! kernel runs on the host; tensors on another device are copied there and back (a device kernel is
-//! future work).
+//! a chunk `Γ` can reach hundreds, and `Γ_r − Γ_s` would lose ~|Γ|·1e-7 to cancellation in f32). On a
+//! CUDA device (feature `cuda`), f32 tensors go to the twin kernel in `kernels/delta_rule.cu` (same chunk
+//! boundaries and state, its own fixed per-element order); other devices copy to the host and back.
 //!
 //! Shapes: `q, k: [T, H, dk]` (already expanded to the `H` value heads), `v: [T, H, dv]`, `g, beta:
 //! [T, H]`, all of one float dtype (f32, or f64 for the ground-truth path).

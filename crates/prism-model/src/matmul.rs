@@ -14,8 +14,9 @@
 //! number of rows, the thread count or the machine (x86-64 with AVX2+FMA, or any CPU through the portable
 //! path, which is slow where `mul_add` has no hardware instruction).
 //!
-//! On devices other than the CPU, [`crate::ops::linear`] falls back to candle's matmul (not
-//! batch-invariant).
+//! On CUDA, [`crate::ops::linear`] runs bf16 weights through cuBLAS (f32 result) and other float
+//! weights through candle's matmul; neither is batch-invariant. The integer path
+//! ([`crate::linear::Linear::Quant`]) is, on the GPU as on the CPU.
 
 use std::ops::{Add, Div, Mul, Neg, Sub};
 
