@@ -7,11 +7,11 @@
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
 use candle_core::cuda_backend::cudarc::cublas::{result as cublas, sys as cublas_sys};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
-use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
-use candle_core::op::BackpropOp;
-use candle_core::{bail, DType, Device, Result, Shape, Storage, Tensor};
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{bail, DType, Result, Tensor};
+use prism_quant::cuda_launch::{alloc, cuda_device, i32_arg, launch_err, wrap, Input};
 
 use crate::delta_rule::{RuleState, CHUNK};
 
@@ -25,64 +25,6 @@ const DELTA_RULE_THREADS: u32 = 256;
 /// chunk) for long prompts. Launch boundaries fall on chunk boundaries, and the state carries across
 /// them exactly as across calls, so the split changes no bits.
 const DELTA_RULE_CHUNKS_PER_LAUNCH: usize = 32;
-
-fn cuda_device(t: &Tensor) -> Result<CudaDevice> {
-    match t.device() {
-        Device::Cuda(d) => Ok(d.clone()),
-        other => bail!("expected a CUDA tensor, found one on {other:?}"),
-    }
-}
-
-fn launch_err<E: std::error::Error + Send + Sync + 'static>(e: E) -> candle_core::Error {
-    candle_core::Error::Cuda(Box::new(e))
-}
-
-/// A read guard on a tensor's CUDA storage plus the element range of its (contiguous) layout.
-struct Input<'a> {
-    guard: candle_core::StorageRef<'a>,
-    start: usize,
-    end: usize,
-    name: &'static str,
-}
-
-impl<'a> Input<'a> {
-    fn new(t: &'a Tensor, dtype: DType, name: &'static str) -> Result<Self> {
-        if t.dtype() != dtype {
-            bail!("{name}: expected {dtype:?}, found {:?}", t.dtype());
-        }
-        let (guard, layout) = t.storage_and_layout();
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            bail!("{name} must be contiguous");
-        };
-        Ok(Self {
-            guard,
-            start,
-            end,
-            name,
-        })
-    }
-
-    fn view<T: CudaDType>(&self) -> Result<CudaView<'_, T>> {
-        match &*self.guard {
-            Storage::Cuda(cs) => Ok(cs.as_cuda_slice::<T>()?.slice(self.start..self.end)),
-            _ => bail!("{} is not on a CUDA device", self.name),
-        }
-    }
-}
-
-fn alloc<T: DeviceRepr>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
-    // SAFETY: every element is written by the kernel before it is read.
-    unsafe { dev.alloc::<T>(len.max(1)) }
-}
-
-fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
-    let storage = CudaStorage::wrap_cuda_slice(slice, dev.clone());
-    Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false)
-}
-
-fn i32_arg(x: usize, what: &str) -> Result<i32> {
-    i32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("{what} = {x} does not fit in i32")))
-}
 
 /// The CUDA twin of [`crate::delta_rule::chunked`]: same inputs, same state layout, same chunk
 /// boundaries. f32 only.
@@ -98,22 +40,10 @@ pub fn delta_rule_chunked(
     beta: &Tensor,
     state: &RuleState,
 ) -> Result<(Tensor, RuleState)> {
-    let (heads, dk, dv) = state.chunk_start.dims3()?;
-    let t_len = k.dim(0)?;
-    if q.dims() != [t_len, heads, dk]
-        || k.dims() != [t_len, heads, dk]
-        || v.dims() != [t_len, heads, dv]
-        || g.dims() != [t_len, heads]
-        || beta.dims() != [t_len, heads]
-        || t_len == 0
-        || dv % DELTA_RULE_COLUMNS != 0
-        || dk % 4 != 0
-        || dk > 256
-        || state.pending >= CHUNK
-    {
+    let (t_len, heads, dk, dv) = crate::delta_rule::check_inputs(q, k, v, g, beta, state)?;
+    if dv % DELTA_RULE_COLUMNS != 0 || dk % 4 != 0 || dk > 256 {
         bail!(
-            "delta rule (cuda): q {:?}, k {:?}, v {:?}, g {:?}, beta {:?} do not fit the state {:?} ({} pending; dv must be a multiple of {DELTA_RULE_COLUMNS}, dk a multiple of 4 up to 256)",
-            q.dims(), k.dims(), v.dims(), g.dims(), beta.dims(), state.chunk_start.dims(), state.pending
+            "delta rule (cuda): dv = {dv} must be a multiple of {DELTA_RULE_COLUMNS}, dk = {dk} a multiple of 4 up to 256"
         );
     }
     let dev = cuda_device(q)?;

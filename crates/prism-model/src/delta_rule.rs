@@ -179,6 +179,7 @@ pub fn chunked(
     beta: &Tensor,
     state: &RuleState,
 ) -> Result<(Tensor, RuleState)> {
+    check_inputs(q, k, v, g, beta, state)?;
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() && q.dtype() == DType::F32 {
         return crate::cuda::delta_rule_chunked(q, k, v, g, beta, state);
@@ -188,6 +189,43 @@ pub fn chunked(
         DType::F64 => chunked_typed::<f64>(q, k, v, g, beta, state),
         other => candle_core::bail!("delta rule: unsupported dtype {other:?}"),
     }
+}
+
+/// Checks that `q, k: [T, H, dk]`, `v: [T, H, dv]`, `g, beta: [T, H]` (T ≥ 1) fit `state` (memory
+/// `[H, dk, dv]`, fewer than [`CHUNK`] pending rows) and share its dtype; returns `(T, H, dk, dv)`.
+pub(crate) fn check_inputs(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    state: &RuleState,
+) -> Result<(usize, usize, usize, usize)> {
+    let (heads, dk, dv) = state.dims()?;
+    let t_len = k.dim(0)?;
+    let dtype = state.chunk_start.dtype();
+    if q.dims() != [t_len, heads, dk]
+        || k.dims() != [t_len, heads, dk]
+        || v.dims() != [t_len, heads, dv]
+        || g.dims() != [t_len, heads]
+        || beta.dims() != [t_len, heads]
+        || t_len == 0
+        || state.pending >= CHUNK
+        || [q, k, v, g, beta].iter().any(|t| t.dtype() != dtype)
+    {
+        candle_core::bail!(
+            "delta rule: q {:?}, k {:?}, v {:?}, g {:?}, beta {:?} ({:?}) do not fit the state {:?} ({dtype:?}, {} pending)",
+            q.dims(),
+            k.dims(),
+            v.dims(),
+            g.dims(),
+            beta.dims(),
+            q.dtype(),
+            state.chunk_start.dims(),
+            state.pending
+        );
+    }
+    Ok((t_len, heads, dk, dv))
 }
 
 /// One token's inputs for one head.
@@ -207,25 +245,9 @@ fn chunked_typed<F: Float + WithDType>(
     beta: &Tensor,
     state: &RuleState,
 ) -> Result<(Tensor, RuleState)> {
-    let (heads, dk, dv) = state.dims()?;
-    let t_len = k.dim(0)?;
-    if q.dims() != [t_len, heads, dk]
-        || k.dims() != [t_len, heads, dk]
-        || v.dims() != [t_len, heads, dv]
-        || g.dims() != [t_len, heads]
-        || beta.dims() != [t_len, heads]
-        || state.chunk_start.dtype() != F::DTYPE
-    {
-        candle_core::bail!(
-            "delta rule: q {:?}, k {:?}, v {:?}, g {:?}, beta {:?} do not fit the state {:?} ({} pending)",
-            q.dims(),
-            k.dims(),
-            v.dims(),
-            g.dims(),
-            beta.dims(),
-            state.chunk_start.dims(),
-            state.pending
-        );
+    let (t_len, heads, dk, dv) = check_inputs(q, k, v, g, beta, state)?;
+    if state.chunk_start.dtype() != F::DTYPE {
+        candle_core::bail!("delta rule: state is {:?}, inputs {:?}", state.chunk_start.dtype(), F::DTYPE);
     }
     let (q, k, v) = (host::<F>(q)?, host::<F>(k)?, host::<F>(v)?);
     let (g, beta) = (host::<F>(g)?, host::<F>(beta)?);

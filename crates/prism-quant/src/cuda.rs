@@ -10,14 +10,12 @@
 use candle_core::cuda_backend::cudarc::driver::sys::{
     CUdevice_attribute, CUfunction_attribute_enum,
 };
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
-};
-use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
-use candle_core::op::BackpropOp;
-use candle_core::{bail, DType, Device, Result, Shape, Storage, Tensor};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{bail, DType, Device, Result, Tensor};
 
 use crate::activation::ActivationScale;
+use crate::cuda_launch::{alloc, cuda_device, i32_arg, launch_err, wrap, Input};
 use crate::cuda_plan::{self, FlatWeight, GemmKernel, SIMT_THREADS, TC_THREADS};
 use crate::error::QuantError;
 use crate::weight::{QuantWeight, WeightFormat};
@@ -25,67 +23,8 @@ use crate::weight::{QuantWeight, WeightFormat};
 const QUANT_GEMM_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/quant_gemm.ptx"));
 const MODULE: &str = "prism_quant_gemm";
 
-fn launch_err<E: std::error::Error + Send + Sync + 'static>(e: E) -> candle_core::Error {
-    candle_core::Error::Cuda(Box::new(e))
-}
-
 fn quant_err(e: QuantError) -> candle_core::Error {
     candle_core::Error::wrap(e)
-}
-
-fn i32_arg(x: usize, what: &str) -> Result<i32> {
-    i32::try_from(x)
-        .map_err(|_| candle_core::Error::Msg(format!("{what} = {x} does not fit in i32")))
-}
-
-fn cuda_device(t: &Tensor) -> Result<CudaDevice> {
-    match t.device() {
-        Device::Cuda(d) => Ok(d.clone()),
-        other => bail!("integer matmul (cuda): expected a CUDA tensor, found one on {other:?}"),
-    }
-}
-
-/// A read guard on a tensor's CUDA storage plus the element range of its (contiguous) layout.
-struct Input<'a> {
-    guard: candle_core::StorageRef<'a>,
-    start: usize,
-    end: usize,
-    name: &'static str,
-}
-
-impl<'a> Input<'a> {
-    fn new(t: &'a Tensor, dtype: DType, name: &'static str) -> Result<Self> {
-        if t.dtype() != dtype {
-            bail!("{name}: expected {dtype:?}, found {:?}", t.dtype());
-        }
-        let (guard, layout) = t.storage_and_layout();
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            bail!("{name} must be contiguous");
-        };
-        Ok(Self {
-            guard,
-            start,
-            end,
-            name,
-        })
-    }
-
-    fn view<T: CudaDType>(&self) -> Result<CudaView<'_, T>> {
-        match &*self.guard {
-            Storage::Cuda(cs) => Ok(cs.as_cuda_slice::<T>()?.slice(self.start..self.end)),
-            _ => bail!("{} is not on a CUDA device", self.name),
-        }
-    }
-}
-
-fn alloc<T: DeviceRepr>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
-    // SAFETY: every element is written by a kernel before it is read.
-    unsafe { dev.alloc::<T>(len.max(1)) }
-}
-
-fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
-    let storage = CudaStorage::wrap_cuda_slice(slice, dev.clone());
-    Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false)
 }
 
 /// A [`QuantWeight`] on a CUDA device: the arrays of [`FlatWeight`], row-major. Arrays the format does

@@ -48,6 +48,8 @@
 pub mod activation;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod cuda_launch;
 pub mod cuda_plan;
 pub mod error;
 pub mod kernel;
