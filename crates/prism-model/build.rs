@@ -1,38 +1,8 @@
-//! With the `cuda` feature, compiles the CUDA kernels in `kernels/` to PTX at build time, so the engine
-//! never needs a compiler when it starts. Without the feature this does nothing (CI and the CPU build
-//! need no CUDA toolchain).
+//! With the `cuda` feature, compiles the decoder's CUDA kernels (`kernels/delta_rule.cu`,
+//! `kernels/ops.cu`) to PTX at build time (see `kernels/build_ptx.rs`).
 
-use std::path::PathBuf;
-use std::process::Command;
-
-/// The kernel sources, each compiled to `$OUT_DIR/<name>.ptx`.
-const KERNELS: &[&str] = &["delta_rule", "ops"];
+include!("../../kernels/build_ptx.rs");
 
 fn main() {
-    println!("cargo:rerun-if-changed=build.rs");
-    println!("cargo:rerun-if-env-changed=CARGO_FEATURE_CUDA");
-    if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
-        return;
-    }
-    let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
-    let kernels = manifest.join("../../kernels");
-    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    let nvcc = std::env::var("CUDA_HOME")
-        .map(|h| PathBuf::from(h).join("bin/nvcc"))
-        .unwrap_or_else(|_| PathBuf::from("nvcc"));
-    println!("cargo:rerun-if-env-changed=CUDA_HOME");
-    for name in KERNELS {
-        let src = kernels.join(format!("{name}.cu"));
-        println!("cargo:rerun-if-changed={}", src.display());
-        let ptx = out.join(format!("{name}.ptx"));
-        // compute_80 PTX: JIT-compiled by the driver on every GPU from Ampere (sm_80) on, Hopper included.
-        let status = Command::new(&nvcc)
-            .args(["-O3", "--ptx", "-arch=compute_80", "-lineinfo"])
-            .arg(&src)
-            .arg("-o")
-            .arg(&ptx)
-            .status()
-            .unwrap_or_else(|e| panic!("cannot run nvcc ({}): {e}", nvcc.display()));
-        assert!(status.success(), "nvcc failed on {}", src.display());
-    }
+    compile_kernels_to_ptx(&["delta_rule", "ops"]);
 }

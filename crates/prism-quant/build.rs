@@ -1,40 +1,8 @@
-//! With the `cuda` feature, compiles `kernels/quant_gemm.cu` (the integer matmul) to PTX at build time,
-//! as prism-model's build.rs does for its kernels. Without the feature this does nothing (CI and the
-//! CPU build need no CUDA toolchain).
+//! With the `cuda` feature, compiles the integer GEMM kernels (`kernels/quant_gemm.cu`) to PTX at build
+//! time (see `kernels/build_ptx.rs`).
 
-use std::path::PathBuf;
-use std::process::Command;
-
-/// The kernel sources, each compiled to `$OUT_DIR/<name>.ptx`.
-const KERNELS: &[&str] = &["quant_gemm"];
+include!("../../kernels/build_ptx.rs");
 
 fn main() {
-    println!("cargo:rerun-if-changed=build.rs");
-    println!("cargo:rerun-if-env-changed=CARGO_FEATURE_CUDA");
-    if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
-        return;
-    }
-    let manifest =
-        PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
-    let kernels = manifest.join("../../kernels");
-    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    let nvcc = std::env::var("CUDA_HOME")
-        .map(|h| PathBuf::from(h).join("bin/nvcc"))
-        .unwrap_or_else(|_| PathBuf::from("nvcc"));
-    println!("cargo:rerun-if-env-changed=CUDA_HOME");
-    for name in KERNELS {
-        let src = kernels.join(format!("{name}.cu"));
-        println!("cargo:rerun-if-changed={}", src.display());
-        let ptx = out.join(format!("{name}.ptx"));
-        // compute_80 PTX (int8 mma.sync needs sm_80): JIT-compiled by the driver on Ampere and later,
-        // Hopper included.
-        let status = Command::new(&nvcc)
-            .args(["-O3", "--ptx", "-arch=compute_80", "-lineinfo"])
-            .arg(&src)
-            .arg("-o")
-            .arg(&ptx)
-            .status()
-            .unwrap_or_else(|e| panic!("cannot run nvcc ({}): {e}", nvcc.display()));
-        assert!(status.success(), "nvcc failed on {}", src.display());
-    }
+    compile_kernels_to_ptx(&["quant_gemm"]);
 }
