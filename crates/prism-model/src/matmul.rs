@@ -239,9 +239,12 @@ pub trait TileKernel<W: Widen<Self>>: Float {
         tile_portable(xs, ws, k)
     }
 
-    /// Whether [`Self::tile_simd`] can run on this CPU.
+    /// Whether [`Self::tile_simd`] can run on this CPU: every SIMD tile kernel needs AVX2 and FMA.
     fn simd_available() -> bool {
-        false
+        #[cfg(target_arch = "x86_64")]
+        return has_avx2_fma();
+        #[cfg(not(target_arch = "x86_64"))]
+        return false;
     }
 
     /// The same arithmetic with explicit SIMD. Only called when [`Self::simd_available`].
@@ -472,12 +475,6 @@ mod x86 {
 }
 
 impl TileKernel<f32> for f32 {
-    fn simd_available() -> bool {
-        #[cfg(target_arch = "x86_64")]
-        return has_avx2_fma();
-        #[cfg(not(target_arch = "x86_64"))]
-        return false;
-    }
     #[inline(always)]
     unsafe fn tile_simd(xs: [&[f32]; MR], ws: [&[f32]; NR], k: usize) -> [[f32; NR]; MR] {
         #[cfg(target_arch = "x86_64")]
@@ -488,12 +485,6 @@ impl TileKernel<f32> for f32 {
 }
 
 impl TileKernel<bf16> for f32 {
-    fn simd_available() -> bool {
-        #[cfg(target_arch = "x86_64")]
-        return has_avx2_fma();
-        #[cfg(not(target_arch = "x86_64"))]
-        return false;
-    }
     #[inline(always)]
     unsafe fn tile_simd(xs: [&[f32]; MR], ws: [&[bf16]; NR], k: usize) -> [[f32; NR]; MR] {
         #[cfg(target_arch = "x86_64")]
@@ -504,12 +495,6 @@ impl TileKernel<bf16> for f32 {
 }
 
 impl TileKernel<f64> for f64 {
-    fn simd_available() -> bool {
-        #[cfg(target_arch = "x86_64")]
-        return has_avx2_fma();
-        #[cfg(not(target_arch = "x86_64"))]
-        return false;
-    }
     #[inline(always)]
     unsafe fn tile_simd(xs: [&[f64]; MR], ws: [&[f64]; NR], k: usize) -> [[f64; NR]; MR] {
         #[cfg(target_arch = "x86_64")]
