@@ -394,22 +394,34 @@ impl Parser<'_> {
             self.skip_whitespace();
             let value = self.value(depth)?;
             object.insert(key, value);
-            self.skip_whitespace();
-            match self.peek() {
-                Some(b',') => {
-                    let comma = self.pos;
-                    self.pos += 1;
-                    self.skip_whitespace();
-                    if self.peek() == Some(b'}') {
-                        return Err(self.error_at(comma, "Illegal trailing comma before end of object".into()));
-                    }
-                }
-                Some(b'}') => {
-                    self.pos += 1;
-                    return Ok(PyValue::Object(object));
-                }
-                _ => return Err(self.error("Expecting ',' delimiter")),
+            if self.after_element(b'}', "object")? {
+                return Ok(PyValue::Object(object));
             }
+        }
+    }
+
+    /// After an array item or object member: consumes `,` (refusing a trailing comma before `close`, as
+    /// Python does) and returns `false`, or consumes `close` and returns `true`.
+    fn after_element(&mut self, close: u8, container: &str) -> Result<bool, JsonError> {
+        self.skip_whitespace();
+        match self.peek() {
+            Some(b',') => {
+                let comma = self.pos;
+                self.pos += 1;
+                self.skip_whitespace();
+                if self.peek() == Some(close) {
+                    return Err(self.error_at(
+                        comma,
+                        format!("Illegal trailing comma before end of {container}"),
+                    ));
+                }
+                Ok(false)
+            }
+            Some(c) if c == close => {
+                self.pos += 1;
+                Ok(true)
+            }
+            _ => Err(self.error("Expecting ',' delimiter")),
         }
     }
 
@@ -424,21 +436,8 @@ impl Parser<'_> {
         }
         loop {
             items.push(self.value(depth)?);
-            self.skip_whitespace();
-            match self.peek() {
-                Some(b',') => {
-                    let comma = self.pos;
-                    self.pos += 1;
-                    self.skip_whitespace();
-                    if self.peek() == Some(b']') {
-                        return Err(self.error_at(comma, "Illegal trailing comma before end of array".into()));
-                    }
-                }
-                Some(b']') => {
-                    self.pos += 1;
-                    return Ok(PyValue::Array(items));
-                }
-                _ => return Err(self.error("Expecting ',' delimiter")),
+            if self.after_element(b']', "array")? {
+                return Ok(PyValue::Array(items));
             }
         }
     }
