@@ -581,9 +581,10 @@ impl Qwen35Model {
         }
         // One pass: the prefix is item 0 and every non-empty suffix branches from it, so each layer's
         // weights are read once for all of them.
-        let mut states: Vec<SequenceState> = (0..=suffixes.len())
-            .map(|_| self.new_state())
-            .collect::<Result<_>>()?;
+        // Branch states are only placeholders (each layer starts from the parent's state), so they share
+        // one fresh state's tensors instead of allocating and zeroing a full state per suffix.
+        let fresh = self.new_state()?;
+        let mut states = vec![fresh; suffixes.len() + 1];
         let (prefix_state, branch_states) = states.split_at_mut(1);
         let mut items = vec![BatchItem::new(&mut prefix_state[0], prefix)];
         for (st, s) in branch_states.iter_mut().zip(suffixes) {
