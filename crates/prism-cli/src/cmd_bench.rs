@@ -440,6 +440,27 @@ fn default_gguf(dir: &Path) -> Result<PathBuf> {
     }
 }
 
+/// A CUDA profiler range for `ncu --profile-from-start off` (`--profiler-range`): started on
+/// creation, stopped on drop. Without the `cuda` feature it is an error to ask for one.
+struct ProfilerRange {
+    #[cfg(feature = "cuda")]
+    _range: candle_core::cuda_backend::cudarc::driver::Profiler,
+}
+
+impl ProfilerRange {
+    #[cfg(feature = "cuda")]
+    fn start() -> Result<Self> {
+        let range = candle_core::cuda_backend::cudarc::driver::Profiler::new()
+            .map_err(|e| anyhow::anyhow!("cuProfilerStart failed: {e}"))?;
+        Ok(Self { _range: range })
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn start() -> Result<Self> {
+        bail!("--profiler-range needs a CUDA build (the `cuda` feature)")
+    }
+}
+
 fn ms(secs: f64) -> f64 {
     secs * 1e3
 }
@@ -481,6 +502,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     for scenario in &scenarios {
         let mut timings = Timings { runs: Vec::new() };
         for run in 0..args.warmup + args.runs {
+            let mut range = if args.profiler_range && run + 1 == args.warmup + args.runs {
+                Some(ProfilerRange::start()?)
+            } else {
+                None
+            };
             let start = Instant::now();
             let response = decide(&scenario.request, &loaded.config, &mut model).map_err(|e| {
                 anyhow::anyhow!(
@@ -491,6 +517,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             })?;
             device.synchronize()?;
             let secs = start.elapsed().as_secs_f64();
+            // Stop the profiler range (if any) after the synchronization.
+            let _ = range.take();
             if run >= args.warmup {
                 timings.runs.push(secs);
             }

@@ -209,6 +209,11 @@ pub struct BenchArgs {
     /// section of the forward pass and print where the time goes (slower than a plain run).
     #[arg(long)]
     pub profile: bool,
+    /// CUDA builds: wrap the last timed run of each scenario in a CUDA profiler range
+    /// (cuProfilerStart/Stop), so that `ncu --profile-from-start off` records exactly one warm pass
+    /// of each scenario and nothing of the load or the floor measurements.
+    #[arg(long)]
+    pub profiler_range: bool,
 }
 
 fn main() -> Result<()> {

@@ -1,4 +1,4 @@
-//! Launchers for our CUDA kernels (`kernels/*.cu`, compiled to PTX by build.rs), on candle tensors.
+//! Launchers for our CUDA kernels (`kernels/*.cu`, compiled to fatbins by build.rs), on candle tensors.
 //!
 //! Each function here has a CPU twin that the CI tests (named in its doc); `prism cuda-check` runs
 //! both on fresh random inputs on the device and reports ‖Δ‖/‖ref‖. All kernels take contiguous f32
@@ -11,12 +11,12 @@ use candle_core::cuda_backend::cudarc::driver::{
 };
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Result, Tensor};
-use prism_quant::cuda_launch::{alloc, cuda_device, i32_arg, launch_err, wrap, Input};
+use prism_quant::cuda_launch::{alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input};
 
 use crate::delta_rule::{RuleState, CHUNK};
 
-const DELTA_RULE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/delta_rule.ptx"));
-const OPS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ops.ptx"));
+const DELTA_RULE_IMAGE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/delta_rule.fatbin"));
+const OPS_IMAGE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/ops.fatbin"));
 
 /// Value columns per delta-rule block (`CW` in delta_rule.cu).
 const DELTA_RULE_COLUMNS: usize = 32;
@@ -142,7 +142,7 @@ fn delta_rule_launch(
         i32_arg(chunks, "chunks")?,
     );
 
-    let pairs = dev.get_or_load_custom_func("delta_rule_pairs_f32", "prism_delta_rule", DELTA_RULE_PTX)?;
+    let pairs = load_kernel(dev, "prism_delta_rule", DELTA_RULE_IMAGE, "delta_rule_pairs_f32")?;
     allow_shared(&pairs, pairs_smem, "delta rule pair shared memory")?;
     let cfg = LaunchConfig {
         grid_dim: (heads as u32, chunks as u32, 1),
@@ -159,7 +159,7 @@ fn delta_rule_launch(
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
 
-    let main = dev.get_or_load_custom_func("delta_rule_chunked_f32", "prism_delta_rule", DELTA_RULE_PTX)?;
+    let main = load_kernel(dev, "prism_delta_rule", DELTA_RULE_IMAGE, "delta_rule_chunked_f32")?;
     allow_shared(&main, main_smem, "delta rule shared memory")?;
     let cfg = LaunchConfig {
         grid_dim: (heads as u32, (dv / cw) as u32, 1),
@@ -220,7 +220,7 @@ fn norm_rows(x: &Tensor, weight: Option<&Tensor>, gate: Option<&Tensor>, eps: f6
     let iw = Input::new(&w, DType::F32, "norm weight")?;
     let ig = Input::new(&gate, DType::F32, "gate")?;
     let y = alloc::<f32>(&dev, x.elem_count())?;
-    let func = dev.get_or_load_custom_func("norm_rows_f32", "prism_ops", OPS_PTX)?;
+    let func = load_kernel(&dev, "prism_ops", OPS_IMAGE, "norm_rows_f32")?;
     let rows_per_block = 4u32;
     let cfg = LaunchConfig {
         grid_dim: ((rows as u32).div_ceil(rows_per_block), 1, 1),
@@ -269,7 +269,7 @@ pub fn causal_conv(x: &Tensor, window: &Tensor, taps: &Tensor) -> Result<(Tensor
     );
     let out = alloc::<f32>(&dev, t_len * c)?;
     let new_window = alloc::<f32>(&dev, (k - 1) * c)?;
-    let func = dev.get_or_load_custom_func("causal_conv_f32", "prism_ops", OPS_PTX)?;
+    let func = load_kernel(&dev, "prism_ops", OPS_IMAGE, "causal_conv_f32")?;
     let total = (t_len + k - 1) * c;
     let cfg = LaunchConfig::for_num_elems(total as u32);
     let (t_i, c_i, k_i) = (i32_arg(t_len, "tokens")?, i32_arg(c, "channels")?, i32_arg(k, "taps")?);
@@ -300,7 +300,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: 
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let (iq, ik, iv) = (Input::new(&q, DType::F32, "q")?, Input::new(&k, DType::F32, "k")?, Input::new(&v, DType::F32, "v")?);
     let out = alloc::<f32>(&dev, t_len * n_h * hd)?;
-    let func = dev.get_or_load_custom_func("causal_attention_f32", "prism_ops", OPS_PTX)?;
+    let func = load_kernel(&dev, "prism_ops", OPS_IMAGE, "causal_attention_f32")?;
     // One warp per (row, head); a block takes `rows` query rows × `heads` query heads of one KV group
     // (about 12 warps: 56 registers a thread leave room for three blocks an SM) and shares its key
     // tiles among them.

@@ -1,8 +1,15 @@
 //! Small helpers for launching our CUDA kernels on candle tensors, shared by prism-quant's integer GEMM
 //! and prism-model's decoder kernels: contiguous views of a tensor's `CudaSlice` held under its storage
-//! guard, uninitialized output buffers wrapped back into tensors, and launch-error conversion.
+//! guard, uninitialized output buffers wrapped back into tensors, launch-error conversion, and
+//! [`load_kernel`], which loads our fatbins (machine code for sm_80/sm_89/sm_90a plus PTX).
 
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DeviceRepr, LaunchArgs,
+};
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{bail, DType, Device, Result, Shape, Storage, Tensor};
@@ -71,3 +78,83 @@ pub fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Int
     Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false)
 }
 
+
+/// A kernel of one of our modules, bound to the device's stream (like candle's `CudaFunc`).
+pub struct Kernel {
+    func: CudaFunction,
+    stream: Arc<CudaStream>,
+}
+
+impl Kernel {
+    /// A launch of this kernel on the device's stream.
+    pub fn builder(&self) -> LaunchArgs<'_> {
+        self.stream.launch_builder(&self.func)
+    }
+}
+
+impl std::ops::Deref for Kernel {
+    type Target = CudaFunction;
+
+    fn deref(&self) -> &CudaFunction {
+        &self.func
+    }
+}
+
+/// Loaded modules and looked-up functions, per CUDA context. Modules keep their context alive, so a
+/// context's address is never reused while it is a key here.
+type FunctionKey = (usize, &'static str, &'static str);
+type ModuleKey = (usize, &'static str);
+static MODULES: Mutex<Option<HashMap<ModuleKey, Arc<CudaModule>>>> = Mutex::new(None);
+static FUNCTIONS: Mutex<Option<HashMap<FunctionKey, CudaFunction>>> = Mutex::new(None);
+
+/// Kernel `name` of module `module`, whose image is `image` (a fatbin, cubin or NUL-terminated PTX,
+/// built by `kernels/build_ptx.rs`). The module is loaded once per device context; the driver picks
+/// the machine code for the GPU, or JIT-compiles the PTX on a GPU the fatbin has no code for.
+pub fn load_kernel(
+    dev: &CudaDevice,
+    module: &'static str,
+    image: &'static [u8],
+    name: &'static str,
+) -> Result<Kernel> {
+    let stream = dev.cuda_stream();
+    let ctx = stream.context().clone();
+    let ctx_key = Arc::as_ptr(&ctx) as usize;
+    fn poisoned<T>(_: T) -> candle_core::Error {
+        candle_core::Error::Msg("CUDA kernel cache lock poisoned".into())
+    }
+    if let Some(func) = FUNCTIONS
+        .lock()
+        .map_err(poisoned)?
+        .get_or_insert_with(HashMap::new)
+        .get(&(ctx_key, module, name))
+    {
+        return Ok(Kernel {
+            func: func.clone(),
+            stream,
+        });
+    }
+    let loaded = {
+        let mut modules = MODULES.lock().map_err(poisoned)?;
+        let modules = modules.get_or_insert_with(HashMap::new);
+        match modules.get(&(ctx_key, module)) {
+            Some(m) => m.clone(),
+            None => {
+                // The driver reads the image in place; an owned copy gives it heap alignment.
+                let m = ctx
+                    .load_module(Ptx::from_binary(image.to_vec()))
+                    .map_err(|e| candle_core::Error::Msg(format!("loading CUDA module {module}: {e}")))?;
+                modules.insert((ctx_key, module), m.clone());
+                m
+            }
+        }
+    };
+    let func = loaded
+        .load_function(name)
+        .map_err(|e| candle_core::Error::Msg(format!("CUDA module {module} has no kernel {name}: {e}")))?;
+    FUNCTIONS
+        .lock()
+        .map_err(poisoned)?
+        .get_or_insert_with(HashMap::new)
+        .insert((ctx_key, module, name), func.clone());
+    Ok(Kernel { func, stream })
+}
