@@ -46,6 +46,25 @@ pub enum QuantError {
         rows: usize,
     },
 
+    #[error("cannot concatenate the rows of {first:?} ({first_format:?}) and {other:?} ({other_format:?}): one fused weight has one format")]
+    ConcatFormat {
+        first: String,
+        first_format: crate::weight::WeightFormat,
+        other: String,
+        other_format: crate::weight::WeightFormat,
+    },
+
+    #[error("cannot concatenate the rows of {first:?} ({first_cols} inputs) and {other:?} ({other_cols} inputs): the inputs differ")]
+    ConcatCols {
+        first: String,
+        first_cols: usize,
+        other: String,
+        other_cols: usize,
+    },
+
+    #[error("concatenating rows: no weights given")]
+    ConcatEmpty,
+
     #[error("activation range {absmax} is unusable for an int8 scale (it must be finite and > 0)")]
     BadActivationRange { absmax: f32 },
 

@@ -377,6 +377,63 @@ impl QuantWeight {
         Ok(out)
     }
 
+    /// One weight whose rows are the rows of `parts`, in that order (e.g. a layer's projections that
+    /// read the same input, run as one GEMM). The parts must share the format and the number of inputs
+    /// ([`QuantError::ConcatFormat`], [`QuantError::ConcatCols`] name the two tensors). Each output of
+    /// the integer matmul depends only on its own row, its input and the activation scale, so the
+    /// product's columns are bit-identical to the parts' own products at the same scale. The name is
+    /// the parts' names joined by `+`.
+    pub fn concat_rows(parts: &[&QuantWeight]) -> Result<QuantWeight> {
+        let (first, rest) = parts.split_first().ok_or(QuantError::ConcatEmpty)?;
+        let mut rows = first.rows;
+        for other in rest {
+            if other.format != first.format {
+                return Err(QuantError::ConcatFormat {
+                    first: first.name.clone(),
+                    first_format: first.format,
+                    other: other.name.clone(),
+                    other_format: other.format,
+                });
+            }
+            if other.cols != first.cols {
+                return Err(QuantError::ConcatCols {
+                    first: first.name.clone(),
+                    first_cols: first.cols,
+                    other: other.name.clone(),
+                    other_cols: other.cols,
+                });
+            }
+            rows = rows
+                .checked_add(other.rows)
+                .ok_or_else(|| QuantError::SizeOverflow {
+                    tensor: other.name.clone(),
+                    rows: other.rows,
+                    cols: other.cols,
+                })?;
+        }
+        // Every array is row-major with a fixed run per row, so the rows of the parts follow each other
+        // by plain concatenation.
+        let join =
+            |f: fn(&QuantWeight) -> &[i8]| parts.iter().flat_map(|p| f(p)).copied().collect();
+        let join_f32 =
+            |f: fn(&QuantWeight) -> &[f32]| parts.iter().flat_map(|p| f(p)).copied().collect();
+        Ok(QuantWeight {
+            name: parts
+                .iter()
+                .map(|p| p.name.as_str())
+                .collect::<Vec<_>>()
+                .join("+"),
+            format: first.format,
+            rows,
+            cols: first.cols,
+            q: join(|p| &p.q),
+            sub_scales: join(|p| &p.sub_scales),
+            sub_mins: join(|p| &p.sub_mins),
+            d: join_f32(|p| &p.d),
+            dmin: join_f32(|p| &p.dmin),
+        })
+    }
+
     /// Bytes held (for logs).
     pub fn memory_bytes(&self) -> usize {
         self.q.len()
