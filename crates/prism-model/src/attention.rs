@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use crate::config::Qwen35Config;
 use crate::error::Result;
 use crate::matmul::{self, Float};
-use crate::linear::Linear;
+use crate::linear::{FusedLinear, Linear};
 use crate::ops::{rms_norm, sigmoid, softmax_last_dim};
 use crate::qwen35::Segment;
 use crate::rope::MRope;
@@ -21,12 +21,11 @@ use crate::weights::WeightLoader;
 /// Weights of one attention layer (GGUF names in comments).
 #[derive(Debug, Clone)]
 pub struct Attention {
-    /// `attn_q`: `[n_h·2·hd, d]`, per head `[query (hd) | gate (hd)]`.
-    pub q: Linear,
-    /// `attn_k`: `[n_kv·hd, d]`.
-    pub k: Linear,
-    /// `attn_v`: `[n_kv·hd, d]`.
-    pub v: Linear,
+    /// The projections of the normed input as one [`FusedLinear`], parts in this order:
+    /// - [`Attention::Q`] `attn_q`: `[n_h·2·hd, d]`, per head `[query (hd) | gate (hd)]`;
+    /// - [`Attention::K`] `attn_k`: `[n_kv·hd, d]`;
+    /// - [`Attention::V`] `attn_v`: `[n_kv·hd, d]`.
+    pub qkv: FusedLinear,
     /// `attn_output`: `[d, n_h·hd]`.
     pub o: Linear,
     /// `attn_q_norm`, `attn_k_norm`: `[hd]`, stored as `1 + w`.
@@ -39,14 +38,18 @@ pub struct Attention {
 }
 
 impl Attention {
+    /// Part indices of [`Attention::qkv`].
+    pub const Q: usize = 0;
+    pub const K: usize = 1;
+    pub const V: usize = 2;
+
     pub fn load(w: &WeightLoader<'_>, cfg: &Qwen35Config, layer: usize) -> Result<Self> {
         let d = cfg.hidden_size;
         let (n_h, n_kv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
         let n = |s: &str| format!("blk.{layer}.{s}");
+        let (q, k, v) = (n("attn_q.weight"), n("attn_k.weight"), n("attn_v.weight"));
         Ok(Self {
-            q: w.linear(&n("attn_q.weight"), 2 * n_h * hd, d)?,
-            k: w.linear(&n("attn_k.weight"), n_kv * hd, d)?,
-            v: w.linear(&n("attn_v.weight"), n_kv * hd, d)?,
+            qkv: w.fused_linear(&[(&q, 2 * n_h * hd), (&k, n_kv * hd), (&v, n_kv * hd)], d)?,
             o: w.linear(&n("attn_output.weight"), d, n_h * hd)?,
             q_norm: w.vector(&n("attn_q_norm.weight"), hd)?,
             k_norm: w.vector(&n("attn_k_norm.weight"), hd)?,
@@ -76,18 +79,19 @@ impl Attention {
         }
         let n_tokens = x.dim(0)?;
         let (n_h, n_kv, hd) = (self.n_h, self.n_kv, self.hd);
-        let qg = self.q.forward(x)?.reshape((n_tokens, n_h, 2 * hd))?;
+        let proj = self.qkv.forward(x)?;
+        let qg = proj.part(Self::Q)?.reshape((n_tokens, n_h, 2 * hd))?;
         let q = rms_norm(&qg.narrow(2, 0, hd)?, &self.q_norm, self.eps)?;
         let gate = qg
             .narrow(2, hd, hd)?
             .contiguous()?
             .reshape((n_tokens, n_h * hd))?;
         let k = rms_norm(
-            &self.k.forward(x)?.reshape((n_tokens, n_kv, hd))?,
+            &proj.part(Self::K)?.reshape((n_tokens, n_kv, hd))?,
             &self.k_norm,
             self.eps,
         )?;
-        let v = self.v.forward(x)?.reshape((n_tokens, n_kv, hd))?;
+        let v = proj.part(Self::V)?.reshape((n_tokens, n_kv, hd))?;
         let q = rope.apply(&q, cos, sin)?;
         let k = rope.apply(&k, cos, sin)?;
 

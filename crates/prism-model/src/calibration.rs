@@ -64,6 +64,29 @@ impl Calibration {
         })
     }
 
+    /// The one int8 scale of an input that the projections `linears` share (the parts of a fused
+    /// projection run as one GEMM on one quantized input). Calibration records every part's range
+    /// under its own name from the same tensor, so the ranges are equal and so is this scale to each
+    /// part's own. A cache whose ranges for one group differ (edited, or made by another procedure)
+    /// gets the largest of them: no part's input is clipped tighter than its own range allows.
+    pub fn shared_scale(&self, linears: &[&str]) -> Result<ActivationScale> {
+        let mut widest: Option<(f32, &str)> = None;
+        for &name in linears {
+            // Each range is checked on its own first (missing, non-finite or ≤ 0 names that part).
+            self.scale(name)?;
+            let absmax = self.ranges.get(name).copied().unwrap_or_default();
+            if widest.is_none_or(|(w, _)| absmax > w) {
+                widest = Some((absmax, name));
+            }
+        }
+        let (absmax, name) = widest
+            .ok_or_else(|| ModelError::Calibration("a shared scale of no projections".into()))?;
+        ActivationScale::from_absmax(absmax).map_err(|source| ModelError::Quant {
+            name: name.to_string(),
+            source,
+        })
+    }
+
     /// Writes the JSON file (through a temporary file and a rename, so a reader never sees half).
     pub fn save(&self, path: &Path) -> Result<()> {
         let io = |e: std::io::Error| {
@@ -95,6 +118,11 @@ pub struct RangeRecorder {
 
 impl RangeRecorder {
     pub fn record(&self, name: &str, x: &Tensor) -> candle_core::Result<()> {
+        self.record_all(&[name.to_string()], x)
+    }
+
+    /// Records `x` as the input of each of `names` (the parts of a fused projection share their input).
+    pub fn record_all(&self, names: &[String], x: &Tensor) -> candle_core::Result<()> {
         let absmax = x
             .abs()?
             .flatten_all()?
@@ -102,14 +130,16 @@ impl RangeRecorder {
             .to_dtype(DType::F32)?
             .to_scalar::<f32>()?;
         if !absmax.is_finite() {
-            candle_core::bail!("calibration: the input of {name:?} is not finite ({absmax})");
+            candle_core::bail!("calibration: the input of {names:?} is not finite ({absmax})");
         }
         let mut ranges = self
             .ranges
             .lock()
             .map_err(|_| candle_core::Error::Msg("calibration recorder poisoned".into()))?;
-        let entry = ranges.entry(name.to_string()).or_insert(0.0);
-        *entry = entry.max(absmax);
+        for name in names {
+            let entry = ranges.entry(name.clone()).or_insert(0.0);
+            *entry = entry.max(absmax);
+        }
         Ok(())
     }
 

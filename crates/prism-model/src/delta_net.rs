@@ -8,7 +8,7 @@ use candle_core::Tensor;
 use crate::config::Qwen35Config;
 use crate::delta_rule;
 use crate::error::{ModelError, Result};
-use crate::linear::Linear;
+use crate::linear::{FusedLinear, Linear};
 use crate::ops::{gated_rms_norm, l2_norm, sigmoid, softplus};
 use crate::profile;
 use crate::qwen35::Segment;
@@ -18,14 +18,12 @@ use crate::weights::WeightLoader;
 /// Weights of one DeltaNet layer (GGUF names in comments).
 #[derive(Debug, Clone)]
 pub struct DeltaNet {
-    /// `attn_qkv`: `[conv_dim, d]`, output laid out `[q (n_k·dk) | k (n_k·dk) | v (n_v·dv)]`.
-    pub in_qkv: Linear,
-    /// `attn_gate`: `[n_v·dv, d]` (the `z` of the gated norm).
-    pub in_gate: Linear,
-    /// `ssm_beta`: `[n_v, d]`.
-    pub in_beta: Linear,
-    /// `ssm_alpha`: `[n_v, d]`.
-    pub in_alpha: Linear,
+    /// The four input projections of the normed input as one [`FusedLinear`], parts in this order:
+    /// - [`DeltaNet::QKV`] `attn_qkv`: `[conv_dim, d]`, laid out `[q (n_k·dk) | k (n_k·dk) | v (n_v·dv)]`;
+    /// - [`DeltaNet::Z`] `attn_gate`: `[n_v·dv, d]` (the `z` of the gated norm);
+    /// - [`DeltaNet::BETA`] `ssm_beta`: `[n_v, d]`;
+    /// - [`DeltaNet::ALPHA`] `ssm_alpha`: `[n_v, d]`.
+    pub in_proj: FusedLinear,
     /// `ssm_conv1d` as taps: `[K, conv_dim]`, tap `K−1` multiplies the current token.
     pub conv_taps: Tensor,
     /// `ssm_a` = `−exp(A_log)`: `[n_v]`.
@@ -44,16 +42,32 @@ pub struct DeltaNet {
 }
 
 impl DeltaNet {
+    /// Part indices of [`DeltaNet::in_proj`].
+    pub const QKV: usize = 0;
+    pub const Z: usize = 1;
+    pub const BETA: usize = 2;
+    pub const ALPHA: usize = 3;
+
     pub fn load(w: &WeightLoader<'_>, cfg: &Qwen35Config, layer: usize) -> Result<Self> {
         let d = cfg.hidden_size;
         let n = |s: &str| format!("blk.{layer}.{s}");
         let conv =
             w.activation_tensor(&n("ssm_conv1d.weight"), &[cfg.conv_kernel, cfg.conv_dim()])?; // [C, K]
+        let names = [
+            n("attn_qkv.weight"),
+            n("attn_gate.weight"),
+            n("ssm_beta.weight"),
+            n("ssm_alpha.weight"),
+        ];
+        let rows = [
+            cfg.conv_dim(),
+            cfg.linear_value_dim(),
+            cfg.linear_value_heads,
+            cfg.linear_value_heads,
+        ];
+        let parts: Vec<(&str, usize)> = names.iter().map(String::as_str).zip(rows).collect();
         Ok(Self {
-            in_qkv: w.linear(&n("attn_qkv.weight"), cfg.conv_dim(), d)?,
-            in_gate: w.linear(&n("attn_gate.weight"), cfg.linear_value_dim(), d)?,
-            in_beta: w.linear(&n("ssm_beta.weight"), cfg.linear_value_heads, d)?,
-            in_alpha: w.linear(&n("ssm_alpha.weight"), cfg.linear_value_heads, d)?,
+            in_proj: w.fused_linear(&parts, d)?,
             conv_taps: conv.t()?.contiguous()?,
             ssm_a: w.vector(&n("ssm_a"), cfg.linear_value_heads)?,
             dt_bias: w.vector(&n("ssm_dt.bias"), cfg.linear_value_heads)?,
@@ -85,14 +99,17 @@ impl DeltaNet {
         let n_tokens = x.dim(0)?;
         let key_dim = self.n_k * self.dk;
         let dev = x.device();
-        let (mixed, z, beta, g) = profile::time("deltanet: input projections", dev, || -> Result<_> {
-            let mixed = self.in_qkv.forward(x)?;
-            let z = self.in_gate.forward(x)?;
-            let beta = sigmoid(&self.in_beta.forward(x)?)?;
-            let g = softplus(&self.in_alpha.forward(x)?.broadcast_add(&self.dt_bias)?)?
-                .broadcast_mul(&self.ssm_a)?;
-            Ok((mixed, z, beta, g))
-        })?;
+        let (mixed, z, beta, g) =
+            profile::time("deltanet: input projections", dev, || -> Result<_> {
+                let proj = self.in_proj.forward(x)?;
+                // The conv reads whole rows of q|k|v.
+                let mixed = proj.part(Self::QKV)?.contiguous()?;
+                let z = proj.part(Self::Z)?;
+                let beta = sigmoid(&proj.part(Self::BETA)?)?;
+                let g = softplus(&proj.part(Self::ALPHA)?.broadcast_add(&self.dt_bias)?)?
+                    .broadcast_mul(&self.ssm_a)?;
+                Ok((mixed, z, beta, g))
+            })?;
 
         let conv_out = profile::time("deltanet: conv", dev, || -> Result<_> {
             let mut conv_out = Vec::with_capacity(segments.len());

@@ -5,7 +5,15 @@
 //! - [`Linear::Quant`]: the file's own Q8_0 / K-quant blocks with int8 activations at this input's
 //!   static scale ([`prism_quant::QuantMatmul`], exact integer block sums, fixed reduction order).
 //! - [`Linear::Recording`]: calibration — a dense matmul that also records the largest |x| it sees.
+//!
+//! [`FusedLinear`] runs several projections of the same input (a DeltaNet layer's qkv | z | β | α, an
+//! attention layer's q | k | v, the MLP's gate | up) as one weight whose rows are the parts' rows in a
+//! fixed order, so the input is read (and on the integer path quantized) once per GEMM instead of once
+//! per part. Each output column depends only on its own weight row and the input (and, on the integer
+//! path, the input's static scale, which the parts share), so every part's columns are bit for bit its
+//! own product's on the CPU — and on CUDA for the integer path.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor};
@@ -20,10 +28,11 @@ pub enum Linear {
     Dense(Tensor),
     /// Quantized weight + the static activation scale of its input.
     Quant(QuantMatmul),
-    /// A dense matrix whose input range is recorded under `name` (the weight's GGUF name).
+    /// A dense matrix whose input range is recorded under each of `names` (the GGUF names of the
+    /// weights whose rows it holds: one, or the parts of a [`FusedLinear`]).
     Recording {
         weight: Tensor,
-        name: String,
+        names: Vec<String>,
         recorder: Arc<RangeRecorder>,
     },
 }
@@ -44,10 +53,10 @@ impl Linear {
             }
             Linear::Recording {
                 weight,
-                name,
+                names,
                 recorder,
             } => {
-                recorder.record(name, x)?;
+                recorder.record_all(names, x)?;
                 ops::linear(x, weight)
             }
         }
@@ -75,11 +84,11 @@ impl Linear {
             }
             Linear::Recording {
                 weight,
-                name,
+                names,
                 recorder,
             } => Linear::Recording {
                 weight: pick(weight)?,
-                name: name.clone(),
+                names: names.clone(),
                 recorder: recorder.clone(),
             },
         })
@@ -96,5 +105,96 @@ impl Linear {
     /// Whether this projection runs on the integer path.
     pub fn is_quantized(&self) -> bool {
         matches!(self, Linear::Quant(_))
+    }
+}
+
+/// Where one part of a [`FusedLinear`] lies in the outputs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FusedPart {
+    /// The weight's GGUF name (also the key of its calibrated input range).
+    pub name: String,
+    /// Which of [`FusedLinear::gemms`] computes it.
+    pub gemm: usize,
+    /// Its first column in that GEMM's output.
+    pub offset: usize,
+    /// Its columns (the weight's rows).
+    pub len: usize,
+}
+
+/// Projections of one input run as few GEMMs as their storage allows (see the module docs).
+///
+/// Parts keep their documented order. In the float precisions (and in calibration) all parts are one
+/// GEMM. On the integer path a GEMM holds the parts of one weight format, in their order, and float
+/// parts of a quantized file share one dense GEMM: a Q4_K_M file's `attn_v` or `attn_qkv` may be Q6_K
+/// next to Q4_K siblings (llama-quantize's mix), and one weight has one format.
+#[derive(Debug, Clone)]
+pub struct FusedLinear {
+    /// The GEMMs, each over the concatenated rows of its parts.
+    pub gemms: Vec<Linear>,
+    /// The parts in their documented order.
+    pub parts: Vec<FusedPart>,
+}
+
+impl FusedLinear {
+    /// Runs every GEMM once on `x: [n, in]`; [`FusedOutput::part`] gives each part's `[n, len]`.
+    pub fn forward(&self, x: &Tensor) -> Result<FusedOutput<'_>> {
+        let outs = self
+            .gemms
+            .iter()
+            .map(|g| g.forward(x))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(FusedOutput { fused: self, outs })
+    }
+
+    /// Outputs of all parts together.
+    pub fn out_features(&self) -> usize {
+        self.parts.iter().map(|p| p.len).sum()
+    }
+
+    /// Whether any of the GEMMs runs on the integer path.
+    pub fn is_quantized(&self) -> bool {
+        self.gemms.iter().any(Linear::is_quantized)
+    }
+}
+
+/// The GEMM outputs of one [`FusedLinear::forward`].
+#[derive(Debug, Clone)]
+pub struct FusedOutput<'a> {
+    fused: &'a FusedLinear,
+    outs: Vec<Tensor>,
+}
+
+impl FusedOutput<'_> {
+    /// Part `i`, `[n, len_i]`: a column range (a view, not a copy) of its GEMM's output.
+    pub fn part(&self, i: usize) -> Result<Tensor> {
+        let p = self.fused.parts.get(i).ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "fused projection: no part {i} (it has {})",
+                self.fused.parts.len()
+            ))
+        })?;
+        self.outs[p.gemm].narrow(1, p.offset, p.len)
+    }
+
+    /// Parts `range` side by side, `[n, Σ len]`: a view when they are adjacent in one GEMM's output
+    /// (always, unless the integer path had to split them by format), else a concatenation.
+    pub fn parts(&self, range: Range<usize>) -> Result<Tensor> {
+        let parts = self.fused.parts.get(range.clone()).unwrap_or(&[]);
+        let (first, last) = match (parts.first(), parts.last()) {
+            (Some(f), Some(l)) => (f, l),
+            _ => candle_core::bail!(
+                "fused projection: no parts {range:?} (it has {})",
+                self.fused.parts.len()
+            ),
+        };
+        let adjacent = parts
+            .windows(2)
+            .all(|w| w[1].gemm == w[0].gemm && w[1].offset == w[0].offset + w[0].len);
+        if adjacent {
+            let len = last.offset + last.len - first.offset;
+            return self.outs[first.gemm].narrow(1, first.offset, len);
+        }
+        let pieces = range.map(|i| self.part(i)).collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&pieces, 1)
     }
 }

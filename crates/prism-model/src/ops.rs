@@ -79,6 +79,20 @@ pub fn linear(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// The MLP's SwiGLU on the fused gate | up projection: `gate_up: [n, 2·f]` holds `gate` in columns
+/// `0..f` and `up` in `f..2f`; returns `silu(gate) · up`, `[n, f]`. The one place a fused device
+/// kernel would go; the CPU arithmetic is candle's `silu` then `mul`, element by element.
+pub fn swiglu(gate_up: &Tensor, f: usize) -> Result<Tensor> {
+    let width = gate_up.dim(D::Minus1)?;
+    if width != 2 * f {
+        candle_core::bail!("swiglu: gate | up has {width} columns, not 2 × {f}");
+    }
+    gate_up
+        .narrow(D::Minus1, 0, f)?
+        .silu()?
+        .mul(&gate_up.narrow(D::Minus1, f, f)?)
+}
+
 /// Softmax over the last axis (f32 or f64, like its input), subtracting the row maximum first (as torch does).
 pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     let max = x.max_keepdim(D::Minus1)?;
@@ -115,6 +129,25 @@ mod tests {
     fn sigmoid_saturates() {
         let t = Tensor::new(&[-200.0f32, 0.0, 200.0], &Device::Cpu).unwrap();
         assert_eq!(values(&sigmoid(&t).unwrap()), vec![0.0, 0.5, 1.0]);
+    }
+
+    #[test]
+    fn swiglu_of_the_fused_halves_is_silu_gate_times_up() {
+        let (n, f) = (3, 5);
+        let vals = |seed: f32| -> Vec<f32> {
+            (0..n * f)
+                .map(|i| ((i as f32 + seed) * 0.77).sin() * 6.0)
+                .collect()
+        };
+        let gate = Tensor::from_vec(vals(0.0), (n, f), &Device::Cpu).unwrap();
+        let up = Tensor::from_vec(vals(9.0), (n, f), &Device::Cpu).unwrap();
+        let gate_up = Tensor::cat(&[&gate, &up], 1).unwrap();
+        let want = gate.silu().unwrap().mul(&up).unwrap();
+        let got = swiglu(&gate_up, f).unwrap();
+        let to_bits = |t: &Tensor| values(t).iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(got.dims(), &[n, f]);
+        assert_eq!(to_bits(&got), to_bits(&want));
+        assert!(swiglu(&gate_up, f + 1).is_err());
     }
 
     #[test]

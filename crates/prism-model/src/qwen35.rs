@@ -14,8 +14,8 @@ use crate::calibration::Calibration;
 use crate::config::{hf_text_config, read_hf_config, LayerKind, Qwen35Config};
 use crate::delta_net::DeltaNet;
 use crate::error::{ModelError, Result};
-use crate::linear::Linear;
-use crate::ops::rms_norm;
+use crate::linear::{FusedLinear, Linear};
+use crate::ops::{rms_norm, swiglu};
 use crate::profile;
 use crate::rope::{MRope, Position3};
 use crate::state::{DeltaNetState, KvCache, LayerState, SequenceState};
@@ -57,24 +57,34 @@ impl Default for LoadOptions {
 /// SwiGLU feed-forward block.
 #[derive(Debug, Clone)]
 pub struct Mlp {
-    /// `ffn_gate`, `ffn_up`: `[ffn, d]`; `ffn_down`: `[d, ffn]`.
-    pub gate: Linear,
-    pub up: Linear,
+    /// `ffn_gate` | `ffn_up` ([`Mlp::GATE`], [`Mlp::UP`]): `[2·ffn, d]`, gate rows first, one GEMM.
+    pub gate_up: FusedLinear,
+    /// `ffn_down`: `[d, ffn]`.
     pub down: Linear,
+    ffn: usize,
 }
 
 impl Mlp {
+    /// Part indices of [`Mlp::gate_up`].
+    pub const GATE: usize = 0;
+    pub const UP: usize = 1;
+
     fn load(w: &WeightLoader<'_>, cfg: &Qwen35Config, layer: usize) -> Result<Self> {
         let (d, f) = (cfg.hidden_size, cfg.intermediate_size);
+        let (gate, up) = (
+            format!("blk.{layer}.ffn_gate.weight"),
+            format!("blk.{layer}.ffn_up.weight"),
+        );
         Ok(Self {
-            gate: w.linear(&format!("blk.{layer}.ffn_gate.weight"), f, d)?,
-            up: w.linear(&format!("blk.{layer}.ffn_up.weight"), f, d)?,
+            gate_up: w.fused_linear(&[(&gate, f), (&up, f)], d)?,
             down: w.linear(&format!("blk.{layer}.ffn_down.weight"), d, f)?,
+            ffn: f,
         })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.gate.forward(x)?.silu()?.mul(&self.up.forward(x)?)?;
+        let gate_up = self.gate_up.forward(x)?.parts(Self::GATE..Self::UP + 1)?;
+        let h = swiglu(&gate_up, self.ffn)?;
         Ok(self.down.forward(&h)?)
     }
 }

@@ -16,7 +16,7 @@ use prism_quant::{QuantMatmul, QuantWeight, WeightFormat};
 use crate::calibration::{Calibration, RangeRecorder};
 use crate::error::{ModelError, Result};
 use crate::hf::HfWeights;
-use crate::linear::Linear;
+use crate::linear::{FusedLinear, FusedPart, Linear};
 
 /// Arithmetic of the forward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -190,13 +190,16 @@ impl<'a> WeightLoader<'a> {
     /// The tensor `name`, which must have exactly `ne` (ggml order, `ne[0]` contiguous). Returned with the
     /// dims reversed (row-major), in f32.
     pub fn f32_tensor(&self, name: &str, ne: &[usize]) -> Result<Tensor> {
+        let values = self.f32_values(name, ne)?;
+        let shape: Vec<usize> = ne.iter().rev().copied().collect();
+        Ok(Tensor::from_vec(values, shape, &self.device)?)
+    }
+
+    /// [`Self::f32_tensor`]'s values in host memory (row-major, `Π ne` of them).
+    fn f32_values(&self, name: &str, ne: &[usize]) -> Result<Vec<f32>> {
         let gguf = match self.source {
             WeightSource::Gguf(gguf) => gguf,
-            WeightSource::Hf(hf) => {
-                let values = hf.gguf_values(name, ne)?;
-                let shape: Vec<usize> = ne.iter().rev().copied().collect();
-                return Ok(Tensor::from_vec(values, shape, &self.device)?);
-            }
+            WeightSource::Hf(hf) => return hf.gguf_values(name, ne),
         };
         let info = gguf
             .tensor_info(name)
@@ -217,8 +220,7 @@ impl<'a> WeightLoader<'a> {
                 name: name.to_string(),
                 source,
             })?;
-        let shape: Vec<usize> = ne.iter().rev().copied().collect();
-        let expected_len: usize = shape.iter().product();
+        let expected_len: usize = ne.iter().product();
         if values.len() != expected_len {
             return Err(ModelError::DequantizedLength {
                 name: name.to_string(),
@@ -226,7 +228,7 @@ impl<'a> WeightLoader<'a> {
                 found: values.len(),
             });
         }
-        Ok(Tensor::from_vec(values, shape, &self.device)?)
+        Ok(values)
     }
 
     /// A 1-D tensor of `len` elements (norm weights, per-head scalars), in the activation dtype.
@@ -248,13 +250,147 @@ impl<'a> WeightLoader<'a> {
         Ok(t.to_dtype(self.precision.matrix_dtype())?)
     }
 
+    /// The matrices `parts` (name, rows), all of `cols` inputs, stacked row-wise in that order:
+    /// `[Σ rows, cols]` in the precision's matrix dtype. The rows are joined in host memory, so the
+    /// device holds only the stacked matrix.
+    fn stacked_matrix(&self, parts: &[(&str, usize)], cols: usize) -> Result<Tensor> {
+        if let [(name, rows)] = parts {
+            return self.matrix(name, *rows, cols);
+        }
+        let total: usize = parts.iter().map(|&(_, rows)| rows).sum();
+        let mut values = Vec::with_capacity(total * cols);
+        for &(name, rows) in parts {
+            values.extend(self.f32_values(name, &[cols, rows])?);
+        }
+        let t = Tensor::from_vec(values, (total, cols), &self.device)?;
+        Ok(t.to_dtype(self.precision.matrix_dtype())?)
+    }
+
+    /// The projections `parts` (GGUF name, rows), all reading the same `cols` inputs, as one
+    /// [`FusedLinear`] whose parts keep the given order. Each part is loaded as [`Self::linear`] would
+    /// load it (shape checks, integer path or dense, calibration), then the parts that can share a
+    /// weight are stacked: all of them in the float precisions and in calibration (which records the
+    /// input under every part's name); on the integer path those of one weight format (and the float
+    /// ones together), whose shared input scale is [`Calibration::shared_scale`].
+    pub fn fused_linear(&self, parts: &[(&str, usize)], cols: usize) -> Result<FusedLinear> {
+        if parts.is_empty() {
+            return Err(ModelError::InvalidInput(
+                "a fused projection needs at least one part".into(),
+            ));
+        }
+        let names: Vec<String> = parts.iter().map(|&(n, _)| n.to_string()).collect();
+        let whole = |gemm: Linear| {
+            let mut offset = 0;
+            let parts = parts
+                .iter()
+                .map(|&(name, len)| {
+                    offset += len;
+                    FusedPart {
+                        name: name.to_string(),
+                        gemm: 0,
+                        offset: offset - len,
+                        len,
+                    }
+                })
+                .collect();
+            FusedLinear {
+                gemms: vec![gemm],
+                parts,
+            }
+        };
+        if let Some(recorder) = &self.recorder {
+            return Ok(whole(Linear::Recording {
+                weight: self.stacked_matrix(parts, cols)?,
+                names,
+                recorder: recorder.clone(),
+            }));
+        }
+        if !self.precision.is_integer() {
+            return Ok(whole(Linear::Dense(self.stacked_matrix(parts, cols)?)));
+        }
+
+        // Integer path: one GEMM per storage (a weight format, or float), in order of first appearance.
+        let mut weights: Vec<Option<QuantWeight>> = Vec::with_capacity(parts.len());
+        for &(name, rows) in parts {
+            weights.push(self.quant_weight(name, rows, cols)?);
+        }
+        let storage = |w: &Option<QuantWeight>| w.as_ref().map(QuantWeight::format);
+        let mut groups: Vec<(Option<WeightFormat>, Vec<usize>)> = Vec::new();
+        for (i, w) in weights.iter().enumerate() {
+            match groups.iter_mut().find(|(s, _)| *s == storage(w)) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((storage(w), vec![i])),
+            }
+        }
+        let mut placed: Vec<Option<FusedPart>> = vec![None; parts.len()];
+        let mut gemms = Vec::with_capacity(groups.len());
+        for (gemm, (format, members)) in groups.into_iter().enumerate() {
+            let mut offset = 0;
+            for &i in &members {
+                let (name, len) = parts[i];
+                placed[i] = Some(FusedPart {
+                    name: name.to_string(),
+                    gemm,
+                    offset,
+                    len,
+                });
+                offset += len;
+            }
+            let group: Vec<(&str, usize)> = members.iter().map(|&i| parts[i]).collect();
+            let group_names: Vec<&str> = group.iter().map(|&(n, _)| n).collect();
+            gemms.push(match format {
+                None => Linear::Dense(self.stacked_matrix(&group, cols)?),
+                Some(_) => {
+                    // Take the parts out so each is freed once stacked.
+                    let taken: Vec<QuantWeight> =
+                        members.iter().filter_map(|&i| weights[i].take()).collect();
+                    let weight = match <[QuantWeight; 1]>::try_from(taken) {
+                        Ok([one]) => one,
+                        Err(taken) => {
+                            let refs: Vec<&QuantWeight> = taken.iter().collect();
+                            QuantWeight::concat_rows(&refs).map_err(|source| ModelError::Quant {
+                                name: group_names.join("+"),
+                                source,
+                            })?
+                        }
+                    };
+                    let scale = self
+                        .calibration_for(&group_names)?
+                        .shared_scale(&group_names)?;
+                    Linear::Quant(QuantMatmul::new(Arc::new(weight), scale))
+                }
+            });
+        }
+        let parts = placed
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| {
+                p.ok_or_else(|| {
+                    ModelError::InvalidInput(format!("fused projection: part {i} was not placed"))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(FusedLinear { gemms, parts })
+    }
+
+    /// The calibration the integer path needs for `names` (an error naming them if there is none).
+    fn calibration_for(&self, names: &[&str]) -> Result<&'a Calibration> {
+        self.calibration.ok_or_else(|| {
+            ModelError::Calibration(format!(
+                "precision {} needs activation ranges (a calibration) for {}",
+                self.precision.as_str(),
+                names.join(", ")
+            ))
+        })
+    }
+
     /// The projection `name` with `rows` outputs of `cols` inputs (GGUF `[cols, rows]`): on the integer
     /// path when the precision is integer and the tensor is quantized, dense otherwise (see [`Linear`]).
     pub fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Linear> {
         if let Some(recorder) = &self.recorder {
             return Ok(Linear::Recording {
                 weight: self.matrix(name, rows, cols)?,
-                name: name.to_string(),
+                names: vec![name.to_string()],
                 recorder: recorder.clone(),
             });
         }
@@ -263,13 +399,7 @@ impl<'a> WeightLoader<'a> {
         }
         match self.quant_weight(name, rows, cols)? {
             Some(weight) => {
-                let calibration = self.calibration.ok_or_else(|| {
-                    ModelError::Calibration(format!(
-                        "precision {} needs activation ranges (a calibration) for {name:?}",
-                        self.precision.as_str()
-                    ))
-                })?;
-                let scale = calibration.scale(name)?;
+                let scale = self.calibration_for(&[name])?.scale(name)?;
                 Ok(Linear::Quant(QuantMatmul::new(Arc::new(weight), scale)))
             }
             None => Ok(Linear::Dense(self.matrix(name, rows, cols)?)),
