@@ -173,7 +173,18 @@ impl FusedOutput<'_> {
                 self.fused.parts.len()
             ))
         })?;
-        self.outs[p.gemm].narrow(1, p.offset, p.len)
+        self.gemm_output(p)?.narrow(1, p.offset, p.len)
+    }
+
+    fn gemm_output(&self, p: &FusedPart) -> Result<&Tensor> {
+        self.outs.get(p.gemm).ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "fused projection: part {:?} names GEMM {} of {}",
+                p.name,
+                p.gemm,
+                self.outs.len()
+            ))
+        })
     }
 
     /// Parts `range` side by side, `[n, Σ len]`: a view when they are adjacent in one GEMM's output
@@ -192,7 +203,7 @@ impl FusedOutput<'_> {
             .all(|w| w[1].gemm == w[0].gemm && w[1].offset == w[0].offset + w[0].len);
         if adjacent {
             let len = last.offset + last.len - first.offset;
-            return self.outs[first.gemm].narrow(1, first.offset, len);
+            return self.gemm_output(first)?.narrow(1, first.offset, len);
         }
         let pieces = range.map(|i| self.part(i)).collect::<Result<Vec<_>>>()?;
         Tensor::cat(&pieces, 1)

@@ -257,10 +257,15 @@ impl<'a> WeightLoader<'a> {
         if let [(name, rows)] = parts {
             return self.matrix(name, *rows, cols);
         }
-        let total: usize = parts.iter().map(|&(_, rows)| rows).sum();
-        let mut values = Vec::with_capacity(total * cols);
+        // Grown part by part: each part's size is known to be right (its shape was checked against the
+        // file) before anything is allocated for it.
+        let mut values: Vec<f32> = Vec::new();
+        let mut total = 0;
         for &(name, rows) in parts {
-            values.extend(self.f32_values(name, &[cols, rows])?);
+            let part = self.f32_values(name, &[cols, rows])?;
+            values.reserve_exact(part.len());
+            values.extend_from_slice(&part);
+            total += rows;
         }
         let t = Tensor::from_vec(values, (total, cols), &self.device)?;
         Ok(t.to_dtype(self.precision.matrix_dtype())?)
