@@ -174,6 +174,20 @@ __device__ __forceinline__ void mma_k16(int (&d)[4], unsigned a0, unsigned a1, u
 }
 
 // The i32 accumulator's bits 0x4B400000 + D are the float 1.5·2^23 + D (exact for |D| < 2^22).
+// A copy of a value the compiler cannot see through (so it cannot hoist what is derived from it out
+// of a loop).
+__device__ __forceinline__ int opaque_int(int x) {
+    int y;
+    asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+}
+template <typename T>
+__device__ __forceinline__ const T* opaque_ptr(const T* p) {
+    unsigned long long y;
+    asm volatile("mov.b64 %0, %1;" : "=l"(y) : "l"(reinterpret_cast<unsigned long long>(p)));
+    return reinterpret_cast<const T*>(y);
+}
+
 #define MAGIC_I 0x4B400000
 #define MAGIC_F 12582912.0f
 
@@ -501,4 +515,431 @@ extern "C" __global__ void __launch_bounds__(128) qgemm_k32_64x64(QGEMM_ARGS) {
 }
 extern "C" __global__ void __launch_bounds__(128) qgemm_q6k_64x64(QGEMM_ARGS) {
     qgemm_tc<FMT_Q6K, 2, 2, 2, 4, 3>(QGEMM_PASS);
+}
+
+// ===================================================================================================
+// v2: the second tensor-core family (larger CTA tiles, rasterized grid, tree state in memory).
+//
+// Same arithmetic and the same per-output float sequence as the v1 kernel above (and so as the CPU
+// reference); what changes is only how the work is spread:
+//
+// * CTA tiles of 64×128, 128×128 or 128×256 outputs, 8 warps (256 threads) in a 2 × 4 grid, warp tiles
+//   of 32×32, 64×32 or 64×64 outputs (MT m16 tiles × NT n8 tiles). Fragments come from XOR-swizzled
+//   shared memory by ldmatrix exactly as in v1; the stage loads are cp.async, STAGES deep.
+// * Stages never straddle a part: the K loop walks the group's parts in order and each part in stages
+//   of at most BPS blocks, so a part closes between two stages (no check per block), and a full stage
+//   (the common case) runs unrolled with the next k=32 slice's fragments loaded while the current one
+//   is in the tensor cores.
+// * The part tree keeps one float per output in registers (`acc`, the running part). The closed parts
+//   go to memory, each written and read back by the one thread that owns the output (no other thread
+//   ever touches it, so no synchronization is needed):
+//     G = 1: p0 → scratch; p1: out = scratch + acc; p2 → scratch; p3: out = (out + (scratch + acc))·scale
+//     G = 2: even part → ws[z]; odd part: ws[z] = ws[z] + acc            (qgemm_combine folds)
+//     G = 4: ws[z] = acc                                                 (qgemm_combine folds)
+//   These are v1's `lo` / pair / `s` operations with the same operands in the same order, so every
+//   output has the same bits for every family, tile and G. `scratch` is an [M, N] f32 buffer (G = 1
+//   only); `out` is y (G = 1) or the [G, M, N] workspace (G > 1).
+// * The grid is one-dimensional over the output tiles (z = part group), rasterized in groups of
+//   `group_m` tile rows: tile rows first within a group, so the CTAs running at one time share the
+//   same weight tiles and a bounded set of activation rows (L2 reuse when M is large).
+// ===================================================================================================
+
+template <int FMT, int WARPS_M, int WARPS_N, int MT, int NT, int STAGES>
+__device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const int* __restrict__ asums,
+                                          const int8_t* __restrict__ wq, const int8_t* __restrict__ wsc,
+                                          const int8_t* __restrict__ wmin, const float* __restrict__ wd,
+                                          const float* __restrict__ wdmin, float* __restrict__ out,
+                                          int M, int N, int K, float scale, float* __restrict__ scratch,
+                                          int group_m) {
+    using L = Layout<FMT>;
+    constexpr int BM = WARPS_M * MT * 16, BN = WARPS_N * NT * 8, THREADS = WARPS_M * WARPS_N * 32;
+    constexpr int BK = L::BK, CHUNKS = BK / 16, BPS = L::BPS;
+    using S = Smem<FMT, BM, BN>;
+    static_assert(NT % 2 == 0, "B fragments are loaded two n-tiles at a time");
+    static_assert(THREADS % CHUNKS == 0, "a thread copies the same 16-byte column of every row it loads");
+    extern __shared__ __align__(128) unsigned char smem[];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+
+    // Rasterized tile coordinates (see the header): group_m tile rows × all tile columns per group.
+    const int m_tiles = (M + BM - 1) / BM, n_tiles = (N + BN - 1) / BN;
+    const int gm = max(1, min(group_m, m_tiles));
+    const int pid = blockIdx.x, per_group = gm * n_tiles;
+    const int grp = pid / per_group, first_m = grp * gm;
+    const int gsize = min(m_tiles - first_m, gm), in_grp = pid - grp * per_group;
+    const int m0 = (first_m + in_grp % gsize) * BM, n0 = (in_grp / gsize) * BN;
+
+    const int G = gridDim.z, z = blockIdx.z;
+    const int nb = K / L::BLK, nsub = K / L::SUB, n32 = K / 32;
+    const int p_begin = z * 4 / G, p_end = (z + 1) * 4 / G;
+    auto part_end = [&](int p) { return (p + 1) * nb / 4; };
+
+    // ---- stage loads -------------------------------------------------------------------------------
+    // A and B: thread `tid` copies 16-byte column c = tid % CHUNKS of rows tid / CHUNKS + it · ROWS_PER_IT.
+    // Rows past M / N and bytes past the stage's `count` blocks are zero-filled (cp.async with src-size
+    // 0, from a valid dummy address). The swizzle (c ^ (r & 7)) is the same for all of a thread's rows
+    // (ROWS_PER_IT is a multiple of 8), so the shared addresses are one base plus constants.
+    //
+    // The per-thread bases go through `opaque` inside the loops: without it the compiler hoists every
+    // derived address (and the output indices of finish_part) out of the K loop and keeps them in
+    // registers for its whole length, which costs more registers than the accumulators.
+    constexpr int ROWS_PER_IT = THREADS / CHUNKS;
+    static_assert(ROWS_PER_IT % 8 == 0, "one swizzle per thread");
+    const int ld_row = tid / CHUNKS, ld_chunk = tid % CHUNKS;
+    const int ld_swz = ld_row * BK + ((ld_chunk ^ (ld_row & 7)) << 4);
+    const int a_rows = M - m0 - ld_row, b_rows = N - n0 - ld_row;  // row `it` valid iff it·RPI < rows
+    const int8_t* a_base = qa + (size_t)max(0, min(m0 + ld_row, M - 1)) * K + ld_chunk * 16;
+    const int8_t* b_base = wq + (size_t)max(0, min(n0 + ld_row, N - 1)) * K + ld_chunk * 16;
+    const size_t row_step = (size_t)ROWS_PER_IT * K;
+
+    auto load_stage = [&](int buf, int bs, int count) {
+        unsigned char* st = smem + buf * S::STAGE;
+        const bool chunk_ok = ld_chunk * 16 < count * L::BLK;
+        const size_t k0 = (size_t)bs * L::BLK;
+        {
+            const int8_t* src = opaque_ptr(a_base) + k0;
+#pragma unroll
+            for (int it = 0; it < (BM + ROWS_PER_IT - 1) / ROWS_PER_IT; ++it) {
+                if (BM % ROWS_PER_IT == 0 || ld_row + it * ROWS_PER_IT < BM) {
+                    const bool ok = chunk_ok && it * ROWS_PER_IT < a_rows;
+                    cp_async16(st + S::A + ld_swz + it * ROWS_PER_IT * BK, ok ? src : qa, ok);
+                }
+                src += row_step;
+            }
+        }
+        {
+            const int8_t* src = opaque_ptr(b_base) + k0;
+#pragma unroll
+            for (int it = 0; it < (BN + ROWS_PER_IT - 1) / ROWS_PER_IT; ++it) {
+                if (BN % ROWS_PER_IT == 0 || ld_row + it * ROWS_PER_IT < BN) {
+                    const bool ok = chunk_ok && it * ROWS_PER_IT < b_rows;
+                    cp_async16(st + S::B + ld_swz + it * ROWS_PER_IT * BK, ok ? src : wq, ok);
+                }
+                src += row_step;
+            }
+        }
+        // Block scales, smem [BPS][BN]: element i = blk · BN + col.
+        const int n0o = opaque_int(n0);
+#pragma unroll
+        for (int it = 0; it < (BPS * BN + THREADS - 1) / THREADS; ++it) {
+            const int i = tid + it * THREADS;
+            if ((BPS * BN) % THREADS == 0 || i < BPS * BN) {
+                const int blk = i / BN, col = n0o + i % BN;
+                const bool ok = col < N && blk < count;
+                const float* src = ok ? wd + (size_t)col * nb + bs + blk : wd;
+                cp_async4(st + S::D + 4 * i, src, ok);
+            }
+        }
+        if constexpr (FMT == FMT_K32) {
+            const int m0o = opaque_int(m0);
+            for (int i = tid; i < BN; i += THREADS) {
+                const bool ok = n0o + i < N;
+                const size_t row = (size_t)(ok ? n0o + i : 0);
+                cp_async4(st + S::DMIN + 4 * i, wdmin + row * nb + bs, ok);
+                cp_async8(st + S::SC + 8 * i, wsc + row * nsub + (size_t)bs * 8, ok);
+                cp_async8(st + S::MIN + 8 * i, wmin + row * nsub + (size_t)bs * 8, ok);
+            }
+            for (int i = tid; i < BM * 2; i += THREADS) {
+                const int r = i / 2, half = i % 2;
+                const bool ok = m0o + r < M;
+                const int* src = asums + (size_t)(ok ? m0o + r : 0) * n32 + (size_t)bs * 8 + half * 4;
+                cp_async16(st + S::ASUM + 16 * i, src, ok);
+            }
+        }
+        if constexpr (FMT == FMT_Q6K) {
+            for (int i = tid; i < BN; i += THREADS) {
+                const bool ok = n0o + i < N;
+                const size_t row = (size_t)(ok ? n0o + i : 0);
+                cp_async16(st + S::SC + 16 * i, wsc + row * nsub + (size_t)bs * 16, ok);
+            }
+        }
+    };
+
+    // ---- the part tree (one running float per output; closed parts in memory) ----------------------
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+    const int c_col = wn * NT * 8 + 2 * (lane & 3);  // + j·8 (+1)
+    const int c_row = wm * MT * 16 + (lane >> 2);    // + i·16 (+8)
+    const size_t mn = (size_t)M * N;
+
+    // Closes part p: the operation depends only on (G, p), uniform over the grid; each output is then
+    // one bounds check and one or two memory operations by its owner thread.
+    auto finish_part = [&](int p) {
+        const int r_base = opaque_int(m0 + c_row), c_base = opaque_int(n0 + c_col);
+        const int op = G == 4 ? 0 : G == 2 ? ((p & 1) ? 2 : 1) : ((p & 1) == 0 ? 3 : p == 1 ? 4 : 5);
+        float* ws = G == 1 ? out : out + (size_t)z * mn;
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = r_base + i * 16 + h * 8;
+                if (r >= M) continue;
+                float* ws_row = ws + (size_t)r * N;
+                float* sc_row = scratch + (size_t)r * N;
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int e1 = 0; e1 < 2; ++e1) {
+                        const int c = c_base + j * 8 + e1;
+                        if (c >= N) continue;
+                        const float a = acc[i][j][2 * h + e1];
+                        switch (op) {
+                            case 0: ws_row[c] = a; break;                                  // G=4: p
+                            case 1: ws_row[c] = a; break;                                  // G=2: lo
+                            case 2: ws_row[c] = __fadd_rn(ws_row[c], a); break;            // lo + acc
+                            case 3: sc_row[c] = a; break;                                  // G=1: lo
+                            case 4: ws_row[c] = __fadd_rn(sc_row[c], a); break;            // s = lo + acc
+                            default:                                                       // (s + pair)·scale
+                                ws_row[c] = __fmul_rn(__fadd_rn(ws_row[c], __fadd_rn(sc_row[c], a)), scale);
+                        }
+                    }
+            }
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+    };
+
+    // ---- fragments ---------------------------------------------------------------------------------
+    const int a_row = wm * MT * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;  // ldmatrix A address row
+    const int a_chunk = lane >> 4;
+    const int b_row = wn * NT * 8 + (lane & 7) + ((lane >> 4) << 3);      // ldmatrix B address row
+    const int b_chunk = (lane >> 3) & 1;
+
+    auto load_frags = [&](const unsigned char* st, int kc, unsigned (&af)[MT][4], unsigned (&bf)[NT][2]) {
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+            const int r = a_row + i * 16, c = 2 * kc + a_chunk;
+            ldmatrix_x4(af[i], st + S::A + r * BK + ((c ^ (r & 7)) << 4));
+        }
+#pragma unroll
+        for (int j = 0; j < NT; j += 2) {
+            const int r = b_row + j * 8, c = 2 * kc + b_chunk;
+            unsigned t[4];
+            ldmatrix_x4(t, st + S::B + r * BK + ((c ^ (r & 7)) << 4));
+            bf[j][0] = t[0];
+            bf[j][1] = t[1];
+            bf[j + 1][0] = t[2];
+            bf[j + 1][1] = t[3];
+        }
+    };
+
+    // Q8_0, block `blk` of a stage: one mma per 16×8 tile from the 1.5·2^23 accumulator, f32(D_b) by one
+    // exact subtraction, one fma into the running part.
+    auto q8_block = [&](const unsigned char* st, int blk, const unsigned (&af)[MT][4],
+                        const unsigned (&bf)[NT][2]) {
+        const float* dsm = reinterpret_cast<const float*>(st + S::D) + blk * BN;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const float2 dv = *reinterpret_cast<const float2*>(dsm + c_col + j * 8);
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                int c[4];
+                mma_k32(c, af[i], bf[j][0], bf[j][1], MAGIC_I);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float db = __fsub_rn(__int_as_float(c[e]), MAGIC_F);  // = f32(D_b), exact
+                    acc[i][j][e] = fmaf((e & 1) ? dv.y : dv.x, db, acc[i][j][e]);
+                }
+            }
+        }
+    };
+
+    // K-quants: the integer sub-block sums of k=32 slice `kc` of the block, times their integer scales,
+    // into dsum (exact i32).
+    auto kq_slice = [&](const unsigned char* st, int kc, const unsigned (&af)[MT][4],
+                        const unsigned (&bf)[NT][2], int (&dsum)[MT][NT][4]) {
+        const int8_t* scs = reinterpret_cast<const int8_t*>(st + S::SC);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const int col = c_col + j * 8;
+            if constexpr (FMT == FMT_K32) {
+                const int sc0 = scs[col * 8 + kc], sc1 = scs[(col + 1) * 8 + kc];
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    int c[4];
+                    mma_k32(c, af[i], bf[j][0], bf[j][1], 0);
+                    dsum[i][j][0] += sc0 * c[0];
+                    dsum[i][j][1] += sc1 * c[1];
+                    dsum[i][j][2] += sc0 * c[2];
+                    dsum[i][j][3] += sc1 * c[3];
+                }
+            } else {
+                // Two sub-blocks of 16: A regs {0,1} / B reg 0 are k 0..15, {2,3} / 1 are k 16..31.
+                const int sa0 = scs[col * 16 + 2 * kc], sa1 = scs[(col + 1) * 16 + 2 * kc];
+                const int sb0 = scs[col * 16 + 2 * kc + 1], sb1 = scs[(col + 1) * 16 + 2 * kc + 1];
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    int c[4], d[4];
+                    mma_k16(c, af[i][0], af[i][1], bf[j][0]);
+                    mma_k16(d, af[i][2], af[i][3], bf[j][1]);
+                    dsum[i][j][0] += sa0 * c[0] + sb0 * d[0];
+                    dsum[i][j][1] += sa1 * c[1] + sb1 * d[1];
+                    dsum[i][j][2] += sa0 * c[2] + sb0 * d[2];
+                    dsum[i][j][3] += sa1 * c[3] + sb1 * d[3];
+                }
+            }
+        }
+    };
+
+    // K-quants, end of a block: f32(D_b) (and for Q4_K/Q5_K M_b = Σ_j m_j · Σ qa over sub-block j) and
+    // the block's fma(s).
+    auto kq_block_end = [&](const unsigned char* st, const int (&dsum)[MT][NT][4]) {
+        const float* dsm = reinterpret_cast<const float*>(st + S::D);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const int col = c_col + j * 8;
+            const float2 dv = *reinterpret_cast<const float2*>(dsm + col);
+            if constexpr (FMT == FMT_K32) {
+                const float2 dm = *reinterpret_cast<const float2*>(
+                    reinterpret_cast<const float*>(st + S::DMIN) + col);
+                // The 8 mins of both columns (6-bit, non-negative) as bytes of two words each.
+                const int2 w0 = *reinterpret_cast<const int2*>(st + S::MIN + col * 8);
+                const int2 w1 = *reinterpret_cast<const int2*>(st + S::MIN + (col + 1) * 8);
+                int m0c[8], m1c[8];
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    m0c[q] = (w0.x >> (8 * q)) & 0xff;
+                    m0c[q + 4] = (w0.y >> (8 * q)) & 0xff;
+                    m1c[q] = (w1.x >> (8 * q)) & 0xff;
+                    m1c[q + 4] = (w1.y >> (8 * q)) & 0xff;
+                }
+                const int* as = reinterpret_cast<const int*>(st + S::ASUM);
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    const int r0 = c_row + i * 16, r1 = r0 + 8;
+                    const int4 s0a = *reinterpret_cast<const int4*>(as + r0 * 8);
+                    const int4 s0b = *reinterpret_cast<const int4*>(as + r0 * 8 + 4);
+                    const int4 s1a = *reinterpret_cast<const int4*>(as + r1 * 8);
+                    const int4 s1b = *reinterpret_cast<const int4*>(as + r1 * 8 + 4);
+                    const int s0[8] = {s0a.x, s0a.y, s0a.z, s0a.w, s0b.x, s0b.y, s0b.z, s0b.w};
+                    const int s1[8] = {s1a.x, s1a.y, s1a.z, s1a.w, s1b.x, s1b.y, s1b.z, s1b.w};
+                    int mb[4] = {0, 0, 0, 0};
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) {
+                        mb[0] += m0c[q] * s0[q];
+                        mb[1] += m1c[q] * s0[q];
+                        mb[2] += m0c[q] * s1[q];
+                        mb[3] += m1c[q] * s1[q];
+                    }
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float dd = (e & 1) ? dv.y : dv.x, dmn = (e & 1) ? dm.y : dm.x;
+                        const float a = fmaf(dd, __int2float_rn(dsum[i][j][e]), acc[i][j][e]);
+                        acc[i][j][e] = fmaf(-dmn, __int2float_rn(mb[e]), a);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < MT; ++i)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        acc[i][j][e] =
+                            fmaf((e & 1) ? dv.y : dv.x, __int2float_rn(dsum[i][j][e]), acc[i][j][e]);
+            }
+        }
+    };
+
+    auto compute_stage = [&](const unsigned char* st, int count) {
+        if constexpr (FMT == FMT_Q8_0) {
+            if (count == BPS) {
+                // Full stage: the next slice's fragments load while this slice's mmas run.
+                unsigned af[2][MT][4], bf[2][NT][2];
+                load_frags(st, 0, af[0], bf[0]);
+#pragma unroll
+                for (int blk = 0; blk < BPS; ++blk) {
+                    if (blk + 1 < BPS) load_frags(st, blk + 1, af[(blk + 1) & 1], bf[(blk + 1) & 1]);
+                    q8_block(st, blk, af[blk & 1], bf[blk & 1]);
+                }
+            } else {
+                // The last stage of a part whose length is not a multiple of BPS.
+#pragma unroll 1
+                for (int blk = 0; blk < count; ++blk) {
+                    unsigned af[MT][4], bf[NT][2];
+                    load_frags(st, blk, af, bf);
+                    q8_block(st, blk, af, bf);
+                }
+            }
+        } else {
+            int dsum[MT][NT][4];
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) dsum[i][j][e] = 0;
+#pragma unroll 1  // unrolling makes the compiler hoist the scale loads and spill
+            for (int kc = 0; kc < BK / 32; ++kc) {
+                unsigned af[MT][4], bf[NT][2];
+                load_frags(st, kc, af, bf);
+                kq_slice(st, kc, af, bf, dsum);
+            }
+            kq_block_end(st, dsum);
+        }
+    };
+
+    // ---- the K loop --------------------------------------------------------------------------------
+    // Both cursors visit the same stages: part by part, BPS blocks at a time, skipping empty parts. The
+    // first STAGES − 1 iterations (it < 0) only issue loads; every call site of a lambda above is single,
+    // so they inline and the accumulators stay in registers.
+    auto stage_count = [&](int p, int b) { return min(BPS, part_end(p) - b); };
+    int ld_p = p_begin, ld_b = p_begin * nb / 4;  // next stage to load
+    int cc_p = p_begin, cc_b = ld_b;              // next stage to compute
+    while (ld_p < p_end && ld_b == part_end(ld_p)) ++ld_p;
+#pragma unroll 1
+    for (int it = -(STAGES - 1);; ++it) {
+        if (it >= 0) {
+            // Close the parts that end here (also empty ones, and the leading empty ones at it = 0).
+            while (cc_p < p_end && cc_b == part_end(cc_p)) finish_part(cc_p++);
+            if (cc_p >= p_end) break;
+            cp_async_wait<STAGES - 2>();
+            __syncthreads();  // stage `it` is visible; everyone is done with the buffer loaded next
+        }
+        if (ld_p < p_end) {
+            const int cnt = stage_count(ld_p, ld_b);
+            load_stage((it + STAGES - 1) % STAGES, ld_b, cnt);
+            ld_b += cnt;
+            while (ld_p < p_end && ld_b == part_end(ld_p)) ++ld_p;
+        }
+        cp_async_commit();
+        if (it >= 0) {
+            const int cnt = stage_count(cc_p, cc_b);
+            compute_stage(smem + (it % STAGES) * S::STAGE, cnt);
+            cc_b += cnt;
+        }
+    }
+    cp_async_wait<0>();
+}
+
+#define QGEMM2_ARGS QGEMM_ARGS, float *__restrict__ scratch, int group_m
+#define QGEMM2_PASS QGEMM_PASS, scratch, group_m
+
+// The v2 instantiations (names and shapes mirrored in crates/prism-quant/src/cuda_plan.rs, `V2Tile`).
+// 2 × 4 warps each; the second __launch_bounds__ argument is the CTAs per SM the tile is sized for.
+extern "C" __global__ void __launch_bounds__(256, 2) qgemm2_q8_0_64x128(QGEMM2_ARGS) {
+    qgemm_tc2<FMT_Q8_0, 2, 4, 2, 4, 4>(QGEMM2_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256, 1) qgemm2_q8_0_128x128(QGEMM2_ARGS) {
+    qgemm_tc2<FMT_Q8_0, 2, 4, 4, 4, 4>(QGEMM2_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) qgemm2_k32_64x128(QGEMM2_ARGS) {
+    qgemm_tc2<FMT_K32, 2, 4, 2, 4, 2>(QGEMM2_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256, 1) qgemm2_k32_128x128(QGEMM2_ARGS) {
+    qgemm_tc2<FMT_K32, 2, 4, 4, 4, 2>(QGEMM2_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) qgemm2_q6k_64x128(QGEMM2_ARGS) {
+    qgemm_tc2<FMT_Q6K, 2, 4, 2, 4, 2>(QGEMM2_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256, 1) qgemm2_q6k_128x128(QGEMM2_ARGS) {
+    qgemm_tc2<FMT_Q6K, 2, 4, 4, 4, 2>(QGEMM2_PASS);
 }

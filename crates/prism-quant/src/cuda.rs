@@ -4,8 +4,11 @@
 //! weight, stored as `U8` and read as `int8` by the kernels; block scales `F32`); [`matmul`] quantizes
 //! an f32 activation with its static scale and runs the integer GEMM. Every output has the bits of the
 //! CPU reference ([`crate::kernel::matmul`]) whatever the kernel, the tiling, the part grouping or `M`
-//! (`prism cuda-quant-check` checks it on the device). The host-side plan (tiles, part groups, checks,
-//! the flat arrays) is [`crate::cuda_plan`], which CI tests.
+//! (`prism cuda-quant-check` checks it on the device). The host-side plan (families, tiles, part
+//! groups, checks, the flat arrays) is [`crate::cuda_plan`], which CI tests.
+//!
+//! [`GemmKernel::Auto`] runs the family named by `PRISM_QGEMM` (`v1` or `v2`, read once per process;
+//! unset: `v2`), so a deployment can go back to the first kernel without a rebuild.
 
 use candle_core::cuda_backend::cudarc::driver::sys::{
     CUdevice_attribute, CUfunction_attribute_enum,
@@ -16,7 +19,9 @@ use candle_core::{bail, DType, Device, Result, Tensor};
 
 use crate::activation::ActivationScale;
 use crate::cuda_launch::{alloc, cuda_device, i32_arg, launch_err, wrap, Input};
-use crate::cuda_plan::{self, FlatWeight, GemmKernel, SIMT_THREADS, TC_THREADS};
+use crate::cuda_plan::{
+    self, DeviceLimits, Family, FlatWeight, GemmKernel, LaunchPlan, SIMT_THREADS,
+};
 use crate::error::QuantError;
 use crate::weight::{QuantWeight, WeightFormat};
 
@@ -209,13 +214,58 @@ pub fn quantize_activations(
     })
 }
 
-fn sm_count(dev: &CudaDevice) -> Result<usize> {
-    let n = dev
-        .cuda_stream()
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .map_err(launch_err)?;
-    Ok(n.max(1) as usize)
+/// The GPU's multiprocessor count and shared-memory limits.
+pub fn device_limits(dev: &CudaDevice) -> Result<DeviceLimits> {
+    let stream = dev.cuda_stream();
+    let ctx = stream.context();
+    let attr = |a: CUdevice_attribute| -> Result<usize> {
+        let v = ctx.attribute(a).map_err(launch_err)?;
+        Ok(usize::try_from(v).unwrap_or(0))
+    };
+    Ok(DeviceLimits {
+        sm_count: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1),
+        smem_per_block: attr(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        )?,
+        smem_per_sm: attr(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+        )?,
+    })
+}
+
+/// The family [`GemmKernel::Auto`] runs: `PRISM_QGEMM` (`v1` / `v2`), read once per process. A value
+/// that is neither is an error on every call (naming the variable), not a silent default.
+pub fn default_family() -> Result<Family> {
+    static FAMILY: std::sync::OnceLock<std::result::Result<Family, String>> =
+        std::sync::OnceLock::new();
+    let parsed = FAMILY.get_or_init(|| {
+        let value = match std::env::var(cuda_plan::FAMILY_ENV) {
+            Ok(v) => Some(v),
+            Err(std::env::VarError::NotPresent) => None,
+            Err(std::env::VarError::NotUnicode(v)) => Some(v.to_string_lossy().into_owned()),
+        };
+        cuda_plan::parse_family(value.as_deref()).map_err(|e| e.to_string())
+    });
+    parsed
+        .clone()
+        .map_err(|msg| quant_err(QuantError::Input(msg)))
+}
+
+/// The launch [`gemm_quantized`] makes for `kernel` on this device (which family, tile and part
+/// groups), for logs and the device checks.
+pub fn launch_plan(
+    kernel: GemmKernel,
+    format: WeightFormat,
+    m: usize,
+    n: usize,
+    k: usize,
+    dev: &CudaDevice,
+) -> Result<LaunchPlan> {
+    let family = match kernel {
+        GemmKernel::Auto => default_family()?,
+        _ => Family::V2, // unused: the kernel names its family
+    };
+    cuda_plan::plan_launch(kernel, family, format, m, n, k, &device_limits(dev)?).map_err(quant_err)
 }
 
 /// The integer GEMM on already quantized activations: `y: [M, N]` f32. Every kernel choice gives the
@@ -236,12 +286,8 @@ pub fn gemm_quantized(
             if qx.sums.is_none() { " without sums" } else { "" }
         );
     }
-    let plan = cuda_plan::tile_plan(w.format);
-    let groups = match kernel {
-        GemmKernel::Auto => cuda_plan::part_groups(&plan, m, n, sm_count(dev)?),
-        GemmKernel::TensorCore { part_groups } => part_groups,
-        GemmKernel::Simt => 1,
-    };
+    let plan = launch_plan(kernel, w.format, m, n, k, dev)?;
+    let groups = plan.part_groups;
     cuda_plan::check_launch(&w.name, w.format, m, n, k, groups).map_err(quant_err)?;
     let y = alloc::<f32>(dev, m * n)?;
     if m == 0 || n == 0 {
@@ -271,11 +317,12 @@ pub fn gemm_quantized(
             &no_sums
         }
     };
+    let (gx, gy, gz) = plan.grid(m, n);
 
-    if kernel == GemmKernel::Simt {
+    let Some(tile) = plan.tile else {
         let func = dev.get_or_load_custom_func("qgemm_simt", MODULE, QUANT_GEMM_PTX)?;
         let cfg = LaunchConfig {
-            grid_dim: ((m * n).div_ceil(SIMT_THREADS as usize) as u32, 1, 1),
+            grid_dim: (gx, gy, gz),
             block_dim: (SIMT_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -293,28 +340,30 @@ pub fn gemm_quantized(
         // SAFETY: the buffers have the sizes the dimensions say (checked at upload and above).
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
         return Ok(wrap(y, dev, (m, n)));
-    }
+    };
 
-    let func = dev.get_or_load_custom_func(plan.kernel, MODULE, QUANT_GEMM_PTX)?;
+    let func = dev.get_or_load_custom_func(tile.kernel, MODULE, QUANT_GEMM_PTX)?;
     func.set_attribute(
         CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        i32_arg(plan.smem_bytes, "shared memory")?,
+        i32_arg(tile.smem_bytes, "shared memory")?,
     )
     .map_err(launch_err)?;
     let cfg = LaunchConfig {
-        grid_dim: (
-            m.div_ceil(plan.bm) as u32,
-            n.div_ceil(plan.bn) as u32,
-            groups,
-        ),
-        block_dim: (TC_THREADS, 1, 1),
-        shared_mem_bytes: plan.smem_bytes as u32,
+        grid_dim: (gx, gy, gz),
+        block_dim: (tile.threads, 1, 1),
+        shared_mem_bytes: tile.smem_bytes as u32,
     };
-    // G > 1: per-group partial results, folded by the combine kernel.
+    // G > 1: per-group partial results, folded by the combine kernel. v2 with G = 1 keeps its closed
+    // even parts in an [M, N] scratch buffer.
     let target = if groups == 1 {
         None
     } else {
         Some(alloc::<f32>(dev, groups as usize * m * n)?)
+    };
+    let scratch = if tile.family == Family::V2 && groups == 1 {
+        Some(alloc::<f32>(dev, m * n)?)
+    } else {
+        None
     };
     {
         let out = target.as_ref().unwrap_or(&y);
@@ -327,7 +376,12 @@ pub fn gemm_quantized(
             .arg(&vd)
             .arg(&vdmin);
         b.arg(out).arg(&m_i).arg(&n_i).arg(&k_i).arg(&s);
-        // SAFETY: as above; the workspace holds G·m·n f32.
+        let group_m = i32::try_from(plan.group_m).unwrap_or(i32::MAX);
+        if tile.family == Family::V2 {
+            // The scratch pointer is only read with G = 1; otherwise any valid pointer.
+            b.arg(scratch.as_ref().unwrap_or(out)).arg(&group_m);
+        }
+        // SAFETY: as above; the workspace holds G·m·n f32, the scratch m·n.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
     if let Some(ws) = &target {

@@ -1,39 +1,90 @@
 //! The host side of the CUDA integer matmul (`kernels/quant_gemm.cu`, launched by `cuda.rs` under the
-//! `cuda` feature), kept free of CUDA so CI tests it: which kernel instantiation runs a format, its tile
-//! and shared memory, how many part groups a launch splits the reduction into, the shape checks, and
-//! the flat arrays a [`QuantWeight`] uploads.
+//! `cuda` feature), kept free of CUDA so CI tests it: which kernel family and instantiation runs a
+//! format, its tile and shared memory, how many part groups a launch splits the reduction into, the grid
+//! order, the shape checks, and the flat arrays a [`QuantWeight`] uploads.
+//!
+//! Two tensor-core families compute the same bits:
+//! - **v1** (`qgemm_*_64x64`): the first kernel, 64×64 CTA tiles of 4 warps, the part tree in
+//!   registers. Kept as a plan option and as the comparison (`PRISM_QGEMM=v1`).
+//! - **v2** (`qgemm2_*`): 64×128 and 128×128 CTA tiles of 8 warps, stages aligned to parts, one running
+//!   float per output in registers and the closed parts in memory, a rasterized grid. The default.
 //!
 //! The part groups: a launch with `G` groups (1, 2 or 4) gives each CTA `4 / G` of the reduction's four
 //! parts; `G > 1` writes per-group partial results that a second kernel folds with the documented tree.
-//! The arithmetic of every output is the same for every `G` (the tests below replay the kernel's walk
-//! on the CPU and compare with [`crate::kernel::matmul_quantized`] bit for bit), so `G` is only a
-//! question of filling the GPU: small `M · N` (decode) gets more CTAs from splitting `K`.
+//! The arithmetic of every output is the same for every family, tile and `G` (the tests below replay
+//! both kernels' walks on the CPU and compare with [`crate::kernel::matmul_quantized`] bit for bit), so
+//! these are only questions of filling the GPU.
 
 use crate::error::{QuantError, Result};
 use crate::weight::{QuantWeight, WeightFormat};
 
-/// Threads per CTA of the tensor-core kernels (4 warps, 2 × 2, each 32 × 32 outputs).
+/// Threads per CTA of the v1 tensor-core kernels (4 warps, 2 × 2, each 32 × 32 outputs).
 pub const TC_THREADS: u32 = 128;
+/// Threads per CTA of the v2 tensor-core kernels (8 warps, 2 × 4).
+pub const TC2_THREADS: u32 = 256;
 /// Threads per CTA of the plain one-thread-per-output kernel and of the element-wise kernels.
 pub const SIMT_THREADS: u32 = 256;
+
+/// The environment variable that picks the default tensor-core family (`v1` or `v2`; unset: `v2`).
+pub const FAMILY_ENV: &str = "PRISM_QGEMM";
+
+/// A family of tensor-core kernels. Every family returns the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Family {
+    /// The first kernel: 64×64 tiles.
+    V1,
+    /// Larger tiles, part-aligned stages, tree state in memory.
+    #[default]
+    V2,
+}
+
+/// The family named by [`FAMILY_ENV`]'s value (`None`: unset). Anything but `v1` / `v2` (any case,
+/// surrounding blanks ignored, empty = unset) is an error naming the variable and the value.
+pub fn parse_family(value: Option<&str>) -> Result<Family> {
+    match value.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+        None | Some("") | Some("v2") => Ok(Family::V2),
+        Some("v1") => Ok(Family::V1),
+        Some(other) => Err(QuantError::Input(format!(
+            "{FAMILY_ENV}={other:?}: expected \"v1\" (the 64×64 kernels) or \"v2\" (the default)"
+        ))),
+    }
+}
+
+/// The CTA tile of a v2 instantiation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum V2Tile {
+    /// 64 activation rows × 128 outputs, warp tiles 32×32, sized for 2 CTAs per SM.
+    T64x128,
+    /// 128 × 128, warp tiles 64×32, one CTA per SM.
+    T128x128,
+}
+
+impl V2Tile {
+    pub const ALL: [V2Tile; 2] = [V2Tile::T64x128, V2Tile::T128x128];
+}
 
 /// Which kernel computes the integer matmul. Every choice returns the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum GemmKernel {
-    /// Tensor cores, part groups chosen from the shape ([`part_groups`]).
+    /// The family of [`FAMILY_ENV`] (default v2), tile and part groups chosen from the shape.
     #[default]
     Auto,
-    /// Tensor cores with a fixed number of part groups (1, 2 or 4).
+    /// A given family, tile and part groups chosen from the shape.
+    AutoFamily(Family),
+    /// v1 with a fixed number of part groups (1, 2 or 4).
     TensorCore { part_groups: u32 },
+    /// v2 with a fixed tile and number of part groups.
+    V2 { tile: V2Tile, part_groups: u32 },
     /// One thread per output, plain integer loops: the second oracle.
     Simt,
 }
 
 /// One tensor-core kernel instantiation (must match the template arguments in quant_gemm.cu).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TilePlan {
     /// The `extern "C"` name in quant_gemm.cu.
     pub kernel: &'static str,
+    pub family: Family,
     /// Activation rows per CTA.
     pub bm: usize,
     /// Weight rows (outputs) per CTA.
@@ -41,8 +92,14 @@ pub struct TilePlan {
     /// Bytes of the reduction per pipeline stage.
     pub bk: usize,
     pub stages: usize,
+    pub threads: u32,
     /// Dynamic shared memory of a CTA.
     pub smem_bytes: usize,
+    /// CTAs per SM the instantiation is built for (its `__launch_bounds__` minimum).
+    pub ctas_per_sm: usize,
+    /// Cost-model guess: multiply-adds per SM and clock when every SM is full of these CTAs (not
+    /// measured on this tile yet; `prism cuda-quant-check` prints the model next to the timings).
+    pub macs_per_sm_clock: f64,
 }
 
 /// The `Smem<FMT, BM, BN>::STAGE` size of quant_gemm.cu: A and B tiles, the block scales and, for the
@@ -58,21 +115,60 @@ fn stage_bytes(format: WeightFormat, bm: usize, bn: usize, bk: usize) -> usize {
     bytes.div_ceil(128) * 128
 }
 
-/// The kernel instantiation for a weight format.
-pub fn tile_plan(format: WeightFormat) -> TilePlan {
-    let (kernel, bk, stages) = match format {
-        WeightFormat::Q8_0 => ("qgemm_q8_0_64x64", 128, 4),
-        WeightFormat::Q4K | WeightFormat::Q5K => ("qgemm_k32_64x64", 256, 3),
-        WeightFormat::Q6K => ("qgemm_q6k_64x64", 256, 3),
+/// Bytes of the reduction per stage: Q8_0 four blocks of 32, K-quants one block of 256.
+fn stage_k(format: WeightFormat) -> usize {
+    match format {
+        WeightFormat::Q8_0 => 128,
+        _ => 256,
+    }
+}
+
+/// The v1 instantiation for a weight format.
+pub fn v1_tile_plan(format: WeightFormat) -> TilePlan {
+    let (kernel, stages) = match format {
+        WeightFormat::Q8_0 => ("qgemm_q8_0_64x64", 4),
+        WeightFormat::Q4K | WeightFormat::Q5K => ("qgemm_k32_64x64", 3),
+        WeightFormat::Q6K => ("qgemm_q6k_64x64", 3),
     };
-    let (bm, bn) = (64, 64);
+    let (bm, bn, bk) = (64, 64, stage_k(format));
     TilePlan {
         kernel,
+        family: Family::V1,
         bm,
         bn,
         bk,
         stages,
+        threads: TC_THREADS,
         smem_bytes: stages * stage_bytes(format, bm, bn, bk),
+        ctas_per_sm: 1,
+        macs_per_sm_clock: 250.0,
+    }
+}
+
+/// The v2 instantiation of `tile` for a weight format (`qgemm2_*` in quant_gemm.cu).
+pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
+    use WeightFormat::*;
+    // (kernel, bm, bn, stages, CTAs per SM, guessed MAC / SM / clock)
+    let (kernel, bm, bn, stages, ctas_per_sm, rate) = match (format, tile) {
+        (Q8_0, V2Tile::T64x128) => ("qgemm2_q8_0_64x128", 64, 128, 4, 2, 700.0),
+        (Q8_0, V2Tile::T128x128) => ("qgemm2_q8_0_128x128", 128, 128, 4, 1, 900.0),
+        (Q4K | Q5K, V2Tile::T64x128) => ("qgemm2_k32_64x128", 64, 128, 2, 2, 550.0),
+        (Q4K | Q5K, V2Tile::T128x128) => ("qgemm2_k32_128x128", 128, 128, 2, 1, 700.0),
+        (Q6K, V2Tile::T64x128) => ("qgemm2_q6k_64x128", 64, 128, 2, 2, 500.0),
+        (Q6K, V2Tile::T128x128) => ("qgemm2_q6k_128x128", 128, 128, 2, 1, 650.0),
+    };
+    let bk = stage_k(format);
+    TilePlan {
+        kernel,
+        family: Family::V2,
+        bm,
+        bn,
+        bk,
+        stages,
+        threads: TC2_THREADS,
+        smem_bytes: stages * stage_bytes(format, bm, bn, bk),
+        ctas_per_sm,
+        macs_per_sm_clock: rate,
     }
 }
 
@@ -85,9 +181,38 @@ pub fn simt_format_code(format: WeightFormat) -> i32 {
     }
 }
 
-/// How many part groups a tensor-core launch of `m × n` outputs uses on a GPU with `sm_count`
-/// multiprocessors: 1 when the output tiles alone give every SM two CTAs, else 2 or 4 (each doubling
-/// the CTAs by splitting the reduction).
+/// What the launcher needs to know about the GPU (CUDA device attributes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceLimits {
+    pub sm_count: usize,
+    /// `MAX_SHARED_MEMORY_PER_BLOCK_OPTIN`: the most dynamic shared memory one CTA may ask for.
+    pub smem_per_block: usize,
+    /// `MAX_SHARED_MEMORY_PER_MULTIPROCESSOR`.
+    pub smem_per_sm: usize,
+}
+
+impl DeviceLimits {
+    /// An H100 / H200 (sm_90): 132 SMs, 227 KiB per CTA, 228 KiB per SM.
+    pub const H200: DeviceLimits = DeviceLimits {
+        sm_count: 132,
+        smem_per_block: 227 * 1024,
+        smem_per_sm: 228 * 1024,
+    };
+
+    /// CTAs of `plan` that fit on one SM at once (0: the tile does not fit this GPU). Each CTA also
+    /// takes 1 KiB of shared memory reserved by the system.
+    pub fn resident_ctas(&self, plan: &TilePlan) -> usize {
+        if plan.smem_bytes > self.smem_per_block {
+            return 0;
+        }
+        plan.ctas_per_sm
+            .min(self.smem_per_sm / (plan.smem_bytes + 1024))
+    }
+}
+
+/// How many part groups a v1 launch of `m × n` outputs uses on a GPU with `sm_count` multiprocessors:
+/// 1 when the output tiles alone give every SM two CTAs, else 2 or 4 (each doubling the CTAs by
+/// splitting the reduction).
 pub fn part_groups(plan: &TilePlan, m: usize, n: usize, sm_count: usize) -> u32 {
     let ctas = m.div_ceil(plan.bm) * n.div_ceil(plan.bn);
     let want = 2 * sm_count.max(1);
@@ -98,6 +223,194 @@ pub fn part_groups(plan: &TilePlan, m: usize, n: usize, sm_count: usize) -> u32 
     } else {
         4
     }
+}
+
+/// Nominal clock (Hz) and memory rate (bytes/s) of the cost model (H200-like; only ratios matter).
+const MODEL_CLOCK_HZ: f64 = 1.75e9;
+const MODEL_DRAM_BYTES_PER_S: f64 = 3.0e12;
+/// Cycles a CTA spends outside its main loop (pipeline fill, closing the parts).
+const MODEL_CTA_FIXED_CYCLES: f64 = 3_000.0;
+/// One extra kernel launch (the combine kernel of a split launch).
+const MODEL_LAUNCH_S: f64 = 3.0e-6;
+
+/// Modelled seconds of a v2 launch of `m × n` outputs over `k` inputs with `g` part groups: whole waves
+/// of resident CTAs (the last wave costs as much as a full one), each CTA's share of the SM's rate,
+/// plus for `g > 1` the workspace traffic and the combine kernel. `None` if the tile does not fit.
+pub fn model_seconds(
+    plan: &TilePlan,
+    limits: &DeviceLimits,
+    m: usize,
+    n: usize,
+    k: usize,
+    g: u32,
+) -> Option<f64> {
+    let resident = limits.resident_ctas(plan);
+    if resident == 0 || limits.sm_count == 0 {
+        return None;
+    }
+    let ctas = m.div_ceil(plan.bm) * n.div_ceil(plan.bn) * g as usize;
+    let waves = ctas.div_ceil(limits.sm_count * resident) as f64;
+    let macs = (plan.bm * plan.bn) as f64 * (k as f64 / f64::from(g));
+    let cta_cycles = macs * resident as f64 / plan.macs_per_sm_clock + MODEL_CTA_FIXED_CYCLES;
+    let mut t = waves * cta_cycles / MODEL_CLOCK_HZ;
+    if g > 1 {
+        // The kernel writes G partial results, the combine kernel reads them and writes y.
+        let bytes = (2 * g as usize + 1) * m * n * 4;
+        t += bytes as f64 / MODEL_DRAM_BYTES_PER_S + MODEL_LAUNCH_S;
+    }
+    Some(t)
+}
+
+/// Tile rows per raster group of the v2 grid: all of them (tile rows fastest, every weight tile read
+/// from DRAM once) while the activations fit comfortably in L2, else groups whose activation rows take
+/// about 16 MiB, so the CTAs running at one time share their weight tiles and activation rows.
+pub fn group_m(plan: &TilePlan, m: usize, k: usize) -> u32 {
+    let m_tiles = m.div_ceil(plan.bm).max(1);
+    let rows_bytes = plan.bm * k.max(1);
+    let group = if m * k <= 24 << 20 {
+        m_tiles
+    } else {
+        ((16 << 20) / rows_bytes).clamp(1, m_tiles)
+    };
+    u32::try_from(group).unwrap_or(u32::MAX)
+}
+
+/// The v2 kernel's tile order (the Rust twin of its first lines): CTA `pid` of a grid of
+/// `m_tiles × n_tiles` works on tile (row, column) = the returned pair.
+pub fn v2_tile_of(pid: usize, m_tiles: usize, n_tiles: usize, group_m: usize) -> (usize, usize) {
+    let gm = group_m.clamp(1, m_tiles.max(1));
+    let per_group = gm * n_tiles;
+    let grp = pid / per_group;
+    let first_m = grp * gm;
+    let gsize = (m_tiles - first_m).min(gm);
+    let in_grp = pid - grp * per_group;
+    (first_m + in_grp % gsize, in_grp / gsize)
+}
+
+/// A launch: the kernel, its part groups and, for v2, the raster group. `tile == None` is the plain
+/// kernel.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LaunchPlan {
+    pub tile: Option<TilePlan>,
+    pub part_groups: u32,
+    pub group_m: u32,
+}
+
+impl LaunchPlan {
+    fn simt() -> Self {
+        LaunchPlan {
+            tile: None,
+            part_groups: 1,
+            group_m: 1,
+        }
+    }
+
+    /// The grid: v1 (row tiles, column tiles, groups); v2 (row tiles · column tiles, 1, groups); the
+    /// plain kernel one thread per output. Sizes must have passed [`check_launch`].
+    pub fn grid(&self, m: usize, n: usize) -> (u32, u32, u32) {
+        match self.tile {
+            None => ((m * n).div_ceil(SIMT_THREADS as usize) as u32, 1, 1),
+            Some(t) if t.family == Family::V1 => (
+                m.div_ceil(t.bm) as u32,
+                n.div_ceil(t.bn) as u32,
+                self.part_groups,
+            ),
+            Some(t) => (
+                (m.div_ceil(t.bm) * n.div_ceil(t.bn)) as u32,
+                1,
+                self.part_groups,
+            ),
+        }
+    }
+}
+
+/// The best v2 (tile, part groups) for a shape by [`model_seconds`], among the tiles that fit.
+pub fn choose_v2(
+    format: WeightFormat,
+    m: usize,
+    n: usize,
+    k: usize,
+    limits: &DeviceLimits,
+) -> Option<(TilePlan, u32)> {
+    let mut best: Option<(f64, TilePlan, u32)> = None;
+    for tile in V2Tile::ALL {
+        let plan = v2_tile_plan(format, tile);
+        for g in [1u32, 2, 4] {
+            if let Some(t) = model_seconds(&plan, limits, m, n, k, g) {
+                // Strictly better only: ties keep the earlier (smaller G, smaller tile).
+                if best.as_ref().is_none_or(|(bt, _, _)| t < *bt) {
+                    best = Some((t, plan, g));
+                }
+            }
+        }
+    }
+    best.map(|(_, p, g)| (p, g))
+}
+
+/// The launch for `kernel` (with [`GemmKernel::Auto`] resolved to `default_family`) of `m × n` outputs
+/// over `k` inputs. Automatic choices never pick a tile that does not fit the GPU's shared memory: v2
+/// falls back to v1, v1 to the plain kernel. An explicit tile that does not fit is an error.
+pub fn plan_launch(
+    kernel: GemmKernel,
+    default_family: Family,
+    format: WeightFormat,
+    m: usize,
+    n: usize,
+    k: usize,
+    limits: &DeviceLimits,
+) -> Result<LaunchPlan> {
+    let fits = |p: &TilePlan| limits.resident_ctas(p) > 0;
+    let v1_auto = || {
+        let p = v1_tile_plan(format);
+        if fits(&p) {
+            LaunchPlan {
+                tile: Some(p),
+                part_groups: part_groups(&p, m, n, limits.sm_count),
+                group_m: 1,
+            }
+        } else {
+            LaunchPlan::simt()
+        }
+    };
+    let explicit = |p: TilePlan, g: u32| -> Result<LaunchPlan> {
+        if !fits(&p) {
+            return Err(QuantError::Input(format!(
+                "{}: {} bytes of shared memory a CTA, the GPU allows {} ({} a multiprocessor)",
+                p.kernel, p.smem_bytes, limits.smem_per_block, limits.smem_per_sm
+            )));
+        }
+        Ok(LaunchPlan {
+            tile: Some(p),
+            part_groups: g,
+            group_m: if p.family == Family::V2 {
+                group_m(&p, m, k)
+            } else {
+                1
+            },
+        })
+    };
+    let family = match kernel {
+        GemmKernel::Auto => default_family,
+        GemmKernel::AutoFamily(f) => f,
+        GemmKernel::TensorCore { part_groups } => {
+            return explicit(v1_tile_plan(format), part_groups)
+        }
+        GemmKernel::V2 { tile, part_groups } => {
+            return explicit(v2_tile_plan(format, tile), part_groups)
+        }
+        GemmKernel::Simt => return Ok(LaunchPlan::simt()),
+    };
+    Ok(match family {
+        Family::V1 => v1_auto(),
+        Family::V2 => match choose_v2(format, m, n, k, limits) {
+            Some((p, g)) => LaunchPlan {
+                tile: Some(p),
+                part_groups: g,
+                group_m: group_m(&p, m, k),
+            },
+            None => v1_auto(),
+        },
+    })
 }
 
 /// The checks every launch makes before touching the device: the reduction is whole blocks, the sizes
@@ -121,7 +434,16 @@ pub fn check_launch(
     }
     let fits = |x: usize| i32::try_from(x).is_ok();
     let total = m.checked_mul(n.max(k)).and_then(|x| x.checked_mul(4));
-    if !fits(m) || !fits(n) || !fits(k) || total.is_none() || n.div_ceil(64) > 65_535 {
+    // v1's grid has column tiles of 64 in y (at most 65,535); v2's has all tiles (64 × 128 at the
+    // smallest) in x, an int in the kernel.
+    let v2_tiles = m.div_ceil(64).checked_mul(n.div_ceil(128));
+    if !fits(m)
+        || !fits(n)
+        || !fits(k)
+        || total.is_none()
+        || n.div_ceil(64) > 65_535
+        || !v2_tiles.is_some_and(fits)
+    {
         return Err(QuantError::Input(format!(
             "CUDA matmul of {w_name:?}: {m} × {k} activations by {n} outputs exceed the kernels' index range"
         )));
@@ -202,7 +524,7 @@ mod tests {
         n: usize,
         g: usize,
     ) -> f32 {
-        let plan = tile_plan(w.format());
+        let plan = v1_tile_plan(w.format());
         let bps = plan.bk / w.format().block_len();
         let nb = w.blocks_per_row();
         let (qa, sums) = (qx.row(m), qx.row_sums(m));
@@ -312,20 +634,20 @@ mod tests {
 
     #[test]
     fn tile_plans_match_the_kernel_instantiations_and_fit_the_gpu() {
-        let q8 = tile_plan(WeightFormat::Q8_0);
+        let q8 = v1_tile_plan(WeightFormat::Q8_0);
         // 64×128 A + 64×128 B + 4 blocks × 64 f32 scales = 17,408 bytes a stage, 4 stages.
         assert_eq!(
             (q8.bm, q8.bn, q8.bk, q8.stages, q8.smem_bytes),
             (64, 64, 128, 4, 4 * 17_408)
         );
-        let q4 = tile_plan(WeightFormat::Q4K);
+        let q4 = v1_tile_plan(WeightFormat::Q4K);
         // 2 × 64×256 + d, dmin (64 f32 each) + scales, mins (64×8 bytes each) + sums (64×8 i32).
         assert_eq!(q4.smem_bytes, 3 * (32_768 + 256 + 256 + 512 + 512 + 2_048));
-        assert_eq!(tile_plan(WeightFormat::Q5K), q4);
-        let q6 = tile_plan(WeightFormat::Q6K);
+        assert_eq!(v1_tile_plan(WeightFormat::Q5K), q4);
+        let q6 = v1_tile_plan(WeightFormat::Q6K);
         assert_eq!(q6.smem_bytes, 3 * (32_768 + 256 + 1_024));
         for format in [WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q6K] {
-            let p = tile_plan(format);
+            let p = v1_tile_plan(format);
             // Whole blocks per stage, and within the 227 KiB a CTA may opt in to on sm_90 (163 KiB sm_80).
             assert_eq!(p.bk % format.block_len(), 0);
             assert!(
@@ -338,7 +660,7 @@ mod tests {
 
     #[test]
     fn part_groups_split_the_reduction_only_when_the_tiles_do_not_fill_the_gpu() {
-        let p = tile_plan(WeightFormat::Q8_0);
+        let p = v1_tile_plan(WeightFormat::Q8_0);
         // Decode on a 132-SM H200: 80 tiles of 64 outputs for N = 5120 → 4 groups.
         assert_eq!(part_groups(&p, 1, 5120, 132), 4);
         // 2 × 80 = 160 tiles: 2 groups bring 320 ≥ 264 CTAs.
@@ -409,5 +731,379 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The v2 kernel's stages for part group [p_begin, p_end) of `nb` blocks: (part, first block,
+    /// blocks) in the order the kernel's cursors visit them (the Rust twin of its K loop).
+    fn v2_stages(
+        nb: usize,
+        p_begin: usize,
+        p_end: usize,
+        bps: usize,
+    ) -> Vec<(usize, usize, usize)> {
+        let part_end = |p: usize| (p + 1) * nb / 4;
+        let (mut p, mut b) = (p_begin, p_begin * nb / 4);
+        let mut stages = Vec::new();
+        loop {
+            while p < p_end && b == part_end(p) {
+                p += 1;
+            }
+            if p >= p_end {
+                return stages;
+            }
+            let count = bps.min(part_end(p) - b);
+            stages.push((p, b, count));
+            b += count;
+        }
+    }
+
+    /// The v2 kernel's walk for one output, replayed on the CPU: stages that never straddle a part,
+    /// parts closed between stages (empty ones included, leading ones before the first stage), the
+    /// closed parts kept in "memory" (scratch / out / the group's workspace slot, NaN until written, so
+    /// a read before a write poisons the result), and for g > 1 the combine kernel's fold.
+    fn kernel_walk_v2(
+        qx: &QuantizedRows,
+        w: &QuantWeight,
+        scale: f32,
+        m: usize,
+        n: usize,
+        g: usize,
+        tile: V2Tile,
+    ) -> f32 {
+        let plan = v2_tile_plan(w.format(), tile);
+        let bps = plan.bk / w.format().block_len();
+        let nb = w.blocks_per_row();
+        let part_end = |p: usize| (p + 1) * nb / 4;
+        let (qa, sums) = (qx.row(m), qx.row_sums(m));
+        let (d, dmin) = (w.row_d(n), w.row_dmin(n));
+        let (mut scratch, mut out) = (f32::NAN, f32::NAN);
+        let mut ws = vec![f32::NAN; g];
+        for z in 0..g {
+            let (p_begin, p_end) = (z * 4 / g, (z + 1) * 4 / g);
+            let mut acc = 0f32;
+            let mut closed = p_begin;
+            let mut finish = |p: usize, acc: &mut f32| {
+                let a = std::mem::replace(acc, 0.0);
+                match (g, p % 2) {
+                    (4, _) => ws[z] = a,
+                    (2, 0) => ws[z] = a,
+                    (2, _) => ws[z] += a,
+                    (_, 0) => scratch = a,
+                    _ if p == 1 => out = scratch + a,
+                    _ => out = (out + (scratch + a)) * scale,
+                }
+            };
+            for (p, b0, count) in v2_stages(nb, p_begin, p_end, bps) {
+                while closed < p {
+                    finish(closed, &mut acc);
+                    closed += 1;
+                }
+                for b in b0..b0 + count {
+                    let (db, mb) = block_sums(w, n, b, qa, sums);
+                    let dbf = if w.format() == WeightFormat::Q8_0 {
+                        f32::from_bits(0x4B40_0000i32.wrapping_add(db) as u32) - 12_582_912.0
+                    } else {
+                        db as f32
+                    };
+                    acc = d[b].mul_add(dbf, acc);
+                    if w.format().has_mins() {
+                        acc = (-dmin[b]).mul_add(mb as f32, acc);
+                    }
+                }
+                assert!(b0 + count <= part_end(p));
+            }
+            while closed < p_end {
+                finish(closed, &mut acc);
+                closed += 1;
+            }
+        }
+        match g {
+            1 => out,
+            2 => (ws[0] + ws[1]) * scale,
+            _ => ((ws[0] + ws[1]) + (ws[2] + ws[3])) * scale,
+        }
+    }
+
+    #[test]
+    fn the_v2_walk_gives_the_reference_bits_for_every_tile_and_part_grouping() {
+        let mut rng = Rng(0x2545_F491_4F6C_DD1D);
+        // Block counts with empty parts (1..3 blocks), parts that are not whole stages (Q8_0: 35 and 37
+        // blocks), and whole stages.
+        let shapes = [
+            (WeightFormat::Q8_0, 32),
+            (WeightFormat::Q8_0, 96),
+            (WeightFormat::Q8_0, 160),
+            (WeightFormat::Q8_0, 32 * 35),
+            (WeightFormat::Q8_0, 32 * 37),
+            (WeightFormat::Q8_0, 512),
+            (WeightFormat::Q4K, 256),
+            (WeightFormat::Q4K, 768),
+            (WeightFormat::Q4K, 1280),
+            (WeightFormat::Q6K, 512),
+            (WeightFormat::Q6K, 1536),
+        ];
+        for (format, k) in shapes {
+            let (m, n) = (3, 5);
+            let w = weight(format, n, k, &mut rng);
+            let x: Vec<f32> = (0..m * k).map(|_| rng.next_f32() * 4.0).collect();
+            let scale = ActivationScale::from_absmax(4.0).unwrap();
+            let qx = quantize_for(&x, m, &w, &scale).unwrap();
+            let want = matmul_quantized(&qx, &w, &scale);
+            for tile in V2Tile::ALL {
+                for g in [1, 2, 4] {
+                    for r in 0..m {
+                        for c in 0..n {
+                            let got = kernel_walk_v2(&qx, &w, scale.scale(), r, c, g, tile);
+                            assert_eq!(
+                                got.to_bits(),
+                                want[r * n + c].to_bits(),
+                                "{format:?} K={k} {tile:?} G={g} output ({r}, {c}): {got} vs {}",
+                                want[r * n + c]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn v2_stages_cover_each_part_in_order_without_straddling() {
+        for nb in [1usize, 2, 3, 4, 5, 7, 35, 37, 160, 544] {
+            for bps in [1usize, 4] {
+                for g in [1usize, 2, 4] {
+                    for z in 0..g {
+                        let (p_begin, p_end) = (z * 4 / g, (z + 1) * 4 / g);
+                        let stages = v2_stages(nb, p_begin, p_end, bps);
+                        // Concatenated, the stages are exactly the group's blocks in increasing order.
+                        let blocks: Vec<usize> =
+                            stages.iter().flat_map(|&(_, b, c)| b..b + c).collect();
+                        let want: Vec<usize> = (p_begin * nb / 4..p_end * nb / 4).collect();
+                        assert_eq!(blocks, want, "nb={nb} bps={bps} G={g} z={z}");
+                        for &(p, b, c) in &stages {
+                            assert!((1..=bps).contains(&c));
+                            assert!(p * nb / 4 <= b && b + c <= (p + 1) * nb / 4);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_family_variable_takes_v1_or_v2_and_names_anything_else() {
+        assert_eq!(parse_family(None).unwrap(), Family::V2);
+        assert_eq!(parse_family(Some("")).unwrap(), Family::V2);
+        assert_eq!(parse_family(Some(" V1 ")).unwrap(), Family::V1);
+        assert_eq!(parse_family(Some("v2")).unwrap(), Family::V2);
+        let err = parse_family(Some("v3")).unwrap_err().to_string();
+        assert!(err.contains("PRISM_QGEMM") && err.contains("v3"), "{err}");
+    }
+
+    #[test]
+    fn v2_tile_plans_match_the_kernel_instantiations() {
+        use WeightFormat::*;
+        // (format, tile, kernel, bm, stages, bytes a stage): A bm×bk + B 128×bk + scales (see Smem).
+        let cases = [
+            (
+                Q8_0,
+                V2Tile::T64x128,
+                "qgemm2_q8_0_64x128",
+                64,
+                4,
+                8_192 + 16_384 + 2_048,
+            ),
+            (
+                Q8_0,
+                V2Tile::T128x128,
+                "qgemm2_q8_0_128x128",
+                128,
+                4,
+                16_384 + 16_384 + 2_048,
+            ),
+            // d, dmin 128 f32; scales, mins 128×8 bytes; activation sums bm×8 i32.
+            (
+                Q4K,
+                V2Tile::T64x128,
+                "qgemm2_k32_64x128",
+                64,
+                2,
+                16_384 + 32_768 + 1_024 + 2_048 + 2_048,
+            ),
+            (
+                Q5K,
+                V2Tile::T128x128,
+                "qgemm2_k32_128x128",
+                128,
+                2,
+                2 * 32_768 + 1_024 + 2_048 + 4_096,
+            ),
+            // d 128 f32; scales 128×16 bytes.
+            (
+                Q6K,
+                V2Tile::T64x128,
+                "qgemm2_q6k_64x128",
+                64,
+                2,
+                16_384 + 32_768 + 512 + 2_048,
+            ),
+            (
+                Q6K,
+                V2Tile::T128x128,
+                "qgemm2_q6k_128x128",
+                128,
+                2,
+                2 * 32_768 + 512 + 2_048,
+            ),
+        ];
+        for (format, tile, kernel, bm, stages, stage_bytes) in cases {
+            let p = v2_tile_plan(format, tile);
+            assert_eq!(
+                (p.kernel, p.family, p.bm, p.bn, p.stages, p.threads),
+                (kernel, Family::V2, bm, 128, stages, 256)
+            );
+            assert_eq!(p.smem_bytes, stages * stage_bytes, "{kernel}");
+            assert_eq!(p.bk % format.block_len(), 0);
+            // The CTAs per SM it is built for fit an H200; every tile fits an A100's 163 KiB a CTA.
+            assert_eq!(
+                DeviceLimits::H200.resident_ctas(&p),
+                p.ctas_per_sm,
+                "{kernel}"
+            );
+            assert!(
+                p.smem_bytes <= 163 * 1024,
+                "{kernel}: {} bytes",
+                p.smem_bytes
+            );
+        }
+    }
+
+    #[test]
+    fn the_v2_raster_order_visits_every_tile_once() {
+        for (m_tiles, n_tiles) in [
+            (1usize, 1usize),
+            (1, 136),
+            (3, 5),
+            (16, 136),
+            (128, 136),
+            (33, 7),
+        ] {
+            for gm in [1usize, 2, 7, 8, 25, m_tiles, m_tiles + 5] {
+                let mut seen = vec![false; m_tiles * n_tiles];
+                for pid in 0..m_tiles * n_tiles {
+                    let (r, c) = v2_tile_of(pid, m_tiles, n_tiles, gm);
+                    assert!(
+                        r < m_tiles && c < n_tiles,
+                        "{m_tiles}×{n_tiles} gm={gm} pid={pid}"
+                    );
+                    assert!(!std::mem::replace(&mut seen[r * n_tiles + c], true));
+                }
+            }
+        }
+        // A whole-M group walks tile rows fastest (v1's order).
+        assert_eq!(v2_tile_of(17, 16, 136, 16), (1, 1));
+    }
+
+    #[test]
+    fn raster_groups_bound_the_activation_rows_only_when_they_outgrow_l2() {
+        let p = v2_tile_plan(WeightFormat::Q8_0, V2Tile::T128x128);
+        assert_eq!(group_m(&p, 2048, 5120), 16); // 10 MiB of activations: all 16 tile rows
+        assert_eq!(group_m(&p, 16384, 5120), 25); // 16 MiB / (128 · 5120) rows per group
+        assert_eq!(group_m(&p, 16384, 17408), 7);
+        assert_eq!(group_m(&p, 1, 5120), 1);
+    }
+
+    #[test]
+    fn the_chooser_fills_the_gpu_and_falls_back_where_tiles_do_not_fit() {
+        use WeightFormat::*;
+        let h200 = DeviceLimits::H200;
+        // Big M: whole reductions per CTA on the big tile.
+        let big = plan_launch(
+            GemmKernel::Auto,
+            Family::V2,
+            Q8_0,
+            16384,
+            17408,
+            5120,
+            &h200,
+        )
+        .unwrap();
+        let t = big.tile.unwrap();
+        assert_eq!((t.kernel, big.part_groups), ("qgemm2_q8_0_128x128", 1));
+        assert_eq!(big.grid(16384, 17408), (128 * 136, 1, 1));
+        // Decode: 40 column tiles alone would leave most SMs idle: split the reduction.
+        let decode = plan_launch(GemmKernel::Auto, Family::V2, Q8_0, 1, 5120, 5120, &h200).unwrap();
+        assert_eq!(decode.tile.unwrap().family, Family::V2);
+        assert!(decode.part_groups > 1, "{decode:?}");
+        // The modelled time of the choice is the smallest over every tile and G.
+        for (format, m, n, k) in [
+            (Q8_0, 256, 17408, 5120),
+            (Q4K, 512, 5120, 17408),
+            (Q6K, 2048, 6144, 5120),
+        ] {
+            let chosen = plan_launch(GemmKernel::Auto, Family::V2, format, m, n, k, &h200).unwrap();
+            let ct = chosen.tile.unwrap();
+            let best = model_seconds(&ct, &h200, m, n, k, chosen.part_groups).unwrap();
+            for tile in V2Tile::ALL {
+                for g in [1, 2, 4] {
+                    let t = model_seconds(&v2_tile_plan(format, tile), &h200, m, n, k, g).unwrap();
+                    assert!(
+                        best <= t,
+                        "{format:?} {m}×{n}×{k}: {ct:?} G={} vs {tile:?} G={g}",
+                        chosen.part_groups
+                    );
+                }
+            }
+        }
+        // PRISM_QGEMM=v1 (or an explicit family) gives v1 with its own part-group rule.
+        let v1 = plan_launch(GemmKernel::Auto, Family::V1, Q8_0, 128, 5120, 5120, &h200).unwrap();
+        assert_eq!(
+            (v1.tile.unwrap().kernel, v1.part_groups),
+            ("qgemm_q8_0_64x64", 2)
+        );
+        let v1b = plan_launch(
+            GemmKernel::AutoFamily(Family::V1),
+            Family::V2,
+            Q8_0,
+            128,
+            5120,
+            5120,
+            &h200,
+        );
+        assert_eq!(v1b.unwrap(), v1);
+        // An sm_89-sized GPU (99 KiB a CTA): no v2 tile fits, Q8_0 runs v1 (68 KiB), the K-quants'
+        // v1 (105 KiB) does not fit either: the plain kernel.
+        let ada = DeviceLimits {
+            sm_count: 128,
+            smem_per_block: 99 * 1024,
+            smem_per_sm: 100 * 1024,
+        };
+        let q8 = plan_launch(GemmKernel::Auto, Family::V2, Q8_0, 512, 4096, 4096, &ada).unwrap();
+        assert_eq!(q8.tile.unwrap().family, Family::V1);
+        let q4 = plan_launch(GemmKernel::Auto, Family::V2, Q4K, 512, 4096, 4096, &ada).unwrap();
+        assert_eq!(q4.tile, None);
+        // An explicit tile that does not fit is an error naming the kernel.
+        let err = plan_launch(
+            GemmKernel::V2 {
+                tile: V2Tile::T128x128,
+                part_groups: 1,
+            },
+            Family::V2,
+            Q8_0,
+            512,
+            4096,
+            4096,
+            &ada,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("qgemm2_q8_0_128x128"), "{err}");
+        // An A100-sized GPU (163 KiB a CTA, 164 KiB an SM): the 64×128 tiles run one CTA per SM.
+        let a100 = DeviceLimits {
+            sm_count: 108,
+            smem_per_block: 163 * 1024,
+            smem_per_sm: 164 * 1024,
+        };
+        assert_eq!(a100.resident_ctas(&v2_tile_plan(Q8_0, V2Tile::T64x128)), 1);
     }
 }
