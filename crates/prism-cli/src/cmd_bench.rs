@@ -444,20 +444,51 @@ fn default_gguf(dir: &Path) -> Result<PathBuf> {
 /// creation, stopped on drop. Without the `cuda` feature it is an error to ask for one.
 struct ProfilerRange {
     #[cfg(feature = "cuda")]
-    _range: candle_core::cuda_backend::cudarc::driver::Profiler,
+    driver: libloading::Library,
 }
+
+#[cfg(feature = "cuda")]
+type ProfilerCall = unsafe extern "C" fn() -> i32;
 
 impl ProfilerRange {
     #[cfg(feature = "cuda")]
     fn start() -> Result<Self> {
-        let range = candle_core::cuda_backend::cudarc::driver::Profiler::new()
-            .map_err(|e| anyhow::anyhow!("cuProfilerStart failed: {e}"))?;
-        Ok(Self { _range: range })
+        // SAFETY: loading the CUDA driver library runs no initialisers beyond the driver's own.
+        let driver = unsafe { libloading::Library::new("libcuda.so.1") }
+            .context("loading libcuda.so.1 for cuProfilerStart")?;
+        let range = Self { driver };
+        range.call(b"cuProfilerStart\0")?;
+        Ok(range)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn call(&self, name: &[u8]) -> Result<()> {
+        // SAFETY: both entry points have the signature `CUresult f(void)`.
+        let code = unsafe {
+            let f: libloading::Symbol<ProfilerCall> = self
+                .driver
+                .get(name)
+                .with_context(|| format!("libcuda has no {}", String::from_utf8_lossy(name)))?;
+            f()
+        };
+        if code != 0 {
+            bail!("{} returned CUDA error {code}", String::from_utf8_lossy(name));
+        }
+        Ok(())
     }
 
     #[cfg(not(feature = "cuda"))]
     fn start() -> Result<Self> {
         bail!("--profiler-range needs a CUDA build (the `cuda` feature)")
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Drop for ProfilerRange {
+    fn drop(&mut self) {
+        if let Err(e) = self.call(b"cuProfilerStop\0") {
+            tracing::warn!("{e:#}");
+        }
     }
 }
 
