@@ -499,6 +499,18 @@ extern "C" __global__ void qgemm_combine(const float* __restrict__ ws, float* __
     y[i] = __fmul_rn(t, scale);
 }
 
+// Device checks: how many of n f32 elements of a and b differ in their bits (NaNs and signed zeros
+// included), added to *count.
+extern "C" __global__ void count_bit_differences(const float* __restrict__ a, const float* __restrict__ b,
+                                                 long long n, unsigned long long* __restrict__ count) {
+    unsigned local = 0;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        local += __float_as_uint(a[i]) != __float_as_uint(b[i]);
+    for (int o = 16; o > 0; o >>= 1) local += __shfl_down_sync(0xffffffffu, local, o);
+    if ((threadIdx.x & 31) == 0 && local != 0) atomicAdd(count, (unsigned long long)local);
+}
+
 // The instantiations the host launches (names in crates/prism-quant/src/cuda_plan.rs). 4 warps of 32×32
 // outputs: CTA tile 64×64; Q8_0 4 stages of 17 KiB, K-quants 3 stages of ~34 KiB (dynamic shared memory).
 #define QGEMM_ARGS                                                                                          \

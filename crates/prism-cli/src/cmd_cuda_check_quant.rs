@@ -2,11 +2,15 @@
 //! `cuda` module, kernels/quant_gemm.cu).
 //!
 //! Random weights quantized by prism-gguf's Q8_0 / Q4_K / Q6_K quantizers (and random Q5_K bytes) at
-//! the real shapes run on the GPU and on the CPU reference (`prism_quant::kernel::matmul`); the outputs
-//! must be equal bit for bit. On the GPU every kernel choice (tensor cores with 1, 2 or 4 part groups,
-//! the plain one-thread-per-output kernel) must give the same bits, and a row alone the same bits as
-//! inside a batch. Then the GEMMs are timed next to cuBLAS bf16 at 27B shapes. Exit status 1 if any
-//! output differs.
+//! the real shapes, plus ragged shapes (N not a multiple of any tile, odd N, reductions of 1–3 blocks
+//! that leave parts empty, parts that are not whole stages), run on the GPU and on the CPU reference
+//! (`prism_quant::kernel::matmul`); the outputs must be equal bit for bit. Both tensor-core families
+//! run: v1 (64×64) and v2 (every tile), each with 1, 2 and 4 part groups and with the automatic plan;
+//! every output of every variant is compared on the device with v1's automatic plan, which is compared
+//! with the CPU reference; the plain one-thread-per-output kernel too (small M), and a row alone must
+//! have the same bits as inside a batch. Then both families are timed next to cuBLAS bf16 at 27B
+//! shapes, with a sweep of the v2 tiles and part groups next to the plan's cost model. Exit status 1
+//! if any output differs.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -16,7 +20,7 @@ use candle_core::backend::BackendDevice;
 use candle_core::{DType, Device, Tensor};
 use prism_gguf::quantize::quantize;
 use prism_quant::cuda::{self as qcuda, CudaQuantWeight};
-use prism_quant::cuda_plan::GemmKernel;
+use prism_quant::cuda_plan::{self, Family, GemmKernel, V2Tile};
 use prism_quant::{ActivationScale, QuantError, QuantWeight, WeightFormat};
 use rayon::prelude::*;
 use serde_json::{json, Value};
@@ -73,6 +77,18 @@ impl Report {
         );
     }
 
+    /// A comparison made on the device: `differing` of `total` outputs differ in their bits.
+    fn count(&mut self, name: &str, differing: usize, total: usize) {
+        let ok = differing == 0;
+        println!(
+            "{name:<78} {differing:>8} of {total:>10} differ  {}",
+            if ok { "ok" } else { "FAIL" }
+        );
+        self.failed += usize::from(!ok);
+        self.rows
+            .push(json!({"check": name, "outputs": total, "differing_bits": differing, "ok": ok}));
+    }
+
     fn pass(&mut self, name: &str, ok: bool, detail: String) {
         println!("{name:<78} {detail}  {}", if ok { "ok" } else { "FAIL" });
         self.failed += usize::from(!ok);
@@ -124,17 +140,148 @@ fn to_vec(t: &Tensor) -> Result<Vec<f32>> {
 }
 
 /// The rows of an `m`-row batch compared with the CPU reference: all of them up to 64, else 64 spread
-/// rows including the first, the last and the ones around the 64-row tile edges.
+/// rows including the first, the last and the ones around the 64- and 128-row tile edges.
 fn checked_rows(m: usize) -> Vec<usize> {
     if m <= 64 {
         return (0..m).collect();
     }
-    let mut rows: Vec<usize> = vec![0, 1, 62, 63, 64, 65, m / 2, m - 2, m - 1];
-    let step = m / 55;
-    rows.extend((0..55).map(|i| (i * step + 7).min(m - 1)));
+    let mut rows: Vec<usize> = vec![0, 1, 62, 63, 64, 65, 127, 128, 129, m / 2, m - 2, m - 1];
+    let step = m / 52;
+    rows.extend((0..52).map(|i| (i * step + 7).min(m - 1)));
+    rows.retain(|&r| r < m);
     rows.sort_unstable();
     rows.dedup();
     rows
+}
+
+/// Every fixed kernel choice: v1 and each v2 tile, with 1, 2 and 4 part groups.
+fn fixed_variants() -> Vec<(String, GemmKernel)> {
+    let mut v = Vec::new();
+    for g in [1u32, 2, 4] {
+        v.push((
+            format!("v1 64x64 G={g}"),
+            GemmKernel::TensorCore { part_groups: g },
+        ));
+    }
+    for tile in V2Tile::ALL {
+        for g in [1u32, 2, 4] {
+            v.push((
+                format!("v2 {tile:?} G={g}"),
+                GemmKernel::V2 {
+                    tile,
+                    part_groups: g,
+                },
+            ));
+        }
+    }
+    v
+}
+
+/// A short name of the launch a kernel choice makes (which instantiation, how many part groups).
+fn plan_name(
+    kernel: GemmKernel,
+    w: &CudaQuantWeight,
+    m: usize,
+    dev: &candle_core::CudaDevice,
+) -> Result<String> {
+    let p = qcuda::launch_plan(kernel, w.format(), m, w.rows(), w.cols(), dev)?;
+    Ok(match p.tile {
+        Some(t) => format!("{} G={}", t.kernel, p.part_groups),
+        None => "qgemm_simt".to_string(),
+    })
+}
+
+/// One weight at one batch size: every kernel choice against v1's automatic plan on the device (all
+/// outputs), v1's and v2's automatic plans against the CPU reference (the checked rows).
+fn check_case(
+    r: &mut Report,
+    gpu: &Device,
+    dev: &candle_core::CudaDevice,
+    w: &QuantWeight,
+    wg: &CudaQuantWeight,
+    m: usize,
+    rng: &mut Rng,
+) -> Result<()> {
+    let (k, n, format) = (w.cols(), w.rows(), w.format());
+    let x: Vec<f32> = (0..m * k).map(|_| rng.activation()).collect();
+    // A calibrated range below the batch's max, so some inputs clamp at ±127.
+    let absmax = x.iter().fold(0f32, |a, v| a.max(v.abs())) * 0.9;
+    let scale = ActivationScale::from_absmax(absmax)?;
+    let xg = Tensor::from_slice(&x, (m, k), gpu)?;
+    let tag = format!("{format:?} K={k} N={n} M={m}");
+    let v1_auto = GemmKernel::AutoFamily(Family::V1);
+    let v2_auto = GemmKernel::AutoFamily(Family::V2);
+    let y_v1 = qcuda::matmul_with(&xg, wg, &scale, v1_auto)?;
+    let y_v2 = qcuda::matmul_with(&xg, wg, &scale, v2_auto)?;
+
+    // The CPU reference on the checked rows (each output depends only on its own row).
+    let rows = checked_rows(m);
+    let xr: Vec<f32> = rows
+        .iter()
+        .flat_map(|&i| x[i * k..(i + 1) * k].iter().copied())
+        .collect();
+    let want = prism_quant::kernel::matmul(&xr, rows.len(), w, &scale)?;
+    let idx = Tensor::from_vec(
+        rows.iter().map(|&i| i as u32).collect::<Vec<u32>>(),
+        rows.len(),
+        gpu,
+    )?;
+    for (name, y) in [("v1", &y_v1), ("v2", &y_v2)] {
+        let kernel = if name == "v1" { v1_auto } else { v2_auto };
+        let got = to_vec(&y.index_select(&idx, 0)?)?;
+        r.bits(
+            &format!(
+                "{tag}: {name} auto ({}) vs CPU reference, {} rows",
+                plan_name(kernel, wg, m, dev)?,
+                rows.len()
+            ),
+            &got,
+            &want,
+        );
+    }
+    let total = m * n;
+    r.count(
+        &format!("{tag}: v2 auto vs v1 auto, all outputs"),
+        qcuda::differing_bits(&y_v2, &y_v1)?,
+        total,
+    );
+    let y_auto = qcuda::matmul(&xg, wg, &scale)?;
+    r.count(
+        &format!(
+            "{tag}: default ({}) vs v1 auto",
+            plan_name(GemmKernel::Auto, wg, m, dev)?
+        ),
+        qcuda::differing_bits(&y_auto, &y_v1)?,
+        total,
+    );
+    for (name, kernel) in fixed_variants() {
+        let y = qcuda::matmul_with(&xg, wg, &scale, kernel)?;
+        r.count(
+            &format!("{tag}: {name} vs v1 auto"),
+            qcuda::differing_bits(&y, &y_v1)?,
+            total,
+        );
+    }
+    if m <= 190 {
+        let y = qcuda::matmul_with(&xg, wg, &scale, GemmKernel::Simt)?;
+        r.count(
+            &format!("{tag}: plain kernel vs v1 auto"),
+            qcuda::differing_bits(&y, &y_v1)?,
+            total,
+        );
+    }
+    if m > 1 {
+        let i = m - 1;
+        for (name, kernel) in [("v1", v1_auto), ("v2", v2_auto)] {
+            let alone = qcuda::matmul_with(&xg.narrow(0, i, 1)?, wg, &scale, kernel)?;
+            r.count(
+                &format!("{tag}: {name} auto, row {i} alone vs in the batch"),
+                qcuda::differing_bits(&alone, &y_v1.narrow(0, i, 1)?)?,
+                n,
+            );
+        }
+    }
+    Ok(())
 }
 
 fn quant_checks(r: &mut Report, gpu: &Device, dev: &candle_core::CudaDevice) -> Result<()> {
@@ -154,81 +301,36 @@ fn quant_checks(r: &mut Report, gpu: &Device, dev: &candle_core::CudaDevice) -> 
             let wg = CudaQuantWeight::upload(&w, dev)?;
             let quantized_s = t0.elapsed().as_secs_f64();
             for &m in &batch_sizes {
-                let x: Vec<f32> = (0..m * k).map(|_| rng.activation()).collect();
-                // A calibrated range below the batch's max, so some inputs clamp at ±127.
-                let absmax = x.iter().fold(0f32, |a, v| a.max(v.abs())) * 0.9;
-                let scale = ActivationScale::from_absmax(absmax)?;
-                let xg = Tensor::from_slice(&x, (m, k), gpu)?;
-                let tag = format!("{format:?} K={k} N={n} M={m}");
-                let y_auto = to_vec(&qcuda::matmul(&xg, &wg, &scale)?)?;
-
-                // The CPU reference on the checked rows (each output depends only on its own row).
-                let rows = checked_rows(m);
-                let xr: Vec<f32> = rows
-                    .iter()
-                    .flat_map(|&i| x[i * k..(i + 1) * k].iter().copied())
-                    .collect();
-                let want = prism_quant::kernel::matmul(&xr, rows.len(), &w, &scale)?;
-                let got: Vec<f32> = rows
-                    .iter()
-                    .flat_map(|&i| y_auto[i * n..(i + 1) * n].iter().copied())
-                    .collect();
-                r.bits(
-                    &format!("{tag}: GPU (auto) vs CPU reference, {} rows", rows.len()),
-                    &got,
-                    &want,
-                );
-
-                for groups in [1u32, 2, 4] {
-                    let y = to_vec(&qcuda::matmul_with(
-                        &xg,
-                        &wg,
-                        &scale,
-                        GemmKernel::TensorCore {
-                            part_groups: groups,
-                        },
-                    )?)?;
-                    r.bits(
-                        &format!("{tag}: tensor cores, {groups} part group(s) vs auto"),
-                        &y,
-                        &y_auto,
-                    );
-                }
-                if m <= 190 {
-                    let y = to_vec(&qcuda::matmul_with(&xg, &wg, &scale, GemmKernel::Simt)?)?;
-                    r.bits(&format!("{tag}: plain kernel vs tensor cores"), &y, &y_auto);
-                }
-                if m > 1 {
-                    let i = m - 1;
-                    let alone = to_vec(&qcuda::matmul(&xg.narrow(0, i, 1)?, &wg, &scale)?)?;
-                    r.bits(
-                        &format!("{tag}: row {i} alone vs in the batch"),
-                        &alone,
-                        &y_auto[i * n..(i + 1) * n],
-                    );
-                }
+                check_case(r, gpu, dev, &w, &wg, m, &mut rng)?;
             }
             println!("  ({format:?} K={k} N={n}: quantize + upload {quantized_s:.1} s)");
         }
     }
-    // Q5_K (random block bytes: no quantizer in prism-gguf) at one shape.
+    // Ragged shapes: N odd and not a multiple of any tile; Q8_0 K = 35 blocks (parts of 8, 9, 9, 9
+    // blocks: stages of fewer than 4 blocks) and K = 3 blocks (an empty part); K-quants K = 5 blocks
+    // (parts of 1, 1, 1, 2) and 1 block (three empty parts).
+    let ragged = [
+        (WeightFormat::Q8_0, 1120usize, 1001usize),
+        (WeightFormat::Q8_0, 96, 72),
+        (WeightFormat::Q4K, 1280, 1001),
+        (WeightFormat::Q4K, 256, 130),
+        (WeightFormat::Q6K, 1280, 1001),
+        (WeightFormat::Q6K, 256, 130),
+        (WeightFormat::Q5K, 1280, 1001),
+    ];
+    for (i, &(format, k, n)) in ragged.iter().enumerate() {
+        let w = random_weight(format, n, k, 500 + i as u64)?;
+        let wg = CudaQuantWeight::upload(&w, dev)?;
+        for m in [1usize, 7, 130, 333] {
+            check_case(r, gpu, dev, &w, &wg, m, &mut rng)?;
+        }
+    }
+    // Q5_K (random block bytes: no quantizer in prism-gguf) at a real shape.
     let (k, n) = (5120, 3584);
     let w = random_weight(WeightFormat::Q5K, n, k, 77)?;
     let wg = CudaQuantWeight::upload(&w, dev)?;
-    for m in [1usize, 190] {
-        let x: Vec<f32> = (0..m * k).map(|_| rng.activation()).collect();
-        let scale = ActivationScale::from_absmax(x.iter().fold(0f32, |a, v| a.max(v.abs())))?;
-        let y = to_vec(&qcuda::matmul(
-            &Tensor::from_slice(&x, (m, k), gpu)?,
-            &wg,
-            &scale,
-        )?)?;
-        let want = prism_quant::kernel::matmul(&x, m, &w, &scale)?;
-        r.bits(
-            &format!("Q5K K={k} N={n} M={m}: GPU vs CPU reference"),
-            &y,
-            &want,
-        );
+    for m in [1usize, 190, 1000] {
+        check_case(r, gpu, dev, &w, &wg, m, &mut rng)?;
     }
     Ok(())
 }
@@ -320,12 +422,32 @@ fn time_median(
 }
 
 fn timings(r: &mut Report, gpu: &Device, dev: &candle_core::CudaDevice) -> Result<()> {
-    let shapes = [(5120usize, 17408usize), (17408, 5120), (5120, 6144)];
-    let batch_sizes = [1usize, 128, 512, 2048, 4096, 8192, 16384];
+    let shapes = [(5120usize, 17408usize), (17408, 5120)];
+    let batch_sizes = [1usize, 128, 256, 512, 2048, 16384];
+    let sweep_sizes = [256usize, 512, 2048];
+    let limits = qcuda::device_limits(dev)?;
     println!(
-        "\n{:<7} {:>6} {:>6} {:>6}  {:>12} {:>9}  {:>12} {:>9}  {:>6}",
-        "format", "K", "N", "M", "int8 ms", "TOPS", "bf16 ms", "TFLOPS", "ratio"
+        "\nGEMM alone (activations already quantized); v2+q: v2 with the activation quantization; \
+         median of 20 after 2 warm-ups"
     );
+    println!(
+        "{:<5} {:>5} {:>5} {:>5}  {:>8} {:>6}  {:>8} {:>6} {:<24} {:>8}  {:>8} {:>6}  {:>6} {:>6}",
+        "fmt",
+        "K",
+        "N",
+        "M",
+        "v1 ms",
+        "TOPS",
+        "v2 ms",
+        "TOPS",
+        "v2 plan",
+        "v2+q ms",
+        "bf16 ms",
+        "TFLOPS",
+        "v2/v1",
+        "v2/bf16"
+    );
+    let mut sweep = Vec::new();
     for &(k, n) in &shapes {
         let wb = Tensor::randn(0f32, 0.02, (n, k), gpu)?.to_dtype(DType::BF16)?;
         for format in [WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q6K] {
@@ -334,8 +456,17 @@ fn timings(r: &mut Report, gpu: &Device, dev: &candle_core::CudaDevice) -> Resul
             for &m in &batch_sizes {
                 let x = Tensor::randn(0f32, 1.0, (m, k), gpu)?;
                 let scale = ActivationScale::from_absmax(5.0)?;
-                let t_q = time_median(dev, 20, || {
-                    qcuda::matmul_deferred(&x, &wg, &scale, GemmKernel::Auto)?;
+                let qx = qcuda::quantize_activations(&x, &scale, format.has_mins())?;
+                let gemm = |kernel: GemmKernel| -> Result<f64> {
+                    time_median(dev, 20, || {
+                        qcuda::gemm_quantized(&qx, &wg, &scale, kernel, dev)?;
+                        Ok(())
+                    })
+                };
+                let t_v1 = gemm(GemmKernel::AutoFamily(Family::V1))?;
+                let t_v2 = gemm(GemmKernel::AutoFamily(Family::V2))?;
+                let t_v2q = time_median(dev, 20, || {
+                    qcuda::matmul_deferred(&x, &wg, &scale, GemmKernel::AutoFamily(Family::V2))?;
                     Ok(())
                 })?;
                 let xb = x.to_dtype(DType::BF16)?;
@@ -344,23 +475,73 @@ fn timings(r: &mut Report, gpu: &Device, dev: &candle_core::CudaDevice) -> Resul
                     Ok(())
                 })?;
                 let ops = 2.0 * (m * n * k) as f64;
+                let plan = plan_name(GemmKernel::AutoFamily(Family::V2), &wg, m, dev)?;
                 println!(
-                    "{:<7} {k:>6} {n:>6} {m:>6}  {:>12.3} {:>9.1}  {:>12.3} {:>9.1}  {:>6.2}",
+                    "{:<5} {k:>5} {n:>5} {m:>5}  {:>8.3} {:>6.1}  {:>8.3} {:>6.1} {:<24} {:>8.3}  {:>8.3} {:>6.1}  {:>6.2} {:>6.2}",
                     format!("{format:?}"),
-                    t_q * 1e3,
-                    ops / t_q / 1e12,
+                    t_v1 * 1e3,
+                    ops / t_v1 / 1e12,
+                    t_v2 * 1e3,
+                    ops / t_v2 / 1e12,
+                    plan.trim_start_matches("qgemm2_"),
+                    t_v2q * 1e3,
                     t_b * 1e3,
                     ops / t_b / 1e12,
-                    t_b / t_q
+                    t_v1 / t_v2,
+                    t_b / t_v2
                 );
                 r.rows.push(json!({
                     "timing": format!("{format:?}"), "k": k, "n": n, "m": m,
-                    "int8_ms": t_q * 1e3, "int8_tops": ops / t_q / 1e12,
+                    "v1_ms": t_v1 * 1e3, "v1_tops": ops / t_v1 / 1e12,
+                    "v2_ms": t_v2 * 1e3, "v2_tops": ops / t_v2 / 1e12, "v2_plan": plan,
+                    "v2_with_quantization_ms": t_v2q * 1e3,
                     "bf16_ms": t_b * 1e3, "bf16_tflops": ops / t_b / 1e12,
-                    "note": "int8 time includes the activation quantization; median of 20 after 2 warm-ups"
+                    "note": "v1/v2: GEMM alone on quantized activations; median of 20 after 2 warm-ups"
                 }));
+                if sweep_sizes.contains(&m) {
+                    for tile in V2Tile::ALL {
+                        for g in [1u32, 2, 4] {
+                            let t = time_median(dev, 10, || {
+                                qcuda::gemm_quantized(
+                                    &qx,
+                                    &wg,
+                                    &scale,
+                                    GemmKernel::V2 {
+                                        tile,
+                                        part_groups: g,
+                                    },
+                                    dev,
+                                )?;
+                                Ok(())
+                            })?;
+                            let plan = cuda_plan::v2_tile_plan(format, tile);
+                            let model = cuda_plan::model_seconds(&plan, &limits, m, n, k, g);
+                            sweep.push((format, k, n, m, tile, g, t, model, ops));
+                        }
+                    }
+                }
             }
         }
+    }
+    println!("\nv2 tile sweep (GEMM alone, median of 10) next to the plan's cost model");
+    println!(
+        "{:<5} {:>5} {:>5} {:>5}  {:<9} {:>2}  {:>8} {:>6}  {:>9}",
+        "fmt", "K", "N", "M", "tile", "G", "ms", "TOPS", "model ms"
+    );
+    for (format, k, n, m, tile, g, t, model, ops) in sweep {
+        let model_ms = model.map(|s| s * 1e3);
+        println!(
+            "{:<5} {k:>5} {n:>5} {m:>5}  {:<9} {g:>2}  {:>8.3} {:>6.1}  {:>9}",
+            format!("{format:?}"),
+            format!("{tile:?}"),
+            t * 1e3,
+            ops / t / 1e12,
+            model_ms.map_or("-".to_string(), |v| format!("{v:.3}"))
+        );
+        r.rows.push(json!({
+            "sweep": format!("{format:?}"), "k": k, "n": n, "m": m, "tile": format!("{tile:?}"),
+            "part_groups": g, "ms": t * 1e3, "tops": ops / t / 1e12, "model_ms": model_ms,
+        }));
     }
     Ok(())
 }

@@ -401,6 +401,42 @@ pub fn gemm_quantized(
     Ok(wrap(y, dev, (m, n)))
 }
 
+/// How many elements of two f32 CUDA tensors with the same number of elements differ in their bits
+/// (compared on the device; for the device checks, which compare every output of every kernel).
+pub fn differing_bits(a: &Tensor, b: &Tensor) -> Result<usize> {
+    if a.elem_count() != b.elem_count() {
+        bail!(
+            "differing_bits: {} vs {} elements",
+            a.elem_count(),
+            b.elem_count()
+        );
+    }
+    let dev = cuda_device(a)?;
+    let (a, b) = (a.contiguous()?, b.contiguous()?);
+    let (ia, ib) = (
+        Input::new(&a, DType::F32, "a")?,
+        Input::new(&b, DType::F32, "b")?,
+    );
+    let (va, vb) = (ia.view::<f32>()?, ib.view::<f32>()?);
+    let count = dev.clone_htod(&[0u64])?;
+    let n = a.elem_count();
+    if n > 0 {
+        let func = dev.get_or_load_custom_func("count_bit_differences", MODULE, QUANT_GEMM_PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(SIMT_THREADS as usize).min(4096) as u32, 1, 1),
+            block_dim: (SIMT_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let n_i = n as i64;
+        let mut bld = func.builder();
+        bld.arg(&va).arg(&vb).arg(&n_i).arg(&count);
+        // SAFETY: both views hold n f32, count one u64.
+        unsafe { bld.launch(cfg) }.map_err(launch_err)?;
+    }
+    let c = dev.clone_dtoh(&count)?;
+    Ok(c.first().copied().unwrap_or(0) as usize)
+}
+
 /// `y = x · Wᵀ` on the integer path for `x: [M, K]` f32 on CUDA; returns `[M, N]` f32 with the CPU
 /// reference's bits. A non-finite activation is the CPU's [`QuantError::NonFiniteActivation`] (wrapped
 /// in a candle error); checking it reads 8 bytes back, so this synchronizes with the stream —

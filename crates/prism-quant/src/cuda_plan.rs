@@ -778,16 +778,16 @@ mod tests {
         let (d, dmin) = (w.row_d(n), w.row_dmin(n));
         let (mut scratch, mut out) = (f32::NAN, f32::NAN);
         let mut ws = vec![f32::NAN; g];
-        for z in 0..g {
+        for (z, slot) in ws.iter_mut().enumerate() {
             let (p_begin, p_end) = (z * 4 / g, (z + 1) * 4 / g);
             let mut acc = 0f32;
             let mut closed = p_begin;
             let mut finish = |p: usize, acc: &mut f32| {
                 let a = std::mem::replace(acc, 0.0);
                 match (g, p % 2) {
-                    (4, _) => ws[z] = a,
-                    (2, 0) => ws[z] = a,
-                    (2, _) => ws[z] += a,
+                    (4, _) => *slot = a,
+                    (2, 0) => *slot = a,
+                    (2, _) => *slot += a,
                     (_, 0) => scratch = a,
                     _ if p == 1 => out = scratch + a,
                     _ => out = (out + (scratch + a)) * scale,
