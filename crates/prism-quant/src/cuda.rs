@@ -378,8 +378,9 @@ pub fn gemm_quantized(
         b.arg(out).arg(&m_i).arg(&n_i).arg(&k_i).arg(&s);
         let group_m = i32::try_from(plan.group_m).unwrap_or(i32::MAX);
         if tile.family == Family::V2 {
-            // The scratch pointer is only read with G = 1; otherwise any valid pointer.
-            b.arg(scratch.as_ref().unwrap_or(out)).arg(&group_m);
+            // The scratch pointer is only used with G = 1; otherwise y, which that launch does not
+            // touch (never an alias of `out`: both are restrict pointers in the kernel).
+            b.arg(scratch.as_ref().unwrap_or(&y)).arg(&group_m);
         }
         // SAFETY: as above; the workspace holds G·m·n f32, the scratch m·n.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
