@@ -19,6 +19,8 @@ pub mod calibration;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod cuda_flash;
 pub mod delta_net;
 pub mod delta_rule;
 pub mod error;

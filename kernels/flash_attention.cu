@@ -1,0 +1,315 @@
+// Causal attention on the tensor cores (flash-attention style), batch-invariant.
+//
+// Interface (launched by crates/prism-model/src/cuda_flash.rs): q [T, n_h, HD], k and v [n_kv, past + T, HD],
+// all bf16 (rounded from the model's f32 activations by the launcher), contiguous; out [T, n_h·HD] f32.
+// Query row t sits at absolute position past + t and reads keys 0..=past + t; query head h reads KV head
+// h / (n_h / n_kv).
+//
+// Work split. A block takes one query head and 64 consecutive *absolute* positions
+// [64·b, 64·b + 64) (blocks start at multiples of 64 whatever `past` is; positions of the block outside
+// [past, past + T) are dead rows: computed on zeros or real but unused data, never written). Each of its
+// 4 warps owns 16 positions [64·b + 16·w, +16) as the M dimension of m16n8k16 mma tiles. Key tiles of
+// BK keys are aligned to absolute key positions too: tile j covers keys [j·BK, (j+1)·BK). The block
+// streams tiles 0, 1, … through shared memory (cp.async, double-buffered: tile j + 1 is in flight while
+// tile j is used; keys at or past the end are zero-filled), and each warp uses tiles 0..=⌊(64·b + 16·w)/BK⌋.
+// Q stays in shared memory for the whole block (HD = 256 leaves no registers for it next to the
+// 16×256 f32 output accumulator) and is re-read with ldmatrix for every key tile.
+//
+// Per warp and key tile:  S = Q·Kᵀ (mma, bf16 × bf16 → f32, accumulators start at 0, k-steps over HD
+// in increasing order);  s = S · (scale·log2 e) in f32, −∞ where key > position;  running max
+// m' = max(m, max s) (quad shuffles);  c = 2^(m − m'),  p = 2^(s − m') (ex2.approx, −∞ → +0);
+// l = l·c + Σ p (per-thread partial sums in a fixed column order);  O = O·c;  O += bf16(P)·V (mma,
+// k-steps over the tile's keys in increasing order). At the end the quad's partial sums are added by a
+// fixed butterfly and O / l is written in f32.
+//
+// Why a row's result is a function of its q, its absolute position and keys/values 0..=pos only (so
+// bit-identical whatever T, past, the grid or the other rows of its block):
+//  1. Every tensor-core product D[i][n] = C[i][n] + Σ_k A[i][k]·B[k][n] involves only row i of A and
+//     column n of B; no value of another query row enters a row's scores, probabilities or output.
+//  2. The sequence of operations on a row's state depends only on its position: tiles are aligned to
+//     absolute key positions, so a key always sits at the same tile and the same k-slot of the same
+//     mma. A warp goes through tiles 0..=⌊w0/BK⌋, w0 = 16·⌊pos/16⌋ its first position (blocks and
+//     warps are aligned to absolute positions); as 16 divides BK that is 0..=⌊pos/BK⌋ for each of its
+//     rows — exactly the tiles holding the row's keys, ending with the one holding the row itself.
+//     Every tile a row goes through holds its key j·BK ≤ pos: a row never meets a fully masked tile,
+//     its running max is finite from the first tile on, and no tile is skipped or added by T or past.
+//  3. Inside its last (diagonal) tile, the keys after a row's position are masked: their scores become
+//     −∞ by assignment (not addition, so whatever the zero-filled or real key held does not matter),
+//     their probabilities exactly +0, and their products with V (finite: real values or the zero fill)
+//     are ±0, which add nothing to the exact sum the tensor core rounds. Which of those keys exist
+//     (real or zero-filled) depends on T, but not what they contribute. (The only way a ±0 term could
+//     show is the sign of an output element that is exactly zero with every real term zero — equal as a
+//     number either way.)
+//  4. The scale, the masks, the max/exp/sum sequence and the final division are the same f32
+//     operations for every row, in a fixed order; nothing depends on gridDim, on T or on past except
+//     through which rows are written.
+// The CPU twin (attention.rs, CausalAttention) computes the same quantity in f32; this kernel differs
+// from it by the bf16 rounding of q, k, v and p (≈ 2⁻⁹ relative each), checked by `prism cuda-check`.
+//
+// Registers per thread (HD = 256, BK = 32): output accumulator 16×256 f32 / 32 lanes = 128, scores
+// 16×32 / 32 = 16, running max and sums 4, fragments and addresses; Q is not held in registers.
+// Shared memory: (64 + 4·BK) rows of HD + 8 bf16 (the 16-byte pad per row keeps ldmatrix free of bank
+// conflicts): 99 KiB for HD = 256 (two blocks per H100/H200 SM), 85 KiB for 128, 45 KiB for 64.
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int FA_WARPS = 4;
+constexpr int FA_THREADS = 32 * FA_WARPS;
+constexpr int FA_ROWS = 16 * FA_WARPS;  // absolute positions per block
+constexpr int FA_PAD = 8;               // bf16 elements of padding per shared-memory row
+
+__device__ __forceinline__ uint32_t shared_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global → shared, asynchronously; zero-filled (nothing read) when !valid.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+    const int bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// d += a·b for one m16n8k16 tile (bf16 inputs, f32 accumulators).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 2^x (ex2.approx: a fixed function of x; 2^−∞ = +0).
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Two f32 as a bf16 pair (round to nearest even), `lo` in the low half: the order of mma fragments.
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+template <int HD, int BK>
+__device__ __forceinline__ void flash_attention(const __nv_bfloat16* __restrict__ q,
+                                                const __nv_bfloat16* __restrict__ k,
+                                                const __nv_bfloat16* __restrict__ v, float* __restrict__ out,
+                                                int T, int n_h, int n_kv, int past, float scale_log2,
+                                                int first_block, int n_blocks) {
+    static_assert(HD % 16 == 0 && BK % 16 == 0, "tiles are made of 16×16 mma steps");
+    static_assert((FA_ROWS * HD / 8) % FA_THREADS == 0 && (BK * HD / 8) % FA_THREADS == 0,
+                  "every thread copies the same number of 16-byte pieces");
+    constexpr int STRIDE = HD + FA_PAD;  // bf16 elements per shared-memory row
+    constexpr int CHUNKS = HD / 8;       // 16-byte pieces per row
+
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(fa_smem);  // [FA_ROWS][STRIDE]
+    __nv_bfloat16* Ks = Qs + FA_ROWS * STRIDE;                      // [2][BK][STRIDE]
+    __nv_bfloat16* Vs = Ks + 2 * BK * STRIDE;                       // [2][BK][STRIDE]
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // The blocks with the most key tiles first (they would finish last otherwise), all heads of a
+    // position block next to each other (the heads of a KV group then read its tiles from L2 together).
+    const int blk = first_block + (n_blocks - 1 - static_cast<int>(blockIdx.y));
+    const int h = blockIdx.x;
+    const int kv = h / (n_h / n_kv);
+    const int total = past + T;
+    const int block_pos = blk * FA_ROWS;
+    const int warp_pos = block_pos + 16 * warp;
+    const bool warp_live = warp_pos + 15 >= past && warp_pos < total;
+    const int warp_tiles = warp_pos / BK + 1;
+    const int last_pos = min(block_pos + FA_ROWS, total) - 1;
+    const int n_tiles = (block_pos + 16 * ((last_pos - block_pos) / 16)) / BK + 1;
+
+    const __nv_bfloat16* kb = k + static_cast<size_t>(kv) * total * HD;
+    const __nv_bfloat16* vb = v + static_cast<size_t>(kv) * total * HD;
+
+    // Q rows of the block's positions (zeros for dead rows).
+#pragma unroll
+    for (int i = 0; i < FA_ROWS * CHUNKS / FA_THREADS; ++i) {
+        const int idx = threadIdx.x + i * FA_THREADS;
+        const int r = idx / CHUNKS, c = idx % CHUNKS;
+        const int pos = block_pos + r;
+        const bool valid = pos >= past && pos < total;
+        const __nv_bfloat16* src = valid ? q + (static_cast<size_t>(pos - past) * n_h + h) * HD + c * 8 : q;
+        cp_async_16(shared_addr(Qs + r * STRIDE + c * 8), src, valid);
+    }
+    auto load_tile = [&](int j, int buf) {
+#pragma unroll
+        for (int i = 0; i < BK * CHUNKS / FA_THREADS; ++i) {
+            const int idx = threadIdx.x + i * FA_THREADS;
+            const int r = idx / CHUNKS, c = idx % CHUNKS;
+            const int key = j * BK + r;
+            const bool valid = key < total;
+            const size_t off = valid ? static_cast<size_t>(key) * HD + c * 8 : 0;
+            const int dst = (buf * BK + r) * STRIDE + c * 8;
+            cp_async_16(shared_addr(Ks + dst), kb + off, valid);
+            cp_async_16(shared_addr(Vs + dst), vb + off, valid);
+        }
+    };
+    load_tile(0, 0);
+    cp_async_commit();
+
+    float o[HD / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < HD / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+    // Rows g and g + 8 of the warp's 16 (the mma accumulator layout): running max, partial sums.
+    const int g = lane / 4, col = 2 * (lane % 4);
+    const int pos0 = warp_pos + g, pos1 = warp_pos + g + 8;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+    for (int j = 0; j < n_tiles; ++j) {
+        if (j + 1 < n_tiles) {
+            load_tile(j + 1, (j + 1) & 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        if (warp_live && j < warp_tiles) {
+            const __nv_bfloat16* Kt = Ks + (j & 1) * BK * STRIDE;
+            const __nv_bfloat16* Vt = Vs + (j & 1) * BK * STRIDE;
+
+            // S = Q·Kᵀ for the warp's 16 rows and the tile's BK keys.
+            float s[BK / 8][4];
+#pragma unroll
+            for (int nt = 0; nt < BK / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; ++kk) {
+                uint32_t a[4];
+                ldmatrix_x4(a, shared_addr(Qs + (16 * warp + lane % 16) * STRIDE + kk * 16 + (lane / 16) * 8));
+#pragma unroll
+                for (int nt = 0; nt < BK / 8; nt += 2) {
+                    uint32_t b[4];
+                    ldmatrix_x4(b, shared_addr(Kt + (nt * 8 + (lane / 16) * 8 + lane % 8) * STRIDE + kk * 16 +
+                                               ((lane / 8) % 2) * 8));
+                    mma_bf16(s[nt], a, b[0], b[1]);
+                    mma_bf16(s[nt + 1], a, b[2], b[3]);
+                }
+            }
+
+            // Scale (log2 domain), causal mask, running max.
+            const int key0 = j * BK + col;
+            float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+            for (int nt = 0; nt < BK / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = key0 + nt * 8 + (e & 1);
+                    const int pos = e < 2 ? pos0 : pos1;
+                    s[nt][e] = key <= pos ? s[nt][e] * scale_log2 : -INFINITY;
+                }
+                mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+            }
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            const float new0 = fmaxf(m0, mx0), new1 = fmaxf(m1, mx1);
+            const float c0 = exp2_approx(m0 - new0), c1 = exp2_approx(m1 - new1);
+            m0 = new0;
+            m1 = new1;
+
+            // Probabilities and their partial row sums.
+            float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < BK / 8; ++nt) {
+                s[nt][0] = exp2_approx(s[nt][0] - new0);
+                s[nt][1] = exp2_approx(s[nt][1] - new0);
+                s[nt][2] = exp2_approx(s[nt][2] - new1);
+                s[nt][3] = exp2_approx(s[nt][3] - new1);
+                sum0 += s[nt][0];
+                sum0 += s[nt][1];
+                sum1 += s[nt][2];
+                sum1 += s[nt][3];
+            }
+            l0 = l0 * c0 + sum0;
+            l1 = l1 * c1 + sum1;
+#pragma unroll
+            for (int dt = 0; dt < HD / 8; ++dt) {
+                o[dt][0] *= c0;
+                o[dt][1] *= c0;
+                o[dt][2] *= c1;
+                o[dt][3] *= c1;
+            }
+
+            // O += bf16(P)·V: the score accumulators of key columns 16·kt.. are the A fragment of step kt.
+#pragma unroll
+            for (int kt = 0; kt < BK / 16; ++kt) {
+                const uint32_t a[4] = {pack_bf16(s[2 * kt][0], s[2 * kt][1]), pack_bf16(s[2 * kt][2], s[2 * kt][3]),
+                                       pack_bf16(s[2 * kt + 1][0], s[2 * kt + 1][1]),
+                                       pack_bf16(s[2 * kt + 1][2], s[2 * kt + 1][3])};
+#pragma unroll
+                for (int dt = 0; dt < HD / 8; dt += 2) {
+                    uint32_t b[4];
+                    ldmatrix_x4_trans(b, shared_addr(Vt + (kt * 16 + lane % 8 + ((lane / 8) % 2) * 8) * STRIDE +
+                                                     dt * 8 + (lane / 16) * 8));
+                    mma_bf16(o[dt], a, b[0], b[1]);
+                    mma_bf16(o[dt + 1], a, b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    if (!warp_live) return;
+    // The quad's partial sums (a butterfly: every lane of the quad gets the same bits).
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+    const size_t row_stride = static_cast<size_t>(n_h) * HD;
+    if (pos0 >= past && pos0 < total) {
+        float* dst = out + static_cast<size_t>(pos0 - past) * row_stride + static_cast<size_t>(h) * HD + col;
+#pragma unroll
+        for (int dt = 0; dt < HD / 8; ++dt)
+            *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(o[dt][0] * inv0, o[dt][1] * inv0);
+    }
+    if (pos1 >= past && pos1 < total) {
+        float* dst = out + static_cast<size_t>(pos1 - past) * row_stride + static_cast<size_t>(h) * HD + col;
+#pragma unroll
+        for (int dt = 0; dt < HD / 8; ++dt)
+            *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(o[dt][2] * inv1, o[dt][3] * inv1);
+    }
+}
+
+}  // namespace
+
+// Grid: (n_h, n_blocks); block: 128 threads; dynamic shared memory (64 + 4·BK)·(HD + 8)·2 bytes. Blocks
+// cover absolute positions [64·first_block, 64·(first_block + n_blocks)) ⊇ [past, past + T).
+#define FLASH_ATTENTION_ENTRY(NAME, HD, BK)                                                                   \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                                  \
+        NAME(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,                       \
+             const __nv_bfloat16* __restrict__ v, float* __restrict__ out, int T, int n_h, int n_kv, int past, \
+             float scale_log2, int first_block, int n_blocks) {                                               \
+        flash_attention<HD, BK>(q, k, v, out, T, n_h, n_kv, past, scale_log2, first_block, n_blocks);        \
+    }
+
+FLASH_ATTENTION_ENTRY(flash_attention_hd256, 256, 32)
+FLASH_ATTENTION_ENTRY(flash_attention_hd128, 128, 64)
+FLASH_ATTENTION_ENTRY(flash_attention_hd64, 64, 64)
