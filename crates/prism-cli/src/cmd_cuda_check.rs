@@ -15,6 +15,10 @@ use prism_model::delta_rule::{self, RuleState};
 use prism_model::{LoadOptions, Precision, Qwen35Model};
 use serde_json::{json, Value};
 
+/// The tensor-core attention kernel's checks (a child module: it reports through [`Report`]).
+#[path = "cmd_cuda_check_flash.rs"]
+mod flash;
+
 /// Deterministic pseudo-random numbers (xorshift64*), uniform in [-1, 1).
 struct Rng(u64);
 
@@ -371,6 +375,7 @@ pub fn run(fixtures: Option<PathBuf>, json_out: Option<PathBuf>) -> Result<()> {
     norm_checks(&mut report, &gpu, &mut rng)?;
     conv_checks(&mut report, &gpu, &mut rng)?;
     attention_checks(&mut report, &gpu, &mut rng)?;
+    flash::checks(&mut report, &gpu)?;
     delta_rule_checks(&mut report, &gpu, &mut rng)?;
     model_checks(&mut report, &gpu, &fixtures)?;
     let prompts = fixture_prompts(&fixtures)?;
