@@ -803,54 +803,61 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
         }
     };
 
-    // K-quants, end of a block: f32(D_b) (and for Q4_K/Q5_K M_b = Σ_j m_j · Σ qa over sub-block j) and
+    // K-quants, end of a block: f32(D_b) (and for Q4_K/Q5_K M_b = Σ_q m_q · Σ qa over sub-block q) and
     // the block's fma(s).
+    //
+    // M_b on the tensor cores: an activation sum s ∈ [−4064, 4064] is 64·h + l with h = s >> 6 ∈
+    // [−64, 63] and l = s & 63, both int8, so M_b = 64 · Σ_q m_q·h_q + Σ_q m_q·l_q (m_q ∈ [0, 63]), the
+    // two m16n8k16 products of A = [h_0..h_7 | l_0..l_7] (per activation row) with B_h = [m_0..m_7 | 0]
+    // and B_l = [0 | m_0..m_7] (per output column); all exact in i32. In the k16 fragments thread
+    // (g = lane / 4, t = lane % 4) holds k = 4t..4t+3 of row g / g + 8 (A) and of column g (B), so
+    // threads t < 2 carry h_{4t..4t+3} and m_{4t..4t+3}, threads t ≥ 2 l_{4(t−2)..} and m_{4(t−2)..}.
+    const int kq_t = lane & 3, kq_g = lane >> 2, kq_q0 = 4 * (kq_t & 1);
+    const int kq_shift = kq_t < 2 ? 6 : 0, kq_mask = kq_t < 2 ? 0xff : 0x3f;
     auto kq_block_end = [&](const unsigned char* st, const int (&dsum)[MT][NT][4]) {
         const float* dsm = reinterpret_cast<const float*>(st + S::D);
+        if constexpr (FMT == FMT_K32) {
+            const int* as = reinterpret_cast<const int*>(st + S::ASUM);
+            unsigned ahl[MT][2];
 #pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            const int col = c_col + j * 8;
-            const float2 dv = *reinterpret_cast<const float2*>(dsm + col);
-            if constexpr (FMT == FMT_K32) {
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int4 v = *reinterpret_cast<const int4*>(as + (c_row + i * 16 + h * 8) * 8 + kq_q0);
+                    const unsigned b0 = (unsigned)((v.x >> kq_shift) & kq_mask);
+                    const unsigned b1 = (unsigned)((v.y >> kq_shift) & kq_mask);
+                    const unsigned b2 = (unsigned)((v.z >> kq_shift) & kq_mask);
+                    const unsigned b3 = (unsigned)((v.w >> kq_shift) & kq_mask);
+                    ahl[i][h] = __byte_perm(__byte_perm(b0, b1, 0x0040), __byte_perm(b2, b3, 0x0040), 0x5410);
+                }
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                const int col = c_col + j * 8;
+                const float2 dv = *reinterpret_cast<const float2*>(dsm + col);
                 const float2 dm = *reinterpret_cast<const float2*>(
                     reinterpret_cast<const float*>(st + S::DMIN) + col);
-                // The 8 mins of both columns (6-bit, non-negative) as bytes of two words each.
-                const int2 w0 = *reinterpret_cast<const int2*>(st + S::MIN + col * 8);
-                const int2 w1 = *reinterpret_cast<const int2*>(st + S::MIN + (col + 1) * 8);
-                int m0c[8], m1c[8];
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    m0c[q] = (w0.x >> (8 * q)) & 0xff;
-                    m0c[q + 4] = (w0.y >> (8 * q)) & 0xff;
-                    m1c[q] = (w1.x >> (8 * q)) & 0xff;
-                    m1c[q + 4] = (w1.y >> (8 * q)) & 0xff;
-                }
-                const int* as = reinterpret_cast<const int*>(st + S::ASUM);
+                // Mins m_{q0..q0+3} of B column g of this n-tile (bytes, in k order).
+                const unsigned w = *reinterpret_cast<const unsigned*>(
+                    st + S::MIN + (wn * NT * 8 + j * 8 + kq_g) * 8 + kq_q0);
+                const unsigned bh = kq_t < 2 ? w : 0u, bl = kq_t < 2 ? 0u : w;
 #pragma unroll
                 for (int i = 0; i < MT; ++i) {
-                    const int r0 = c_row + i * 16, r1 = r0 + 8;
-                    const int4 s0a = *reinterpret_cast<const int4*>(as + r0 * 8);
-                    const int4 s0b = *reinterpret_cast<const int4*>(as + r0 * 8 + 4);
-                    const int4 s1a = *reinterpret_cast<const int4*>(as + r1 * 8);
-                    const int4 s1b = *reinterpret_cast<const int4*>(as + r1 * 8 + 4);
-                    const int s0[8] = {s0a.x, s0a.y, s0a.z, s0a.w, s0b.x, s0b.y, s0b.z, s0b.w};
-                    const int s1[8] = {s1a.x, s1a.y, s1a.z, s1a.w, s1b.x, s1b.y, s1b.z, s1b.w};
-                    int mb[4] = {0, 0, 0, 0};
-#pragma unroll
-                    for (int q = 0; q < 8; ++q) {
-                        mb[0] += m0c[q] * s0[q];
-                        mb[1] += m1c[q] * s0[q];
-                        mb[2] += m0c[q] * s1[q];
-                        mb[3] += m1c[q] * s1[q];
-                    }
+                    int sh[4], sl[4];
+                    mma_k16(sh, ahl[i][0], ahl[i][1], bh);
+                    mma_k16(sl, ahl[i][0], ahl[i][1], bl);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
+                        const int mb = sh[e] * 64 + sl[e];
                         const float dd = (e & 1) ? dv.y : dv.x, dmn = (e & 1) ? dm.y : dm.x;
                         const float a = fmaf(dd, __int2float_rn(dsum[i][j][e]), acc[i][j][e]);
-                        acc[i][j][e] = fmaf(-dmn, __int2float_rn(mb[e]), a);
+                        acc[i][j][e] = fmaf(-dmn, __int2float_rn(mb), a);
                     }
                 }
-            } else {
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                const float2 dv = *reinterpret_cast<const float2*>(dsm + c_col + j * 8);
 #pragma unroll
                 for (int i = 0; i < MT; ++i)
 #pragma unroll

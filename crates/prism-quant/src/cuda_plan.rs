@@ -1106,4 +1106,19 @@ mod tests {
         };
         assert_eq!(a100.resident_ctas(&v2_tile_plan(Q8_0, V2Tile::T64x128)), 1);
     }
+
+    #[test]
+    fn the_min_sum_split_of_the_v2_k_quant_kernel_is_exact_over_the_whole_range() {
+        // v2 computes M_b = Σ m·s as 64·Σ m·h + Σ m·l on int8 tensor cores, h = s >> 6, l = s & 63, for
+        // activation sums s of 32 values in [−127, 127] and 6-bit mins m.
+        let limit = 32 * 127;
+        for s in -limit..=limit {
+            let (h, l) = (s >> 6, s & 63);
+            assert!(i8::try_from(h).is_ok() && (0..64).contains(&l), "s = {s}");
+            assert_eq!(64 * h + l, s);
+        }
+        // The largest |64·Σ m·h + Σ m·l| over 8 sub-blocks stays far inside i32.
+        let worst: i64 = 8 * 63 * (64 * 64 + 63);
+        assert!(worst < i64::from(i32::MAX));
+    }
 }
