@@ -7,7 +7,7 @@
 //!    does not depend on the call it is in, so this is the same reference at a fraction of the CPU time.
 //! 2. Batch invariance, bit for bit on the GPU: rows of one call of N rows vs the same rows computed as
 //!    a call of fewer rows after a longer past (splits at tile and block boundaries and off them, pieces,
-//!    decode steps), and the heads of one KV group alone vs inside all heads.
+//!    decode steps), the heads of one KV group alone vs inside all heads, bf16 keys/values vs f32.
 //! 3. Timing at T = 8192, past 0, 27B attention shapes (24 query heads over 4 KV heads, head dim 256):
 //!    the flash kernel (bf16 conversion included) next to `attend_segment`'s route in this build and
 //!    next to the batched-matmul route it replaces; and one decode step after 8,191 cached tokens next to
@@ -16,7 +16,7 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use prism_model::attention::attend_segment;
 use prism_model::cuda_flash::{flash_attention, supports};
 use serde_json::json;
@@ -209,6 +209,15 @@ fn invariance_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> 
             &alone,
             &full.narrow(1, group * hd, group * hd)?,
         )?;
+        // Keys and values handed over in bf16 (a bf16 KV cache): the same bits as f32 ones.
+        let bf16 = flash_attention(
+            &x[0],
+            &x[1].to_dtype(DType::BF16)?,
+            &x[2].to_dtype(DType::BF16)?,
+            0,
+            scale,
+        )?;
+        r.identical(&format!("{tag}: bf16 keys/values vs f32"), &bf16, &full)?;
     }
     // A long prompt: the second half after the first half cached, rows off every boundary.
     let (layout, n) = ((24, 4, 256), 4396usize);

@@ -39,8 +39,11 @@ pub fn supports(hd: usize, n_h: usize, n_kv: usize) -> bool {
 }
 
 /// Causal attention of `T` new queries `q: [T, n_h, hd]` (absolute positions `past..past + T`) against
-/// `k, v: [n_kv, past + T, hd]`, all f32 on one CUDA device; returns `[T, n_h·hd]` f32. Query head `h`
-/// reads KV head `h / (n_h / n_kv)`; `scale` multiplies the scores.
+/// `k, v: [n_kv, past + T, hd]`, on one CUDA device; returns `[T, n_h·hd]` f32. Query head `h` reads KV
+/// head `h / (n_h / n_kv)`; `scale` multiplies the scores.
+///
+/// Inputs may be f32 (rounded to bf16 here, to nearest even) or already bf16: a KV cache kept in bf16
+/// gives the same bits as an f32 one and saves the conversion of all `past + T` keys on every call.
 pub fn flash_attention(
     q: &Tensor,
     k: &Tensor,
@@ -60,8 +63,11 @@ pub fn flash_attention(
         );
     }
     for (x, name) in [(q, "q"), (k, "k"), (v, "v")] {
-        if x.dtype() != DType::F32 {
-            bail!("flash attention: {name} is {:?}, expected f32", x.dtype());
+        if x.dtype() != DType::F32 && x.dtype() != DType::BF16 {
+            bail!(
+                "flash attention: {name} is {:?}, expected f32 or bf16",
+                x.dtype()
+            );
         }
     }
     let Some((kernel, key_tile)) = kernel_for(hd).filter(|_| supports(hd, n_h, n_kv)) else {
@@ -79,7 +85,7 @@ pub fn flash_attention(
         );
     }
 
-    // bf16 copies (round to nearest even), read by the kernel with 16-byte cp.async.
+    // bf16 (copies of f32 inputs), read by the kernel with 16-byte cp.async.
     let qb = q.to_dtype(DType::BF16)?.contiguous()?;
     let kb = k.to_dtype(DType::BF16)?.contiguous()?;
     let vb = v.to_dtype(DType::BF16)?.contiguous()?;
