@@ -16,6 +16,10 @@
 //
 // Weights are the unpacked arrays of `QuantWeight` (one signed byte per weight, row-major [N, K]); the
 // integer sub-block scales / mins are bytes [N, K/sub]; block scales f32 [N, K/block].
+//
+// Two tensor-core families compute the same bits: v1 (`qgemm_*_64x64`, the first kernel, kept as the
+// comparison and fallback) and v2 (`qgemm2_*`, at the end of this file: larger tiles, part-aligned
+// stages, the part tree in memory). crates/prism-quant/src/cuda_plan.rs chooses between them.
 
 #include <stdint.h>
 
