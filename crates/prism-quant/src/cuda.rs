@@ -1,4 +1,4 @@
-//! The integer matmul on CUDA: launchers for `kernels/quant_gemm.cu` (compiled to PTX by build.rs).
+//! The integer matmul on CUDA: launchers for `kernels/quant_gemm.cu` (compiled to a fatbin by build.rs).
 //!
 //! [`CudaQuantWeight::upload`] puts a [`QuantWeight`]'s unpacked arrays on the device (one byte per
 //! weight, stored as `U8` and read as `int8` by the kernels; block scales `F32`); [`matmul`] quantizes
@@ -18,14 +18,15 @@ use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Device, Result, Tensor};
 
 use crate::activation::ActivationScale;
-use crate::cuda_launch::{alloc, cuda_device, i32_arg, launch_err, wrap, Input};
+use crate::cuda_launch::{alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input};
 use crate::cuda_plan::{
     self, DeviceLimits, Family, FlatWeight, GemmKernel, LaunchPlan, SIMT_THREADS,
 };
 use crate::error::QuantError;
 use crate::weight::{QuantWeight, WeightFormat};
 
-const QUANT_GEMM_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/quant_gemm.ptx"));
+/// The kernels as a fatbin (sm_80 / sm_89 / sm_90a machine code + compute_80 PTX, kernels/build_ptx.rs).
+const QUANT_GEMM_IMAGE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/quant_gemm.fatbin"));
 const MODULE: &str = "prism_quant_gemm";
 
 fn quant_err(e: QuantError) -> candle_core::Error {
@@ -187,7 +188,7 @@ pub fn quantize_activations(
     let first_bad = dev.clone_htod(&[u64::MAX])?;
     let groups = m * k / 32;
     if groups > 0 {
-        let func = dev.get_or_load_custom_func("quantize_act_i8", MODULE, QUANT_GEMM_PTX)?;
+        let func = load_kernel(&dev, MODULE, QUANT_GEMM_IMAGE, "quantize_act_i8")?;
         let cfg = LaunchConfig {
             grid_dim: (groups.div_ceil(SIMT_THREADS as usize) as u32, 1, 1),
             block_dim: (SIMT_THREADS, 1, 1),
@@ -320,7 +321,7 @@ pub fn gemm_quantized(
     let (gx, gy, gz) = plan.grid(m, n);
 
     let Some(tile) = plan.tile else {
-        let func = dev.get_or_load_custom_func("qgemm_simt", MODULE, QUANT_GEMM_PTX)?;
+        let func = load_kernel(dev, MODULE, QUANT_GEMM_IMAGE, "qgemm_simt")?;
         let cfg = LaunchConfig {
             grid_dim: (gx, gy, gz),
             block_dim: (SIMT_THREADS, 1, 1),
@@ -342,7 +343,7 @@ pub fn gemm_quantized(
         return Ok(wrap(y, dev, (m, n)));
     };
 
-    let func = dev.get_or_load_custom_func(tile.kernel, MODULE, QUANT_GEMM_PTX)?;
+    let func = load_kernel(dev, MODULE, QUANT_GEMM_IMAGE, tile.kernel)?;
     func.set_attribute(
         CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
         i32_arg(tile.smem_bytes, "shared memory")?,
@@ -386,7 +387,7 @@ pub fn gemm_quantized(
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
     if let Some(ws) = &target {
-        let func = dev.get_or_load_custom_func("qgemm_combine", MODULE, QUANT_GEMM_PTX)?;
+        let func = load_kernel(dev, MODULE, QUANT_GEMM_IMAGE, "qgemm_combine")?;
         let count = m * n;
         let cfg = LaunchConfig {
             grid_dim: (count.div_ceil(SIMT_THREADS as usize) as u32, 1, 1),
@@ -422,7 +423,7 @@ pub fn differing_bits(a: &Tensor, b: &Tensor) -> Result<usize> {
     let count = dev.clone_htod(&[0u64])?;
     let n = a.elem_count();
     if n > 0 {
-        let func = dev.get_or_load_custom_func("count_bit_differences", MODULE, QUANT_GEMM_PTX)?;
+        let func = load_kernel(&dev, MODULE, QUANT_GEMM_IMAGE, "count_bit_differences")?;
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(SIMT_THREADS as usize).min(4096) as u32, 1, 1),
             block_dim: (SIMT_THREADS, 1, 1),
