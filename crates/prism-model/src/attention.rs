@@ -129,8 +129,10 @@ impl Attention {
 
 /// Causal attention of one sequence's `T` new queries `q: [T, n_h, hd]` against its `past + T` keys and
 /// values `[n_kv, past + T, hd]`; returns `[T, n_h·hd]`. The CPU runs [`CausalAttention`] (fixed order,
-/// batch-invariant); CUDA runs our kernel for short prompts and batched matmuls, in pieces of query
-/// rows, for long ones; other devices run the tensor-op formulation.
+/// batch-invariant). CUDA runs the tensor-core flash kernel ([`crate::cuda_flash`], batch-invariant,
+/// bf16 operands, f32 softmax) for head dims 64/128/256, whatever T; other head dims take our f32
+/// kernel for short prompts and batched matmuls (not batch-invariant) for long ones. Other devices run
+/// the tensor-op formulation.
 pub fn attend_segment(
     q: &Tensor,
     k: &Tensor,
@@ -155,6 +157,12 @@ pub fn attend_segment(
     if !q.device().is_cuda() {
         return attention_tensor_ops(q, k, v, past, group, scale);
     }
+    // The tensor-core kernel, chosen by head dim only, never by T: a prefill and its later pieces
+    // or decode steps must take the same kernel to give the same bits.
+    if let Some(o) = cuda_flash(q, k, v, past, scale)? {
+        return Ok(o);
+    }
+    // Head dims the flash kernel lacks: the f32 kernel for short prompts, matmuls for long ones.
     if q.dtype() == DType::F32 && t * (past + t) <= CUDA_KERNEL_MAX_SCORES {
         return cuda_attention(q, k, v, past, scale);
     }
@@ -181,6 +189,21 @@ pub fn attend_segment(
 const CUDA_KERNEL_MAX_SCORES: usize = 512 * 1024;
 /// Query rows per piece of the matmul path (the scores of one piece: heads × piece × keys f32).
 const CUDA_QUERY_PIECE: usize = 2048;
+
+/// The flash-attention kernel ([`crate::cuda_flash`]) where it supports the head layout, else `None`.
+#[cfg(feature = "cuda")]
+fn cuda_flash(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: f64) -> candle_core::Result<Option<Tensor>> {
+    let (_, n_h, hd) = q.dims3()?;
+    if !crate::cuda_flash::supports(hd, n_h, k.dim(0)?) {
+        return Ok(None);
+    }
+    crate::cuda_flash::flash_attention(q, k, v, past, scale).map(Some)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_flash(_: &Tensor, _: &Tensor, _: &Tensor, _: usize, _: f64) -> candle_core::Result<Option<Tensor>> {
+    Ok(None)
+}
 
 #[cfg(feature = "cuda")]
 fn cuda_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: f64) -> candle_core::Result<Tensor> {

@@ -10,9 +10,10 @@
 //! computed by a fixed sequence of operations on that row's own inputs, so a sequence's results are
 //! bit-identical whatever it is batched with, wherever it branches from a shared prefix, however its
 //! tokens are split into calls (decode included) and however many threads run. On CUDA (feature
-//! `cuda`, module `cuda`) the norms, conv, delta rule and short-prompt attention kernels keep that property
-//! and so does the integer matmul (`prism_quant`), so the int8/w4a8 forward pass is batch-invariant on
-//! the GPU too; the bf16 path's cuBLAS matmuls are not.
+//! `cuda`, modules `cuda` and `cuda_flash`) the norms, conv, delta rule and the tensor-core attention
+//! (any prompt length, head dims 64/128/256) keep that property and so does the integer matmul
+//! (`prism_quant`), so the int8/w4a8 forward pass is batch-invariant on the GPU too; the bf16 path's
+//! cuBLAS matmuls are not.
 
 pub mod attention;
 pub mod calibration;
