@@ -29,18 +29,22 @@
 
 // ---------------------------------------------------------------------------------------------------
 // Activation quantization: qa = clamp(rint(x · inv_scale), −127, 127); one thread per group of 32.
-// `bad` receives the smallest linear index of a non-finite input (the CPU reports the first one in row
-// order, which is the same element); the host reads it and refuses the call.
+// A non-finite input is recorded per row, never across rows: `bad_rows[r]` (zeroed by the host with a
+// memset) becomes 0xFFFFFFFF − c for the smallest column c of row r that holds a NaN or ±∞ (atomicMax of
+// the complement: 0 stays "clean" and needs no host-side initial value). The row's quantized values are
+// still written (NaN clamps to −127, ±∞ to ±127): `poison_rows` then turns the row's outputs into NaN
+// after the GEMM, or the host reads the flags and refuses the call (the CPU's error, same element).
 // ---------------------------------------------------------------------------------------------------
 extern "C" __global__ void quantize_act_i8(const float* __restrict__ x, int8_t* __restrict__ qa,
-                                           int* __restrict__ sums, unsigned long long* __restrict__ bad,
-                                           long long n_groups, float inv_scale, int want_sums) {
+                                           int* __restrict__ sums, unsigned int* __restrict__ bad_rows,
+                                           long long n_groups, int groups_per_row, float inv_scale,
+                                           int want_sums) {
     const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= n_groups) return;
     const float4* src = reinterpret_cast<const float4*>(x + g * 32);
     unsigned int packed[8];
     int sum = 0;
-    unsigned long long first_bad = ~0ull;
+    int first_bad = -1;  // column within this group of 32
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         const float4 v4 = src[i];
@@ -48,7 +52,7 @@ extern "C" __global__ void quantize_act_i8(const float* __restrict__ x, int8_t* 
         unsigned int word = 0;
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-            if (!isfinite(v[c]) && first_bad == ~0ull) first_bad = (unsigned long long)(g * 32 + 4 * i + c);
+            if (!isfinite(v[c]) && first_bad < 0) first_bad = 4 * i + c;
             // One IEEE multiplication (never contracted), round half to even, clamp after rounding.
             const float r = fminf(fmaxf(rintf(__fmul_rn(v[c], inv_scale)), -127.f), 127.f);
             const int q = (int)r;
@@ -61,7 +65,23 @@ extern "C" __global__ void quantize_act_i8(const float* __restrict__ x, int8_t* 
     dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
     if (want_sums) sums[g] = sum;
-    if (first_bad != ~0ull) atomicMin(bad, first_bad);
+    if (first_bad >= 0) {
+        const long long row = g / groups_per_row;
+        const unsigned int col = (unsigned int)((g % groups_per_row) * 32 + first_bad);
+        atomicMax(bad_rows + row, 0xFFFFFFFFu - col);
+    }
+}
+
+// After the GEMM: every output of a row whose input held a non-finite value becomes NaN, so the
+// divergence flows through that sequence's own later operations to its logits, without a host
+// synchronization and without touching any other row. One warp per row; clean rows only read their flag.
+extern "C" __global__ void poison_rows(const unsigned int* __restrict__ bad_rows, float* __restrict__ y,
+                                       long long M, long long N) {
+    const long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (row >= M || bad_rows[row] == 0) return;
+    const float nan = __int_as_float(0x7fc00000);
+    float* out = y + row * N;
+    for (long long n = threadIdx.x & 31; n < N; n += 32) out[n] = nan;
 }
 
 // ---------------------------------------------------------------------------------------------------

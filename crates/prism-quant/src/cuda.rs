@@ -9,6 +9,21 @@
 //!
 //! [`GemmKernel::Auto`] runs the family named by `PRISM_QGEMM` (`v1` or `v2`, read once per process;
 //! unset: `v2`), so a deployment can go back to the first kernel without a rebuild.
+//!
+//! # Non-finite inputs
+//!
+//! The CPU reference refuses a call whose input holds a NaN or ±∞ (quantization would clamp it to a
+//! finite int8 and hide it). On the device, finding that out means reading a flag back: a stream
+//! synchronization per GEMM. So the quantization kernel marks, per row, the first non-finite column
+//! (flags zeroed on the device with a memset), and two ways follow:
+//! - **row poisoning** ([`matmul_deferred`], [`matmul_poisoned`], what the model runs): after the GEMM a
+//!   tiny kernel sets every output of a marked row to NaN. No synchronization; the other rows keep
+//!   their bits (each row is quantized and multiplied on its own), so one sequence's divergence never
+//!   reaches another sequence of the batch, and it flows through that sequence's later operations to
+//!   its logits, where the read-out reports it.
+//! - **the eager check** ([`matmul`], [`matmul_with`], [`DeviceQuantized::check_finite`]): the same
+//!   NaN rows, then the flags are read back (one synchronization) and the call fails with the CPU's
+//!   [`QuantError::NonFiniteActivation`], naming the same row and element.
 
 use candle_core::cuda_backend::cudarc::driver::sys::{
     CUdevice_attribute, CUfunction_attribute_enum,
@@ -124,32 +139,69 @@ pub struct DeviceQuantized {
     pub cols: usize,
     pub q: CudaSlice<u8>,
     pub sums: Option<CudaSlice<i32>>,
-    /// The smallest linear index of a non-finite input (`u64::MAX`: none).
-    first_bad: CudaSlice<u64>,
+    /// `[M]` (at least one element): 0 for a row of finite inputs, else `u32::MAX − c` for the smallest
+    /// column `c` of the row holding a NaN or ±∞ ([`decode_bad_row`]).
+    bad_rows: CudaSlice<u32>,
+}
+
+/// A row flag of [`DeviceQuantized`] as the column of the row's first non-finite input (`None`: clean).
+pub fn decode_bad_row(flag: u32) -> Option<usize> {
+    (flag != 0).then(|| (u32::MAX - flag) as usize)
 }
 
 impl DeviceQuantized {
-    /// Reads the non-finite flag back (synchronizes with the stream) and turns it into the CPU's error.
+    /// The first non-finite input in row order as `(row, column)`, or `None`. Reads the row flags back:
+    /// synchronizes with the stream.
+    pub fn first_non_finite(&self, dev: &CudaDevice) -> Result<Option<(usize, usize)>> {
+        let flags = dev.clone_dtoh(&self.bad_rows)?;
+        Ok(flags
+            .iter()
+            .take(self.rows)
+            .enumerate()
+            .find_map(|(row, &f)| decode_bad_row(f).map(|col| (row, col))))
+    }
+
+    /// Reads the row flags back (synchronizes with the stream) and turns the first non-finite input
+    /// into the CPU's error ([`QuantError::NonFiniteActivation`], same row and element).
     pub fn check_finite(&self, x: &Tensor, dev: &CudaDevice) -> Result<()> {
-        let bad = dev.clone_dtoh(&self.first_bad)?;
-        match bad.first() {
-            Some(&i) if i != u64::MAX => {
-                let i = i as usize;
-                let value = x
-                    .flatten_all()?
-                    .narrow(0, i, 1)?
-                    .to_vec1::<f32>()?
-                    .first()
-                    .copied()
-                    .unwrap_or(f32::NAN);
-                Err(quant_err(QuantError::NonFiniteActivation {
-                    row: i / self.cols.max(1),
-                    col: i % self.cols.max(1),
-                    value,
-                }))
-            }
-            _ => Ok(()),
+        let Some((row, col)) = self.first_non_finite(dev)? else {
+            return Ok(());
+        };
+        let value = x
+            .narrow(0, row, 1)?
+            .narrow(1, col, 1)?
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .first()
+            .copied()
+            .unwrap_or(f32::NAN);
+        Err(quant_err(QuantError::NonFiniteActivation {
+            row,
+            col,
+            value,
+        }))
+    }
+
+    /// Sets every output of `y` (`[rows, n]` f32 on the device) in a row with a non-finite input to
+    /// NaN. No synchronization.
+    fn poison_rows(&self, y: &mut CudaSlice<f32>, n: usize, dev: &CudaDevice) -> Result<()> {
+        if self.rows == 0 || n == 0 {
+            return Ok(());
         }
+        let func = load_kernel(dev, MODULE, QUANT_GEMM_IMAGE, "poison_rows")?;
+        // One warp per row.
+        let rows_per_block = (SIMT_THREADS / 32) as usize;
+        let cfg = LaunchConfig {
+            grid_dim: (self.rows.div_ceil(rows_per_block) as u32, 1, 1),
+            block_dim: (SIMT_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (m_i, n_i) = (self.rows as i64, n as i64);
+        let mut b = func.builder();
+        b.arg(&self.bad_rows).arg(y).arg(&m_i).arg(&n_i);
+        // SAFETY: bad_rows holds `rows` u32, y rows·n f32.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+        Ok(())
     }
 
     /// The quantized values as a `[rows, cols]` U8 tensor (int8 bits) and the sums `[rows, cols/32]` I32.
@@ -162,7 +214,8 @@ impl DeviceQuantized {
 }
 
 /// `qa = clamp(rint(x · inv_scale), −127, 127)` for `x: [M, K]` f32 on CUDA (`K` a multiple of 32), with
-/// the per-32 sums when `with_sums`. Does not synchronize: call [`DeviceQuantized::check_finite`].
+/// the per-32 sums when `with_sums`, and the rows holding a non-finite input marked. Does not
+/// synchronize: [`DeviceQuantized::check_finite`] reads the marks.
 pub fn quantize_activations(
     x: &Tensor,
     scale: &ActivationScale,
@@ -185,7 +238,8 @@ pub fn quantize_activations(
     } else {
         None
     };
-    let first_bad = dev.clone_htod(&[u64::MAX])?;
+    // Zeroed on the device (a memset on the stream): no host copy.
+    let bad_rows = dev.alloc_zeros::<u32>(m.max(1))?;
     let groups = m * k / 32;
     if groups > 0 {
         let func = load_kernel(&dev, MODULE, QUANT_GEMM_IMAGE, "quantize_act_i8")?;
@@ -195,6 +249,7 @@ pub fn quantize_activations(
             shared_mem_bytes: 0,
         };
         let (n_groups, inv, want) = (groups as i64, scale.inv_scale(), i32::from(with_sums));
+        let groups_per_row = i32_arg(k / 32, "groups of 32 per row")?;
         let vx = ix.view::<f32>()?;
         let mut b = func.builder();
         b.arg(&vx).arg(&q);
@@ -202,8 +257,13 @@ pub fn quantize_activations(
             Some(s) => b.arg(s),
             None => b.arg(&q), // unused (want_sums = 0)
         };
-        b.arg(&first_bad).arg(&n_groups).arg(&inv).arg(&want);
-        // SAFETY: x holds m·k f32 (16-byte aligned, checked above), q m·k bytes, sums m·k/32 i32.
+        b.arg(&bad_rows)
+            .arg(&n_groups)
+            .arg(&groups_per_row)
+            .arg(&inv)
+            .arg(&want);
+        // SAFETY: x holds m·k f32 (16-byte aligned, checked above), q m·k bytes, sums m·k/32 i32,
+        // bad_rows m u32.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
     Ok(DeviceQuantized {
@@ -211,7 +271,7 @@ pub fn quantize_activations(
         cols: k,
         q,
         sums,
-        first_bad,
+        bad_rows,
     })
 }
 
@@ -270,7 +330,8 @@ pub fn launch_plan(
 }
 
 /// The integer GEMM on already quantized activations: `y: [M, N]` f32. Every kernel choice gives the
-/// same bits.
+/// same bits. The GEMM alone: rows marked non-finite hold the product of their clamped values (finite
+/// and meaningless); [`matmul_deferred`] poisons them.
 pub fn gemm_quantized(
     qx: &DeviceQuantized,
     w: &CudaQuantWeight,
@@ -278,6 +339,18 @@ pub fn gemm_quantized(
     kernel: GemmKernel,
     dev: &CudaDevice,
 ) -> Result<Tensor> {
+    let y = gemm_slice(qx, w, scale, kernel, dev)?;
+    Ok(wrap(y, dev, (qx.rows, w.rows)))
+}
+
+/// [`gemm_quantized`]'s output buffer, `M·N` f32 (at least one element).
+fn gemm_slice(
+    qx: &DeviceQuantized,
+    w: &CudaQuantWeight,
+    scale: &ActivationScale,
+    kernel: GemmKernel,
+    dev: &CudaDevice,
+) -> Result<CudaSlice<f32>> {
     let (m, n, k) = (qx.rows, w.rows, w.cols);
     if qx.cols != k || (w.format.has_mins() && qx.sums.is_none()) {
         bail!(
@@ -292,7 +365,7 @@ pub fn gemm_quantized(
     cuda_plan::check_launch(&w.name, w.format, m, n, k, groups).map_err(quant_err)?;
     let y = alloc::<f32>(dev, m * n)?;
     if m == 0 || n == 0 {
-        return Ok(wrap(y, dev, (m, n)));
+        return Ok(y);
     }
     let (m_i, n_i, k_i) = (
         i32_arg(m, "rows")?,
@@ -340,7 +413,7 @@ pub fn gemm_quantized(
         b.arg(&y).arg(&m_i).arg(&n_i).arg(&k_i).arg(&s);
         // SAFETY: the buffers have the sizes the dimensions say (checked at upload and above).
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
-        return Ok(wrap(y, dev, (m, n)));
+        return Ok(y);
     };
 
     let func = load_kernel(dev, MODULE, QUANT_GEMM_IMAGE, tile.kernel)?;
@@ -400,7 +473,7 @@ pub fn gemm_quantized(
         // SAFETY: ws holds G·count f32, y count f32.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
-    Ok(wrap(y, dev, (m, n)))
+    Ok(y)
 }
 
 /// How many elements of two f32 CUDA tensors with the same number of elements differ in their bits
@@ -441,8 +514,8 @@ pub fn differing_bits(a: &Tensor, b: &Tensor) -> Result<usize> {
 
 /// `y = x · Wᵀ` on the integer path for `x: [M, K]` f32 on CUDA; returns `[M, N]` f32 with the CPU
 /// reference's bits. A non-finite activation is the CPU's [`QuantError::NonFiniteActivation`] (wrapped
-/// in a candle error); checking it reads 8 bytes back, so this synchronizes with the stream —
-/// [`matmul_deferred`] leaves the check to the caller.
+/// in a candle error): the eager check, which reads the row flags back and so synchronizes with the
+/// stream. [`matmul_poisoned`] is the same product without the synchronization (NaN rows instead).
 pub fn matmul(x: &Tensor, w: &CudaQuantWeight, scale: &ActivationScale) -> Result<Tensor> {
     matmul_with(x, w, scale, GemmKernel::Auto)
 }
@@ -459,9 +532,16 @@ pub fn matmul_with(
     Ok(y)
 }
 
-/// [`matmul_with`] without the finiteness check: returns the quantized activations too, whose
-/// [`DeviceQuantized::check_finite`] the caller runs when it can afford the synchronization (the output
-/// of a call with a non-finite input is meaningless).
+/// The no-synchronization product: [`matmul_deferred`] with the automatic kernel, the quantized
+/// activations dropped. A row of `x` holding a NaN or ±∞ comes out as a row of NaN; every other row
+/// has the CPU reference's bits.
+pub fn matmul_poisoned(x: &Tensor, w: &CudaQuantWeight, scale: &ActivationScale) -> Result<Tensor> {
+    Ok(matmul_deferred(x, w, scale, GemmKernel::Auto)?.0)
+}
+
+/// [`matmul_with`] without the synchronizing check: every output of a row whose input holds a NaN or
+/// ±∞ is NaN (the other rows keep the reference's bits). Returns the quantized activations too, whose
+/// [`DeviceQuantized::check_finite`] the caller may run when it can afford the synchronization.
 pub fn matmul_deferred(
     x: &Tensor,
     w: &CudaQuantWeight,
@@ -469,7 +549,7 @@ pub fn matmul_deferred(
     kernel: GemmKernel,
 ) -> Result<(Tensor, DeviceQuantized)> {
     let dev = cuda_device(x)?;
-    let (_, k) = x.dims2()?;
+    let (m, k) = x.dims2()?;
     if k != w.cols {
         return Err(quant_err(QuantError::InputWidth {
             tensor: w.name.clone(),
@@ -479,6 +559,7 @@ pub fn matmul_deferred(
     }
     cuda_plan::check_launch(&w.name, w.format, 1, w.rows, k, 1).map_err(quant_err)?;
     let qx = quantize_activations(x, scale, w.format.has_mins())?;
-    let y = gemm_quantized(&qx, w, scale, kernel, &dev)?;
-    Ok((y, qx))
+    let mut y = gemm_slice(&qx, w, scale, kernel, &dev)?;
+    qx.poison_rows(&mut y, w.rows, &dev)?;
+    Ok((wrap(y, &dev, (m, w.rows)), qx))
 }

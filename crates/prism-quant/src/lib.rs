@@ -16,7 +16,9 @@
 //!    `inv_scale = 127 / absmax`, both f32 divisions done once on the host; kernels receive the bits.
 //! 2. **Activation quantization** (per element, per row, independent of other rows):
 //!    `qa = clamp(rint(x · inv_scale), −127, 127)`, one f32 multiplication, `rint` = round half to
-//!    even, clamp after rounding. Non-finite `x` is an error ([`QuantError::NonFiniteActivation`]).
+//!    even, clamp after rounding. Non-finite `x` is an error ([`QuantError::NonFiniteActivation`]);
+//!    on CUDA the model's path instead makes every output of that row NaN, without a synchronization
+//!    (other rows keep their bits; see [`op`] for where each path reports it).
 //! 3. **Integer block sums** (exact in i32; any summation order gives the same integer, so a kernel
 //!    may use dp4a / IMMA / widening multiplies freely as long as nothing saturates):
 //!    - Q8_0 (blocks of 32, `q ∈ [−128, 127]`): `D_b = Σ_{i<32} q_i·qa_i` (|D_b| ≤ 520,192).
@@ -43,7 +45,7 @@
 //!   bit (embedding lookups).
 //! - [`activation`]: [`ActivationScale`], the static quantization.
 //! - [`kernel`]: the CPU reference (rayon over output strips).
-//! - [`op`]: [`QuantMatmul`], the candle `CustomOp1` (CPU; the CUDA forward is not written yet).
+//! - [`op`]: [`QuantMatmul`], the candle `CustomOp1` (CPU), whose `forward` runs [`cuda`] on a GPU.
 
 pub mod activation;
 #[cfg(feature = "cuda")]
@@ -59,5 +61,5 @@ pub mod weight;
 pub use activation::{quantize_rows, ActivationScale, QuantizedRows, QMAX};
 pub use error::{QuantError, Result};
 pub use kernel::{matmul, part_bounds, PARTS};
-pub use op::QuantMatmul;
+pub use op::{NonFiniteMode, QuantMatmul};
 pub use weight::{QuantWeight, WeightFormat};

@@ -1,4 +1,17 @@
 //! The integer matmul as a candle custom op.
+//!
+//! # Non-finite inputs: CPU and CUDA differ in *where* they are reported
+//!
+//! - **CPU** (the reference): [`kernel::matmul`] refuses the call, naming the tensor, the row and the
+//!   element ([`crate::QuantError::NonFiniteActivation`]); the forward pass fails at that projection.
+//! - **CUDA** (default, [`NonFiniteMode::Poison`]): no stream synchronization per GEMM. Every output of
+//!   a row whose input holds a NaN or ±∞ becomes NaN; the other rows keep their bits. The NaN flows
+//!   through that sequence's own later operations to its logits, and the read-out reports the affected
+//!   prompt (prism-decision's `DecisionError::NonFiniteLogits`); the other sequences of the batch are
+//!   unaffected.
+//! - **CUDA with `PRISM_QGEMM_NONFINITE=error`** ([`NonFiniteMode::Error`]): the CPU's behaviour (the
+//!   same error, same row and element), at the cost of one synchronization per GEMM: for finding the
+//!   first projection that diverged.
 
 use std::sync::Arc;
 
@@ -7,6 +20,48 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 use crate::activation::ActivationScale;
 use crate::kernel;
 use crate::weight::QuantWeight;
+
+/// The environment variable that picks [`NonFiniteMode`] on CUDA (read once per process).
+pub const NONFINITE_ENV: &str = "PRISM_QGEMM_NONFINITE";
+
+/// What a CUDA [`QuantMatmul::forward`] does with an input row holding a NaN or ±∞.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NonFiniteMode {
+    /// The row's outputs become NaN; nothing is read back (no synchronization).
+    #[default]
+    Poison,
+    /// The call fails with the CPU's error (reads the row flags back: one synchronization per GEMM).
+    Error,
+}
+
+/// The mode named by [`NONFINITE_ENV`]'s value (`None`: unset). Anything but `poison` / `error` (any
+/// case, surrounding blanks ignored, empty = unset) is an error naming the variable and the value.
+pub fn parse_nonfinite_mode(value: Option<&str>) -> crate::Result<NonFiniteMode> {
+    match value.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+        None | Some("") | Some("poison") => Ok(NonFiniteMode::Poison),
+        Some("error") => Ok(NonFiniteMode::Error),
+        Some(other) => Err(crate::QuantError::Input(format!(
+            "{NONFINITE_ENV}={other:?}: expected \"poison\" (NaN rows, the default) or \"error\" \
+             (refuse the call, one synchronization per GEMM)"
+        ))),
+    }
+}
+
+/// The mode of this process: [`NONFINITE_ENV`], read once. A bad value is an error on every call.
+pub fn nonfinite_mode() -> crate::Result<NonFiniteMode> {
+    static MODE: std::sync::OnceLock<std::result::Result<NonFiniteMode, String>> =
+        std::sync::OnceLock::new();
+    MODE.get_or_init(|| {
+        let value = match std::env::var(NONFINITE_ENV) {
+            Ok(v) => Some(v),
+            Err(std::env::VarError::NotPresent) => None,
+            Err(std::env::VarError::NotUnicode(v)) => Some(v.to_string_lossy().into_owned()),
+        };
+        parse_nonfinite_mode(value.as_deref()).map_err(|e| e.to_string())
+    })
+    .clone()
+    .map_err(crate::QuantError::Input)
+}
 
 /// `y = x · Wᵀ` for an f32 activation `x: [m, k]` and a quantized weight `W: [n, k]` with the static
 /// activation scale of this linear input; returns f32 `[m, n]`. The CPU forward is
@@ -31,7 +86,9 @@ impl QuantMatmul {
     }
 
     /// Applies the op to `x: [m, k]` (made contiguous first). On a CUDA device this runs
-    /// [`crate::cuda::matmul`], which returns the CPU reference's bits.
+    /// [`crate::cuda::matmul_poisoned`] (or, with [`NonFiniteMode::Error`], [`crate::cuda::matmul`]),
+    /// which returns the CPU reference's bits for every row of finite inputs; see the module docs for
+    /// rows that are not.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let candle_core::Device::Cuda(dev) = x.device() {
@@ -46,7 +103,11 @@ impl QuantMatmul {
                     }
                 }
             };
-            return crate::cuda::matmul(&x.contiguous()?, &weight, &self.scale);
+            let x = x.contiguous()?;
+            return match nonfinite_mode().map_err(candle_core::Error::wrap)? {
+                NonFiniteMode::Poison => crate::cuda::matmul_poisoned(&x, &weight, &self.scale),
+                NonFiniteMode::Error => crate::cuda::matmul(&x, &weight, &self.scale),
+            };
         }
         x.contiguous()?.apply_op1_no_bwd(self)
     }
@@ -56,7 +117,10 @@ impl QuantMatmul {
     pub fn upload_to(&self, device: &candle_core::CudaDevice) -> candle_core::Result<()> {
         let mut slot = self.device_weight.lock().unwrap_or_else(|e| e.into_inner());
         if slot.is_none() {
-            *slot = Some(Arc::new(crate::cuda::CudaQuantWeight::upload(&self.weight, device)?));
+            *slot = Some(Arc::new(crate::cuda::CudaQuantWeight::upload(
+                &self.weight,
+                device,
+            )?));
         }
         Ok(())
     }
@@ -106,5 +170,28 @@ impl CustomOp1 for QuantMatmul {
             "integer matmul of {:?}: the CUDA kernel is not written yet (the CPU op is the reference)",
             self.weight.name()
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nonfinite_mode_values() {
+        for (value, want) in [
+            (None, NonFiniteMode::Poison),
+            (Some(""), NonFiniteMode::Poison),
+            (Some(" Poison "), NonFiniteMode::Poison),
+            (Some("error"), NonFiniteMode::Error),
+            (Some("ERROR"), NonFiniteMode::Error),
+        ] {
+            assert_eq!(parse_nonfinite_mode(value).unwrap(), want, "{value:?}");
+        }
+        let msg = parse_nonfinite_mode(Some("panic")).unwrap_err().to_string();
+        assert!(
+            msg.contains(NONFINITE_ENV) && msg.contains("\"panic\""),
+            "{msg}"
+        );
     }
 }
