@@ -165,15 +165,22 @@ pub fn decide(
         usage.output_tokens += read.output_tokens;
 
         let mut per_task: Vec<Vec<Vec<f64>>> = vec![Vec::new(); tasks.len()];
-        for ((prompt, logits), &t) in prompts.iter().zip(&read.logits).zip(&owners) {
+        for (index, ((prompt, logits), &t)) in prompts.iter().zip(&read.logits).zip(&owners).enumerate() {
             let task = &tasks[t];
-            if logits.len() != prompt.option_ids.len() || logits.iter().any(|l| !l.is_finite()) {
+            if logits.len() != prompt.option_ids.len() {
                 return Err(DecisionError::ModelOutput(format!(
-                    "question {:?}: expected {} finite letter logits, got {:?}",
+                    "question {:?}: expected {} letter logits, got {:?}",
                     task.question.name,
                     prompt.option_ids.len(),
                     logits
                 )));
+            }
+            if logits.iter().any(|l| !l.is_finite()) {
+                return Err(DecisionError::NonFiniteLogits {
+                    question: task.question.name.clone(),
+                    prompt: index,
+                    logits: logits.clone(),
+                });
             }
             per_task[t].push(softmax(logits, task.temperature));
         }

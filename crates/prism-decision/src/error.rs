@@ -164,9 +164,26 @@ pub enum DecisionError {
     /// The model failed (500).
     #[error("the model failed: {0}")]
     Model(ModelError),
-    /// The model answered something the read-out cannot use (wrong number of logits, NaN) (500).
+    /// The model answered something the read-out cannot use (wrong number of logits) (500).
     #[error("the model returned an unusable read-out: {0}")]
     ModelOutput(String),
+    /// A prompt's letter logits hold a NaN or ±∞: the forward pass diverged for that prompt (500). On
+    /// CUDA the integer path does not stop at the projection whose input went non-finite (that would
+    /// cost a stream synchronization per matmul): it makes that sequence's rows NaN, which reach its
+    /// logits and are refused here, naming the question. Other prompts of the batch are unaffected.
+    /// (The CPU integer path fails earlier, at the projection, as [`DecisionError::Model`].)
+    #[error(
+        "question {question:?}: the model's letter logits for prompt {prompt} of this step are not finite \
+         ({logits:?}): its forward pass diverged (NaN or infinity)"
+    )]
+    NonFiniteLogits {
+        /// The question whose prompt diverged.
+        question: String,
+        /// The prompt's index in the model call that returned it.
+        prompt: usize,
+        /// The letter logits as returned.
+        logits: Vec<f64>,
+    },
     /// The decision config is unusable (500).
     #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
@@ -190,7 +207,10 @@ impl DecisionError {
         match self {
             DecisionError::Json(_) => 400,
             DecisionError::Request(errors) => errors.class().status(),
-            DecisionError::Model(_) | DecisionError::ModelOutput(_) | DecisionError::Config(_) => 500,
+            DecisionError::Model(_)
+            | DecisionError::ModelOutput(_)
+            | DecisionError::NonFiniteLogits { .. }
+            | DecisionError::Config(_) => 500,
         }
     }
 

@@ -201,7 +201,58 @@ fn model_failures() {
             ..Default::default()
         })
     });
-    assert!(matches!(decide(&request, &config, &mut model), Err(DecisionError::ModelOutput(_))));
+    assert!(matches!(decide(&request, &config, &mut model), Err(DecisionError::NonFiniteLogits { .. })));
+}
+
+/// A model whose logits are all 0.5 but one, at (`prompt`, `letter`), which is `value`.
+struct OneBadLogit {
+    prompt: usize,
+    letter: usize,
+    value: f64,
+}
+
+impl LetterModel for OneBadLogit {
+    fn model_name(&self) -> &str {
+        "one-bad-logit"
+    }
+    fn letter_logits(&mut self, prompts: &[LetterPrompt]) -> Result<LetterLogits, ModelError> {
+        let mut logits: Vec<Vec<f64>> = prompts.iter().map(|p| vec![0.5; p.option_ids.len()]).collect();
+        logits[self.prompt][self.letter] = self.value;
+        Ok(LetterLogits { logits, ..Default::default() })
+    }
+}
+
+/// A diverged forward pass (on CUDA the integer path turns a sequence's rows NaN instead of failing at
+/// the projection) reaches the read-out as non-finite letter logits of that prompt only: the request is
+/// refused with a typed 500 naming the question whose prompt diverged, whichever letter went bad.
+#[test]
+fn non_finite_letter_logits_name_their_question() {
+    let config = DecisionConfig::default();
+    let request = request(THREE_QUESTIONS);
+    // The prompts come in question order: team (3 options), urgent (2), risk (4).
+    for (prompt, letter, value, want_question) in [
+        (2usize, 3usize, f64::NAN, "risk"),
+        (1, 0, f64::INFINITY, "urgent"),
+        (0, 1, f64::NEG_INFINITY, "team"),
+    ] {
+        let mut model = OneBadLogit { prompt, letter, value };
+        let error = decide(&request, &config, &mut model).unwrap_err();
+        assert_eq!(error.status(), 500, "{error}");
+        let message = error.to_string();
+        match &error {
+            DecisionError::NonFiniteLogits { question, prompt: got_prompt, logits } => {
+                assert_eq!((question.as_str(), *got_prompt), (want_question, prompt), "{message}");
+                assert_eq!(logits[letter].to_bits(), value.to_bits(), "{logits:?}");
+                assert_eq!(logits.iter().filter(|l| l.is_finite()).count(), logits.len() - 1, "{logits:?}");
+            }
+            other => panic!("expected NonFiniteLogits, got {other:?}"),
+        }
+        assert!(message.contains(&format!("question {want_question:?}")), "{message}");
+        assert!(message.contains("not finite"), "{message}");
+    }
+    // The same model with every logit finite answers.
+    let mut model = OneBadLogit { prompt: 2, letter: 3, value: 0.5 };
+    assert!(decide(&request, &config, &mut model).is_ok());
 }
 
 #[test]
