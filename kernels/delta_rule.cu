@@ -377,3 +377,477 @@ delta_rule_chunked_f32(const float* __restrict__ q,      // [*, H, dk]
         for (int s = tid; s < CHUNK; s += THREADS) gam_out[h * CHUNK + s] = s < kept ? gam[s] : 0.0;
     }
 }
+
+// =====================================================================================================
+// The batched kernels: what the model runs (`prism_model::cuda_delta`). The two kernels above stay as
+// the reference path (`cuda::delta_rule_chunked`, also selected by PRISM_DELTA_RULE=v1): the batched
+// kernels form every float by the operation sequence listed at the top of this file, so both give the
+// same bits (`prism cuda-check` compares them). What changed is where and how the work is done:
+//
+//  * One launch covers up to MAXSEG independent segments (sequences whose starting state is known),
+//    each with its own rows of the packed inputs, its own state and its own pending rows. Blocks pick
+//    (value head, chunk of a segment) in the pair kernel and (value head, column slice, segment) in the
+//    scan kernel; a segment's arithmetic does not depend on the others in the launch.
+//  * q̂ and k̂ may hold fewer heads than v (HK dividing H): value head h reads key head h mod HK, so the
+//    GQA tiling needs no copies. v is read through a row stride (a column range of the conv output).
+//  * The pair kernel also writes, per (chunk, head), Γ and the f32 factors e^{Γ_r}, e^{Γ_63−Γ_s}, β_r
+//    and e^{Γ_63} (the same f64 exp calls, once per chunk instead of once per column slice).
+//  * Loads. The old kernels stage k̂/q̂ element by element, and every few elements wait for the
+//    previous stores: ~8 dependent trips to memory per chunk in the scan kernel (per chunk: 26 µs at
+//    the ncu clocks for ~4 µs of arithmetic on an SM) and 32 in the pair kernel, plus the f64 Γ sum
+//    reading g from global memory one dependent load at a time. Here every chunk is staged with
+//    cp.async in one trip (k̂/q̂ row-major, v straight into the U tile, the factors), the pair
+//    scalars are prefetched into registers in the same trip, the pair kernel loads in batches of four
+//    float4 per thread, and Γ is summed from shared memory.
+//  * The outputs go from the solve's registers to global memory (no O round trip through shared
+//    memory, one barrier fewer).
+// =====================================================================================================
+
+#define MAXSEG 32
+// Row stride of the row-major k̂/q̂ tiles of the scan kernel is dk + KPAD (16-byte rows).
+#define KPAD 4
+
+// The segments of one batched launch (a kernel parameter; mirrored by `SegmentArgs` in cuda_delta.rs).
+struct DeltaSegments {
+    const float* s_in[MAXSEG];    // [H, dk, dv]   memory at the last chunk boundary
+    const float* pk_in[MAXSEG];   // [H, CHUNK, dk] pending k̂ rows
+    const float* pu_in[MAXSEG];   // [H, CHUNK, dv] pending u rows
+    const double* gam_in[MAXSEG]; // [H, CHUNK]     pending Γ
+    int start[MAXSEG];            // row of the segment's first token of this launch in q/k/v/g/β/out
+    int len[MAXSEG];              // its tokens in this launch (≥ 1)
+    int pending[MAXSEG];          // rows of its current chunk before this launch
+    int chunk0[MAXSEG + 1];       // its first chunk in the scratch buffers (prefix sums; [count] = total)
+    int count;                    // segments in this launch
+    int heads;                    // H (value heads)
+    int key_heads;                // HK: heads of q and k
+    int dk;
+    int dv;
+    int v_stride;                 // elements between token rows of v (≥ H·dv)
+};
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global → shared, asynchronously (both addresses 16-byte aligned).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src));
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+__device__ __forceinline__ int segment_of_chunk(const DeltaSegments& sg, int gc) {
+    int seg = 0;
+    while (seg + 1 < sg.count && sg.chunk0[seg + 1] <= gc) ++seg;
+    return seg;
+}
+
+// Grid (H, total chunks): the pair scalars of one chunk of one segment for one value head (as in
+// `delta_rule_pairs_f32`), plus its Γ and decay factors.
+extern "C" __global__ void __launch_bounds__(THREADS)
+delta_rule_pairs_batch_f32(const float* __restrict__ q,     // [N, HK, dk]
+                           const float* __restrict__ k,     // [N, HK, dk]
+                           const float* __restrict__ g,     // [N, H]
+                           const float* __restrict__ beta,  // [N, H]
+                           float* __restrict__ ab,          // [chunks, H, 2, CHUNK, CHUNK]
+                           double* __restrict__ gam_s,      // [chunks, H, CHUNK]
+                           float* __restrict__ fac,         // [chunks, H, 4, CHUNK]
+                           const DeltaSegments sg) {
+    extern __shared__ double smem_d[];
+    const int h = blockIdx.x, gc = blockIdx.y, tid = threadIdx.x;
+    const int H = sg.heads, HK = sg.key_heads, dk = sg.dk, kh = h % HK;
+    const int seg = segment_of_chunk(sg, gc);
+    const int c = gc - sg.chunk0[seg];
+    int r0, r1;
+    chunk_rows(c, sg.pending[seg], sg.len[seg], &r0, &r1);
+    const long tok0 = (long)sg.start[seg] + (long)c * CHUNK - sg.pending[seg];
+    const float* pk_in = sg.pk_in[seg] + (size_t)h * CHUNK * dk;
+    const double* gam_in = sg.gam_in[seg] + (size_t)h * CHUNK;
+
+    double* gam = smem_d;               // [CHUNK]
+    float* gs = (float*)(gam + CHUNK);  // [CHUNK] g_r of the new rows
+    float* bet = gs + CHUNK;            // [CHUNK]
+    float* Kt = bet + CHUNK;            // [dk][XS]
+    float* Qt = Kt + dk * XS;           // [dk][XS]
+
+    // k̂ (pending rows from the state) and q̂, transposed. Four float4 loads per thread are in flight
+    // before their stores; a warp takes 32 consecutive rows of one group of 4 columns, so the
+    // transposed stores land on 32 distinct banks.
+    const int d4 = dk >> 2, n4 = CHUNK * d4;
+    for (int base = 0; base < n4; base += 4 * THREADS) {
+        float4 kv[4], qv[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int idx = base + e * THREADS + tid;
+            const int r = idx & (CHUNK - 1), i = (idx >> 6) * 4;
+            kv[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+            qv[e] = kv[e];
+            if (idx < n4) {
+                if (r < r0) {
+                    kv[e] = *(const float4*)&pk_in[(size_t)r * dk + i];
+                } else if (r < r1) {
+                    const size_t at = ((size_t)(tok0 + r) * HK + kh) * dk + i;
+                    kv[e] = *(const float4*)&k[at];
+                    qv[e] = *(const float4*)&q[at];
+                }
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int idx = base + e * THREADS + tid;
+            const int r = idx & (CHUNK - 1), i = (idx >> 6) * 4;
+            if (idx < n4) {
+                Kt[(i + 0) * XS + r] = kv[e].x;
+                Kt[(i + 1) * XS + r] = kv[e].y;
+                Kt[(i + 2) * XS + r] = kv[e].z;
+                Kt[(i + 3) * XS + r] = kv[e].w;
+                Qt[(i + 0) * XS + r] = qv[e].x;
+                Qt[(i + 1) * XS + r] = qv[e].y;
+                Qt[(i + 2) * XS + r] = qv[e].z;
+                Qt[(i + 3) * XS + r] = qv[e].w;
+            }
+        }
+    }
+    for (int r = tid; r < CHUNK; r += THREADS) {
+        const bool live = r >= r0 && r < r1;
+        gs[r] = live ? g[(size_t)(tok0 + r) * H + h] : 0.f;
+        bet[r] = live ? beta[(size_t)(tok0 + r) * H + h] : 0.f;
+        gam[r] = r < r0 ? gam_in[r] : 0.0;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        double acc = r0 == 0 ? 0.0 : gam[r0 - 1];
+        for (int r = r0; r < r1; ++r) {
+            acc += (double)gs[r];
+            gam[r] = acc;
+        }
+    }
+    __syncthreads();
+    {
+        const size_t hc = (size_t)gc * H + h;
+        const bool full = r1 == CHUNK;
+        float* f = fac + hc * 4 * CHUNK;
+        for (int r = tid; r < CHUNK; r += THREADS) {
+            gam_s[hc * CHUNK + r] = gam[r];
+            f[r] = (r >= r0 && r < r1) ? (float)exp(gam[r]) : 0.f;            // e^{Γ_r}
+            f[CHUNK + r] = full ? (float)exp(gam[CHUNK - 1] - gam[r]) : 0.f;   // e^{Γ_63 − Γ_s}
+            f[2 * CHUNK + r] = bet[r];                                         // β_r
+            f[3 * CHUNK + r] = (full && r == 0) ? (float)exp(gam[CHUNK - 1]) : 0.f;  // e^{Γ_63}
+        }
+    }
+
+    // The dot products and pair scalars: as in delta_rule_pairs_f32.
+    const int ra = (tid >> 4) * 4, sa = (tid & 15) * 4;
+    const bool active = sa <= ra + 3 && ra < r1 && ra + 4 > r0;
+    float dq[4][4], dkk[4][4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+        for (int n = 0; n < 4; ++n) dq[m][n] = dkk[m][n] = 0.f;
+    if (active) {
+        for (int i = 0; i < dk; ++i) {
+            const float4 kr = *(const float4*)&Kt[i * XS + ra];
+            const float4 qr = *(const float4*)&Qt[i * XS + ra];
+            const float4 ks = *(const float4*)&Kt[i * XS + sa];
+#pragma unroll
+            for (int m = 0; m < 4; ++m)
+#pragma unroll
+                for (int n = 0; n < 4; ++n) {
+                    dq[m][n] = fmaf(f4(qr, m), f4(ks, n), dq[m][n]);
+                    dkk[m][n] = fmaf(f4(kr, m), f4(ks, n), dkk[m][n]);
+                }
+        }
+    }
+    float* At = ab + ((size_t)gc * H + h) * 2 * CHUNK * CHUNK;
+    float* Bt = At + CHUNK * CHUNK;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+        const int s = sa + n;
+        float a[4], b[4];
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const int r = ra + m;
+            a[m] = 0.f;
+            b[m] = 0.f;
+            if (active && r >= r0 && r < r1 && s <= r) {
+                if (s < r) {
+                    const float d = (float)exp(gam[r] - gam[s]);
+                    a[m] = bet[r] * dkk[m][n] * d;
+                    b[m] = dq[m][n] * d;
+                } else {
+                    b[m] = dq[m][n];
+                }
+            }
+        }
+        *(float4*)&At[s * CHUNK + ra] = make_float4(a[0], a[1], a[2], a[3]);
+        *(float4*)&Bt[s * CHUNK + ra] = make_float4(b[0], b[1], b[2], b[3]);
+    }
+}
+
+// Grid (H, dv / CW, segments): one value head's CW columns of one segment, its chunks in order (as in
+// `delta_rule_chunked_f32`).
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
+delta_rule_scan_batch_f32(const float* __restrict__ q,       // [N, HK, dk]
+                          const float* __restrict__ k,       // [N, HK, dk]
+                          const float* __restrict__ v,       // rows of v_stride, [H, dv] each
+                          const float* __restrict__ ab,      // pair kernel
+                          const double* __restrict__ gam_s,  // pair kernel
+                          const float* __restrict__ fac,     // pair kernel
+                          float* __restrict__ out,           // [N, H, dv]
+                          float* __restrict__ s_out,         // [segments, H, dk, dv]
+                          float* __restrict__ pk_out,        // [segments, H, CHUNK, dk]
+                          float* __restrict__ pu_out,        // [segments, H, CHUNK, dv]
+                          double* __restrict__ gam_out,      // [segments, H, CHUNK]
+                          const DeltaSegments sg) {
+    extern __shared__ double smem_d[];
+    const int h = blockIdx.x, c0 = blockIdx.y * CW, seg = blockIdx.z;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int H = sg.heads, HK = sg.key_heads, kh = h % HK, dk = sg.dk, dv = sg.dv;
+    const int KS = dk + KPAD, d4 = dk >> 2;
+    const int pending = sg.pending[seg], T = sg.len[seg];
+    const int first_chunk = sg.chunk0[seg], nch = sg.chunk0[seg + 1] - first_chunk;
+    const long start = sg.start[seg];
+    const size_t vs = (size_t)sg.v_stride;
+
+    double* gam = smem_d;                // [CHUNK] Γ
+    float* dec = (float*)(gam + CHUNK);  // [CHUNK] e^{Γ_r}     } the pair kernel's four factor rows,
+    float* te = dec + CHUNK;             // [CHUNK] e^{Γ_63−Γ_s} } in its order
+    float* bet = te + CHUNK;             // [CHUNK] β_r          }
+    float* last = bet + CHUNK;           // [CHUNK] e^{Γ_63} in [0]
+    float* S = last + CHUNK;             // [dk][CW]
+    float* U = S + dk * CW;              // [CHUNK][US]: v, then u
+    float* O = U + CHUNK * US;           // [CHUNK][US]: e^{Γ_r} RQ_r
+    float* Ks = O + CHUNK * US;          // [CHUNK][KS] k̂ rows
+    float* X = Ks + CHUNK * KS;          // q̂ rows [CHUNK][KS], then At, Bt [CHUNK][CHUNK] each
+    float* Qs = X;
+    float* At = X;
+    float* Bt = X + CHUNK * CHUNK;
+
+    // The state: this block's columns of the memory, the pending k̂ and u rows (in flight with the
+    // first chunk's loads).
+    {
+        const float* s_in = sg.s_in[seg] + (size_t)h * dk * dv + c0;
+        for (int idx = tid; idx < dk * (CW / 4); idx += THREADS) {
+            const int i = idx / (CW / 4), j = (idx % (CW / 4)) * 4;
+            cp_async16(&S[i * CW + j], s_in + (size_t)i * dv + j);
+        }
+        const float* pk_in = sg.pk_in[seg] + (size_t)h * CHUNK * dk;
+        for (int idx = tid; idx < pending * d4; idx += THREADS) {
+            const int s = idx / d4, i = (idx % d4) * 4;
+            cp_async16(&Ks[s * KS + i], pk_in + (size_t)s * dk + i);
+        }
+        const float* pu_in = sg.pu_in[seg] + (size_t)h * CHUNK * dv + c0;
+        for (int idx = tid; idx < pending * (CW / 4); idx += THREADS) {
+            const int s = idx / (CW / 4), j = (idx % (CW / 4)) * 4;
+            cp_async16(&U[s * US + j], pu_in + (size_t)s * dv + j);
+        }
+    }
+
+    int r0 = pending, r1 = pending;
+    for (int c = 0; c < nch; ++c) {
+        chunk_rows(c, pending, T, &r0, &r1);
+        const long tok0 = start + (long)c * CHUNK - pending;  // token row of chunk row 0
+        const size_t hc = (size_t)(first_chunk + c) * H + h;
+        // 1. One trip: k̂ and q̂ rows, v (into U), Γ and the factors by cp.async; the pair scalars
+        //    of rows s < r1 into registers (stored once q̂ is no longer needed).
+        const int nr = r1 - r0;
+        for (int idx = tid; idx < nr * d4; idx += THREADS) {
+            const int r = r0 + idx / d4, i = (idx % d4) * 4;
+            const size_t at = ((size_t)(tok0 + r) * HK + kh) * dk + i;
+            cp_async16(&Ks[r * KS + i], k + at);
+            cp_async16(&Qs[r * KS + i], q + at);
+        }
+        for (int idx = tid; idx < nr * (CW / 4); idx += THREADS) {
+            const int r = r0 + idx / (CW / 4), j = (idx % (CW / 4)) * 4;
+            cp_async16(&U[r * US + j], v + (size_t)(tok0 + r) * vs + (size_t)h * dv + c0 + j);
+        }
+        if (tid < CHUNK / 2) {
+            cp_async16(&gam[2 * tid], gam_s + hc * CHUNK + 2 * tid);
+        } else if (tid < CHUNK / 2 + CHUNK) {
+            const int e = tid - CHUNK / 2;
+            cp_async16(&dec[4 * e], fac + hc * 4 * CHUNK + 4 * e);
+        }
+        const float4* abc = (const float4*)(ab + hc * 2 * CHUNK * CHUNK);
+        float4 pre[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int idx = tid + e * THREADS;  // float4 index in [2][CHUNK][CHUNK/4]
+            const int s = (idx / (CHUNK / 4)) % CHUNK;
+            pre[e] = s < r1 ? abc[idx] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        cp_async_wait_all();
+        __syncthreads();
+
+        // 2. RK (threads 0..127) and RQ (128..255), 4 rows × 4 columns each, i in order, folded into
+        //    the solve's start values: U[r] = β_r (v_r − e^{Γ_r} RK_r), O[r] = e^{Γ_r} RQ_r.
+        {
+            const int which = tid >> 7, tile = tid & 127;
+            const int ra = (tile >> 3) * 4, ca = (tile & 7) * 4;
+            if (ra < r1 && ra + 4 > r0) {
+                const float* Xs = which == 0 ? Ks : Qs;
+                float acc[4][4];
+#pragma unroll
+                for (int m = 0; m < 4; ++m)
+#pragma unroll
+                    for (int n = 0; n < 4; ++n) acc[m][n] = 0.f;
+                for (int i = 0; i < dk; i += 4) {
+                    float4 x[4], sv[4];
+#pragma unroll
+                    for (int m = 0; m < 4; ++m) x[m] = *(const float4*)&Xs[(ra + m) * KS + i];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) sv[e] = *(const float4*)&S[(i + e) * CW + ca];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+#pragma unroll
+                        for (int m = 0; m < 4; ++m)
+#pragma unroll
+                            for (int n = 0; n < 4; ++n) acc[m][n] = fmaf(f4(x[m], e), f4(sv[e], n), acc[m][n]);
+                }
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                    const int r = ra + m;
+                    if (r < r0 || r >= r1) continue;
+                    float res[4];
+                    if (which == 0) {
+                        const float4 vr = *(const float4*)&U[r * US + ca];
+#pragma unroll
+                        for (int n = 0; n < 4; ++n) res[n] = bet[r] * fmaf(-dec[r], acc[m][n], f4(vr, n));
+                        *(float4*)&U[r * US + ca] = make_float4(res[0], res[1], res[2], res[3]);
+                    } else {
+#pragma unroll
+                        for (int n = 0; n < 4; ++n) res[n] = dec[r] * acc[m][n];
+                        *(float4*)&O[r * US + ca] = make_float4(res[0], res[1], res[2], res[3]);
+                    }
+                }
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ((float4*)X)[tid + e * THREADS] = pre[e];
+        __syncthreads();
+
+        // 3. The solve and the outputs (as in delta_rule_chunked_f32): warp w owns columns 4w..4w+3,
+        //    lane l rows l and l + 32; u_s is broadcast once final. Rows s < 32 come from the low
+        //    registers, the rest from the high ones (two loops, no per-step select).
+        {
+            const int ca = warp * 4;
+            const int rlo = lane, rhi = lane + 32;
+            const bool lo_live = rlo >= r0 && rlo < r1, hi_live = rhi >= r0 && rhi < r1;
+            float ulo[4], uhi[4], olo[4], ohi[4];
+            {
+                const float4 a = *(const float4*)&U[rlo * US + ca];
+                const float4 b = *(const float4*)&U[rhi * US + ca];
+                const float4 x = *(const float4*)&O[rlo * US + ca];
+                const float4 y = *(const float4*)&O[rhi * US + ca];
+#pragma unroll
+                for (int n = 0; n < 4; ++n) {
+                    ulo[n] = f4(a, n);
+                    uhi[n] = f4(b, n);
+                    olo[n] = f4(x, n);
+                    ohi[n] = f4(y, n);
+                }
+            }
+            const int s_lo_end = min(r1, 32);
+            for (int s = 0; s < s_lo_end; ++s) {
+                const float alo = At[s * CHUNK + rlo], ahi = At[s * CHUNK + rhi];
+                const float blo = Bt[s * CHUNK + rlo], bhi = Bt[s * CHUNK + rhi];
+                const bool ulo_t = lo_live && rlo > s, olo_t = lo_live && rlo >= s;
+#pragma unroll
+                for (int n = 0; n < 4; ++n) {
+                    const float us = __shfl_sync(0xffffffffu, ulo[n], s);
+                    if (ulo_t) ulo[n] = fmaf(-alo, us, ulo[n]);
+                    if (hi_live) uhi[n] = fmaf(-ahi, us, uhi[n]);
+                    if (olo_t) olo[n] = fmaf(blo, us, olo[n]);
+                    if (hi_live) ohi[n] = fmaf(bhi, us, ohi[n]);
+                }
+            }
+            for (int s = 32; s < r1; ++s) {
+                const float ahi = At[s * CHUNK + rhi], bhi = Bt[s * CHUNK + rhi];
+                const bool uhi_t = hi_live && rhi > s, ohi_t = hi_live && rhi >= s;
+#pragma unroll
+                for (int n = 0; n < 4; ++n) {
+                    const float us = __shfl_sync(0xffffffffu, uhi[n], s - 32);
+                    if (uhi_t) uhi[n] = fmaf(-ahi, us, uhi[n]);
+                    if (ohi_t) ohi[n] = fmaf(bhi, us, ohi[n]);
+                }
+            }
+            if (lo_live) {
+                *(float4*)&U[rlo * US + ca] = make_float4(ulo[0], ulo[1], ulo[2], ulo[3]);
+                *(float4*)&out[((size_t)(tok0 + rlo) * H + h) * dv + c0 + ca] =
+                    make_float4(olo[0], olo[1], olo[2], olo[3]);
+            }
+            if (hi_live) {
+                *(float4*)&U[rhi * US + ca] = make_float4(uhi[0], uhi[1], uhi[2], uhi[3]);
+                *(float4*)&out[((size_t)(tok0 + rhi) * H + h) * dv + c0 + ca] =
+                    make_float4(ohi[0], ohi[1], ohi[2], ohi[3]);
+            }
+        }
+        __syncthreads();
+
+        // 4. Close a full chunk: k̃_s = e^{Γ_63−Γ_s} k̂_s in place, then S in 4×4 tiles, s in order.
+        if (r1 == CHUNK) {
+            for (int idx = tid; idx < CHUNK * d4; idx += THREADS) {
+                const int s = idx / d4, i = (idx % d4) * 4;
+                float4 x = *(const float4*)&Ks[s * KS + i];
+                const float t = te[s];
+                x.x = t * x.x;
+                x.y = t * x.y;
+                x.z = t * x.z;
+                x.w = t * x.w;
+                *(float4*)&Ks[s * KS + i] = x;
+            }
+            __syncthreads();
+            const float decay_all = last[0];
+            for (int tile = tid; tile < d4 * (CW / 4); tile += THREADS) {
+                const int ia = (tile / (CW / 4)) * 4, ca = (tile % (CW / 4)) * 4;
+                float acc[4][4];
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                    const float4 sv = *(const float4*)&S[(ia + m) * CW + ca];
+#pragma unroll
+                    for (int n = 0; n < 4; ++n) acc[m][n] = decay_all * f4(sv, n);
+                }
+#pragma unroll 4
+                for (int s = 0; s < CHUNK; ++s) {
+                    const float4 kx = *(const float4*)&Ks[s * KS + ia];
+                    const float4 uu = *(const float4*)&U[s * US + ca];
+#pragma unroll
+                    for (int m = 0; m < 4; ++m)
+#pragma unroll
+                        for (int n = 0; n < 4; ++n) acc[m][n] = fmaf(f4(kx, m), f4(uu, n), acc[m][n]);
+                }
+#pragma unroll
+                for (int m = 0; m < 4; ++m)
+                    *(float4*)&S[(ia + m) * CW + ca] = make_float4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+            }
+            r0 = r1 = 0;
+        }
+        __syncthreads();
+    }
+
+    // The new state: S at the last boundary and the pending rows (unused rows are zero).
+    const int kept = r1;  // rows of the open chunk (0 after a close)
+    {
+        float* so = s_out + ((size_t)seg * H + h) * dk * dv + c0;
+        for (int idx = tid; idx < dk * (CW / 4); idx += THREADS) {
+            const int i = idx / (CW / 4), j = (idx % (CW / 4)) * 4;
+            *(float4*)&so[(size_t)i * dv + j] = *(const float4*)&S[i * CW + j];
+        }
+        float* puo = pu_out + ((size_t)seg * H + h) * CHUNK * dv + c0;
+        for (int idx = tid; idx < CHUNK * (CW / 4); idx += THREADS) {
+            const int s = idx / (CW / 4), j = (idx % (CW / 4)) * 4;
+            *(float4*)&puo[(size_t)s * dv + j] =
+                s < kept ? *(const float4*)&U[s * US + j] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
+    if (blockIdx.y == 0) {
+        float* pko = pk_out + ((size_t)seg * H + h) * CHUNK * dk;
+        for (int idx = tid; idx < CHUNK * d4; idx += THREADS) {
+            const int s = idx / d4, i = (idx % d4) * 4;
+            *(float4*)&pko[(size_t)s * dk + i] =
+                s < kept ? *(const float4*)&Ks[s * KS + i] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        double* go = gam_out + ((size_t)seg * H + h) * CHUNK;
+        for (int s = tid; s < CHUNK; s += THREADS) go[s] = s < kept ? gam[s] : 0.0;
+    }
+}

@@ -28,11 +28,14 @@
 //!
 //! All reductions use the fixed-order [`matmul::dot`] / [`matmul::axpy`]; decays are formed in f64 (over
 //! a chunk `Γ` can reach hundreds, and `Γ_r − Γ_s` would lose ~|Γ|·1e-7 to cancellation in f32). On a
-//! CUDA device (feature `cuda`), f32 tensors go to the twin kernel in `kernels/delta_rule.cu` (same chunk
-//! boundaries and state, its own fixed per-element order); other devices copy to the host and back.
+//! CUDA device (feature `cuda`), f32 tensors go to the twin kernels in `kernels/delta_rule.cu` (same
+//! chunk boundaries and state, their own fixed per-element order); other devices copy to the host and
+//! back.
 //!
 //! Shapes: `q, k: [T, H, dk]` (already expanded to the `H` value heads), `v: [T, H, dv]`, `g, beta:
-//! [T, H]`, all of one float dtype (f32, or f64 for the ground-truth path).
+//! [T, H]`, all of one float dtype (f32, or f64 for the ground-truth path). [`chunked_batch`] takes a
+//! whole packed batch at once (several sequences, branches of a shared prefix, `q, k` with the key
+//! heads only); on CUDA its independent sequences share one launch.
 
 use candle_core::{DType, Device, Result, Tensor, WithDType};
 use rayon::prelude::*;
@@ -123,7 +126,7 @@ impl RuleState {
     }
 
     /// `(H, dk, dv)`, after checking that the tensors fit together.
-    fn dims(&self) -> Result<(usize, usize, usize)> {
+    pub(crate) fn dims(&self) -> Result<(usize, usize, usize)> {
         let (heads, dk, dv) = self.chunk_start.dims3()?;
         if self.pending_k.dims() != [heads, CHUNK, dk]
             || self.pending_u.dims() != [heads, CHUNK, dv]
@@ -182,13 +185,188 @@ pub fn chunked(
     check_inputs(q, k, v, g, beta, state)?;
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() && q.dtype() == DType::F32 {
-        return crate::cuda::delta_rule_chunked(q, k, v, g, beta, state);
+        let whole = RuleSegment {
+            start: 0,
+            len: q.dim(0)?,
+            parent: None,
+        };
+        let (out, mut states) = crate::cuda_delta::delta_rule_batch(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            &[whole],
+            std::slice::from_ref(state),
+        )?;
+        let Some(state) = states.pop() else {
+            candle_core::bail!("delta rule (cuda): no state returned for the segment");
+        };
+        return Ok((out, state));
     }
     match q.dtype() {
         DType::F32 => chunked_typed::<f32>(q, k, v, g, beta, state),
         DType::F64 => chunked_typed::<f64>(q, k, v, g, beta, state),
         other => candle_core::bail!("delta rule: unsupported dtype {other:?}"),
     }
+}
+
+/// One sequence's rows in a call of [`chunked_batch`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RuleSegment {
+    /// First row of its tokens in the packed inputs.
+    pub start: usize,
+    /// Its number of tokens (at least one).
+    pub len: usize,
+    /// `Some(p)`: it continues segment `p` (an earlier one) from `p`'s state after `p`'s rows; its own
+    /// entry of `states` is not read.
+    pub parent: Option<usize>,
+}
+
+/// The chunked form over several sequences packed in one call, each from its own state: `q, k: [N, HK,
+/// dk]` where value head `h` reads key head `h mod HK` (`HK = H` for inputs already expanded to the
+/// value heads), `v: [N, H, dv]`, `g, beta: [N, H]`; `segments` tile the `N` rows in order and
+/// `states[i]` is segment `i`'s starting state (unless it has a parent). Returns `out: [N, H, dv]` and
+/// every segment's state after its rows.
+///
+/// A segment's outputs and state are bit-identical to [`chunked`] on its own rows (`q, k` expanded)
+/// from its starting state: nothing depends on the other segments. On a CUDA device (f32) the segments
+/// whose starting state is known run together — first those without a parent, then the branches of
+/// those, and so on — in one launch of each kernel where the limits allow (`cuda_delta`).
+pub fn chunked_batch(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    segments: &[RuleSegment],
+    states: &[RuleState],
+) -> Result<(Tensor, Vec<RuleState>)> {
+    check_batch(q, k, v, g, beta, segments, states)?;
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() && q.dtype() == DType::F32 {
+        return crate::cuda_delta::delta_rule_batch(q, k, v, g, beta, segments, states);
+    }
+    let heads = v.dim(1)?;
+    let (q, k) = (expand_key_heads(q, heads)?, expand_key_heads(k, heads)?);
+    let mut outs = Vec::with_capacity(segments.len());
+    let mut new_states: Vec<RuleState> = Vec::with_capacity(segments.len());
+    for (i, seg) in segments.iter().enumerate() {
+        // check_batch: a parent is an earlier segment, so its new state is already there.
+        let start = match seg.parent {
+            Some(p) => &new_states[p],
+            None => &states[i],
+        };
+        let at = |t: &Tensor| t.narrow(0, seg.start, seg.len);
+        let (o, state) = chunked(&at(&q)?, &at(&k)?, &at(v)?, &at(g)?, &at(beta)?, start)?;
+        outs.push(o);
+        new_states.push(state);
+    }
+    Ok((Tensor::cat(&outs, 0)?, new_states))
+}
+
+/// `x: [N, HK, d]` with its heads tiled to `heads` (a multiple of HK): head `h` of the result is head
+/// `h mod HK` of `x` (the GGUF layout of Qwen3.5's value heads over its key heads).
+pub fn expand_key_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
+    let key_heads = x.dim(1)?;
+    if key_heads == heads {
+        return Ok(x.clone());
+    }
+    if key_heads == 0 || heads % key_heads != 0 {
+        candle_core::bail!("delta rule: {heads} value heads cannot read {key_heads} key heads");
+    }
+    Tensor::cat(&vec![x.clone(); heads / key_heads], 1)
+}
+
+/// The shapes of a [`chunked_batch`] call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct BatchDims {
+    pub tokens: usize,
+    pub heads: usize,
+    pub key_heads: usize,
+    pub dk: usize,
+    pub dv: usize,
+}
+
+/// Checks a [`chunked_batch`] call: the shapes and dtypes fit, the segments tile the rows in order, every
+/// parent is an earlier segment, and every starting state read fits the inputs.
+pub(crate) fn check_batch(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    segments: &[RuleSegment],
+    states: &[RuleState],
+) -> Result<BatchDims> {
+    let (tokens, heads, dv) = v.dims3()?;
+    let (tokens_q, key_heads, dk) = q.dims3()?;
+    let dtype = v.dtype();
+    if k.dims() != q.dims()
+        || tokens_q != tokens
+        || g.dims() != [tokens, heads]
+        || beta.dims() != [tokens, heads]
+        || key_heads == 0
+        || heads % key_heads != 0
+        || [q, k, g, beta].iter().any(|t| t.dtype() != dtype)
+    {
+        candle_core::bail!(
+            "delta rule: q {:?}, k {:?}, v {:?}, g {:?}, beta {:?} ({:?}) do not fit together",
+            q.dims(),
+            k.dims(),
+            v.dims(),
+            g.dims(),
+            beta.dims(),
+            dtype
+        );
+    }
+    if segments.is_empty() || segments.len() != states.len() {
+        candle_core::bail!(
+            "delta rule: {} segments with {} states",
+            segments.len(),
+            states.len()
+        );
+    }
+    let mut row = 0usize;
+    for (i, seg) in segments.iter().enumerate() {
+        if seg.start != row || seg.len == 0 {
+            candle_core::bail!(
+                "delta rule: segment {i} starts at row {} with {} tokens; the segments must tile the rows in order (next row {row}), each with at least one token",
+                seg.start,
+                seg.len
+            );
+        }
+        row = row.saturating_add(seg.len);
+        match seg.parent {
+            Some(p) if p >= i => {
+                candle_core::bail!(
+                    "delta rule: segment {i} continues segment {p}, which is not earlier"
+                )
+            }
+            Some(_) => {}
+            None => {
+                let state = &states[i];
+                if state.dims()? != (heads, dk, dv) || state.chunk_start.dtype() != dtype {
+                    candle_core::bail!(
+                        "delta rule: segment {i}'s state {:?} ({:?}) does not fit {heads} heads of {dk}×{dv} ({dtype:?})",
+                        state.chunk_start.dims(),
+                        state.chunk_start.dtype()
+                    );
+                }
+            }
+        }
+    }
+    if row != tokens {
+        candle_core::bail!("delta rule: the segments cover {row} rows of {tokens}");
+    }
+    Ok(BatchDims {
+        tokens,
+        heads,
+        key_heads,
+        dk,
+        dv,
+    })
 }
 
 /// Checks that `q, k: [T, H, dk]`, `v: [T, H, dv]`, `g, beta: [T, H]` (T ≥ 1) fit `state` (memory
@@ -247,7 +425,11 @@ fn chunked_typed<F: Float + WithDType>(
 ) -> Result<(Tensor, RuleState)> {
     let (t_len, heads, dk, dv) = check_inputs(q, k, v, g, beta, state)?;
     if state.chunk_start.dtype() != F::DTYPE {
-        candle_core::bail!("delta rule: state is {:?}, inputs {:?}", state.chunk_start.dtype(), F::DTYPE);
+        candle_core::bail!(
+            "delta rule: state is {:?}, inputs {:?}",
+            state.chunk_start.dtype(),
+            F::DTYPE
+        );
     }
     let (q, k, v) = (host::<F>(q)?, host::<F>(k)?, host::<F>(v)?);
     let (g, beta) = (host::<F>(g)?, host::<F>(beta)?);
@@ -555,6 +737,134 @@ mod tests {
         assert_eq!(state.pending, 0);
         assert!(max_abs_diff(&o_rec, &o_chk) < 1e-4);
         assert!(max_abs_diff(&s_rec, &state.chunk_start) < 1e-4);
+    }
+
+    fn assert_same_state(a: &RuleState, b: &RuleState, what: &str) {
+        assert_eq!(a.pending, b.pending, "{what}: pending rows");
+        for (x, y, part) in [
+            (&a.chunk_start, &b.chunk_start, "memory"),
+            (&a.pending_k, &b.pending_k, "pending keys"),
+            (&a.pending_u, &b.pending_u, "pending values"),
+            (&a.pending_gamma, &b.pending_gamma, "pending decays"),
+        ] {
+            assert_eq!(bits(x), bits(y), "{what}: {part}");
+        }
+    }
+
+    #[test]
+    fn a_batch_equals_its_segments_one_by_one() {
+        // Four sequences packed in one call: two from their own states (a fresh memory, and one 37
+        // tokens into a chunk), two branches (of segments 0 and 2).
+        for dtype in [DType::F32, DType::F64] {
+            let (h, dk, dv) = (3, 16, 8);
+            let inputs = random_inputs(190, h, dk, dv, dtype);
+            let [q, k, v, g, beta, s0] = &inputs;
+            let fresh = RuleState::from_memory(s0).unwrap();
+            let other = random_inputs(37, h, dk, dv, dtype);
+            let (_, mid_chunk) = in_pieces(&other, &[37]);
+            let segments = [
+                RuleSegment {
+                    start: 0,
+                    len: 70,
+                    parent: None,
+                },
+                RuleSegment {
+                    start: 70,
+                    len: 1,
+                    parent: None,
+                },
+                RuleSegment {
+                    start: 71,
+                    len: 100,
+                    parent: Some(0),
+                },
+                RuleSegment {
+                    start: 171,
+                    len: 19,
+                    parent: Some(2),
+                },
+            ];
+            // A branch's own state is not read: pass one that would not even fit.
+            let unused = RuleState::zeros(1, 4, 4, dtype, &Device::Cpu).unwrap();
+            let states = [fresh.clone(), mid_chunk.clone(), unused.clone(), unused];
+            let (out, new_states) = chunked_batch(q, k, v, g, beta, &segments, &states).unwrap();
+            assert_eq!(out.dims(), [190, h, dv]);
+
+            let mut alone_states: Vec<RuleState> = Vec::new();
+            for (i, seg) in segments.iter().enumerate() {
+                let start = match seg.parent {
+                    Some(p) => alone_states[p].clone(),
+                    None => states[i].clone(),
+                };
+                let at = |t: &Tensor| t.narrow(0, seg.start, seg.len).unwrap();
+                let (o, state) =
+                    chunked(&at(q), &at(k), &at(v), &at(g), &at(beta), &start).unwrap();
+                assert_eq!(bits(&o), bits(&at(&out)), "{dtype:?}: segment {i} outputs");
+                assert_same_state(&state, &new_states[i], &format!("{dtype:?}: segment {i}"));
+                alone_states.push(state);
+            }
+            assert_eq!(new_states[2].pending, (70 + 100) % CHUNK);
+        }
+    }
+
+    #[test]
+    fn key_heads_are_read_by_value_head_mod_key_heads() {
+        // 6 value heads over 2 key heads: the same bits as inputs tiled to 6 heads beforehand.
+        let (t, hk, h, dk, dv) = (80, 2, 6, 16, 8);
+        let keys = random_inputs(t, hk, dk, dv, DType::F32);
+        let values = random_inputs(t, h, dk, dv, DType::F32);
+        let (q, k) = (&keys[0], &keys[1]);
+        let [_, _, v, g, beta, s0] = &values;
+        let state = RuleState::from_memory(s0).unwrap();
+        let segments = [RuleSegment {
+            start: 0,
+            len: t,
+            parent: None,
+        }];
+        let (out, states) =
+            chunked_batch(q, k, v, g, beta, &segments, std::slice::from_ref(&state)).unwrap();
+        let tiled = |x: &Tensor| Tensor::cat(&[x, x, x], 1).unwrap();
+        let (want, want_state) = chunked(&tiled(q), &tiled(k), v, g, beta, &state).unwrap();
+        assert_eq!(bits(&out), bits(&want));
+        assert_same_state(&states[0], &want_state, "key heads");
+        // Value head 4 reads key head 0.
+        assert_eq!(
+            bits(&expand_key_heads(q, h).unwrap().narrow(1, 4, 1).unwrap()),
+            bits(&q.narrow(1, 0, 1).unwrap())
+        );
+    }
+
+    #[test]
+    fn bad_batches_are_refused() {
+        let (h, dk, dv) = (3, 16, 8);
+        let inputs = random_inputs(20, h, dk, dv, DType::F32);
+        let [q, k, v, g, beta, s0] = &inputs;
+        let state = RuleState::from_memory(s0).unwrap();
+        let seg = |start, len, parent| RuleSegment { start, len, parent };
+        let run = |segments: &[RuleSegment], states: &[RuleState]| {
+            chunked_batch(q, k, v, g, beta, segments, states)
+        };
+        let two = [state.clone(), state.clone()];
+        assert!(run(&[seg(0, 10, None), seg(10, 10, None)], &two).is_ok());
+        // A gap, an overlap, rows left over, an empty segment.
+        assert!(run(&[seg(0, 10, None), seg(11, 9, None)], &two).is_err());
+        assert!(run(&[seg(0, 10, None), seg(9, 11, None)], &two).is_err());
+        assert!(run(&[seg(0, 10, None), seg(10, 5, None)], &two).is_err());
+        assert!(run(&[seg(0, 20, None), seg(20, 0, None)], &two).is_err());
+        // A parent that is not earlier; a state count that does not match; a state of other heads.
+        assert!(run(&[seg(0, 10, Some(1)), seg(10, 10, None)], &two).is_err());
+        assert!(run(&[seg(0, 10, Some(0)), seg(10, 10, None)], &two).is_err());
+        assert!(run(&[seg(0, 20, None)], &two).is_err());
+        let other = RuleState::zeros(2, dk, dv, DType::F32, &Device::Cpu).unwrap();
+        assert!(run(
+            &[seg(0, 10, None), seg(10, 10, None)],
+            &[state.clone(), other]
+        )
+        .is_err());
+        // Key heads that do not divide the value heads.
+        let q2 = q.narrow(1, 0, 2).unwrap();
+        let k2 = k.narrow(1, 0, 2).unwrap();
+        assert!(chunked_batch(&q2, &k2, v, g, beta, &[seg(0, 20, None)], &[state]).is_err());
     }
 
     #[test]

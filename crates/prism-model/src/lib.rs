@@ -21,6 +21,8 @@ pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "cuda")]
+pub mod cuda_delta;
+#[cfg(feature = "cuda")]
 pub mod cuda_flash;
 pub mod delta_net;
 pub mod delta_rule;

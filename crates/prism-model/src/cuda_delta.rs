@@ -1,0 +1,473 @@
+//! The batched CUDA delta rule behind [`crate::delta_rule::chunked_batch`] and
+//! [`crate::delta_rule::chunked`] on CUDA f32 tensors: the launcher of `delta_rule_pairs_batch_f32` and
+//! `delta_rule_scan_batch_f32` (kernels/delta_rule.cu).
+//!
+//! A call takes every segment of a batch and runs them level by level: the segments without a parent
+//! first, then the branches of those, and so on (a branch starts from its parent's new state). A level
+//! runs as one launch of each kernel while it fits the limits of a launch — [`MAX_SEGMENTS`] segments
+//! (the kernel parameter holds their rows and state pointers) and [`CHUNKS_PER_LAUNCH`] chunks in all
+//! (the pair-scalar scratch, 32 KiB per head and chunk) — and otherwise as several: a segment that does
+//! not fit whole continues in the next launch from the state the first left. Launch boundaries fall on
+//! chunk boundaries, and every float a segment gets is formed by the same operations on its own inputs
+//! whatever shares its launch, so none of this changes a bit (see the kernel file).
+//!
+//! The per-element arithmetic is that of the per-segment kernels of [`crate::cuda::delta_rule_chunked`],
+//! which stay as the reference: `prism cuda-check` compares the two bit for bit, and
+//! `PRISM_DELTA_RULE=v1` makes every call run them instead ([`delta_rule_per_segment_v1`]).
+
+use std::sync::OnceLock;
+
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{bail, DType, Result, Tensor};
+use prism_quant::cuda_launch::{
+    alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input, Kernel,
+};
+
+use crate::delta_rule::{check_batch, expand_key_heads, RuleSegment, RuleState, CHUNK};
+
+const IMAGE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/delta_rule.fatbin"));
+/// The module name of `IMAGE` (the one `cuda::delta_rule_chunked` loads: same fatbin, loaded once).
+const MODULE: &str = "prism_delta_rule";
+
+/// Segments per launch (`MAXSEG` in delta_rule.cu).
+pub const MAX_SEGMENTS: usize = 32;
+/// Chunks per launch, all segments together: bounds the pair-scalar scratch.
+pub const CHUNKS_PER_LAUNCH: usize = 32;
+/// Value columns per scan block (`CW`) and threads per block (`THREADS`).
+const COLUMNS: usize = 32;
+const THREADS: u32 = 256;
+/// Row strides of the kernels' shared tiles: `XS` (transposed k̂/q̂ of the pair kernel), `US` (U and O
+/// tiles), and `dk + KPAD` (row-major k̂/q̂ of the scan kernel).
+const XS: usize = CHUNK + 4;
+const US: usize = COLUMNS + 4;
+const KPAD: usize = 4;
+
+/// The segments of one launch: the C layout of `DeltaSegments` in delta_rule.cu (device pointers as
+/// u64, then the ints), passed by value as a kernel parameter.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SegmentArgs {
+    s_in: [u64; MAX_SEGMENTS],
+    pk_in: [u64; MAX_SEGMENTS],
+    pu_in: [u64; MAX_SEGMENTS],
+    gam_in: [u64; MAX_SEGMENTS],
+    start: [i32; MAX_SEGMENTS],
+    len: [i32; MAX_SEGMENTS],
+    pending: [i32; MAX_SEGMENTS],
+    chunk0: [i32; MAX_SEGMENTS + 1],
+    count: i32,
+    heads: i32,
+    key_heads: i32,
+    dk: i32,
+    dv: i32,
+    v_stride: i32,
+}
+
+// SAFETY: plain integers in the layout of the kernel's `DeltaSegments` (4·32 pointers, then 135 ints,
+// 1568 bytes with the tail padding of an 8-byte-aligned struct; checked below).
+unsafe impl DeviceRepr for SegmentArgs {}
+
+const _: () = assert!(std::mem::size_of::<SegmentArgs>() == 1568);
+
+/// Whether `PRISM_DELTA_RULE=v1` asks for the per-segment kernels.
+fn per_segment_kernels() -> bool {
+    static V1: OnceLock<bool> = OnceLock::new();
+    *V1.get_or_init(|| std::env::var("PRISM_DELTA_RULE").is_ok_and(|v| v == "v1"))
+}
+
+/// `t` contiguous and starting on a 16-byte boundary (the kernels copy it 16 bytes at a time): itself
+/// when it already is, else a copy.
+fn aligned(t: &Tensor) -> Result<Tensor> {
+    let t = t.contiguous()?;
+    if t.layout().start_offset() * t.dtype().size_in_bytes() % 16 == 0 {
+        Ok(t)
+    } else {
+        t.copy()
+    }
+}
+
+/// The CUDA [`crate::delta_rule::chunked_batch`] (same arguments and result).
+pub fn delta_rule_batch(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    segments: &[RuleSegment],
+    states: &[RuleState],
+) -> Result<(Tensor, Vec<RuleState>)> {
+    let dims = check_batch(q, k, v, g, beta, segments, states)?;
+    let (tokens, heads, dk, dv) = (dims.tokens, dims.heads, dims.dk, dims.dv);
+    if dv % COLUMNS != 0 || dk % 4 != 0 || dk == 0 || dk > 256 || v.dtype() != DType::F32 {
+        bail!(
+            "delta rule (cuda): dv = {dv} must be a multiple of {COLUMNS}, dk = {dk} a multiple of 4 up to 256, dtype f32 (found {:?})",
+            v.dtype()
+        );
+    }
+    if per_segment_kernels() {
+        return delta_rule_per_segment_v1(q, k, v, g, beta, segments, states);
+    }
+    let dev = cuda_device(q)?;
+    let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
+    let (g, beta) = (g.contiguous()?, beta.contiguous()?);
+    let (iq, ik, iv) = (
+        Input::new(&q, DType::F32, "q")?,
+        Input::new(&k, DType::F32, "k")?,
+        Input::new(&v, DType::F32, "v")?,
+    );
+    let (ig, ib) = (
+        Input::new(&g, DType::F32, "g")?,
+        Input::new(&beta, DType::F32, "beta")?,
+    );
+    let x = BatchInputs {
+        q: iq.view::<f32>()?,
+        k: ik.view::<f32>()?,
+        v: iv.view::<f32>()?,
+        g: ig.view::<f32>()?,
+        beta: ib.view::<f32>()?,
+        heads,
+        key_heads: dims.key_heads,
+        dk,
+        dv,
+        v_stride: heads * dv,
+    };
+    let out = alloc::<f32>(&dev, tokens * heads * dv)?;
+
+    // Level of a segment: 0 without a parent, else one more than its parent's (parents come first).
+    let mut level = vec![0usize; segments.len()];
+    for (i, seg) in segments.iter().enumerate() {
+        if let Some(p) = seg.parent {
+            level[i] = level[p] + 1;
+        }
+    }
+    let mut done: Vec<Option<RuleState>> = vec![None; segments.len()];
+    let levels = level.iter().copied().max().unwrap_or(0);
+    for l in 0..=levels {
+        let mut work: Vec<Progress> = Vec::new();
+        for (i, seg) in segments.iter().enumerate().filter(|(i, _)| level[*i] == l) {
+            let state = match seg.parent {
+                Some(p) => done[p].clone(),
+                None => Some(states[i].clone()),
+            };
+            let Some(state) = state else {
+                bail!("delta rule (cuda): segment {i} runs before its parent");
+            };
+            work.push(Progress {
+                segment: i,
+                done: 0,
+                state,
+            });
+        }
+        while work.iter().any(|w| w.done < segments[w.segment].len) {
+            // The next launch: segments in order, each with all its remaining chunks while the chunk
+            // budget lasts; the one that meets the limit takes what is left of it, ending on a chunk
+            // boundary, and continues in the next launch.
+            let mut budget = CHUNKS_PER_LAUNCH;
+            let mut group: Vec<(usize, usize)> = Vec::new(); // (index in `work`, tokens)
+            for (wi, w) in work.iter().enumerate() {
+                let left = segments[w.segment].len - w.done;
+                if left == 0 {
+                    continue;
+                }
+                if group.len() == MAX_SEGMENTS || budget == 0 {
+                    break;
+                }
+                let pending = w.state.pending;
+                let take = (pending + left).div_ceil(CHUNK).min(budget);
+                group.push((wi, left.min(take * CHUNK - pending)));
+                budget -= take;
+            }
+            let parts: Vec<Part<'_>> = group
+                .iter()
+                .map(|&(wi, tokens)| Part {
+                    start: segments[work[wi].segment].start + work[wi].done,
+                    tokens,
+                    state: &work[wi].state,
+                })
+                .collect();
+            let next = launch(&dev, &x, &out, &parts)?;
+            drop(parts);
+            for (&(wi, tokens), state) in group.iter().zip(next) {
+                work[wi].done += tokens;
+                work[wi].state = state;
+            }
+        }
+        for w in work {
+            done[w.segment] = Some(w.state);
+        }
+    }
+    let states = done
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| {
+            s.ok_or_else(|| {
+                candle_core::Error::Msg(format!("delta rule (cuda): segment {i} did not run"))
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((wrap(out, &dev, (tokens, heads, dv)), states))
+}
+
+/// How far one segment of a level has got.
+struct Progress {
+    segment: usize,
+    /// Its tokens already run.
+    done: usize,
+    /// Its state after them.
+    state: RuleState,
+}
+
+/// One segment's part of a launch: `tokens` rows from packed row `start`, continuing `state`.
+struct Part<'a> {
+    start: usize,
+    tokens: usize,
+    state: &'a RuleState,
+}
+
+/// The token inputs of a batched call, as device views.
+struct BatchInputs<'a> {
+    q: CudaView<'a, f32>,
+    k: CudaView<'a, f32>,
+    v: CudaView<'a, f32>,
+    g: CudaView<'a, f32>,
+    beta: CudaView<'a, f32>,
+    heads: usize,
+    key_heads: usize,
+    dk: usize,
+    dv: usize,
+    v_stride: usize,
+}
+
+/// Sets a kernel's dynamic shared memory limit to what this launch needs.
+fn allow_shared(func: &Kernel, bytes: usize, what: &str) -> Result<()> {
+    func.set_attribute(
+        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        i32_arg(bytes, what)?,
+    )
+    .map_err(launch_err)
+}
+
+/// One launch of each kernel over `parts` (at most [`MAX_SEGMENTS`], at most [`CHUNKS_PER_LAUNCH`]
+/// chunks in all): writes their outputs into `out` (rows of the packed call) and returns their states.
+fn launch(
+    dev: &CudaDevice,
+    x: &BatchInputs<'_>,
+    out: &CudaSlice<f32>,
+    parts: &[Part<'_>],
+) -> Result<Vec<RuleState>> {
+    let (heads, dk, dv) = (x.heads, x.dk, x.dv);
+    let count = parts.len();
+    if count == 0 || count > MAX_SEGMENTS {
+        bail!("delta rule (cuda): {count} segments in one launch (1 to {MAX_SEGMENTS})");
+    }
+    // The states, contiguous and 16-byte aligned, kept alive for the launch.
+    let held = parts
+        .iter()
+        .map(|p| {
+            Ok([
+                aligned(&p.state.chunk_start)?,
+                aligned(&p.state.pending_k)?,
+                aligned(&p.state.pending_u)?,
+                p.state.pending_gamma.contiguous()?,
+            ])
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let inputs = held
+        .iter()
+        .map(|t| {
+            Ok((
+                Input::new(&t[0], DType::F32, "memory")?,
+                Input::new(&t[1], DType::F32, "pending keys")?,
+                Input::new(&t[2], DType::F32, "pending values")?,
+                Input::new(&t[3], DType::F64, "pending decays")?,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let views = inputs
+        .iter()
+        .map(|(s, pk, pu, gam)| {
+            Ok((
+                s.view::<f32>()?,
+                pk.view::<f32>()?,
+                pu.view::<f32>()?,
+                gam.view::<f64>()?,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+
+    let mut args = SegmentArgs {
+        s_in: [0; MAX_SEGMENTS],
+        pk_in: [0; MAX_SEGMENTS],
+        pu_in: [0; MAX_SEGMENTS],
+        gam_in: [0; MAX_SEGMENTS],
+        start: [0; MAX_SEGMENTS],
+        len: [0; MAX_SEGMENTS],
+        pending: [0; MAX_SEGMENTS],
+        chunk0: [0; MAX_SEGMENTS + 1],
+        count: i32_arg(count, "segments")?,
+        heads: i32_arg(heads, "heads")?,
+        key_heads: i32_arg(x.key_heads, "key heads")?,
+        dk: i32_arg(dk, "dk")?,
+        dv: i32_arg(dv, "dv")?,
+        v_stride: i32_arg(x.v_stride, "v row stride")?,
+    };
+    let stream = dev.cuda_stream();
+    let mut guards = Vec::with_capacity(4 * count);
+    let mut chunks = 0usize;
+    for (j, (part, (s, pk, pu, gam))) in parts.iter().zip(&views).enumerate() {
+        if part.state.dims()? != (heads, dk, dv) || part.tokens == 0 {
+            bail!(
+                "delta rule (cuda): launch part {j} does not fit ({} tokens)",
+                part.tokens
+            );
+        }
+        let (p_s, g_s) = s.device_ptr(&stream);
+        let (p_pk, g_pk) = pk.device_ptr(&stream);
+        let (p_pu, g_pu) = pu.device_ptr(&stream);
+        let (p_gam, g_gam) = gam.device_ptr(&stream);
+        if [p_s, p_pk, p_pu].iter().any(|p| p % 16 != 0) || p_gam % 8 != 0 {
+            bail!("delta rule (cuda): state buffers of launch part {j} are not 16-byte aligned");
+        }
+        guards.extend([g_s, g_pk, g_pu, g_gam]);
+        args.s_in[j] = p_s;
+        args.pk_in[j] = p_pk;
+        args.pu_in[j] = p_pu;
+        args.gam_in[j] = p_gam;
+        args.start[j] = i32_arg(part.start, "segment start")?;
+        args.len[j] = i32_arg(part.tokens, "segment tokens")?;
+        args.pending[j] = i32_arg(part.state.pending, "pending rows")?;
+        args.chunk0[j] = i32_arg(chunks, "chunk index")?;
+        chunks += (part.state.pending + part.tokens).div_ceil(CHUNK);
+    }
+    args.chunk0[count] = i32_arg(chunks, "chunks")?;
+    if chunks > CHUNKS_PER_LAUNCH {
+        bail!("delta rule (cuda): {chunks} chunks in one launch (at most {CHUNKS_PER_LAUNCH})");
+    }
+    for (name, view) in [("q", &x.q), ("k", &x.k), ("v", &x.v)] {
+        let (p, guard) = view.device_ptr(&stream);
+        if p % 16 != 0 {
+            bail!("delta rule (cuda): {name} is not 16-byte aligned");
+        }
+        drop(guard);
+    }
+
+    // Scratch of the pair kernel (all written by it) and the new states.
+    let ab = alloc::<f32>(dev, chunks * heads * 2 * CHUNK * CHUNK)?;
+    let gam_s = alloc::<f64>(dev, chunks * heads * CHUNK)?;
+    let fac = alloc::<f32>(dev, chunks * heads * 4 * CHUNK)?;
+    let s_out = alloc::<f32>(dev, count * heads * dk * dv)?;
+    let pk_out = alloc::<f32>(dev, count * heads * CHUNK * dk)?;
+    let pu_out = alloc::<f32>(dev, count * heads * CHUNK * dv)?;
+    let gam_out = alloc::<f64>(dev, count * heads * CHUNK)?;
+
+    // Shared memory, as laid out at the top of each kernel.
+    let pairs_smem = CHUNK * 8 + 2 * CHUNK * 4 + 2 * dk * XS * 4;
+    let ks = dk + KPAD;
+    let scan_smem = CHUNK * 8
+        + 4 * CHUNK * 4
+        + (dk * COLUMNS + 2 * CHUNK * US + CHUNK * ks + (CHUNK * ks).max(2 * CHUNK * CHUNK)) * 4;
+
+    let pairs = load_kernel(dev, MODULE, IMAGE, "delta_rule_pairs_batch_f32")?;
+    allow_shared(&pairs, pairs_smem, "delta rule pair shared memory")?;
+    let cfg = LaunchConfig {
+        grid_dim: (heads as u32, chunks as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: pairs_smem as u32,
+    };
+    {
+        let mut b = pairs.builder();
+        b.arg(&x.q).arg(&x.k).arg(&x.g).arg(&x.beta);
+        b.arg(&ab).arg(&gam_s).arg(&fac).arg(&args);
+        // SAFETY: the arguments match the kernel's signature; the buffers hold what the segment table
+        // says (rows start..start + len of the packed inputs, checked against their shapes by
+        // check_batch, and states of `heads` heads of dk × dv, checked above); the scratch holds
+        // `chunks` chunks of every head.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    }
+
+    let scan = load_kernel(dev, MODULE, IMAGE, "delta_rule_scan_batch_f32")?;
+    allow_shared(&scan, scan_smem, "delta rule scan shared memory")?;
+    let cfg = LaunchConfig {
+        grid_dim: (heads as u32, (dv / COLUMNS) as u32, count as u32),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: scan_smem as u32,
+    };
+    {
+        let mut b = scan.builder();
+        b.arg(&x.q)
+            .arg(&x.k)
+            .arg(&x.v)
+            .arg(&ab)
+            .arg(&gam_s)
+            .arg(&fac);
+        b.arg(out)
+            .arg(&s_out)
+            .arg(&pk_out)
+            .arg(&pu_out)
+            .arg(&gam_out)
+            .arg(&args);
+        // SAFETY: as above; `out` holds every row of the packed call and each segment writes its own
+        // rows; the state outputs hold `count` segments.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    }
+    drop(guards);
+
+    let s_all = wrap(s_out, dev, (count, heads, dk, dv));
+    let pk_all = wrap(pk_out, dev, (count, heads, CHUNK, dk));
+    let pu_all = wrap(pu_out, dev, (count, heads, CHUNK, dv));
+    let gam_all = wrap(gam_out, dev, (count, heads, CHUNK));
+    parts
+        .iter()
+        .enumerate()
+        .map(|(j, p)| {
+            Ok(RuleState {
+                chunk_start: s_all.get(j)?,
+                pending_k: pk_all.get(j)?,
+                pending_u: pu_all.get(j)?,
+                pending_gamma: gam_all.get(j)?,
+                pending: (p.state.pending + p.tokens) % CHUNK,
+            })
+        })
+        .collect()
+}
+
+/// The batched call on the per-segment kernels (`cuda::delta_rule_chunked`), one segment after another
+/// with `q, k` tiled to the value heads: the path before the batched kernels, kept as their reference
+/// (`PRISM_DELTA_RULE=v1`, and the comparisons of `prism cuda-check`).
+pub fn delta_rule_per_segment_v1(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    segments: &[RuleSegment],
+    states: &[RuleState],
+) -> Result<(Tensor, Vec<RuleState>)> {
+    check_batch(q, k, v, g, beta, segments, states)?;
+    let heads = v.dim(1)?;
+    let (q, k) = (expand_key_heads(q, heads)?, expand_key_heads(k, heads)?);
+    let mut outs = Vec::with_capacity(segments.len());
+    let mut new_states: Vec<RuleState> = Vec::with_capacity(segments.len());
+    for (i, seg) in segments.iter().enumerate() {
+        let start = match seg.parent {
+            Some(p) => &new_states[p],
+            None => &states[i],
+        };
+        let at = |t: &Tensor| t.narrow(0, seg.start, seg.len);
+        let (o, state) = crate::cuda::delta_rule_chunked(
+            &at(&q)?,
+            &at(&k)?,
+            &at(v)?,
+            &at(g)?,
+            &at(beta)?,
+            start,
+        )?;
+        outs.push(o);
+        new_states.push(state);
+    }
+    Ok((Tensor::cat(&outs, 0)?, new_states))
+}
