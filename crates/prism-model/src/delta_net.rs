@@ -141,45 +141,41 @@ impl DeltaNet {
             .reshape((n_tokens, self.n_v, self.dv))?;
         let q = (l2_norm(&q, 1e-6)? * (1.0 / (self.dk as f64).sqrt()))?;
         let k = l2_norm(&k, 1e-6)?;
-        // GGUF value heads are tiled: value head h reads key head h mod n_k.
-        let (q, k) = if self.n_v != self.n_k {
-            let reps = self.n_v / self.n_k;
-            (
-                Tensor::cat(&vec![q; reps], 1)?,
-                Tensor::cat(&vec![k; reps], 1)?,
-            )
-        } else {
-            (q, k)
-        };
+        // GGUF value heads are tiled: value head h reads key head h mod n_k. The delta rule reads q and
+        // k that way (on CUDA in place, on the CPU through a tiled copy).
 
         let rule_timer = profile::Section::start("deltanet: delta rule", dev)?;
-        let mut outs = Vec::with_capacity(segments.len());
+        // A branch starts from its parent's state right after the parent's rows; every starting state
+        // must hold the sequence's length mod 64 pending rows.
+        let mut pending = Vec::with_capacity(segments.len());
+        let mut rule_segments = Vec::with_capacity(segments.len());
         for (i, seg) in segments.iter().enumerate() {
-            if let Some(p) = seg.parent.filter(|&p| p < i) {
-                let rule = states[p].rule.clone();
-                states[i].rule = rule;
-            }
-            let state = &mut *states[i];
-            if state.rule.pending != seg.past % delta_rule::CHUNK {
+            let parent = seg.parent.filter(|&p| p < i);
+            let held = match parent {
+                Some(p) => (pending[p] + segments[p].len) % delta_rule::CHUNK,
+                None => states[i].rule.pending,
+            };
+            if held != seg.past % delta_rule::CHUNK {
                 return Err(ModelError::InvalidInput(format!(
-                    "DeltaNet state holds {} tokens of the current chunk, but the sequence has {} tokens",
-                    state.rule.pending, seg.past
+                    "DeltaNet state holds {held} tokens of the current chunk, but the sequence has {} tokens",
+                    seg.past
                 )));
             }
-            let at = |t: &Tensor| t.narrow(0, seg.start, seg.len);
-            // One path for prefill, pieces and decode: bit-identical however the sequence is split.
-            let (o, rule) = delta_rule::chunked(
-                &at(&q)?,
-                &at(&k)?,
-                &at(&v)?,
-                &at(&g)?,
-                &at(&beta)?,
-                &state.rule,
-            )?;
-            state.rule = rule;
-            outs.push(o);
+            pending.push(held);
+            rule_segments.push(delta_rule::RuleSegment {
+                start: seg.start,
+                len: seg.len,
+                parent,
+            });
         }
-        let o = Tensor::cat(&outs, 0)?;
+        let starts: Vec<delta_rule::RuleState> = states.iter().map(|s| s.rule.clone()).collect();
+        // One call for the whole batch (on CUDA the independent segments share a launch); one path for
+        // prefill, pieces and decode: bit-identical however a sequence is split or batched.
+        let (o, rules) =
+            delta_rule::chunked_batch(&q, &k, &v, &g, &beta, &rule_segments, &starts)?;
+        for (state, rule) in states.iter_mut().zip(rules) {
+            state.rule = rule;
+        }
         rule_timer.stop()?;
         profile::time("deltanet: gated norm + output projection", dev, || -> Result<_> {
             let z = z.reshape((n_tokens, self.n_v, self.dv))?;
