@@ -367,6 +367,10 @@ fn integer_model_checks(r: &mut Report, gpu: &Device, fixtures: &std::path::Path
     Ok(())
 }
 
+/// Non-finite values through the integer path's whole forward pass (a child module).
+#[path = "cmd_cuda_check_nonfinite.rs"]
+mod nonfinite;
+
 pub fn run(fixtures: Option<PathBuf>, json_out: Option<PathBuf>) -> Result<()> {
     let gpu = Device::new_cuda(0).context("no CUDA device")?;
     let fixtures = fixtures.unwrap_or_else(|| PathBuf::from("tests/fixtures/qwen35-tiny"));
@@ -380,6 +384,7 @@ pub fn run(fixtures: Option<PathBuf>, json_out: Option<PathBuf>) -> Result<()> {
     model_checks(&mut report, &gpu, &fixtures)?;
     let prompts = fixture_prompts(&fixtures)?;
     integer_model_checks(&mut report, &gpu, &fixtures, &prompts)?;
+    nonfinite::checks(&mut report, &gpu, &fixtures, &prompts)?;
     if let Some(path) = json_out {
         std::fs::write(&path, serde_json::to_string_pretty(&report.rows)?)
             .with_context(|| format!("writing {}", path.display()))?;

@@ -375,28 +375,174 @@ fn activation_checks(r: &mut Report, gpu: &Device) -> Result<()> {
             format!("{} sums", want.group_sums.len()),
         );
     }
-    // A non-finite input is the CPU's error, naming the same element.
-    x[3 * k + 17] = f32::NAN;
-    x[5 * k + 2] = f32::INFINITY;
-    let w = random_weight(WeightFormat::Q8_0, 64, k, 5)?;
-    let dev = match gpu {
-        Device::Cuda(d) => d.clone(),
-        _ => bail!("not a CUDA device"),
-    };
-    let wg = CudaQuantWeight::upload(&w, &dev)?;
-    let cpu = prism_quant::kernel::matmul(&x, m, &w, &xs);
-    let gpu_err = qcuda::matmul(&Tensor::from_slice(&x, (m, k), gpu)?, &wg, &xs);
-    let same = match (&cpu, &gpu_err) {
-        (Err(QuantError::NonFiniteActivation { row, col, .. }), Err(e)) => {
-            let msg = e.to_string();
-            msg.contains(&format!("row {row}, element {col}"))
+    Ok(())
+}
+
+/// Non-finite inputs. The model's path (no synchronization): every output of a row holding a NaN or
+/// ±∞ is NaN and every other row has the bits of the same call on clean inputs, for every kernel (the
+/// poisoning runs after the split combine and the v2 scratch), through `QuantMatmul::forward` too. The
+/// row flags name each bad row's first non-finite column (as the CPU finds it), and the eager check
+/// is the CPU's error naming the same element.
+fn non_finite_checks(r: &mut Report, gpu: &Device, dev: &candle_core::CudaDevice) -> Result<()> {
+    let k = 5120usize;
+    let mut rng = Rng(4242);
+    for (format, n, m) in [
+        (WeightFormat::Q8_0, 64usize, 300usize),
+        (WeightFormat::Q4K, 1001, 300),
+        (WeightFormat::Q6K, 1001, 1),
+    ] {
+        let clean: Vec<f32> = (0..m * k).map(|_| rng.activation() * 3.0).collect();
+        let mut x = clean.clone();
+        // NaN in one row, ±∞ in others: first columns inside a later group of 32, at the row's very
+        // end and at 0; row 9 has two (the first one, column 40, is the one named).
+        let mut bad: Vec<(usize, usize, f32)> = vec![(0, 0, f32::NAN)];
+        if m > 1 {
+            bad = vec![
+                (3, 17, f32::NAN),
+                (5, 2, f32::INFINITY),
+                (7, k - 1, f32::NEG_INFINITY),
+                (9, 100, f32::INFINITY),
+                (9, 40, f32::NAN),
+                (m - 1, 0, f32::NAN),
+            ];
         }
-        _ => false,
+        for &(row, col, v) in &bad {
+            x[row * k + col] = v;
+        }
+        let scale = ActivationScale::from_absmax(6.0)?;
+        let mut want_rows: Vec<(usize, usize)> = Vec::new();
+        let mut scratch = vec![0i8; k];
+        for row in 0..m {
+            if let Err(col) = prism_quant::activation::quantize_row(
+                &x[row * k..(row + 1) * k],
+                &scale,
+                &mut scratch,
+            ) {
+                want_rows.push((row, col));
+            }
+        }
+        let bad_rows: Vec<u32> = want_rows.iter().map(|&(row, _)| row as u32).collect();
+        let good_rows: Vec<u32> = (0..m as u32)
+            .filter(|row| !bad_rows.contains(row))
+            .collect();
+        let tag = format!("{format:?} K={k} N={n} M={m}, NaN/±inf in rows {bad_rows:?}");
+        let w = random_weight(format, n, k, 31)?;
+        let wg = CudaQuantWeight::upload(&w, dev)?;
+        let (xg, cleang) = (
+            Tensor::from_slice(&x, (m, k), gpu)?,
+            Tensor::from_slice(&clean, (m, k), gpu)?,
+        );
+        let bad_idx = Tensor::from_vec(bad_rows.clone(), bad_rows.len(), gpu)?;
+        // (None: every row is bad; nothing to compare.)
+        let good_idx = if good_rows.is_empty() {
+            None
+        } else {
+            Some(Tensor::from_vec(good_rows.clone(), good_rows.len(), gpu)?)
+        };
+
+        // The flags: each bad row with its first non-finite column, as the CPU finds them.
+        let qx = qcuda::quantize_activations(&xg, &scale, format.has_mins())?;
+        let got_rows = qx.non_finite_rows(dev)?;
+        r.pass(
+            &format!("{tag}: row flags name each row's first non-finite column"),
+            got_rows == want_rows,
+            format!("GPU {got_rows:?}, CPU {want_rows:?}"),
+        );
+
+        let mut kernels = vec![
+            ("default".to_string(), GemmKernel::Auto),
+            ("v1 auto".to_string(), GemmKernel::AutoFamily(Family::V1)),
+            ("v2 auto".to_string(), GemmKernel::AutoFamily(Family::V2)),
+            ("plain".to_string(), GemmKernel::Simt),
+        ];
+        kernels.extend(fixed_variants());
+        for (name, kernel) in kernels {
+            let reference = qcuda::matmul_with(&cleang, &wg, &scale, kernel)?;
+            let (y, _) = qcuda::matmul_deferred(&xg, &wg, &scale, kernel)?;
+            poisoned_rows_report(
+                r,
+                &format!("{tag}: {name}"),
+                &y,
+                &reference,
+                &bad_idx,
+                good_idx.as_ref(),
+                n,
+            )?;
+        }
+        // The model's entry point (PRISM_QGEMM_NONFINITE unset or "poison": no synchronization).
+        let mode = prism_quant::op::nonfinite_mode()?;
+        let op = prism_quant::QuantMatmul::new(std::sync::Arc::new(w.clone()), scale);
+        match mode {
+            prism_quant::NonFiniteMode::Poison => {
+                let y = op.forward(&xg)?;
+                let reference = op.forward(&cleang)?;
+                poisoned_rows_report(
+                    r,
+                    &format!("{tag}: QuantMatmul::forward"),
+                    &y,
+                    &reference,
+                    &bad_idx,
+                    good_idx.as_ref(),
+                    n,
+                )?;
+            }
+            prism_quant::NonFiniteMode::Error => {
+                r.pass(
+                    &format!("{tag}: QuantMatmul::forward (PRISM_QGEMM_NONFINITE=error)"),
+                    op.forward(&xg).is_err(),
+                    "refused".into(),
+                );
+            }
+        }
+
+        // The eager check: the CPU's error, naming the same element.
+        let cpu = prism_quant::kernel::matmul(&x, m, &w, &scale);
+        let gpu_err = qcuda::matmul(&xg, &wg, &scale);
+        let same = match (&cpu, &gpu_err) {
+            (Err(QuantError::NonFiniteActivation { row, col, .. }), Err(e)) => {
+                e.to_string().contains(&format!("row {row}, element {col}"))
+            }
+            _ => false,
+        };
+        r.pass(
+            &format!("{tag}: eager check is the CPU's error, same element"),
+            same,
+            format!(
+                "CPU: {:?}; GPU: {:?}",
+                cpu.as_ref().err().map(|e| e.to_string()),
+                gpu_err.as_ref().err().map(|e| e.to_string())
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// `y`'s rows `bad` are all NaN; its rows `good` have the bits of `reference` (the same call on clean
+/// inputs).
+fn poisoned_rows_report(
+    r: &mut Report,
+    name: &str,
+    y: &Tensor,
+    reference: &Tensor,
+    bad: &Tensor,
+    good: Option<&Tensor>,
+    n: usize,
+) -> Result<()> {
+    let poisoned = to_vec(&y.index_select(bad, 0)?)?;
+    let not_nan = poisoned.iter().filter(|v| !v.is_nan()).count();
+    r.count(
+        &format!("{name}: bad rows all NaN (outputs not NaN)"),
+        not_nan,
+        poisoned.len(),
+    );
+    let Some(good) = good else {
+        return Ok(());
     };
-    r.pass(
-        "non-finite activation: the CPU's error (row 3, element 17)",
-        same,
-        format!("GPU: {:?}", gpu_err.as_ref().err().map(|e| e.to_string())),
+    let (yg, rg) = (y.index_select(good, 0)?, reference.index_select(good, 0)?);
+    r.count(
+        &format!("{name}: other rows vs the clean call"),
+        qcuda::differing_bits(&yg, &rg)?,
+        good.elem_count() * n,
     );
     Ok(())
 }
@@ -558,6 +704,7 @@ pub fn run(json_out: Option<PathBuf>, time: bool) -> Result<()> {
         failed: 0,
     };
     activation_checks(&mut report, &gpu)?;
+    non_finite_checks(&mut report, &gpu, &dev)?;
     quant_checks(&mut report, &gpu, &dev)?;
     if time {
         timings(&mut report, &gpu, &dev)?;

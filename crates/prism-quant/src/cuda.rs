@@ -150,21 +150,22 @@ pub fn decode_bad_row(flag: u32) -> Option<usize> {
 }
 
 impl DeviceQuantized {
-    /// The first non-finite input in row order as `(row, column)`, or `None`. Reads the row flags back:
-    /// synchronizes with the stream.
-    pub fn first_non_finite(&self, dev: &CudaDevice) -> Result<Option<(usize, usize)>> {
+    /// Every row holding a non-finite input, in row order, with the column of its first one. Reads the
+    /// row flags back: synchronizes with the stream.
+    pub fn non_finite_rows(&self, dev: &CudaDevice) -> Result<Vec<(usize, usize)>> {
         let flags = dev.clone_dtoh(&self.bad_rows)?;
         Ok(flags
             .iter()
             .take(self.rows)
             .enumerate()
-            .find_map(|(row, &f)| decode_bad_row(f).map(|col| (row, col))))
+            .filter_map(|(row, &f)| decode_bad_row(f).map(|col| (row, col)))
+            .collect())
     }
 
     /// Reads the row flags back (synchronizes with the stream) and turns the first non-finite input
     /// into the CPU's error ([`QuantError::NonFiniteActivation`], same row and element).
     pub fn check_finite(&self, x: &Tensor, dev: &CudaDevice) -> Result<()> {
-        let Some((row, col)) = self.first_non_finite(dev)? else {
+        let Some(&(row, col)) = self.non_finite_rows(dev)?.first() else {
             return Ok(());
         };
         let value = x
