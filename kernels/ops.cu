@@ -1,8 +1,12 @@
-// Small fused kernels of the decoder: the CUDA twins of crates/prism-model/src/ops.rs (norms),
-// delta_net.rs (`causal_conv`) and attention.rs (`CausalAttention`).
+// Small fused kernels of the decoder: the CUDA twins of crates/prism-model/src/ops.rs (norms, SwiGLU,
+// gates), delta_net.rs (`causal_conv`) and attention.rs (`CausalAttention`).
 //
-// Every output element (or row) is computed by one thread (or one warp) in a fixed order that depends
-// only on its own position, so results do not depend on how many rows or sequences share a launch.
+// Every output element (or row) is computed by one thread (or one warp, or one block) in a fixed order
+// that depends only on its own position and the row length, so results do not depend on how many rows
+// or sequences share a launch. Kernels that feed a bf16 GEMM can write their output in bf16 (rounded
+// to nearest even, as candle's cast does), sparing the GEMM a separate cast.
+
+#include <cuda_bf16.h>
 
 #define WARP 32
 
@@ -12,31 +16,165 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
+// Row r of a view of rows of D contiguous elements: (r / inner)·outer + (r % inner)·inner_stride
+// elements from the view's start (a contiguous tensor: inner = 1, outer = D; a head-strided one, e.g.
+// the query half of the fused [query | gate] projection: inner = heads).
+__device__ __forceinline__ size_t row_offset(int r, long long inner, long long inner_stride, long long outer) {
+    return (size_t)(r / inner) * (size_t)outer + (size_t)(r % inner) * (size_t)inner_stride;
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) { return ((size_t)p & 15) == 0; }
+
+// Elements i0..i0+3 of a row of D (those past D read as 0): one float4 load when `vec` (D % 4 == 0,
+// 16-byte aligned row), else four loads. The values, hence the arithmetic on them, are the same.
+__device__ __forceinline__ float4 load4(const float* p, int i0, int D, bool vec) {
+    if (vec) return *reinterpret_cast<const float4*>(p + i0);
+    float4 v;
+    v.x = p[i0];
+    v.y = i0 + 1 < D ? p[i0 + 1] : 0.f;
+    v.z = i0 + 2 < D ? p[i0 + 2] : 0.f;
+    v.w = i0 + 3 < D ? p[i0 + 3] : 0.f;
+    return v;
+}
+
+// Stores elements i0..i0+3 (those below D) of a row at y (f32, or bf16 rounded to nearest even — the
+// rounding of candle's f32 → bf16 cast, so a bf16 GEMM sees the same operand either way).
+__device__ __forceinline__ void store4(void* y, size_t row_start, int i0, int D, float4 v, bool vec, int bf16) {
+    if (bf16) {
+        __nv_bfloat16* yb = reinterpret_cast<__nv_bfloat16*>(y) + row_start + i0;
+        if (vec) {
+            reinterpret_cast<__nv_bfloat162*>(yb)[0] = __floats2bfloat162_rn(v.x, v.y);
+            reinterpret_cast<__nv_bfloat162*>(yb)[1] = __floats2bfloat162_rn(v.z, v.w);
+        } else {
+            yb[0] = __float2bfloat16_rn(v.x);
+            if (i0 + 1 < D) yb[1] = __float2bfloat16_rn(v.y);
+            if (i0 + 2 < D) yb[2] = __float2bfloat16_rn(v.z);
+            if (i0 + 3 < D) yb[3] = __float2bfloat16_rn(v.w);
+        }
+    } else {
+        float* yf = reinterpret_cast<float*>(y) + row_start + i0;
+        if (vec) {
+            *reinterpret_cast<float4*>(yf) = v;
+        } else {
+            yf[0] = v.x;
+            if (i0 + 1 < D) yf[1] = v.y;
+            if (i0 + 2 < D) yf[2] = v.z;
+            if (i0 + 3 < D) yf[3] = v.w;
+        }
+    }
+}
+
+__device__ __forceinline__ void put(void* y, size_t i, float v, int bf16) {
+    if (bf16) reinterpret_cast<__nv_bfloat16*>(y)[i] = __float2bfloat16_rn(v);
+    else reinterpret_cast<float*>(y)[i] = v;
+}
+
+// candle's SiLU and σ, operation for operation (x / (1 + e^{-x}); 1 / (e^{-x} + 1)).
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (expf(-x) + 1.f); }
+
 // mode 0: y = x / sqrt(mean(x²) + eps) · w                 (RMSNorm)
 // mode 1: y = x / sqrt(mean(x²) + eps) · w · silu(gate)    (the DeltaNet output norm)
 // mode 2: y = x / sqrt(Σx² + eps)                           (l2norm of q and k)
-// One warp per row of D elements; 4 rows per block of 128 threads.
-extern "C" __global__ void norm_rows_f32(const float* __restrict__ x, const float* __restrict__ w,
-                                         const float* __restrict__ gate, float* __restrict__ y,
-                                         int rows, int D, float eps, int mode) {
+// With `res`, the row is x + res (res and sum_out contiguous [rows, D]); the sum is also written to
+// sum_out (the residual stream), the same f32 additions as a separate add.
+// y: contiguous [rows, D], f32 or (y_bf16) bf16.
+//
+// Two kernels, chosen by D alone (never by the row count), each reducing a row in an order that depends
+// only on D, so a row's bits do not depend on the other rows of the call:
+// - norm_rows_f32: one warp per row, 4 rows per block (short rows: head-dim norms, D = 128/256);
+// - norm_rows_block_f32: one block of NORM_THREADS per row (hidden-size rows).
+
+#define NORM_ARGS                                                                                   \
+    const float* __restrict__ x, long long x_inner, long long x_istride, long long x_outer,        \
+        const float* __restrict__ res, float* __restrict__ sum_out, const float* __restrict__ w,   \
+        const float* __restrict__ gate, long long g_inner, long long g_istride, long long g_outer, \
+        void* __restrict__ y, int y_bf16, int rows, int D, float eps, int mode
+
+extern "C" __global__ void norm_rows_f32(NORM_ARGS) {
     const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     const int lane = threadIdx.x % WARP;
     if (row >= rows) return;
-    const float* xr = x + (size_t)row * D;
+    const float* xr = x + row_offset(row, x_inner, x_istride, x_outer);
+    const float* rr = res ? res + (size_t)row * D : nullptr;
+    float* sr = rr && sum_out ? sum_out + (size_t)row * D : nullptr;
     float ss = 0.f;
-    for (int i = lane; i < D; i += WARP) ss = fmaf(xr[i], xr[i], ss);
+    for (int i = lane; i < D; i += WARP) {
+        float v = xr[i];
+        if (rr) {
+            v += rr[i];
+            if (sr) sr[i] = v;
+        }
+        ss = fmaf(v, v, ss);
+    }
     ss = warp_sum(ss);
     const float denom = mode == 2 ? ss : ss / (float)D;
     const float inv = 1.f / sqrtf(denom + eps);
-    float* yr = y + (size_t)row * D;
+    const float* gr = mode == 1 ? gate + row_offset(row, g_inner, g_istride, g_outer) : nullptr;
     for (int i = lane; i < D; i += WARP) {
-        float val = xr[i] * inv;
+        float v = xr[i];
+        if (rr) v += rr[i];
+        float val = v * inv;
         if (mode != 2) val = val * w[i];
-        if (mode == 1) {
-            const float gt = gate[(size_t)row * D + i];
-            val = val * (gt / (1.f + expf(-gt)));
+        if (mode == 1) val = val * silu(gr[i]);
+        put(y, (size_t)row * D + i, val, y_bf16);
+    }
+}
+
+#define NORM_THREADS 256
+
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) norm_rows_block_f32(NORM_ARGS) {
+    __shared__ float partial[NORM_THREADS / WARP];
+    const int row = blockIdx.x;
+    if (row >= rows) return;  // never: one block per row
+    const float* xr = x + row_offset(row, x_inner, x_istride, x_outer);
+    const float* rr = res ? res + (size_t)row * D : nullptr;
+    float* sr = rr && sum_out ? sum_out + (size_t)row * D : nullptr;
+    const float* gr = mode == 1 ? gate + row_offset(row, g_inner, g_istride, g_outer) : nullptr;
+    // Thread t takes the groups of 4 elements t, t + NORM_THREADS, … in this order, vector loads or
+    // not (alignment decides only how the same values are loaded).
+    const bool vec = D % 4 == 0 && aligned16(xr) && (!rr || aligned16(rr)) && (!sr || aligned16(sr)) &&
+                     (mode == 2 || aligned16(w)) && (!gr || aligned16(gr)) &&
+                     aligned16(reinterpret_cast<const char*>(y) + (size_t)row * D * (y_bf16 ? 2 : 4));
+    float ss = 0.f;
+    for (int i0 = 4 * threadIdx.x; i0 < D; i0 += 4 * NORM_THREADS) {
+        float4 v = load4(xr, i0, D, vec);
+        if (rr) {
+            const float4 r = load4(rr, i0, D, vec);
+            v.x += r.x; v.y += r.y; v.z += r.z; v.w += r.w;
+            if (sr) store4(sr, 0, i0, D, v, vec, 0);
         }
-        yr[i] = val;
+        // Elements past D are 0 and add exactly nothing.
+        ss = fmaf(v.x, v.x, ss);
+        ss = fmaf(v.y, v.y, ss);
+        ss = fmaf(v.z, v.z, ss);
+        ss = fmaf(v.w, v.w, ss);
+    }
+    ss = warp_sum(ss);
+    if (threadIdx.x % WARP == 0) partial[threadIdx.x / WARP] = ss;
+    __syncthreads();
+    // Every thread adds the warp sums in the same order and gets the same total.
+    float total = 0.f;
+#pragma unroll
+    for (int k = 0; k < NORM_THREADS / WARP; ++k) total += partial[k];
+    const float denom = mode == 2 ? total : total / (float)D;
+    const float inv = 1.f / sqrtf(denom + eps);
+    for (int i0 = 4 * threadIdx.x; i0 < D; i0 += 4 * NORM_THREADS) {
+        float4 v = load4(xr, i0, D, vec);
+        if (rr) {
+            const float4 r = load4(rr, i0, D, vec);
+            v.x += r.x; v.y += r.y; v.z += r.z; v.w += r.w;
+        }
+        v.x = v.x * inv; v.y = v.y * inv; v.z = v.z * inv; v.w = v.w * inv;
+        if (mode != 2) {
+            const float4 wv = load4(w, i0, D, vec);
+            v.x = v.x * wv.x; v.y = v.y * wv.y; v.z = v.z * wv.z; v.w = v.w * wv.w;
+        }
+        if (mode == 1) {
+            const float4 g = load4(gr, i0, D, vec);
+            v.x = v.x * silu(g.x); v.y = v.y * silu(g.y); v.z = v.z * silu(g.z); v.w = v.w * silu(g.w);
+        }
+        store4(y, (size_t)row * D, i0, D, v, vec, y_bf16);
     }
 }
 
@@ -153,4 +291,112 @@ extern "C" __global__ void causal_attention_f32(const float* __restrict__ q, con
     #pragma unroll
     for (int e = 0; e < 8; ++e)
         if (e < per_lane) o[lane + e * WARP] = acc[e] * inv;
+}
+
+// SwiGLU on the fused gate | up projection: row r of gu (row stride `stride` elements) holds gate in
+// columns 0..f and up in f..2f; y[r, c] = silu(gate) · up (contiguous [rows, f], f32 or bf16). One
+// thread per 4 columns; the same two roundings per element as candle's silu then mul.
+extern "C" __global__ void swiglu_f32(const float* __restrict__ gu, long long stride, void* __restrict__ y,
+                                      int y_bf16, int rows, int f) {
+    const int groups = (f + 3) / 4;
+    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (size_t)rows * groups) return;
+    const int row = (int)(idx / groups), i0 = (int)(idx % groups) * 4;
+    const float* g = gu + (size_t)row * stride;
+    const float* u = g + f;
+    const bool vec = f % 4 == 0 && aligned16(g) && aligned16(u);
+    const float4 a = load4(g, i0, f, vec), b = load4(u, i0, f, vec);
+    float4 o;
+    o.x = silu(a.x) * b.x;
+    o.y = silu(a.y) * b.y;
+    o.z = silu(a.z) * b.z;
+    o.w = silu(a.w) * b.w;
+    store4(y, (size_t)row * f, i0, f, o, vec, y_bf16);
+}
+
+// The DeltaNet gates from the fused projection's β and α columns (row strides b_stride, a_stride):
+// beta = σ(b), g = softplus(a + dt_bias) · ssm_a, with softplus(x) = max(x, 0) + ln(1 + e^{−|x|});
+// both [rows, H] contiguous. The operations of ops::sigmoid and ops::softplus, in their order.
+extern "C" __global__ void deltanet_gates_f32(const float* __restrict__ b, long long b_stride,
+                                              const float* __restrict__ a, long long a_stride,
+                                              const float* __restrict__ dt_bias, const float* __restrict__ ssm_a,
+                                              float* __restrict__ beta, float* __restrict__ g, int rows, int H) {
+    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (size_t)rows * H) return;
+    const int row = (int)(idx / H), h = (int)(idx % H);
+    beta[idx] = sigmoid(b[(size_t)row * b_stride + h]);
+    const float x = a[(size_t)row * a_stride + h] + dt_bias[h];
+    const float sp = fmaxf(x, 0.f) + logf(expf(-fabsf(x)) + 1.f);
+    g[idx] = sp * ssm_a[h];
+}
+
+// The attention output gate: y[r, j] = attn[r, j] · σ(gate(r, j)) for attn contiguous [rows, W]; the
+// gate of column j is element j % hd of gate row r·(W / hd) + j / hd, a rows-of-hd view (row_offset;
+// e.g. the gate halves of the [query | gate] projection, read in place). y: [rows, W], f32 or bf16.
+extern "C" __global__ void sigmoid_gate_f32(const float* __restrict__ attn, const float* __restrict__ gate,
+                                            long long g_inner, long long g_istride, long long g_outer, int hd,
+                                            void* __restrict__ y, int y_bf16, int rows, int W) {
+    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (size_t)rows * W) return;
+    const int row = (int)(idx / W), j = (int)(idx % W);
+    const int grow = row * (W / hd) + j / hd;
+    const float gt = gate[row_offset(grow, g_inner, g_istride, g_outer) + j % hd];
+    put(y, idx, attn[idx] * sigmoid(gt), y_bf16);
+}
+
+// The DeltaNet conv + SiLU of one segment, reading its q|k|v columns in place: x row t at t·x_stride;
+// out: contiguous [T, C] (the segment's rows of the layer's output), new_window: [K−1, C]. Each
+// output is the sum of `causal_conv_f32` (same products and sums in the same order, so bitwise the
+// CPU's conv) followed by candle's SiLU. blockIdx.y < gridDim.y − 1: rows CONV_ROWS·y.. of the
+// segment, the padded inputs kept in registers as they slide; the last row of blocks writes the window.
+#define CONV_ROWS 8
+
+template <int KT>
+__device__ __forceinline__ void conv_silu_rows(const float* __restrict__ x, long long x_stride,
+                                               const float* __restrict__ window, const float* __restrict__ taps,
+                                               float* __restrict__ out, int r0, int T, int C, int c) {
+#define PADDED(p) ((p) < KT - 1 ? window[(size_t)(p) * C + c] : x[(size_t)((p) - (KT - 1)) * x_stride + c])
+    float tp[KT], win[KT];
+#pragma unroll
+    for (int tap = 0; tap < KT; ++tap) tp[tap] = taps[(size_t)tap * C + c];
+#pragma unroll
+    for (int j = 0; j < KT - 1; ++j) win[j] = PADDED(r0 + j);
+#pragma unroll
+    for (int rr = 0; rr < CONV_ROWS; ++rr) {
+        const int r = r0 + rr;
+        if (r >= T) break;
+        win[KT - 1] = PADDED(r + KT - 1);
+        float acc = __fmul_rn(win[0], tp[0]);
+#pragma unroll
+        for (int tap = 1; tap < KT; ++tap) acc = __fadd_rn(acc, __fmul_rn(win[tap], tp[tap]));
+        out[(size_t)r * C + c] = silu(acc);
+#pragma unroll
+        for (int j = 0; j < KT - 1; ++j) win[j] = win[j + 1];
+    }
+#undef PADDED
+}
+
+extern "C" __global__ void causal_conv_silu_f32(const float* __restrict__ x, long long x_stride,
+                                                const float* __restrict__ window,  // [K-1, C]
+                                                const float* __restrict__ taps,    // [K, C]
+                                                float* __restrict__ out, float* __restrict__ new_window,
+                                                int T, int C, int K) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+#define PADDED(p) ((p) < K - 1 ? window[(size_t)(p) * C + c] : x[(size_t)((p) - (K - 1)) * x_stride + c])
+    if (blockIdx.y == gridDim.y - 1) {
+        for (int w = 0; w < K - 1; ++w) new_window[(size_t)w * C + c] = PADDED(T + w);
+        return;
+    }
+    const int r0 = blockIdx.y * CONV_ROWS;
+    if (K == 4) {
+        conv_silu_rows<4>(x, x_stride, window, taps, out, r0, T, C, c);
+        return;
+    }
+    for (int r = r0; r < min(T, r0 + CONV_ROWS); ++r) {
+        float acc = __fmul_rn(PADDED(r), taps[c]);
+        for (int tap = 1; tap < K; ++tap) acc = __fadd_rn(acc, __fmul_rn(PADDED(r + tap), taps[(size_t)tap * C + c]));
+        out[(size_t)r * C + c] = silu(acc);
+    }
+#undef PADDED
 }

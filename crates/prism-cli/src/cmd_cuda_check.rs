@@ -19,6 +19,10 @@ use serde_json::{json, Value};
 #[path = "cmd_cuda_check_flash.rs"]
 mod flash;
 
+/// The fused small kernels' checks (norms, SwiGLU, conv + SiLU, gates, bf16 GEMM inputs).
+#[path = "cmd_cuda_check_fused.rs"]
+mod fused;
+
 /// Deterministic pseudo-random numbers (xorshift64*), uniform in [-1, 1).
 struct Rng(u64);
 
@@ -380,6 +384,7 @@ pub fn run(fixtures: Option<PathBuf>, json_out: Option<PathBuf>) -> Result<()> {
     conv_checks(&mut report, &gpu, &mut rng)?;
     attention_checks(&mut report, &gpu, &mut rng)?;
     flash::checks(&mut report, &gpu)?;
+    fused::checks(&mut report, &gpu)?;
     delta_rule_checks(&mut report, &gpu, &mut rng)?;
     model_checks(&mut report, &gpu, &fixtures)?;
     let prompts = fixture_prompts(&fixtures)?;

@@ -1,19 +1,22 @@
 //! Launchers for our CUDA kernels (`kernels/*.cu`, compiled to fatbins by build.rs), on candle tensors.
 //!
 //! Each function here has a CPU twin that the CI tests (named in its doc); `prism cuda-check` runs
-//! both on fresh random inputs on the device and reports ‖Δ‖/‖ref‖. All kernels take contiguous f32
-//! tensors (the activation dtype of the bf16 path) and return new tensors.
+//! both on fresh random inputs on the device and reports ‖Δ‖/‖ref‖. All kernels take f32 tensors (the
+//! activation dtype of the bf16 path) and return new tensors; the norms, SwiGLU, the gates and the
+//! conv read strided views (column ranges of fused projections) in place, and the producers of bf16
+//! GEMM inputs can write bf16.
 
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
 use candle_core::cuda_backend::cudarc::cublas::{result as cublas, sys as cublas_sys};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::CudaDevice;
-use candle_core::{bail, DType, Result, Tensor};
+use candle_core::{bail, DType, Result, Shape, Storage, StorageRef, Tensor};
 use prism_quant::cuda_launch::{alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input};
 
 use crate::delta_rule::{RuleState, CHUNK};
+use crate::ops::{row_map, RowMap};
 
 const DELTA_RULE_IMAGE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/delta_rule.fatbin"));
 const OPS_IMAGE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/ops.fatbin"));
@@ -192,65 +195,224 @@ enum NormMode {
     L2 = 2,
 }
 
-fn norm_rows(x: &Tensor, weight: Option<&Tensor>, gate: Option<&Tensor>, eps: f64, mode: NormMode) -> Result<Tensor> {
+/// Rows at least this long are normalised by one block each (`norm_rows_block_f32`), shorter ones by
+/// one warp each (`norm_rows_f32`). The choice depends on the row length only, never on the number
+/// of rows, so a row's bits do not depend on the call it is in.
+const NORM_BLOCK_MIN_LEN: usize = 1024;
+/// Threads of `norm_rows_block_f32` (`NORM_THREADS` in ops.cu).
+const NORM_BLOCK_THREADS: u32 = 256;
+
+/// A tensor a kernel reads in place as rows of `d` contiguous elements ([`RowMap`]), under its storage
+/// guard.
+struct RowsInput<'a> {
+    guard: StorageRef<'a>,
+    start: usize,
+    map: RowMap,
+    name: &'static str,
+}
+
+impl<'a> RowsInput<'a> {
+    fn new(t: &'a Tensor, d: usize, name: &'static str) -> Result<Self> {
+        if t.dtype() != DType::F32 {
+            bail!("{name}: expected F32, found {:?}", t.dtype());
+        }
+        let (guard, layout) = t.storage_and_layout();
+        let Some(map) = row_map(layout.dims(), layout.stride(), d) else {
+            bail!("{name} {:?} (strides {:?}) cannot be read as rows of {d}", layout.dims(), layout.stride());
+        };
+        Ok(Self { guard, start: layout.start_offset(), map, name })
+    }
+
+    fn view(&self) -> Result<CudaView<'_, f32>> {
+        match &*self.guard {
+            Storage::Cuda(cs) => Ok(cs.as_cuda_slice::<f32>()?.slice(self.start..self.start + self.map.span)),
+            _ => bail!("{} is not on a CUDA device", self.name),
+        }
+    }
+
+    /// `(inner, inner_stride, outer)` as kernel arguments.
+    fn strides(&self) -> Result<(i64, i64, i64)> {
+        let arg = |v: usize| i64::try_from(v).map_err(|_| candle_core::Error::Msg(format!("{}: stride {v} does not fit in i64", self.name)));
+        Ok((arg(self.map.inner.max(1))?, arg(self.map.inner_stride)?, arg(self.map.outer)?))
+    }
+}
+
+/// `t` itself when a kernel can read it in place as rows of `d` ([`row_map`]), else a contiguous copy.
+fn readable_rows(t: &Tensor, d: usize) -> Result<Tensor> {
+    if row_map(t.dims(), t.stride(), d).is_some() {
+        Ok(t.clone())
+    } else {
+        t.contiguous()
+    }
+}
+
+/// An output buffer in the dtype the consumer wants: f32, or bf16 for a bf16 GEMM.
+enum Output {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<half::bf16>),
+}
+
+impl Output {
+    fn new(dev: &CudaDevice, dtype: DType, len: usize, what: &str) -> Result<Self> {
+        match dtype {
+            DType::F32 => Ok(Output::F32(alloc(dev, len)?)),
+            DType::BF16 => Ok(Output::Bf16(alloc(dev, len)?)),
+            other => bail!("{what} (cuda): cannot write {other:?}"),
+        }
+    }
+
+    /// The kernels' `y_bf16` flag.
+    fn is_bf16(&self) -> i32 {
+        i32::from(matches!(self, Output::Bf16(_)))
+    }
+
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        match self {
+            Output::F32(s) => b.arg(s),
+            Output::Bf16(s) => b.arg(s),
+        };
+    }
+
+    fn wrap(self, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
+        match self {
+            Output::F32(s) => wrap(s, dev, shape),
+            Output::Bf16(s) => wrap(s, dev, shape),
+        }
+    }
+}
+
+/// A null device pointer for an optional kernel input.
+const NULL: u64 = 0;
+
+/// The norm of every row of `x` (read in place when its layout allows), or of `x + residual` (then also
+/// returned), written in `out`. `gate` (mode 1): any tensor with as many rows of the same length.
+fn norm_rows(
+    x: &Tensor,
+    residual: Option<&Tensor>,
+    weight: Option<&Tensor>,
+    gate: Option<&Tensor>,
+    eps: f64,
+    mode: NormMode,
+    out: DType,
+) -> Result<(Tensor, Option<Tensor>)> {
+    if matches!(mode, NormMode::GatedRms) != gate.is_some() || matches!(mode, NormMode::L2) == weight.is_some() {
+        bail!("norm (cuda): mode {mode:?} with weight {} and gate {}", weight.is_some(), gate.is_some());
+    }
     let dev = cuda_device(x)?;
-    let x = x.contiguous()?;
     let d = x.dim(candle_core::D::Minus1)?;
+    let x = readable_rows(x, d)?;
     let rows = x.elem_count() / d.max(1);
-    let ix = Input::new(&x, DType::F32, "x")?;
-    // Unused pointers still need a valid buffer: pass x.
+    let residual = match residual {
+        Some(r) if r.dims() != x.dims() => bail!("norm residual {:?} does not fit x {:?}", r.dims(), x.dims()),
+        Some(r) => Some(r.contiguous()?),
+        None => None,
+    };
     let w = match weight {
-        Some(w) => {
-            if w.dims() != [d] {
-                bail!("norm weight {:?} does not fit rows of {d}", w.dims());
+        Some(w) if w.dims() != [d] => bail!("norm weight {:?} does not fit rows of {d}", w.dims()),
+        Some(w) => Some(w.contiguous()?),
+        None => None,
+    };
+    let gate = gate.map(|g| readable_rows(g, d)).transpose()?;
+    let y = Output::new(&dev, out, rows * d, "norm")?;
+    let sum = residual.as_ref().map(|_| alloc::<f32>(&dev, rows * d)).transpose()?;
+    if rows > 0 {
+        let ix = RowsInput::new(&x, d, "x")?;
+        let ig = gate.as_ref().map(|g| RowsInput::new(g, d, "gate")).transpose()?;
+        if let Some(ig) = &ig {
+            if ig.map.rows != rows {
+                bail!("norm gate has {} rows of {d}, x has {rows}", ig.map.rows);
             }
-            w.contiguous()?
         }
-        None => x.clone(),
-    };
-    let gate = match gate {
-        Some(g) => {
-            if g.dims() != x.dims() {
-                bail!("norm gate {:?} does not fit x {:?}", g.dims(), x.dims());
-            }
-            g.contiguous()?
-        }
-        None => x.clone(),
-    };
-    let iw = Input::new(&w, DType::F32, "norm weight")?;
-    let ig = Input::new(&gate, DType::F32, "gate")?;
-    let y = alloc::<f32>(&dev, x.elem_count())?;
-    let func = load_kernel(&dev, "prism_ops", OPS_IMAGE, "norm_rows_f32")?;
-    let rows_per_block = 4u32;
-    let cfg = LaunchConfig {
-        grid_dim: ((rows as u32).div_ceil(rows_per_block), 1, 1),
-        block_dim: (32 * rows_per_block, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let (rows_i, d_i, eps_f, mode_i) = (i32_arg(rows, "rows")?, i32_arg(d, "row length")?, eps as f32, mode as i32);
-    {
-        let (vx, vw, vg) = (ix.view::<f32>()?, iw.view::<f32>()?, ig.view::<f32>()?);
+        let ir = residual.as_ref().map(|r| Input::new(r, DType::F32, "residual")).transpose()?;
+        let iw = w.as_ref().map(|w| Input::new(w, DType::F32, "norm weight")).transpose()?;
+        let (vx, x_str) = (ix.view()?, ix.strides()?);
+        let vg = ig.as_ref().map(|g| g.view()).transpose()?;
+        let g_str = ig.as_ref().map(|g| g.strides()).transpose()?.unwrap_or((1, 0, 0));
+        let vr = ir.as_ref().map(|r| r.view::<f32>()).transpose()?;
+        let vw = iw.as_ref().map(|w| w.view::<f32>()).transpose()?;
+        let (name, cfg) = if d >= NORM_BLOCK_MIN_LEN {
+            let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (NORM_BLOCK_THREADS, 1, 1), shared_mem_bytes: 0 };
+            ("norm_rows_block_f32", cfg)
+        } else {
+            let rows_per_block = 4u32;
+            let cfg = LaunchConfig {
+                grid_dim: ((rows as u32).div_ceil(rows_per_block), 1, 1),
+                block_dim: (32 * rows_per_block, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            ("norm_rows_f32", cfg)
+        };
+        let func = load_kernel(&dev, "prism_ops", OPS_IMAGE, name)?;
+        let (rows_i, d_i, eps_f, mode_i, bf16_i) =
+            (i32_arg(rows, "rows")?, i32_arg(d, "row length")?, eps as f32, mode as i32, y.is_bf16());
         let mut b = func.builder();
-        b.arg(&vx).arg(&vw).arg(&vg).arg(&y).arg(&rows_i).arg(&d_i).arg(&eps_f).arg(&mode_i);
-        // SAFETY: as above.
+        b.arg(&vx).arg(&x_str.0).arg(&x_str.1).arg(&x_str.2);
+        match &vr {
+            Some(vr) => b.arg(vr),
+            None => b.arg(&NULL),
+        };
+        match &sum {
+            Some(s) => b.arg(s),
+            None => b.arg(&NULL),
+        };
+        match &vw {
+            Some(vw) => b.arg(vw),
+            None => b.arg(&NULL),
+        };
+        match &vg {
+            Some(vg) => b.arg(vg),
+            None => b.arg(&NULL),
+        };
+        b.arg(&g_str.0).arg(&g_str.1).arg(&g_str.2);
+        y.push(&mut b);
+        b.arg(&bf16_i).arg(&rows_i).arg(&d_i).arg(&eps_f).arg(&mode_i);
+        // SAFETY: the views cover every row the kernel reads (row maps checked above, rows counted
+        // from x); y and sum hold rows × d elements; null pointers only where the mode reads nothing.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
-    Ok(wrap(y, &dev, x.shape().clone()))
+    let shape = x.shape().clone();
+    Ok((y.wrap(&dev, shape.clone()), sum.map(|s| wrap(s, &dev, shape))))
 }
 
 /// CUDA twin of [`crate::ops::rms_norm`].
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    norm_rows(x, Some(weight), None, eps, NormMode::Rms)
+    rms_norm_as(x, weight, eps, DType::F32)
+}
+
+/// CUDA twin of [`crate::ops::rms_norm_as`]: the result written in f32 or bf16.
+pub fn rms_norm_as(x: &Tensor, weight: &Tensor, eps: f64, out: DType) -> Result<Tensor> {
+    Ok(norm_rows(x, None, Some(weight), None, eps, NormMode::Rms, out)?.0)
+}
+
+/// CUDA twin of [`crate::ops::add_rms_norm`]: `(x + residual, rms_norm(x + residual))` in one kernel.
+pub fn add_rms_norm(x: &Tensor, residual: &Tensor, weight: &Tensor, eps: f64, out: DType) -> Result<(Tensor, Tensor)> {
+    match norm_rows(x, Some(residual), Some(weight), None, eps, NormMode::Rms, out)? {
+        (normed, Some(sum)) => Ok((sum, normed)),
+        (_, None) => bail!("add_rms_norm (cuda): the kernel returned no sum"),
+    }
 }
 
 /// CUDA twin of [`crate::ops::gated_rms_norm`].
 pub fn gated_rms_norm(x: &Tensor, gate: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    norm_rows(x, Some(weight), Some(gate), eps, NormMode::GatedRms)
+    if gate.dims() != x.dims() {
+        bail!("norm gate {:?} does not fit x {:?}", gate.dims(), x.dims());
+    }
+    Ok(norm_rows(x, None, Some(weight), Some(gate), eps, NormMode::GatedRms, DType::F32)?.0)
+}
+
+/// CUDA twin of [`crate::ops::gated_rms_norm_rows`]: `x: [n, h, d]`, the gate `[n, h·d]` read in place;
+/// returns `[n, h·d]` in `out`.
+pub fn gated_rms_norm_rows(x: &Tensor, gate: &Tensor, weight: &Tensor, eps: f64, out: DType) -> Result<Tensor> {
+    let (n, h, d) = x.dims3()?;
+    if gate.dims() != [n, h * d] {
+        bail!("norm gate {:?} does not fit x {:?}", gate.dims(), x.dims());
+    }
+    norm_rows(x, None, Some(weight), Some(gate), eps, NormMode::GatedRms, out)?.0.reshape((n, h * d))
 }
 
 /// CUDA twin of [`crate::ops::l2_norm`].
 pub fn l2_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
-    norm_rows(x, None, None, eps, NormMode::L2)
+    Ok(norm_rows(x, None, None, None, eps, NormMode::L2, DType::F32)?.0)
 }
 
 /// CUDA twin of [`crate::delta_net::causal_conv`] (bitwise equal: same products and sums in order).
@@ -281,6 +443,179 @@ pub fn causal_conv(x: &Tensor, window: &Tensor, taps: &Tensor) -> Result<(Tensor
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
     Ok((wrap(out, &dev, (t_len, c)), wrap(new_window, &dev, (k - 1, c))))
+}
+
+/// Output rows per thread of `causal_conv_silu_f32` (`CONV_ROWS` in ops.cu).
+const CONV_SILU_ROWS: usize = 8;
+const CONV_SILU_THREADS: u32 = 256;
+
+/// The DeltaNet conv + SiLU of all segments of a call, written into one `[N, C]` output: the fused
+/// twin of [`crate::delta_net::causal_conv`] followed by candle's `silu` (the conv bitwise the CPU's,
+/// the SiLU candle's CUDA one). Each segment reads its q|k|v rows in place (any row stride), so neither
+/// the fused projection's column range nor the per-segment outputs are copied.
+pub struct ConvSiluOutput {
+    dev: CudaDevice,
+    out: CudaSlice<f32>,
+    rows: usize,
+    channels: usize,
+    /// Rows written so far: segments come in order, each right after the previous one.
+    filled: usize,
+}
+
+impl ConvSiluOutput {
+    /// An output for `rows` rows of `channels`, on `like`'s device.
+    pub fn new(like: &Tensor, rows: usize, channels: usize) -> Result<Self> {
+        let dev = cuda_device(like)?;
+        let out = alloc::<f32>(&dev, rows * channels)?;
+        Ok(Self { dev, out, rows, channels, filled: 0 })
+    }
+
+    /// Rows `start..start + T` of the output from the segment's inputs `x: [T, C]` after `window:
+    /// [K−1, C]`, with `taps: [K, C]`; returns the new window (the last K−1 inputs).
+    pub fn segment(&mut self, x: &Tensor, start: usize, window: &Tensor, taps: &Tensor) -> Result<Tensor> {
+        let (t_len, c) = x.dims2()?;
+        let (k, c_taps) = taps.dims2()?;
+        if c != self.channels || c_taps != c || window.dims() != [k.saturating_sub(1), c] || k < 2 {
+            bail!("conv + silu: x {:?}, window {:?}, taps {:?} do not fit {} channels", x.dims(), window.dims(), taps.dims(), self.channels);
+        }
+        if start != self.filled || start + t_len > self.rows {
+            bail!("conv + silu: segment at row {start} of {t_len} rows after {} of {} rows written", self.filled, self.rows);
+        }
+        let new_window = alloc::<f32>(&self.dev, (k - 1) * c)?;
+        let row_groups = t_len.div_ceil(CONV_SILU_ROWS);
+        if row_groups + 1 > 65535 {
+            bail!("conv + silu: a segment of {t_len} tokens is longer than one launch takes");
+        }
+        let x = readable_rows(x, c)?;
+        let (window, taps) = (window.contiguous()?, taps.contiguous()?);
+        {
+            let ix = RowsInput::new(&x, c, "conv input")?;
+            let (iw, it) = (Input::new(&window, DType::F32, "conv window")?, Input::new(&taps, DType::F32, "conv taps")?);
+            let func = load_kernel(&self.dev, "prism_ops", OPS_IMAGE, "causal_conv_silu_f32")?;
+            let cfg = LaunchConfig {
+                grid_dim: ((c as u32).div_ceil(CONV_SILU_THREADS), (row_groups + 1) as u32, 1),
+                block_dim: (CONV_SILU_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let (t_i, c_i, k_i) = (i32_arg(t_len, "tokens")?, i32_arg(c, "channels")?, i32_arg(k, "taps")?);
+            let x_stride = ix.strides()?.2;
+            // A window-only launch (T = 0) reads no input row: any pointer will do.
+            let vx = ix.view()?;
+            let (vw, vt) = (iw.view::<f32>()?, it.view::<f32>()?);
+            let mut rows_out = self.out.slice_mut(start * c..(start + t_len) * c);
+            let mut b = func.builder();
+            b.arg(&vx).arg(&x_stride).arg(&vw).arg(&vt).arg(&mut rows_out).arg(&new_window);
+            b.arg(&t_i).arg(&c_i).arg(&k_i);
+            // SAFETY: x covers T rows of C at its row stride (row map), the output slice T rows of C,
+            // the window K−1 rows and the taps K rows of C; the kernel reads and writes nothing else.
+            unsafe { b.launch(cfg) }.map_err(launch_err)?;
+        }
+        self.filled += t_len;
+        Ok(wrap(new_window, &self.dev, (k - 1, c)))
+    }
+
+    /// The whole `[N, C]` output; every row must have been written.
+    pub fn finish(self) -> Result<Tensor> {
+        if self.filled != self.rows {
+            bail!("conv + silu: {} of {} rows written", self.filled, self.rows);
+        }
+        Ok(wrap(self.out, &self.dev, (self.rows, self.channels)))
+    }
+}
+
+/// Threads per block of the element-wise kernels.
+const ELEMENTWISE_THREADS: u32 = 256;
+
+fn elementwise_config(n: usize) -> Result<LaunchConfig> {
+    let blocks = n.div_ceil(ELEMENTWISE_THREADS as usize);
+    let blocks = u32::try_from(blocks).map_err(|_| candle_core::Error::Msg(format!("{n} elements are too many for one launch")))?;
+    Ok(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (ELEMENTWISE_THREADS, 1, 1), shared_mem_bytes: 0 })
+}
+
+/// CUDA twin of [`crate::ops::swiglu_as`]: `gate_up: [n, 2f]` read in place (any row stride), returns
+/// `silu(gate) · up`, `[n, f]`, in `out`.
+pub fn swiglu(gate_up: &Tensor, f: usize, out: DType) -> Result<Tensor> {
+    let dev = cuda_device(gate_up)?;
+    let (n, width) = gate_up.dims2()?;
+    if width != 2 * f {
+        bail!("swiglu: gate | up has {width} columns, not 2 × {f}");
+    }
+    let y = Output::new(&dev, out, n * f, "swiglu")?;
+    if n * f > 0 {
+        let gu = readable_rows(gate_up, width)?;
+        let ig = RowsInput::new(&gu, width, "gate | up")?;
+        let stride = ig.strides()?.2;
+        let func = load_kernel(&dev, "prism_ops", OPS_IMAGE, "swiglu_f32")?;
+        let cfg = elementwise_config(n * f.div_ceil(4))?;
+        let (n_i, f_i, bf16_i) = (i32_arg(n, "rows")?, i32_arg(f, "ffn width")?, y.is_bf16());
+        let vg = ig.view()?;
+        let mut b = func.builder();
+        b.arg(&vg).arg(&stride);
+        y.push(&mut b);
+        b.arg(&bf16_i).arg(&n_i).arg(&f_i);
+        // SAFETY: the view covers n rows of 2f at the row stride; y holds n × f elements.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    }
+    Ok(y.wrap(&dev, (n, f)))
+}
+
+/// CUDA twin of [`crate::ops::delta_net_gates`]: `b, a: [n, h]` read in place (any row stride);
+/// returns `(β, g)`, both `[n, h]` f32.
+pub fn delta_net_gates(b: &Tensor, a: &Tensor, dt_bias: &Tensor, ssm_a: &Tensor) -> Result<(Tensor, Tensor)> {
+    let dev = cuda_device(b)?;
+    let (n, h) = b.dims2()?;
+    if a.dims() != [n, h] || dt_bias.dims() != [h] || ssm_a.dims() != [h] {
+        bail!("delta-net gates: b {:?}, a {:?}, dt_bias {:?}, ssm_a {:?} do not fit", b.dims(), a.dims(), dt_bias.dims(), ssm_a.dims());
+    }
+    let beta = alloc::<f32>(&dev, n * h)?;
+    let g = alloc::<f32>(&dev, n * h)?;
+    if n * h > 0 {
+        let (bt, at) = (readable_rows(b, h)?, readable_rows(a, h)?);
+        let (dt_bias, ssm_a) = (dt_bias.contiguous()?, ssm_a.contiguous()?);
+        let (ib, ia) = (RowsInput::new(&bt, h, "beta logits")?, RowsInput::new(&at, h, "alpha")?);
+        let (idt, isa) = (Input::new(&dt_bias, DType::F32, "dt_bias")?, Input::new(&ssm_a, DType::F32, "ssm_a")?);
+        let (b_stride, a_stride) = (ib.strides()?.2, ia.strides()?.2);
+        let func = load_kernel(&dev, "prism_ops", OPS_IMAGE, "deltanet_gates_f32")?;
+        let cfg = elementwise_config(n * h)?;
+        let (n_i, h_i) = (i32_arg(n, "rows")?, i32_arg(h, "heads")?);
+        let (vb, va, vdt, vsa) = (ib.view()?, ia.view()?, idt.view::<f32>()?, isa.view::<f32>()?);
+        let mut l = func.builder();
+        l.arg(&vb).arg(&b_stride).arg(&va).arg(&a_stride).arg(&vdt).arg(&vsa);
+        l.arg(&beta).arg(&g).arg(&n_i).arg(&h_i);
+        // SAFETY: b and a cover n rows of h at their row strides; the outputs hold n × h elements.
+        unsafe { l.launch(cfg) }.map_err(launch_err)?;
+    }
+    Ok((wrap(beta, &dev, (n, h)), wrap(g, &dev, (n, h))))
+}
+
+/// CUDA twin of [`crate::ops::sigmoid_gate`]: `attn: [n, h·d]`, `gate: [n, h, d]` read in place;
+/// returns `attn · σ(gate)`, `[n, h·d]`, in `out`.
+pub fn sigmoid_gate(attn: &Tensor, gate: &Tensor, out: DType) -> Result<Tensor> {
+    let dev = cuda_device(attn)?;
+    let (n, h, d) = gate.dims3()?;
+    if attn.dims() != [n, h * d] {
+        bail!("attention gate {:?} does not fit the output {:?}", gate.dims(), attn.dims());
+    }
+    let y = Output::new(&dev, out, n * h * d, "attention gate")?;
+    if n * h * d > 0 {
+        let attn = attn.contiguous()?;
+        let gate = readable_rows(gate, d)?;
+        let ia = Input::new(&attn, DType::F32, "attention output")?;
+        let ig = RowsInput::new(&gate, d, "attention gate")?;
+        let g_str = ig.strides()?;
+        let func = load_kernel(&dev, "prism_ops", OPS_IMAGE, "sigmoid_gate_f32")?;
+        let cfg = elementwise_config(n * h * d)?;
+        i32_arg(n * h, "gate rows")?;
+        let (n_i, w_i, d_i, bf16_i) = (i32_arg(n, "rows")?, i32_arg(h * d, "width")?, i32_arg(d, "head dim")?, y.is_bf16());
+        let (va, vg) = (ia.view::<f32>()?, ig.view()?);
+        let mut b = func.builder();
+        b.arg(&va).arg(&vg).arg(&g_str.0).arg(&g_str.1).arg(&g_str.2).arg(&d_i);
+        y.push(&mut b);
+        b.arg(&bf16_i).arg(&n_i).arg(&w_i);
+        // SAFETY: attn holds n × h·d elements, the gate view n·h rows of d; y n × h·d.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    }
+    Ok(y.wrap(&dev, (n, h * d)))
 }
 
 /// Warps per block of the attention kernel (rows × heads of one KV group; see ops.cu).
@@ -334,14 +669,15 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: 
     Ok(wrap(out, &dev, (t_len, n_h * hd)))
 }
 
-/// `y = x · Wᵀ` with bf16 operands and an **f32 result**: `x: [N, in]` (f32, rounded to bf16 here),
-/// `w: [out, in]` bf16; returns `[N, out]` f32. cuBLAS accumulates in f32 (`CUBLAS_COMPUTE_32F`), and
-/// the output is not rounded to bf16 — the CPU bf16 path ([`crate::ops::linear`]) does the same.
+/// `y = x · Wᵀ` with bf16 operands and an **f32 result**: `x: [N, in]` (bf16 as its producer wrote it,
+/// or f32, rounded to bf16 here), `w: [out, in]` bf16; returns `[N, out]` f32. cuBLAS accumulates in f32
+/// (`CUBLAS_COMPUTE_32F`), and the output is not rounded to bf16 — the CPU bf16 path
+/// ([`crate::ops::linear`]) does the same.
 pub fn linear_bf16(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let dev = cuda_device(x)?;
     let (n, k) = x.dims2()?;
     let (out, k_w) = w.dims2()?;
-    if k != k_w || w.dtype() != DType::BF16 || x.dtype() != DType::F32 {
+    if k != k_w || w.dtype() != DType::BF16 || !matches!(x.dtype(), DType::F32 | DType::BF16) {
         bail!("linear (cuda): x {:?} {:?} and weight {:?} {:?} do not fit", x.dims(), x.dtype(), w.dims(), w.dtype());
     }
     let xb = x.to_dtype(DType::BF16)?.contiguous()?;

@@ -106,6 +106,19 @@ impl Linear {
     pub fn is_quantized(&self) -> bool {
         matches!(self, Linear::Quant(_))
     }
+
+    /// The dtype this projection wants its input in when the activations are `act`: bf16 for a bf16
+    /// weight multiplied on CUDA (cuBLAS reads bf16 operands, so the producer writes them rounded,
+    /// instead of a separate cast of its f32 output), else `act`. The integer path and calibration
+    /// always take the f32 activation.
+    pub fn input_dtype(&self, act: DType) -> DType {
+        match self {
+            Linear::Dense(w) if act == DType::F32 && w.dtype() == DType::BF16 && w.device().is_cuda() => {
+                DType::BF16
+            }
+            _ => act,
+        }
+    }
 }
 
 /// Where one part of a [`FusedLinear`] lies in the outputs.
@@ -154,6 +167,20 @@ impl FusedLinear {
     /// Whether any of the GEMMs runs on the integer path.
     pub fn is_quantized(&self) -> bool {
         self.gemms.iter().any(Linear::is_quantized)
+    }
+
+    /// [`Linear::input_dtype`] of all its GEMMs: bf16 only when every one of them takes bf16.
+    pub fn input_dtype(&self, act: DType) -> DType {
+        let all_bf16 = !self.gemms.is_empty()
+            && self
+                .gemms
+                .iter()
+                .all(|g| g.input_dtype(act) == DType::BF16);
+        if all_bf16 {
+            DType::BF16
+        } else {
+            act
+        }
     }
 }
 
