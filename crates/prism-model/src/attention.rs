@@ -12,7 +12,7 @@ use crate::config::Qwen35Config;
 use crate::error::Result;
 use crate::matmul::{self, Float};
 use crate::linear::{FusedLinear, Linear};
-use crate::ops::{rms_norm, sigmoid, softmax_last_dim};
+use crate::ops::{rms_norm, sigmoid_gate, softmax_last_dim};
 use crate::qwen35::Segment;
 use crate::rope::MRope;
 use crate::state::KvCache;
@@ -82,10 +82,8 @@ impl Attention {
         let proj = self.qkv.forward(x)?;
         let qg = proj.part(Self::Q)?.reshape((n_tokens, n_h, 2 * hd))?;
         let q = rms_norm(&qg.narrow(2, 0, hd)?, &self.q_norm, self.eps)?;
-        let gate = qg
-            .narrow(2, hd, hd)?
-            .contiguous()?
-            .reshape((n_tokens, n_h * hd))?;
+        // The gate halves stay where the projection wrote them; the output gate reads them there.
+        let gate = qg.narrow(2, hd, hd)?;
         let k = rms_norm(
             &proj.part(Self::K)?.reshape((n_tokens, n_kv, hd))?,
             &self.k_norm,
@@ -122,7 +120,9 @@ impl Attention {
             cache.v = Some(v_all);
         }
         attend_timer.stop()?;
-        let attn = Tensor::cat(&outs, 0)?.mul(&sigmoid(&gate)?)?;
+        // attn · σ(gate), written in the dtype attn_output reads (bf16 for a bf16 GEMM on CUDA).
+        let attn = Tensor::cat(&outs, 0)?;
+        let attn = sigmoid_gate(&attn, &gate, self.o.input_dtype(attn.dtype()))?;
         Ok(self.o.forward(&attn)?)
     }
 }

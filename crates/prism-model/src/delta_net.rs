@@ -9,7 +9,7 @@ use crate::config::Qwen35Config;
 use crate::delta_rule;
 use crate::error::{ModelError, Result};
 use crate::linear::{FusedLinear, Linear};
-use crate::ops::{gated_rms_norm, l2_norm, sigmoid, softplus};
+use crate::ops::{delta_net_gates, gated_rms_norm_rows, l2_norm};
 use crate::profile;
 use crate::qwen35::Segment;
 use crate::state::DeltaNetState;
@@ -99,35 +99,24 @@ impl DeltaNet {
         let n_tokens = x.dim(0)?;
         let key_dim = self.n_k * self.dk;
         let dev = x.device();
+        // Parts of the fused projection stay column ranges of its output (views): the conv, the gates
+        // and the gated norm read them in place on CUDA.
         let (mixed, z, beta, g) =
             profile::time("deltanet: input projections", dev, || -> Result<_> {
                 let proj = self.in_proj.forward(x)?;
-                // The conv reads whole rows of q|k|v.
-                let mixed = proj.part(Self::QKV)?.contiguous()?;
+                let mixed = proj.part(Self::QKV)?;
                 let z = proj.part(Self::Z)?;
-                let beta = sigmoid(&proj.part(Self::BETA)?)?;
-                let g = softplus(&proj.part(Self::ALPHA)?.broadcast_add(&self.dt_bias)?)?
-                    .broadcast_mul(&self.ssm_a)?;
+                let (beta, g) = delta_net_gates(
+                    &proj.part(Self::BETA)?,
+                    &proj.part(Self::ALPHA)?,
+                    &self.dt_bias,
+                    &self.ssm_a,
+                )?;
                 Ok((mixed, z, beta, g))
             })?;
 
-        let conv_out = profile::time("deltanet: conv", dev, || -> Result<_> {
-            let mut conv_out = Vec::with_capacity(segments.len());
-            for (i, seg) in segments.iter().enumerate() {
-                // A branch starts from its parent's window right after the parent's tokens.
-                if let Some(p) = seg.parent.filter(|&p| p < i) {
-                    let window = states[p].conv.clone();
-                    states[i].conv = window;
-                }
-                let (out, window) = causal_conv(
-                    &mixed.narrow(0, seg.start, seg.len)?,
-                    &states[i].conv,
-                    &self.conv_taps,
-                )?;
-                states[i].conv = window;
-                conv_out.push(out);
-            }
-            Ok(Tensor::cat(&conv_out, 0)?.silu()?)
+        let conv_out = profile::time("deltanet: conv", dev, || {
+            self.conv_silu(&mixed, segments, states)
         })?;
 
         let q = conv_out
@@ -178,11 +167,58 @@ impl DeltaNet {
         }
         rule_timer.stop()?;
         profile::time("deltanet: gated norm + output projection", dev, || -> Result<_> {
-            let z = z.reshape((n_tokens, self.n_v, self.dv))?;
-            let y = gated_rms_norm(&o, &z, &self.norm, self.eps)?
-                .reshape((n_tokens, self.n_v * self.dv))?;
+            // Written in the dtype ssm_out reads (bf16 for a bf16 GEMM on CUDA).
+            let y = gated_rms_norm_rows(&o, &z, &self.norm, self.eps, self.out.input_dtype(o.dtype()))?;
             Ok(self.out.forward(&y)?)
         })
+    }
+
+    /// The causal conv of every segment's q|k|v rows (`mixed: [N, conv_dim]`, a column range of the
+    /// projection) against its state's window, then SiLU: `[N, conv_dim]`. Updates each window.
+    fn conv_silu(
+        &self,
+        mixed: &Tensor,
+        segments: &[Segment],
+        states: &mut [&mut DeltaNetState],
+    ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if mixed.device().is_cuda() && mixed.dtype() == candle_core::DType::F32 {
+            // One kernel per segment (conv + SiLU), writing its rows of one output.
+            let (n, c) = mixed.dims2()?;
+            let mut out = crate::cuda::ConvSiluOutput::new(mixed, n, c)?;
+            for (i, seg) in segments.iter().enumerate() {
+                if let Some(p) = seg.parent.filter(|&p| p < i) {
+                    let window = states[p].conv.clone();
+                    states[i].conv = window;
+                }
+                let window = out.segment(
+                    &mixed.narrow(0, seg.start, seg.len)?,
+                    seg.start,
+                    &states[i].conv,
+                    &self.conv_taps,
+                )?;
+                states[i].conv = window;
+            }
+            return Ok(out.finish()?);
+        }
+        // The conv reads whole rows of q|k|v.
+        let mixed = mixed.contiguous()?;
+        let mut conv_out = Vec::with_capacity(segments.len());
+        for (i, seg) in segments.iter().enumerate() {
+            // A branch starts from its parent's window right after the parent's tokens.
+            if let Some(p) = seg.parent.filter(|&p| p < i) {
+                let window = states[p].conv.clone();
+                states[i].conv = window;
+            }
+            let (out, window) = causal_conv(
+                &mixed.narrow(0, seg.start, seg.len)?,
+                &states[i].conv,
+                &self.conv_taps,
+            )?;
+            states[i].conv = window;
+            conv_out.push(out);
+        }
+        Ok(Tensor::cat(&conv_out, 0)?.silu()?)
     }
 }
 

@@ -15,7 +15,7 @@ use crate::config::{hf_text_config, read_hf_config, LayerKind, Qwen35Config};
 use crate::delta_net::DeltaNet;
 use crate::error::{ModelError, Result};
 use crate::linear::{FusedLinear, Linear};
-use crate::ops::{rms_norm, swiglu};
+use crate::ops::{add_rms_norm, rms_norm_as, swiglu_as};
 use crate::profile;
 use crate::rope::{MRope, Position3};
 use crate::state::{DeltaNetState, KvCache, LayerState, SequenceState};
@@ -84,8 +84,14 @@ impl Mlp {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let gate_up = self.gate_up.forward(x)?.parts(Self::GATE..Self::UP + 1)?;
-        let h = swiglu(&gate_up, self.ffn)?;
+        // Written in the dtype ffn_down reads (bf16 for a bf16 GEMM on CUDA).
+        let h = swiglu_as(&gate_up, self.ffn, self.down.input_dtype(gate_up.dtype()))?;
         Ok(self.down.forward(&h)?)
+    }
+
+    /// The dtype [`Mlp::forward`] wants its input in when the activations are `act`.
+    pub fn input_dtype(&self, act: DType) -> DType {
+        self.gate_up.input_dtype(act)
     }
 }
 
@@ -94,6 +100,16 @@ impl Mlp {
 pub enum Mixer {
     DeltaNet(DeltaNet),
     Attention(Attention),
+}
+
+impl Mixer {
+    /// The dtype the mixer's input projections want the normed activation in (activations `act`).
+    pub fn input_dtype(&self, act: DType) -> DType {
+        match self {
+            Mixer::DeltaNet(net) => net.in_proj.input_dtype(act),
+            Mixer::Attention(attn) => attn.qkv.input_dtype(act),
+        }
+    }
 }
 
 /// One decoder layer: `u = h + Mixer(norm(h))`, `h' = u + MLP(norm(u))`.
@@ -458,9 +474,17 @@ impl Qwen35Model {
         }
         let (cos, sin) = self.rope.cos_sin(&positions)?;
         let eps = self.config.rms_norm_eps;
+        let dev = &self.device;
+        let act = x.dtype();
+        // The norm after each residual add runs with it (`add_rms_norm`), writing its output in the
+        // dtype the next projection reads: `h` is always the normed input of what comes next, the
+        // first layer's mixer here and, after the last layer, the final norm's output.
+        let (first_norm, first_dtype) = match self.layers.first() {
+            Some(layer) => (&layer.attn_norm, layer.mixer.input_dtype(act)),
+            None => (&self.final_norm, act),
+        };
+        let mut h = profile::time("norm", dev, || rms_norm_as(&x, first_norm, eps, first_dtype))?;
         for (l, layer) in self.layers.iter().enumerate() {
-            let dev = &self.device;
-            let h = profile::time("norm", dev, || rms_norm(&x, &layer.attn_norm, eps))?;
             let mixed = match &layer.mixer {
                 Mixer::DeltaNet(net) => {
                     let mut states: Vec<&mut DeltaNetState> = work
@@ -491,14 +515,23 @@ impl Qwen35Model {
                     })?
                 }
             };
-            x = (x + mixed)?;
-            let h = profile::time("norm", dev, || rms_norm(&x, &layer.post_norm, eps))?;
-            x = (&x + profile::time("mlp", dev, || layer.mlp.forward(&h))?)?;
+            let (u, h_mlp) = profile::time("norm", dev, || {
+                add_rms_norm(&x, &mixed, &layer.post_norm, eps, layer.mlp.input_dtype(act))
+            })?;
+            let mlp_out = profile::time("mlp", dev, || layer.mlp.forward(&h_mlp))?;
+            let (next_norm, next_dtype) = match self.layers.get(l + 1) {
+                Some(next) => (&next.attn_norm, next.mixer.input_dtype(act)),
+                None => (&self.final_norm, act),
+            };
+            (x, h) = profile::time("norm", dev, || {
+                add_rms_norm(&u, &mlp_out, next_norm, eps, next_dtype)
+            })?;
             if let Some(t) = trace.as_deref_mut() {
                 t.push(x.clone());
             }
         }
-        let hidden = rms_norm(&x, &self.final_norm, eps)?;
+        // The final norm of the last residual stream (computed with the last add above).
+        let hidden = h;
 
         for (((item, mut state), seg), next) in items
             .iter_mut()
