@@ -392,13 +392,16 @@ delta_rule_chunked_f32(const float* __restrict__ q,      // [*, H, dk]
 //    GQA tiling needs no copies. v is read through a row stride (a column range of the conv output).
 //  * The pair kernel also writes, per (chunk, head), Γ and the f32 factors e^{Γ_r}, e^{Γ_63−Γ_s}, β_r
 //    and e^{Γ_63} (the same f64 exp calls, once per chunk instead of once per column slice).
-//  * Loads. The old kernels stage k̂/q̂ element by element, and every few elements wait for the
-//    previous stores: ~8 dependent trips to memory per chunk in the scan kernel (per chunk: 26 µs at
-//    the ncu clocks for ~4 µs of arithmetic on an SM) and 32 in the pair kernel, plus the f64 Γ sum
-//    reading g from global memory one dependent load at a time. Here every chunk is staged with
-//    cp.async in one trip (k̂/q̂ row-major, v straight into the U tile, the factors), the pair
-//    scalars are prefetched into registers in the same trip, the pair kernel loads in batches of four
-//    float4 per thread, and Γ is summed from shared memory.
+//  * Loads. The old kernels stage k̂/q̂ one float at a time in loops the compiler unrolls by four, each
+//    group's stores waiting for its loads (their SASS): 8 dependent trips to memory per chunk in the
+//    scan kernel, then one more each for Γ/β, the pair scalars and v; 32 in the pair kernel (its loads
+//    sit in branches, so each element's store waits before the next element's load), whose f64 Γ
+//    sum also reads g from global memory one dependent load per row (up to 64 trips by one thread
+//    while the block waits). ncu measured ~26 µs per chunk step of the scan kernel at 27B shapes,
+//    several times its arithmetic. Here every chunk is staged with cp.async in one trip (k̂/q̂
+//    row-major, v straight into the U tile, Γ and the factors), the pair scalars are prefetched into
+//    registers in the same trip, the pair kernel loads four float4 per thread per trip (two trips at
+//    dk = 128), and Γ is summed from shared memory.
 //  * The outputs go from the solve's registers to global memory (no O round trip through shared
 //    memory, one barrier fewer).
 // =====================================================================================================

@@ -19,6 +19,11 @@ use serde_json::{json, Value};
 #[path = "cmd_cuda_check_flash.rs"]
 mod flash;
 
+/// The batched delta rule's checks (bitwise against one call each and the per-segment kernels, CPU
+/// twin, launch limits, 27B timings).
+#[path = "cmd_cuda_check_delta.rs"]
+mod delta;
+
 /// The fused small kernels' checks (norms, SwiGLU, conv + SiLU, gates, bf16 GEMM inputs).
 #[path = "cmd_cuda_check_fused.rs"]
 mod fused;
@@ -386,6 +391,7 @@ pub fn run(fixtures: Option<PathBuf>, json_out: Option<PathBuf>) -> Result<()> {
     flash::checks(&mut report, &gpu)?;
     fused::checks(&mut report, &gpu)?;
     delta_rule_checks(&mut report, &gpu, &mut rng)?;
+    delta::checks(&mut report, &gpu)?;
     model_checks(&mut report, &gpu, &fixtures)?;
     let prompts = fixture_prompts(&fixtures)?;
     integer_model_checks(&mut report, &gpu, &fixtures, &prompts)?;

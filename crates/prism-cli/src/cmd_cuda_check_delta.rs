@@ -1,0 +1,436 @@
+//! `prism cuda-check`, batched delta-rule part (`delta_rule::chunked_batch` on CUDA:
+//! `prism_model::cuda_delta`, the batched kernels of kernels/delta_rule.cu).
+//!
+//! 1. Bit for bit on the GPU, outputs and every part of every new state (memory, pending keys, values
+//!    and decays, pending count), for a batch of seven sequences: roots from a random memory, from
+//!    states 37 tokens into a chunk and from zero, a decode-like one-token segment, a segment that
+//!    ends exactly on a chunk boundary, two branches of one segment and a branch of a branch; q/k with
+//!    2 key heads under 6 value heads. The batched call is compared with (a) the same segments one
+//!    call each (`delta_rule::chunked`, q/k tiled), (b) the per-segment kernels of the path before
+//!    (`cuda_delta::delta_rule_per_segment_v1`, same per-element arithmetic by construction), and
+//!    (c) the batched call on q/k tiled to the value heads.
+//! 2. The same batch against the CPU twin (`chunked_batch` on the host): ‖Δ‖/‖ref‖ of the outputs and
+//!    of the memories after every segment.
+//! 3. Launch limits, bit for bit against one call each: 40 one-token sequences from 40 states at
+//!    different pending rows (two launches of ≤ 32 segments), and a 2,200-token prompt next to three
+//!    short ones (the chunk budget splits the long one across launches).
+//! 4. Timing at 27B shapes (48 value heads over 16 key heads, dk = dv = 128), median of 21 runs after a
+//!    warm-up, µs: one layer's delta rule for one 275-token prompt, for a 230-token prefix and three
+//!    40-token branches of it, and for a decode step of 12 sequences; the per-segment kernels (q/k
+//!    tiled beforehand, one call per segment as the model did) next to the batched call.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor};
+use prism_model::cuda_delta::delta_rule_per_segment_v1;
+use prism_model::delta_rule::{self, chunked_batch, expand_key_heads, RuleSegment, RuleState};
+use serde_json::json;
+
+use super::{delta_rule_inputs, Report, Rng};
+
+/// Bound on ‖Δ‖/‖ref‖ against the CPU twin. Both sides compute in f32 with f64 decays, in different
+/// summation orders (the CPU's dot products use 8 lanes); the per-segment kernels measured 2.5e-7 on
+/// outputs and memories (docs/correctness.md). Starting states that were themselves computed on each
+/// side add their own ~1e-7.
+const CPU_BOUND: f64 = 1e-5;
+
+/// Packed inputs of a batch on the CPU: `q, k: [N, hk, dk]`, `v: [N, h, dv]`, `g, beta: [N, h]`.
+fn batch_inputs(
+    rng: &mut Rng,
+    n: usize,
+    h: usize,
+    hk: usize,
+    dk: usize,
+    dv: usize,
+) -> Result<[Tensor; 5]> {
+    let [q, k, ..] = delta_rule_inputs(rng, n, hk, dk, dv)?;
+    let [_, _, v, g, beta] = delta_rule_inputs(rng, n, h, dk, dv)?;
+    Ok([q, k, v, g, beta])
+}
+
+fn to_device(x: &[Tensor; 5], device: &Device) -> Result<[Tensor; 5]> {
+    Ok([
+        x[0].to_device(device)?,
+        x[1].to_device(device)?,
+        x[2].to_device(device)?,
+        x[3].to_device(device)?,
+        x[4].to_device(device)?,
+    ])
+}
+
+/// `x` with q and k tiled to the value heads.
+fn tiled(x: &[Tensor; 5]) -> Result<[Tensor; 5]> {
+    let h = x[2].dim(1)?;
+    Ok([
+        expand_key_heads(&x[0], h)?,
+        expand_key_heads(&x[1], h)?,
+        x[2].clone(),
+        x[3].clone(),
+        x[4].clone(),
+    ])
+}
+
+/// The state after `tokens` random tokens (value heads `h`) from a random memory, on `device`; the same
+/// inputs on every device (a fresh `Rng` per `seed`).
+fn state_after(
+    seed: u64,
+    tokens: usize,
+    h: usize,
+    dk: usize,
+    dv: usize,
+    device: &Device,
+) -> Result<RuleState> {
+    let mut rng = Rng(seed);
+    let memory = rng.tensor(&[h, dk, dv], 0.5)?.to_device(device)?;
+    let start = RuleState::from_memory(&memory)?;
+    if tokens == 0 {
+        return Ok(start);
+    }
+    let x = to_device(&delta_rule_inputs(&mut rng, tokens, h, dk, dv)?, device)?;
+    Ok(delta_rule::chunked(&x[0], &x[1], &x[2], &x[3], &x[4], &start)?.1)
+}
+
+/// The segments one `delta_rule::chunked` call each (q/k tiled), branches from their parent's new state.
+fn one_by_one(
+    x: &[Tensor; 5],
+    segments: &[RuleSegment],
+    states: &[RuleState],
+) -> Result<(Tensor, Vec<RuleState>)> {
+    let x = tiled(x)?;
+    let mut outs = Vec::with_capacity(segments.len());
+    let mut new_states: Vec<RuleState> = Vec::with_capacity(segments.len());
+    for (i, seg) in segments.iter().enumerate() {
+        let start = match seg.parent {
+            Some(p) => new_states[p].clone(),
+            None => states[i].clone(),
+        };
+        let at = |t: &Tensor| t.narrow(0, seg.start, seg.len);
+        let (o, state) = delta_rule::chunked(
+            &at(&x[0])?,
+            &at(&x[1])?,
+            &at(&x[2])?,
+            &at(&x[3])?,
+            &at(&x[4])?,
+            &start,
+        )?;
+        outs.push(o);
+        new_states.push(state);
+    }
+    Ok((Tensor::cat(&outs, 0)?, new_states))
+}
+
+/// Bit-for-bit comparison of two f64 tensors (the pending decays), reported like `Report::identical`.
+fn identical_f64(r: &mut Report, name: &str, a: &Tensor, b: &Tensor) -> Result<()> {
+    let a: Vec<f64> = a
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F64)?
+        .flatten_all()?
+        .to_vec1()?;
+    let b: Vec<f64> = b
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F64)?
+        .flatten_all()?
+        .to_vec1()?;
+    let differing = a
+        .iter()
+        .zip(&b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count()
+        + a.len().abs_diff(b.len());
+    let ok = differing == 0;
+    println!(
+        "{name:<58} {differing} of {} elements differ in bits  {}",
+        a.len(),
+        if ok { "ok" } else { "FAIL" }
+    );
+    r.failed += usize::from(!ok);
+    r.rows
+        .push(json!({"check": name, "differing_bits": differing, "ok": ok}));
+    Ok(())
+}
+
+/// Outputs and all states of two runs of the same batch, bit for bit.
+fn same_results(
+    r: &mut Report,
+    name: &str,
+    got: &(Tensor, Vec<RuleState>),
+    want: &(Tensor, Vec<RuleState>),
+) -> Result<()> {
+    r.identical(&format!("{name}: outputs"), &got.0, &want.0)?;
+    let stack = |states: &[RuleState], part: fn(&RuleState) -> &Tensor| -> Result<Tensor> {
+        let parts: Vec<Tensor> = states
+            .iter()
+            .map(|s| part(s).to_device(&Device::Cpu))
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Tensor::stack(&parts, 0)?)
+    };
+    let (a, b) = (&got.1, &want.1);
+    if a.len() != b.len() {
+        bail!("{name}: {} states against {}", a.len(), b.len());
+    }
+    r.identical(
+        "  … memories",
+        &stack(a, |s| &s.chunk_start)?,
+        &stack(b, |s| &s.chunk_start)?,
+    )?;
+    r.identical(
+        "  … pending keys",
+        &stack(a, |s| &s.pending_k)?,
+        &stack(b, |s| &s.pending_k)?,
+    )?;
+    r.identical(
+        "  … pending values",
+        &stack(a, |s| &s.pending_u)?,
+        &stack(b, |s| &s.pending_u)?,
+    )?;
+    identical_f64(
+        r,
+        "  … pending decays",
+        &stack(a, |s| &s.pending_gamma)?,
+        &stack(b, |s| &s.pending_gamma)?,
+    )?;
+    let (pa, pb): (Vec<usize>, Vec<usize>) = (
+        a.iter().map(|s| s.pending).collect(),
+        b.iter().map(|s| s.pending).collect(),
+    );
+    let ok = pa == pb;
+    println!(
+        "{:<58} {}",
+        "  … pending rows",
+        if ok { "ok" } else { "FAIL" }
+    );
+    r.failed += usize::from(!ok);
+    r.rows
+        .push(json!({"check": format!("{name}: pending rows"), "ok": ok}));
+    Ok(())
+}
+
+/// Segments of the given lengths tiling the rows in order, with the given parents.
+fn tile(spec: &[(usize, Option<usize>)]) -> Vec<RuleSegment> {
+    let mut start = 0;
+    spec.iter()
+        .map(|&(len, parent)| {
+            let seg = RuleSegment { start, len, parent };
+            start += len;
+            seg
+        })
+        .collect()
+}
+
+fn bitwise_and_accuracy_checks(r: &mut Report, gpu: &Device) -> Result<()> {
+    let (h, hk, dk, dv) = (6usize, 2usize, 128usize, 128usize);
+    // (tokens, parent): roots 0, 1, 2, 6; 3 and 4 branch from 0, 5 from 3.
+    let segments = tile(&[
+        (150, None),
+        (1, None),
+        (90, None),
+        (40, Some(0)),
+        (64, Some(0)),
+        (5, Some(3)),
+        (64, None),
+    ]);
+    let n: usize = segments.iter().map(|s| s.len).sum();
+    let mut rng = Rng(0xDE17_A5EE_0B00_0001);
+    let cpu_x = batch_inputs(&mut rng, n, h, hk, dk, dv)?;
+    let gpu_x = to_device(&cpu_x, gpu)?;
+    // Starting states: a random memory, two 37 tokens into a chunk, zero; branches read none.
+    let starts = |device: &Device| -> Result<Vec<RuleState>> {
+        let zero = RuleState::zeros(h, dk, dv, DType::F32, device)?;
+        Ok(vec![
+            state_after(11, 0, h, dk, dv, device)?,
+            state_after(12, 37, h, dk, dv, device)?,
+            state_after(13, 37, h, dk, dv, device)?,
+            zero.clone(),
+            zero.clone(),
+            zero.clone(),
+            zero,
+        ])
+    };
+    let (gpu_states, cpu_states) = (starts(gpu)?, starts(&Device::Cpu)?);
+    let [q, k, v, g, beta] = &gpu_x;
+    let batched = chunked_batch(q, k, v, g, beta, &segments, &gpu_states)?;
+
+    let alone = one_by_one(&gpu_x, &segments, &gpu_states)?;
+    same_results(
+        r,
+        "delta rule batched (7 segments, 2 levels of branches) vs one call each",
+        &batched,
+        &alone,
+    )?;
+    let old = delta_rule_per_segment_v1(q, k, v, g, beta, &segments, &gpu_states)?;
+    same_results(
+        r,
+        "delta rule batched vs the per-segment kernels (v1)",
+        &batched,
+        &old,
+    )?;
+    let t = tiled(&gpu_x)?;
+    let expanded = chunked_batch(&t[0], &t[1], &t[2], &t[3], &t[4], &segments, &gpu_states)?;
+    same_results(
+        r,
+        "delta rule batched: 2 key heads read in place vs tiled to 6",
+        &batched,
+        &expanded,
+    )?;
+
+    let [q, k, v, g, beta] = &cpu_x;
+    let (want, want_states) = chunked_batch(q, k, v, g, beta, &segments, &cpu_states)?;
+    r.compare(
+        "delta rule batched vs CPU twin: outputs of 7 segments",
+        &batched.0,
+        &want,
+        CPU_BOUND,
+    )?;
+    let memories = |states: &[RuleState]| -> Result<Tensor> {
+        let m: Vec<Tensor> = states
+            .iter()
+            .map(|s| s.memory())
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Tensor::stack(&m, 0)?)
+    };
+    r.compare(
+        "delta rule batched vs CPU twin: memories after each segment",
+        &memories(&batched.1)?,
+        &memories(&want_states)?,
+        CPU_BOUND,
+    )?;
+    Ok(())
+}
+
+fn launch_limit_checks(r: &mut Report, gpu: &Device) -> Result<()> {
+    let (h, hk, dk, dv) = (6usize, 2usize, 128usize, 128usize);
+    let mut rng = Rng(0xDE17_A5EE_0B00_0002);
+    // 40 one-token sequences (more than the 32 segments of a launch) from states at pending rows
+    // 13·i mod 64 (0, 13, 26, …: 40 different ones).
+    let segments = tile(&[(1, None); 40]);
+    let states = (0..40)
+        .map(|i| state_after(100 + i as u64, (i * 13) % 64, h, dk, dv, gpu))
+        .collect::<Result<Vec<_>>>()?;
+    let x = to_device(&batch_inputs(&mut rng, 40, h, hk, dk, dv)?, gpu)?;
+    let batched = chunked_batch(&x[0], &x[1], &x[2], &x[3], &x[4], &segments, &states)?;
+    let alone = one_by_one(&x, &segments, &states)?;
+    same_results(
+        r,
+        "delta rule batched: 40 decode steps (2 launches) vs one call each",
+        &batched,
+        &alone,
+    )?;
+
+    // A 2,200-token prompt (35 chunks, over the 32-chunk budget) among three short sequences, one of
+    // them starting mid-chunk and one branching from the long one.
+    let segments = tile(&[(20, None), (2200, None), (70, None), (33, Some(1))]);
+    let n: usize = segments.iter().map(|s| s.len).sum();
+    let states = vec![
+        state_after(200, 50, h, dk, dv, gpu)?,
+        state_after(201, 0, h, dk, dv, gpu)?,
+        RuleState::zeros(h, dk, dv, DType::F32, gpu)?,
+        RuleState::zeros(h, dk, dv, DType::F32, gpu)?,
+    ];
+    let x = to_device(&batch_inputs(&mut rng, n, h, hk, dk, dv)?, gpu)?;
+    let batched = chunked_batch(&x[0], &x[1], &x[2], &x[3], &x[4], &segments, &states)?;
+    let alone = one_by_one(&x, &segments, &states)?;
+    same_results(
+        r,
+        "delta rule batched: 2200-token prompt among 3 short vs one call each",
+        &batched,
+        &alone,
+    )?;
+    Ok(())
+}
+
+/// Median wall time of `runs` calls of `f` in µs, each synchronised, after one warm-up call.
+fn median_us(gpu: &Device, runs: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    gpu.synchronize()?;
+    let mut times = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let start = Instant::now();
+        f()?;
+        gpu.synchronize()?;
+        times.push(start.elapsed().as_secs_f64() * 1e6);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[runs / 2])
+}
+
+/// One layer's delta rule for `segments` at 27B shapes: the per-segment kernels on q/k tiled beforehand
+/// (one call per segment, the model's path before) and the batched call on the key heads.
+fn time_scenario(
+    r: &mut Report,
+    gpu: &Device,
+    name: &str,
+    segments: &[RuleSegment],
+    states: &[RuleState],
+) -> Result<()> {
+    const RUNS: usize = 21;
+    let (h, hk, dk, dv) = (48usize, 16usize, 128usize, 128usize);
+    let n: usize = segments.iter().map(|s| s.len).sum();
+    let mut rng = Rng(0xDE17_A5EE_0B00_0003);
+    let x = to_device(&batch_inputs(&mut rng, n, h, hk, dk, dv)?, gpu)?;
+    let t = tiled(&x)?;
+    let old = median_us(gpu, RUNS, || {
+        delta_rule_per_segment_v1(&t[0], &t[1], &t[2], &t[3], &t[4], segments, states)?;
+        Ok(())
+    })?;
+    let new = median_us(gpu, RUNS, || {
+        chunked_batch(&x[0], &x[1], &x[2], &x[3], &x[4], segments, states)?;
+        Ok(())
+    })?;
+    let tiling = median_us(gpu, RUNS, || {
+        tiled(&x)?;
+        Ok(())
+    })?;
+    r.note(
+        &format!("delta rule 27B layer, {name}: per-segment kernels, median µs"),
+        json!(old),
+    );
+    r.note(
+        "  … batched kernels (key heads in place), median µs",
+        json!(new),
+    );
+    r.note("  … speed-up", json!(old / new));
+    r.note(
+        "  … the ×3 q/k tiling the batched call no longer needs, median µs",
+        json!(tiling),
+    );
+    Ok(())
+}
+
+fn timing_checks(r: &mut Report, gpu: &Device) -> Result<()> {
+    let (h, dk, dv) = (48usize, 128usize, 128usize);
+    let zero = RuleState::zeros(h, dk, dv, DType::F32, gpu)?;
+    time_scenario(
+        r,
+        gpu,
+        "one prompt T=275",
+        &tile(&[(275, None)]),
+        std::slice::from_ref(&zero),
+    )?;
+    let shared = tile(&[(230, None), (40, Some(0)), (40, Some(0)), (40, Some(0))]);
+    time_scenario(
+        r,
+        gpu,
+        "prefix 230 + 3 branches of 40",
+        &shared,
+        &vec![zero.clone(); 4],
+    )?;
+    let states = (0..12)
+        .map(|i| state_after(300 + i as u64, 100 + 7 * i, h, dk, dv, gpu))
+        .collect::<Result<Vec<_>>>()?;
+    time_scenario(
+        r,
+        gpu,
+        "decode step of 12 sequences",
+        &tile(&[(1, None); 12]),
+        &states,
+    )?;
+    Ok(())
+}
+
+/// The batched delta-rule device checks (bitwise, CPU twin, launch limits, timing); see the module doc.
+pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
+    bitwise_and_accuracy_checks(r, gpu)?;
+    launch_limit_checks(r, gpu)?;
+    timing_checks(r, gpu)
+}
