@@ -1,7 +1,10 @@
 //! Small element-wise and normalisation helpers built from candle ops.
 //!
 //! Everything here runs on whatever device the tensors live on; the formulas follow transformers'
-//! Qwen3.5 code so that an f32 run reproduces its numbers to rounding.
+//! Qwen3.5 code so that an f32 run reproduces its numbers to rounding. On CUDA (f32 activations) the
+//! norms, SwiGLU and the gates run as fused kernels ([`crate::cuda`]) that read column ranges of the
+//! fused projections in place and, through the `_as` / `out` variants, write bf16 for a bf16 GEMM; the
+//! candle formulation here is their CPU twin, unchanged.
 
 use candle_core::{DType, Result, Tensor, D};
 
