@@ -828,13 +828,17 @@ delta_rule_scan_batch_f32(const float* __restrict__ q,       // [N, HK, dk]
         __syncthreads();
     }
 
-    // The new state: S at the last boundary and the pending rows (unused rows are zero).
+    // The new state: S at the last boundary and the pending rows (unused rows are zero). A segment
+    // that closes no chunk keeps its memory (the launcher hands back the input tensor): a decode step
+    // writes 64 KiB less per head.
     const int kept = r1;  // rows of the open chunk (0 after a close)
     {
-        float* so = s_out + ((size_t)seg * H + h) * dk * dv + c0;
-        for (int idx = tid; idx < dk * (CW / 4); idx += THREADS) {
-            const int i = idx / (CW / 4), j = (idx % (CW / 4)) * 4;
-            *(float4*)&so[(size_t)i * dv + j] = *(const float4*)&S[i * CW + j];
+        if (pending + T >= CHUNK) {
+            float* so = s_out + ((size_t)seg * H + h) * dk * dv + c0;
+            for (int idx = tid; idx < dk * (CW / 4); idx += THREADS) {
+                const int i = idx / (CW / 4), j = (idx % (CW / 4)) * 4;
+                *(float4*)&so[(size_t)i * dv + j] = *(const float4*)&S[i * CW + j];
+            }
         }
         float* puo = pu_out + ((size_t)seg * H + h) * CHUNK * dv + c0;
         for (int idx = tid; idx < CHUNK * (CW / 4); idx += THREADS) {

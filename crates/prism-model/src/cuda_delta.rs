@@ -359,7 +359,7 @@ fn launch(
     let ab = alloc::<f32>(dev, chunks * heads * 2 * CHUNK * CHUNK)?;
     let gam_s = alloc::<f64>(dev, chunks * heads * CHUNK)?;
     let fac = alloc::<f32>(dev, chunks * heads * 4 * CHUNK)?;
-    let s_out = alloc::<f32>(dev, count * heads * dk * dv)?;
+    let s_out = alloc::<f32>(dev, count * heads * dk * dv)?; // slots of segments that close a chunk
     let pk_out = alloc::<f32>(dev, count * heads * CHUNK * dk)?;
     let pu_out = alloc::<f32>(dev, count * heads * CHUNK * dv)?;
     let gam_out = alloc::<f64>(dev, count * heads * CHUNK)?;
@@ -424,8 +424,14 @@ fn launch(
         .iter()
         .enumerate()
         .map(|(j, p)| {
+            // The kernel writes the memory only where a chunk closed; elsewhere it is the input's.
+            let chunk_start = if p.state.pending + p.tokens >= CHUNK {
+                s_all.get(j)?
+            } else {
+                p.state.chunk_start.clone()
+            };
             Ok(RuleState {
-                chunk_start: s_all.get(j)?,
+                chunk_start,
                 pending_k: pk_all.get(j)?,
                 pending_u: pu_all.get(j)?,
                 pending_gamma: gam_all.get(j)?,
