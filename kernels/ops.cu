@@ -400,3 +400,58 @@ extern "C" __global__ void causal_conv_silu_f32(const float* __restrict__ x, lon
     }
 #undef PADDED
 }
+
+// The attention layer's q and k heads: the zero-centred RMSNorm of each head (weights as stored), then
+// the partial M-RoPE rotation of its first `rot` dims (NeoX halves: element i pairs with i + rot/2),
+// the remaining dims passed through. One warp per head row; q rows (N·n_h) first, then k rows
+// (N·n_kv). q and k are rows-of-D views (row_offset; e.g. the query halves of [query | gate] and the
+// key columns of the fused projection, read in place); cos, sin: contiguous [N, rot/2] f32, the
+// tensors `MRope::cos_sin` made. q_out: [N, n_h, D], k_out: [N, n_kv, D], each f32 or bf16 (RNE).
+//
+// Bit for bit the chain it replaces: the sum of squares is norm_rows_f32's (lane-strided fmaf, the
+// same butterfly) for the same D, the normalised value the same two products, and the rotation
+// candle's separate ops (x1·cos − x2·sin, x2·cos + x1·sin), each product and sum rounded on its own
+// (the _rn intrinsics keep nvcc from contracting them into fma). The partner element of the rotation
+// is normalised again from its input rather than exchanged: the same two products give the same value.
+extern "C" __global__ void qk_norm_rope_f32(const float* __restrict__ q, long long q_inner, long long q_istride,
+                                            long long q_outer, const float* __restrict__ k, long long k_inner,
+                                            long long k_istride, long long k_outer, const float* __restrict__ q_w,
+                                            const float* __restrict__ k_w, const float* __restrict__ cos_t,
+                                            const float* __restrict__ sin_t, void* __restrict__ q_out, int q_bf16,
+                                            void* __restrict__ k_out, int k_bf16, int n_tokens, int n_h, int n_kv,
+                                            int D, int rot, float eps) {
+    const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    const int lane = threadIdx.x % WARP;
+    const int q_rows = n_tokens * n_h;
+    if (row >= q_rows + n_tokens * n_kv) return;
+    const bool is_q = row < q_rows;
+    const int r = is_q ? row : row - q_rows;
+    const int token = is_q ? r / n_h : r / n_kv;
+    const float* xr = is_q ? q + row_offset(r, q_inner, q_istride, q_outer) : k + row_offset(r, k_inner, k_istride, k_outer);
+    const float* w = is_q ? q_w : k_w;
+    void* y = is_q ? q_out : k_out;
+    const int y_bf16 = is_q ? q_bf16 : k_bf16;
+    float ss = 0.f;
+    for (int i = lane; i < D; i += WARP) {
+        const float v = xr[i];
+        ss = fmaf(v, v, ss);
+    }
+    ss = warp_sum(ss);
+    const float denom = ss / (float)D;
+    const float inv = 1.f / sqrtf(denom + eps);
+    const int half = rot / 2;
+    const float* cr = cos_t + (size_t)token * half;
+    const float* sr = sin_t + (size_t)token * half;
+    for (int i = lane; i < D; i += WARP) {
+        const float a = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
+        float val = a;
+        if (i < half) {
+            const float b = __fmul_rn(__fmul_rn(xr[i + half], inv), w[i + half]);
+            val = __fsub_rn(__fmul_rn(a, cr[i]), __fmul_rn(b, sr[i]));
+        } else if (i < rot) {
+            const float b = __fmul_rn(__fmul_rn(xr[i - half], inv), w[i - half]);
+            val = __fadd_rn(__fmul_rn(a, cr[i - half]), __fmul_rn(b, sr[i - half]));
+        }
+        put(y, (size_t)r * D + i, val, y_bf16);
+    }
+}

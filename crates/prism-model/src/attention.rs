@@ -12,9 +12,9 @@ use crate::config::Qwen35Config;
 use crate::error::Result;
 use crate::matmul::{self, Float};
 use crate::linear::{FusedLinear, Linear};
-use crate::ops::{rms_norm, sigmoid_gate, softmax_last_dim};
+use crate::ops::{sigmoid_gate, softmax_last_dim};
 use crate::qwen35::Segment;
-use crate::rope::MRope;
+use crate::rope::{HeadNorms, MRope};
 use crate::state::KvCache;
 use crate::weights::WeightLoader;
 
@@ -81,17 +81,30 @@ impl Attention {
         let (n_h, n_kv, hd) = (self.n_h, self.n_kv, self.hd);
         let proj = self.qkv.forward(x)?;
         let qg = proj.part(Self::Q)?.reshape((n_tokens, n_h, 2 * hd))?;
-        let q = rms_norm(&qg.narrow(2, 0, hd)?, &self.q_norm, self.eps)?;
         // The gate halves stay where the projection wrote them; the output gate reads them there.
         let gate = qg.narrow(2, hd, hd)?;
-        let k = rms_norm(
-            &proj.part(Self::K)?.reshape((n_tokens, n_kv, hd))?,
-            &self.k_norm,
-            self.eps,
+        let norms = HeadNorms {
+            q_weight: &self.q_norm,
+            k_weight: &self.k_norm,
+            eps: self.eps,
+        };
+        // q/k norm + rotation (one kernel on CUDA, reading both in place); q comes in bf16 when the
+        // flash kernel takes it, which rounds f32 queries to the same bf16 anyway.
+        let q_dtype =
+            if x.device().is_cuda() && qg.dtype() == DType::F32 && flash_serves(hd, n_h, n_kv) {
+                DType::BF16
+            } else {
+                qg.dtype()
+            };
+        let (q, k) = rope.norm_and_rotate(
+            &qg.narrow(2, 0, hd)?,
+            &proj.part(Self::K)?,
+            &norms,
+            cos,
+            sin,
+            q_dtype,
         )?;
         let v = proj.part(Self::V)?.reshape((n_tokens, n_kv, hd))?;
-        let q = rope.apply(&q, cos, sin)?;
-        let k = rope.apply(&k, cos, sin)?;
 
         let attend_timer = crate::profile::Section::start("attention: kernel + cache append", x.device())?;
         let scale = 1.0 / (hd as f64).sqrt();
@@ -198,6 +211,17 @@ fn cuda_flash(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: f64) -> ca
         return Ok(None);
     }
     crate::cuda_flash::flash_attention(q, k, v, past, scale).map(Some)
+}
+
+/// Whether [`attend_segment`] runs the flash kernel for this head layout on CUDA.
+#[cfg(feature = "cuda")]
+fn flash_serves(hd: usize, n_h: usize, n_kv: usize) -> bool {
+    crate::cuda_flash::supports(hd, n_h, n_kv)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn flash_serves(_: usize, _: usize, _: usize) -> bool {
+    false
 }
 
 #[cfg(not(feature = "cuda"))]

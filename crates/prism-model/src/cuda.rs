@@ -725,3 +725,80 @@ pub fn linear_bf16(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     }
     Ok(wrap(y, &dev, (n, out)))
 }
+
+/// Head rows per block of `qk_norm_rope_f32` (one warp each).
+const QK_NORM_ROPE_ROWS: u32 = 4;
+
+/// CUDA twin of [`crate::rope::MRope::norm_and_rotate`]: `q: [N, n_h, hd]` and `k` (`N` rows of
+/// `n_kv·hd`) read in place (any layout [`row_map`] takes), both normalised and their first
+/// `rotary_dim` dims rotated by one kernel; returns `q: [N, n_h, hd]` in `q_out` and
+/// `k: [N, n_kv, hd]` f32. Bit for bit [`rms_norm`] then the candle rotation (see ops.cu).
+pub fn qk_norm_rope(
+    q: &Tensor,
+    k: &Tensor,
+    norms: &crate::rope::HeadNorms<'_>,
+    cos: &Tensor,
+    sin: &Tensor,
+    rotary_dim: usize,
+    q_out: DType,
+) -> Result<(Tensor, Tensor)> {
+    let dev = cuda_device(q)?;
+    let (n, n_h, hd) = q.dims3()?;
+    let n_kv = if n == 0 || hd == 0 { 0 } else { k.elem_count() / (n * hd) };
+    let half = rotary_dim / 2;
+    if hd == 0 || k.dim(0)? != n || k.elem_count() != n * n_kv * hd || rotary_dim % 2 != 0 || rotary_dim > hd {
+        bail!("q/k norm + rope (cuda): q {:?}, k {:?}, rotary dim {rotary_dim} do not fit", q.dims(), k.dims());
+    }
+    if cos.dims() != [n, half] || sin.dims() != [n, half] {
+        bail!("q/k norm + rope (cuda): cos {:?} / sin {:?} are not [{n}, {half}]", cos.dims(), sin.dims());
+    }
+    if norms.q_weight.dims() != [hd] || norms.k_weight.dims() != [hd] {
+        bail!(
+            "q/k norm + rope (cuda): norm weights {:?} / {:?} are not [{hd}]",
+            norms.q_weight.dims(),
+            norms.k_weight.dims()
+        );
+    }
+    let yq = Output::new(&dev, q_out, n * n_h * hd, "q norm + rope")?;
+    let yk = Output::new(&dev, DType::F32, n * n_kv * hd, "k norm + rope")?;
+    let rows = n * (n_h + n_kv);
+    if rows > 0 {
+        let (qt, kt) = (readable_rows(q, hd)?, readable_rows(k, hd)?);
+        let (iq, ik) = (RowsInput::new(&qt, hd, "q")?, RowsInput::new(&kt, hd, "k")?);
+        if iq.map.rows != n * n_h || ik.map.rows != n * n_kv {
+            bail!("q/k norm + rope (cuda): {} q rows and {} k rows of {hd}, expected {} and {}", iq.map.rows, ik.map.rows, n * n_h, n * n_kv);
+        }
+        let (qw, kw) = (norms.q_weight.contiguous()?, norms.k_weight.contiguous()?);
+        let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
+        let (iqw, ikw) = (Input::new(&qw, DType::F32, "q norm weight")?, Input::new(&kw, DType::F32, "k norm weight")?);
+        let (ic, is) = (Input::new(&cos, DType::F32, "rope cos")?, Input::new(&sin, DType::F32, "rope sin")?);
+        let (q_str, k_str) = (iq.strides()?, ik.strides()?);
+        let blocks = u32::try_from(rows.div_ceil(QK_NORM_ROPE_ROWS as usize))
+            .map_err(|_| candle_core::Error::Msg(format!("q/k norm + rope: {rows} head rows are too many for one launch")))?;
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * QK_NORM_ROPE_ROWS, 1, 1), shared_mem_bytes: 0 };
+        i32_arg(rows, "head rows")?;
+        let (n_i, nh_i, nkv_i, hd_i, rot_i) = (
+            i32_arg(n, "tokens")?,
+            i32_arg(n_h, "heads")?,
+            i32_arg(n_kv, "kv heads")?,
+            i32_arg(hd, "head dim")?,
+            i32_arg(rotary_dim, "rotary dim")?,
+        );
+        let (qbf, kbf, eps_f) = (yq.is_bf16(), yk.is_bf16(), norms.eps as f32);
+        let (vq, vk) = (iq.view()?, ik.view()?);
+        let (vqw, vkw, vc, vs) = (iqw.view::<f32>()?, ikw.view::<f32>()?, ic.view::<f32>()?, is.view::<f32>()?);
+        let func = load_kernel(&dev, "prism_ops", OPS_IMAGE, "qk_norm_rope_f32")?;
+        let mut b = func.builder();
+        b.arg(&vq).arg(&q_str.0).arg(&q_str.1).arg(&q_str.2);
+        b.arg(&vk).arg(&k_str.0).arg(&k_str.1).arg(&k_str.2);
+        b.arg(&vqw).arg(&vkw).arg(&vc).arg(&vs);
+        yq.push(&mut b);
+        b.arg(&qbf);
+        yk.push(&mut b);
+        b.arg(&kbf).arg(&n_i).arg(&nh_i).arg(&nkv_i).arg(&hd_i).arg(&rot_i).arg(&eps_f);
+        // SAFETY: the q and k views cover N·n_h and N·n_kv rows of hd (row maps, counted above); the
+        // weights hold hd elements, cos and sin N × rotary_dim/2; the outputs N·n_h·hd and N·n_kv·hd.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    }
+    Ok((yq.wrap(&dev, (n, n_h, hd)), yk.wrap(&dev, (n, n_kv, hd))))
+}

@@ -10,6 +10,15 @@ use candle_core::{DType, Device, Result, Tensor, D};
 /// A token's position on the three M-RoPE axes (temporal, height, width).
 pub type Position3 = [u32; 3];
 
+/// The per-head RMSNorm weights of an attention layer's queries and keys (stored as `1 + w`, used as
+/// is) and the norm's epsilon.
+#[derive(Debug, Clone, Copy)]
+pub struct HeadNorms<'a> {
+    pub q_weight: &'a Tensor,
+    pub k_weight: &'a Tensor,
+    pub eps: f64,
+}
+
 /// Precomputed inverse frequencies and the axis each frequency pair reads.
 #[derive(Debug, Clone)]
 pub struct MRope {
@@ -97,6 +106,49 @@ impl MRope {
         }
         Tensor::cat(&parts, D::Minus1)
     }
+
+    /// The attention layer's query and key heads normalised ([`rms_norm`] with `norms`) and rotated
+    /// ([`MRope::apply`]): `q: [N, n_h, hd]` (e.g. the query halves of the fused `[query | gate]`
+    /// heads), `k: [N, n_kv·hd]` or `[N, n_kv, hd]`; `cos`/`sin` from [`MRope::cos_sin`] for the same
+    /// rows. Returns `q: [N, n_h, hd]` in `q_out` and `k: [N, n_kv, hd]` in k's dtype.
+    ///
+    /// On CUDA (f32) one kernel ([`crate::cuda::qk_norm_rope`]) reads both in place and writes q
+    /// directly in `q_out` (bf16 for the flash kernel), bit for bit the norm kernel followed by this
+    /// chain and the cast; elsewhere this is that chain, unchanged.
+    pub fn norm_and_rotate(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        norms: &HeadNorms<'_>,
+        cos: &Tensor,
+        sin: &Tensor,
+        q_out: DType,
+    ) -> Result<(Tensor, Tensor)> {
+        let (n, _, hd) = q.dims3()?;
+        let k_len = k.elem_count();
+        if k.dim(0)? != n || hd == 0 || k_len % (n.max(1) * hd) != 0 || k.dim(D::Minus1)? % hd != 0
+        {
+            candle_core::bail!(
+                "q/k norm + rope: k {:?} does not fit q {:?}",
+                k.dims(),
+                q.dims()
+            );
+        }
+        let n_kv = if n == 0 { 0 } else { k_len / (n * hd) };
+        #[cfg(feature = "cuda")]
+        if q.device().is_cuda() && q.dtype() == DType::F32 && k.dtype() == DType::F32 {
+            return crate::cuda::qk_norm_rope(q, k, norms, cos, sin, self.rotary_dim, q_out);
+        }
+        let q = crate::ops::rms_norm(q, norms.q_weight, norms.eps)?;
+        let k = crate::ops::rms_norm(&k.reshape((n, n_kv, hd))?, norms.k_weight, norms.eps)?;
+        let q = self.apply(&q, cos, sin)?;
+        let q = if q.dtype() == q_out {
+            q
+        } else {
+            q.to_dtype(q_out)?
+        };
+        Ok((q, self.apply(&k, cos, sin)?))
+    }
 }
 
 #[cfg(test)]
@@ -118,6 +170,72 @@ mod tests {
         assert_eq!(axes.iter().filter(|&&a| a == 0).count(), 11);
         assert_eq!(axes.iter().filter(|&&a| a == 1).count(), 11);
         assert_eq!(axes.iter().filter(|&&a| a == 2).count(), 10);
+    }
+
+    #[test]
+    fn norm_and_rotate_is_the_norm_then_the_rotation() {
+        let dev = Device::Cpu;
+        let (n, n_h, n_kv, hd) = (3, 2, 1, 8);
+        let rope = MRope::new(4, 10_000.0, [1, 1, 0], DType::F32, &dev).unwrap();
+        let vals = |len: usize, seed: f32| -> Vec<f32> {
+            (0..len)
+                .map(|i| ((i as f32 + seed) * 0.61).sin() * 3.0)
+                .collect()
+        };
+        // q as the query halves of [query | gate] heads, k as N rows of n_kv·hd (a fused part's shape).
+        let qg = Tensor::from_vec(vals(n * n_h * 2 * hd, 0.0), (n, n_h, 2 * hd), &dev).unwrap();
+        let q = qg.narrow(2, 0, hd).unwrap();
+        let k = Tensor::from_vec(vals(n * n_kv * hd, 5.0), (n, n_kv * hd), &dev).unwrap();
+        let (qw, kw) = (
+            Tensor::from_vec(vals(hd, 1.0), hd, &dev).unwrap(),
+            Tensor::from_vec(vals(hd, 2.0), hd, &dev).unwrap(),
+        );
+        let norms = HeadNorms {
+            q_weight: &qw,
+            k_weight: &kw,
+            eps: 1e-6,
+        };
+        let (cos, sin) = rope.cos_sin(&[[0, 0, 0], [4, 4, 4], [7, 2, 9]]).unwrap();
+        let (got_q, got_k) = rope
+            .norm_and_rotate(&q, &k, &norms, &cos, &sin, DType::F32)
+            .unwrap();
+        let want_q = rope
+            .apply(&crate::ops::rms_norm(&q, &qw, 1e-6).unwrap(), &cos, &sin)
+            .unwrap();
+        let k3 = k.reshape((n, n_kv, hd)).unwrap();
+        let want_k = rope
+            .apply(&crate::ops::rms_norm(&k3, &kw, 1e-6).unwrap(), &cos, &sin)
+            .unwrap();
+        let bits = |t: &Tensor| -> Vec<u32> {
+            t.to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        assert_eq!(got_k.dims(), &[n, n_kv, hd]);
+        assert_eq!(bits(&got_q), bits(&want_q));
+        assert_eq!(bits(&got_k), bits(&want_k));
+        let (q16, _) = rope
+            .norm_and_rotate(&q, &k, &norms, &cos, &sin, DType::BF16)
+            .unwrap();
+        assert_eq!(q16.dtype(), DType::BF16);
+        assert_eq!(bits(&q16), bits(&want_q.to_dtype(DType::BF16).unwrap()));
+        // A k that is not N rows of whole heads is refused.
+        assert!(rope
+            .norm_and_rotate(
+                &q,
+                &k.narrow(1, 0, 5).unwrap(),
+                &norms,
+                &cos,
+                &sin,
+                DType::F32
+            )
+            .is_err());
     }
 
     #[test]
