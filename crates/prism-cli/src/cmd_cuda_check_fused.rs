@@ -13,6 +13,10 @@
 //!    a bf16 input vs the same GEMM casting an f32 input.
 //! 3. Timings (median µs of 20 calls) at one 275-token 27B pass's shapes, next to the candle op chains
 //!    they replace where there is one.
+//!
+//! The attention q/k norm + partial M-RoPE kernel (`MRope::norm_and_rotate`) has its own part
+//! ([`qk_norm_rope_checks`]): bit for bit against the chain it replaces (norm kernel, candle rotation,
+//! cast), against the CPU twin, rows alone vs in a call, and its timing next to that chain.
 
 use std::time::Instant;
 
@@ -20,6 +24,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor, D};
 use prism_model::delta_net::causal_conv;
 use prism_model::ops;
+use prism_model::rope::{HeadNorms, MRope, Position3};
 use serde_json::json;
 
 use super::{Report, Rng};
@@ -42,7 +47,8 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
     conv_checks(r, gpu, &mut rng)?;
     gate_checks(r, gpu, &mut rng)?;
     gemm_input_checks(r, gpu, &mut rng)?;
-    timing_checks(r, gpu, &mut rng)
+    timing_checks(r, gpu, &mut rng)?;
+    qk_norm_rope_checks(r, gpu, &mut rng)
 }
 
 fn on(gpu: &Device, t: &Tensor) -> Result<Tensor> {
@@ -363,5 +369,96 @@ fn timing_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
         Ok(attn.mul(&ops::sigmoid(&g)?)?.to_dtype(DType::BF16)?)
     })?;
     r.note("time: copy, candle sigmoid, mul, cast (what it replaces), µs", json!(t));
+    Ok(())
+}
+
+/// M-RoPE positions of `n` tokens: text tokens from `start` (equal on the three axes), except an
+/// image-like block at rows 40..104 with distinct (t, h, w) positions on an 8 × 8 grid.
+fn rope_positions(n: usize, start: u32) -> Vec<Position3> {
+    (0..n)
+        .map(|i| {
+            let p = start + i as u32;
+            if (40..104).contains(&i) {
+                let j = (i - 40) as u32;
+                [start + 40, start + 40 + j / 8, start + 40 + j % 8]
+            } else {
+                [p, p, p]
+            }
+        })
+        .collect()
+}
+
+/// The chain `norm_and_rotate` replaces on the GPU: the norm kernel on q and on k (k reshaped, a
+/// copy), candle's rotation of each, q cast to `q_out`.
+fn qk_chain(rope: &MRope, q: &Tensor, k: &Tensor, norms: &HeadNorms<'_>, cs: (&Tensor, &Tensor), q_out: DType) -> Result<(Tensor, Tensor)> {
+    let (n, _, hd) = q.dims3()?;
+    let n_kv = k.elem_count() / (n * hd);
+    let qn = ops::rms_norm(q, norms.q_weight, norms.eps)?;
+    let kn = ops::rms_norm(&k.reshape((n, n_kv, hd))?, norms.k_weight, norms.eps)?;
+    let q = rope.apply(&qn, cs.0, cs.1)?.to_dtype(q_out)?;
+    Ok((q, rope.apply(&kn, cs.0, cs.1)?))
+}
+
+/// The attention q/k RMSNorm + partial M-RoPE kernel (`qk_norm_rope_f32` through
+/// `MRope::norm_and_rotate`) at the 27B head layout (24 query heads, 4 KV heads, head dim 256,
+/// rotary dim 64, sections [11, 11, 10], θ = 1e7) and a small generic one (head dim 96, rotary dim
+/// 32): q read in place as the query halves of `[query | gate]` heads, k as a column range of the
+/// fused projection output; text positions and an image-like block of 3-D positions.
+fn qk_norm_rope_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
+    for (n_h, n_kv, hd, rot, sections) in [(24usize, 4usize, 256usize, 64usize, [11usize, 11, 10]), (6, 2, 96, 32, [6, 5, 5])] {
+        let label = format!("q/k norm + rope (h {n_h}/{n_kv}, hd {hd}, rot {rot})");
+        let rope_cpu = MRope::new(rot, 1e7, sections, DType::F32, &Device::Cpu)?;
+        let rope_gpu = MRope::new(rot, 1e7, sections, DType::F32, gpu)?;
+        let qg = rng.tensor(&[TOKENS, n_h, 2 * hd], 3.0)?;
+        let k = rng.tensor(&[TOKENS, n_kv * hd], 3.0)?;
+        let (qw, kw) = (rng.tensor(&[hd], 1.0)?, rng.tensor(&[hd], 1.0)?);
+        let k_wide = inside(rng, &k, n_h * 2 * hd, n_kv * hd)?;
+        let pos = rope_positions(TOKENS, 1000);
+        let (cos_c, sin_c) = rope_cpu.cos_sin(&pos)?;
+        let (cos_g, sin_g) = rope_gpu.cos_sin(&pos)?;
+        let norms_c = HeadNorms { q_weight: &qw, k_weight: &kw, eps: 1e-6 };
+        let (qwg, kwg) = (on(gpu, &qw)?, on(gpu, &kw)?);
+        let norms_g = HeadNorms { q_weight: &qwg, k_weight: &kwg, eps: 1e-6 };
+        let (qgg, kg) = (on(gpu, &qg)?, on(gpu, &k_wide)?);
+        let qv = qgg.narrow(2, 0, hd)?;
+
+        let (q, kk) = rope_gpu.norm_and_rotate(&qv, &kg, &norms_g, &cos_g, &sin_g, DType::F32)?;
+        let (want_q, want_k) = qk_chain(&rope_gpu, &qv, &kg, &norms_g, (&cos_g, &sin_g), DType::F32)?;
+        r.identical(&format!("{label} (GPU): q vs norm kernel + candle rope"), &q, &want_q)?;
+        r.identical(&format!("{label} (GPU): k vs norm kernel + candle rope"), &kk, &want_k)?;
+        let (q16, k2) = rope_gpu.norm_and_rotate(&qv, &kg, &norms_g, &cos_g, &sin_g, DType::BF16)?;
+        r.identical(&format!("{label} (GPU): bf16 q vs f32 q cast"), &q16, &q.to_dtype(DType::BF16)?)?;
+        r.identical(&format!("{label} (GPU): k with a bf16 q vs with f32"), &k2, &kk)?;
+        let (qc, kc) = rope_gpu.norm_and_rotate(&qv.contiguous()?, &kg.contiguous()?, &norms_g, &cos_g, &sin_g, DType::F32)?;
+        r.identical(&format!("{label} (GPU): in place vs contiguous copies (q)"), &qc, &q)?;
+        r.identical(&format!("{label} (GPU): in place vs contiguous copies (k)"), &kc, &kk)?;
+
+        // Against the CPU twin: with the GPU's cos/sin (the kernel alone), and each device its own.
+        let qv_c = qg.narrow(2, 0, hd)?;
+        let (cq, ck) = rope_cpu.norm_and_rotate(&qv_c, &k, &norms_c, &cos_g.to_device(&Device::Cpu)?, &sin_g.to_device(&Device::Cpu)?, DType::F32)?;
+        r.compare(&format!("{label}: q vs CPU twin (same cos/sin)"), &q, &cq, BOUND)?;
+        r.compare(&format!("{label}: k vs CPU twin (same cos/sin)"), &kk, &ck, BOUND)?;
+        let (cq, ck) = rope_cpu.norm_and_rotate(&qv_c, &k, &norms_c, &cos_c, &sin_c, DType::F32)?;
+        r.compare(&format!("{label}: q vs CPU twin (CPU cos/sin)"), &q, &cq, BOUND)?;
+        r.compare(&format!("{label}: k vs CPU twin (CPU cos/sin)"), &kk, &ck, BOUND)?;
+
+        // Rows alone (a decode step) and a middle range vs inside the call.
+        for (start, len) in [(0usize, 1usize), (TOKENS - 1, 1), (37, 70)] {
+            let (cs, ss) = (cos_g.narrow(0, start, len)?, sin_g.narrow(0, start, len)?);
+            let (pq, pk) = rope_gpu.norm_and_rotate(&qv.narrow(0, start, len)?, &kg.narrow(0, start, len)?, &norms_g, &cs, &ss, DType::F32)?;
+            r.identical(&format!("{label} (GPU): q rows {start}..+{len} alone vs in {TOKENS}"), &pq, &q.narrow(0, start, len)?)?;
+            r.identical(&format!("{label} (GPU): k rows {start}..+{len} alone vs in {TOKENS}"), &pk, &kk.narrow(0, start, len)?)?;
+        }
+
+        // Timing: the fused kernel (bf16 q, as the flash path takes it) vs the chain it replaces.
+        for n in [TOKENS, 12, 1] {
+            let (qn, kn) = (qv.narrow(0, 0, n)?, kg.narrow(0, 0, n)?);
+            let (cs, ss) = (cos_g.narrow(0, 0, n)?, sin_g.narrow(0, 0, n)?);
+            let t = time_us(gpu, || Ok(rope_gpu.norm_and_rotate(&qn, &kn, &norms_g, &cs, &ss, DType::BF16)?))?;
+            r.note(&format!("time: {label} fused, N={n}, µs"), json!(t));
+            let t = time_us(gpu, || qk_chain(&rope_gpu, &qn, &kn, &norms_g, (&cs, &ss), DType::BF16))?;
+            r.note(&format!("time: {label} old chain (2 norms, copy, 2 × 6 rope ops, cast), N={n}, µs"), json!(t));
+        }
+    }
     Ok(())
 }
