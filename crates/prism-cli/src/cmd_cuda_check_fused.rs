@@ -389,14 +389,14 @@ fn rope_positions(n: usize, start: u32) -> Vec<Position3> {
 }
 
 /// The chain `norm_and_rotate` replaces on the GPU: the norm kernel on q and on k (k reshaped, a
-/// copy), candle's rotation of each, q cast to `q_out`.
-fn qk_chain(rope: &MRope, q: &Tensor, k: &Tensor, norms: &HeadNorms<'_>, cs: (&Tensor, &Tensor), q_out: DType) -> Result<(Tensor, Tensor)> {
+/// copy), candle's rotation of each, both cast to `out`.
+fn qk_chain(rope: &MRope, q: &Tensor, k: &Tensor, norms: &HeadNorms<'_>, cs: (&Tensor, &Tensor), out: DType) -> Result<(Tensor, Tensor)> {
     let (n, _, hd) = q.dims3()?;
     let n_kv = k.elem_count() / (n * hd);
     let qn = ops::rms_norm(q, norms.q_weight, norms.eps)?;
     let kn = ops::rms_norm(&k.reshape((n, n_kv, hd))?, norms.k_weight, norms.eps)?;
-    let q = rope.apply(&qn, cs.0, cs.1)?.to_dtype(q_out)?;
-    Ok((q, rope.apply(&kn, cs.0, cs.1)?))
+    let q = rope.apply(&qn, cs.0, cs.1)?.to_dtype(out)?;
+    Ok((q, rope.apply(&kn, cs.0, cs.1)?.to_dtype(out)?))
 }
 
 /// The attention q/k RMSNorm + partial M-RoPE kernel (`qk_norm_rope_f32` through
@@ -428,7 +428,7 @@ fn qk_norm_rope_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()
         r.identical(&format!("{label} (GPU): k vs norm kernel + candle rope"), &kk, &want_k)?;
         let (q16, k2) = rope_gpu.norm_and_rotate(&qv, &kg, &norms_g, &cos_g, &sin_g, DType::BF16)?;
         r.identical(&format!("{label} (GPU): bf16 q vs f32 q cast"), &q16, &q.to_dtype(DType::BF16)?)?;
-        r.identical(&format!("{label} (GPU): k with a bf16 q vs with f32"), &k2, &kk)?;
+        r.identical(&format!("{label} (GPU): bf16 k vs f32 k cast"), &k2, &kk.to_dtype(DType::BF16)?)?;
         let (qc, kc) = rope_gpu.norm_and_rotate(&qv.contiguous()?, &kg.contiguous()?, &norms_g, &cos_g, &sin_g, DType::F32)?;
         r.identical(&format!("{label} (GPU): in place vs contiguous copies (q)"), &qc, &q)?;
         r.identical(&format!("{label} (GPU): in place vs contiguous copies (k)"), &kc, &kk)?;
@@ -450,7 +450,7 @@ fn qk_norm_rope_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()
             r.identical(&format!("{label} (GPU): k rows {start}..+{len} alone vs in {TOKENS}"), &pk, &kk.narrow(0, start, len)?)?;
         }
 
-        // Timing: the fused kernel (bf16 q, as the flash path takes it) vs the chain it replaces.
+        // Timing: the fused kernel (bf16 q and k, as the flash path takes them) vs the chain it replaces.
         for n in [TOKENS, 12, 1] {
             let (qn, kn) = (qv.narrow(0, 0, n)?, kg.narrow(0, 0, n)?);
             let (cs, ss) = (cos_g.narrow(0, 0, n)?, sin_g.narrow(0, 0, n)?);

@@ -88,23 +88,27 @@ impl Attention {
             k_weight: &self.k_norm,
             eps: self.eps,
         };
-        // q/k norm + rotation (one kernel on CUDA, reading both in place); q comes in bf16 when the
-        // flash kernel takes it, which rounds f32 queries to the same bf16 anyway.
-        let q_dtype =
-            if x.device().is_cuda() && qg.dtype() == DType::F32 && flash_serves(hd, n_h, n_kv) {
-                DType::BF16
-            } else {
-                qg.dtype()
-            };
+        // q/k norm + rotation (one kernel on CUDA, reading both in place). Where the flash kernel
+        // serves the head dim on CUDA, q, k and v come in bf16 and the K/V cache is kept in bf16: the
+        // kernel would round f32 operands to the same bf16 (RNE) on every call, the cached keys and
+        // values included, so the bits are the same and nothing is converted twice.
+        let kv_bf16 =
+            x.device().is_cuda() && qg.dtype() == DType::F32 && flash_serves(hd, n_h, n_kv);
+        let out_dtype = if kv_bf16 { DType::BF16 } else { qg.dtype() };
         let (q, k) = rope.norm_and_rotate(
             &qg.narrow(2, 0, hd)?,
             &proj.part(Self::K)?,
             &norms,
             cos,
             sin,
-            q_dtype,
+            out_dtype,
         )?;
-        let v = proj.part(Self::V)?.reshape((n_tokens, n_kv, hd))?;
+        let v = if kv_bf16 {
+            // One pass over the strided columns: the cast writes a contiguous copy.
+            proj.part(Self::V)?.to_dtype(DType::BF16)?.reshape((n_tokens, n_kv, hd))?
+        } else {
+            proj.part(Self::V)?.reshape((n_tokens, n_kv, hd))?
+        };
 
         let attend_timer = crate::profile::Section::start("attention: kernel + cache append", x.device())?;
         let scale = 1.0 / (hd as f64).sqrt();
@@ -122,9 +126,14 @@ impl Attention {
             let k_s = k.narrow(0, seg.start, t)?.transpose(0, 1)?.contiguous()?; // [n_kv, T, hd]
             let v_s = v.narrow(0, seg.start, t)?.transpose(0, 1)?.contiguous()?;
             let (k_all, v_all) = match (&cache.k, &cache.v) {
-                (Some(pk), Some(pv)) => {
+                (Some(pk), Some(pv)) if pk.dtype() == k_s.dtype() && pv.dtype() == v_s.dtype() => {
                     (Tensor::cat(&[pk, &k_s], 1)?, Tensor::cat(&[pv, &v_s], 1)?)
                 }
+                // A cache written in another dtype (not by this forward): its values, converted.
+                (Some(pk), Some(pv)) => (
+                    Tensor::cat(&[&pk.to_dtype(k_s.dtype())?, &k_s], 1)?,
+                    Tensor::cat(&[&pv.to_dtype(v_s.dtype())?, &v_s], 1)?,
+                ),
                 _ => (k_s, v_s),
             };
             let o = attend_segment(&q_s, &k_all, &v_all, past, scale)?;

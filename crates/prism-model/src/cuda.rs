@@ -731,8 +731,9 @@ const QK_NORM_ROPE_ROWS: u32 = 4;
 
 /// CUDA twin of [`crate::rope::MRope::norm_and_rotate`]: `q: [N, n_h, hd]` and `k` (`N` rows of
 /// `n_kv·hd`) read in place (any layout [`row_map`] takes), both normalised and their first
-/// `rotary_dim` dims rotated by one kernel; returns `q: [N, n_h, hd]` in `q_out` and
-/// `k: [N, n_kv, hd]` f32. Bit for bit [`rms_norm`] then the candle rotation (see ops.cu).
+/// `rotary_dim` dims rotated by one kernel; returns `q: [N, n_h, hd]` and `k: [N, n_kv, hd]` in `out`
+/// (f32, or bf16 rounded to nearest even). Bit for bit [`rms_norm`] then the candle rotation and cast
+/// (see ops.cu).
 pub fn qk_norm_rope(
     q: &Tensor,
     k: &Tensor,
@@ -740,7 +741,7 @@ pub fn qk_norm_rope(
     cos: &Tensor,
     sin: &Tensor,
     rotary_dim: usize,
-    q_out: DType,
+    out: DType,
 ) -> Result<(Tensor, Tensor)> {
     let dev = cuda_device(q)?;
     let (n, n_h, hd) = q.dims3()?;
@@ -759,8 +760,8 @@ pub fn qk_norm_rope(
             norms.k_weight.dims()
         );
     }
-    let yq = Output::new(&dev, q_out, n * n_h * hd, "q norm + rope")?;
-    let yk = Output::new(&dev, DType::F32, n * n_kv * hd, "k norm + rope")?;
+    let yq = Output::new(&dev, out, n * n_h * hd, "q norm + rope")?;
+    let yk = Output::new(&dev, out, n * n_kv * hd, "k norm + rope")?;
     let rows = n * (n_h + n_kv);
     if rows > 0 {
         let (qt, kt) = (readable_rows(q, hd)?, readable_rows(k, hd)?);

@@ -110,11 +110,12 @@ impl MRope {
     /// The attention layer's query and key heads normalised ([`rms_norm`] with `norms`) and rotated
     /// ([`MRope::apply`]): `q: [N, n_h, hd]` (e.g. the query halves of the fused `[query | gate]`
     /// heads), `k: [N, n_kv·hd]` or `[N, n_kv, hd]`; `cos`/`sin` from [`MRope::cos_sin`] for the same
-    /// rows. Returns `q: [N, n_h, hd]` in `q_out` and `k: [N, n_kv, hd]` in k's dtype.
+    /// rows. Returns `q: [N, n_h, hd]` and `k: [N, n_kv, hd]`, both in `out`.
     ///
-    /// On CUDA (f32) one kernel ([`crate::cuda::qk_norm_rope`]) reads both in place and writes q
-    /// directly in `q_out` (bf16 for the flash kernel), bit for bit the norm kernel followed by this
-    /// chain and the cast; elsewhere this is that chain, unchanged.
+    /// On CUDA (f32) one kernel ([`crate::cuda::qk_norm_rope`]) reads both in place and writes them
+    /// directly in `out` (bf16 for the flash kernel), bit for bit the norm kernel followed by this
+    /// chain and the cast; elsewhere this is that chain, unchanged (the cast is a no-op when `out` is
+    /// the input dtype).
     pub fn norm_and_rotate(
         &self,
         q: &Tensor,
@@ -122,7 +123,7 @@ impl MRope {
         norms: &HeadNorms<'_>,
         cos: &Tensor,
         sin: &Tensor,
-        q_out: DType,
+        out: DType,
     ) -> Result<(Tensor, Tensor)> {
         let (n, _, hd) = q.dims3()?;
         let k_len = k.elem_count();
@@ -137,17 +138,21 @@ impl MRope {
         let n_kv = if n == 0 { 0 } else { k_len / (n * hd) };
         #[cfg(feature = "cuda")]
         if q.device().is_cuda() && q.dtype() == DType::F32 && k.dtype() == DType::F32 {
-            return crate::cuda::qk_norm_rope(q, k, norms, cos, sin, self.rotary_dim, q_out);
+            return crate::cuda::qk_norm_rope(q, k, norms, cos, sin, self.rotary_dim, out);
         }
         let q = crate::ops::rms_norm(q, norms.q_weight, norms.eps)?;
         let k = crate::ops::rms_norm(&k.reshape((n, n_kv, hd))?, norms.k_weight, norms.eps)?;
-        let q = self.apply(&q, cos, sin)?;
-        let q = if q.dtype() == q_out {
-            q
-        } else {
-            q.to_dtype(q_out)?
+        let cast = |t: Tensor| {
+            if t.dtype() == out {
+                Ok(t)
+            } else {
+                t.to_dtype(out)
+            }
         };
-        Ok((q, self.apply(&k, cos, sin)?))
+        Ok((
+            cast(self.apply(&q, cos, sin)?)?,
+            cast(self.apply(&k, cos, sin)?)?,
+        ))
     }
 }
 
@@ -220,11 +225,12 @@ mod tests {
         assert_eq!(got_k.dims(), &[n, n_kv, hd]);
         assert_eq!(bits(&got_q), bits(&want_q));
         assert_eq!(bits(&got_k), bits(&want_k));
-        let (q16, _) = rope
+        let (q16, k16) = rope
             .norm_and_rotate(&q, &k, &norms, &cos, &sin, DType::BF16)
             .unwrap();
-        assert_eq!(q16.dtype(), DType::BF16);
+        assert_eq!((q16.dtype(), k16.dtype()), (DType::BF16, DType::BF16));
         assert_eq!(bits(&q16), bits(&want_q.to_dtype(DType::BF16).unwrap()));
+        assert_eq!(bits(&k16), bits(&want_k.to_dtype(DType::BF16).unwrap()));
         // A k that is not N rows of whole heads is refused.
         assert!(rope
             .norm_and_rotate(

@@ -26,9 +26,11 @@ pub struct DeltaNetState {
 /// K/V cache of one attention layer for one sequence.
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
-    /// Keys after k-norm and RoPE, `[n_kv, len, head_dim]`; `None` before the first token.
+    /// Keys after k-norm and RoPE, `[n_kv, len, head_dim]`; `None` before the first token. In the
+    /// activation dtype, except on CUDA where the flash kernel serves the head dim: bf16 there (the
+    /// kernel's operand dtype, rounded to nearest even from the f32 keys; see `Attention::forward`).
     pub k: Option<Tensor>,
-    /// Values, `[n_kv, len, head_dim]`.
+    /// Values, `[n_kv, len, head_dim]`, in the keys' dtype.
     pub v: Option<Tensor>,
 }
 
