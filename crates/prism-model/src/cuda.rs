@@ -6,7 +6,6 @@
 //! conv read strided views (column ranges of fused projections) in place, and the producers of bf16
 //! GEMM inputs can write bf16.
 
-use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
 use candle_core::cuda_backend::cudarc::cublas::{result as cublas, sys as cublas_sys};
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig, PushKernelArg,
@@ -91,15 +90,6 @@ struct TokenInputs<'a> {
     dv: usize,
 }
 
-/// Sets a kernel's dynamic shared memory limit to what this launch needs.
-fn allow_shared(func: &candle_core::cuda_backend::cudarc::driver::CudaFunction, bytes: usize, what: &str) -> Result<()> {
-    func.set_attribute(
-        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        i32_arg(bytes, what)?,
-    )
-    .map_err(launch_err)
-}
-
 /// Tokens `t0..t0 + n` of a call (whole chunks, except possibly the last) from `state`: writes their
 /// outputs into `out` and returns the state after them.
 fn delta_rule_launch(
@@ -146,7 +136,7 @@ fn delta_rule_launch(
     );
 
     let pairs = load_kernel(dev, "prism_delta_rule", DELTA_RULE_IMAGE, "delta_rule_pairs_f32")?;
-    allow_shared(&pairs, pairs_smem, "delta rule pair shared memory")?;
+    pairs.allow_dynamic_shared(pairs_smem, "delta rule pair shared memory")?;
     let cfg = LaunchConfig {
         grid_dim: (heads as u32, chunks as u32, 1),
         block_dim: (DELTA_RULE_THREADS, 1, 1),
@@ -163,7 +153,7 @@ fn delta_rule_launch(
     }
 
     let main = load_kernel(dev, "prism_delta_rule", DELTA_RULE_IMAGE, "delta_rule_chunked_f32")?;
-    allow_shared(&main, main_smem, "delta rule shared memory")?;
+    main.allow_dynamic_shared(main_smem, "delta rule shared memory")?;
     let cfg = LaunchConfig {
         grid_dim: (heads as u32, (dv / cw) as u32, 1),
         block_dim: (DELTA_RULE_THREADS, 1, 1),
@@ -643,7 +633,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: 
     let heads = (1..=group.min(ATTENTION_WARPS)).rev().find(|d| group % d == 0).unwrap_or(1);
     let rows = (ATTENTION_WARPS / heads).max(1).min(t_len.max(1));
     let smem = 2 * ATTENTION_KEYS * hd * 4;
-    allow_shared(&func, smem, "attention shared memory")?;
+    func.allow_dynamic_shared(smem, "attention shared memory")?;
     let cfg = LaunchConfig {
         grid_dim: (t_len.div_ceil(rows) as u32, (n_kv * (group / heads)) as u32, 1),
         block_dim: (32 * (rows * heads) as u32, 1, 1),

@@ -17,17 +17,16 @@
 
 use std::sync::OnceLock;
 
-use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Result, Tensor};
 use prism_quant::cuda_launch::{
-    alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input, Kernel,
+    alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input,
 };
 
-use crate::delta_rule::{check_batch, expand_key_heads, RuleSegment, RuleState, CHUNK};
+use crate::delta_rule::{check_batch, per_segment, RuleSegment, RuleState, CHUNK};
 
 const IMAGE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/delta_rule.fatbin"));
 /// The module name of `IMAGE` (the one `cuda::delta_rule_chunked` loads: same fatbin, loaded once).
@@ -242,15 +241,6 @@ struct BatchInputs<'a> {
     v_stride: usize,
 }
 
-/// Sets a kernel's dynamic shared memory limit to what this launch needs.
-fn allow_shared(func: &Kernel, bytes: usize, what: &str) -> Result<()> {
-    func.set_attribute(
-        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        i32_arg(bytes, what)?,
-    )
-    .map_err(launch_err)
-}
-
 /// One launch of each kernel over `parts` (at most [`MAX_SEGMENTS`], at most [`CHUNKS_PER_LAUNCH`]
 /// chunks in all): writes their outputs into `out` (rows of the packed call) and returns their states.
 fn launch(
@@ -372,7 +362,7 @@ fn launch(
         + (dk * COLUMNS + 2 * CHUNK * US + CHUNK * ks + (CHUNK * ks).max(2 * CHUNK * CHUNK)) * 4;
 
     let pairs = load_kernel(dev, MODULE, IMAGE, "delta_rule_pairs_batch_f32")?;
-    allow_shared(&pairs, pairs_smem, "delta rule pair shared memory")?;
+    pairs.allow_dynamic_shared(pairs_smem, "delta rule pair shared memory")?;
     let cfg = LaunchConfig {
         grid_dim: (heads as u32, chunks as u32, 1),
         block_dim: (THREADS, 1, 1),
@@ -390,7 +380,7 @@ fn launch(
     }
 
     let scan = load_kernel(dev, MODULE, IMAGE, "delta_rule_scan_batch_f32")?;
-    allow_shared(&scan, scan_smem, "delta rule scan shared memory")?;
+    scan.allow_dynamic_shared(scan_smem, "delta rule scan shared memory")?;
     let cfg = LaunchConfig {
         grid_dim: (heads as u32, (dv / COLUMNS) as u32, count as u32),
         block_dim: (THREADS, 1, 1),
@@ -454,26 +444,5 @@ pub fn delta_rule_per_segment_v1(
     states: &[RuleState],
 ) -> Result<(Tensor, Vec<RuleState>)> {
     check_batch(q, k, v, g, beta, segments, states)?;
-    let heads = v.dim(1)?;
-    let (q, k) = (expand_key_heads(q, heads)?, expand_key_heads(k, heads)?);
-    let mut outs = Vec::with_capacity(segments.len());
-    let mut new_states: Vec<RuleState> = Vec::with_capacity(segments.len());
-    for (i, seg) in segments.iter().enumerate() {
-        let start = match seg.parent {
-            Some(p) => &new_states[p],
-            None => &states[i],
-        };
-        let at = |t: &Tensor| t.narrow(0, seg.start, seg.len);
-        let (o, state) = crate::cuda::delta_rule_chunked(
-            &at(&q)?,
-            &at(&k)?,
-            &at(v)?,
-            &at(g)?,
-            &at(beta)?,
-            start,
-        )?;
-        outs.push(o);
-        new_states.push(state);
-    }
-    Ok((Tensor::cat(&outs, 0)?, new_states))
+    per_segment([q, k, v, g, beta], segments, states, crate::cuda::delta_rule_chunked)
 }

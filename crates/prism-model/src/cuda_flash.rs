@@ -8,7 +8,6 @@
 //! header comment). Mixing this kernel with another one for some `T` would lose that across calls, so
 //! callers pick it by head dim alone ([`supports`]).
 
-use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{bail, DType, Result, Tensor};
 use prism_quant::cuda_launch::{alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input};
@@ -101,11 +100,7 @@ pub fn flash_attention(
     let n_blocks = (total - 1) / POSITIONS_PER_BLOCK + 1 - first_block;
     let smem = (POSITIONS_PER_BLOCK + 4 * key_tile) * (hd + ROW_PAD) * 2;
     let func = load_kernel(&dev, "prism_flash_attention", FLASH_IMAGE, kernel)?;
-    func.set_attribute(
-        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        i32_arg(smem, "flash attention shared memory")?,
-    )
-    .map_err(launch_err)?;
+    func.allow_dynamic_shared(smem, "flash attention shared memory")?;
     let cfg = LaunchConfig {
         grid_dim: (n_h as u32, n_blocks as u32, 1),
         block_dim: (THREADS, 1, 1),

@@ -247,6 +247,22 @@ pub fn chunked_batch(
     if q.device().is_cuda() && q.dtype() == DType::F32 {
         return crate::cuda_delta::delta_rule_batch(q, k, v, g, beta, segments, states);
     }
+    per_segment([q, k, v, g, beta], segments, states, chunked)
+}
+
+/// One rule step over a segment's rows from a starting state (`chunked` or a device twin of it).
+pub(crate) type SegmentStep =
+    fn(&Tensor, &Tensor, &Tensor, &Tensor, &Tensor, &RuleState) -> Result<(Tensor, RuleState)>;
+
+/// A checked [`chunked_batch`] call (`[q, k, v, g, beta]`) run segment by segment with `step` (`q, k`
+/// tiled to the value heads), each segment from its own starting state or its parent's new one; the
+/// outputs joined in row order.
+pub(crate) fn per_segment(
+    [q, k, v, g, beta]: [&Tensor; 5],
+    segments: &[RuleSegment],
+    states: &[RuleState],
+    step: SegmentStep,
+) -> Result<(Tensor, Vec<RuleState>)> {
     let heads = v.dim(1)?;
     let (q, k) = (expand_key_heads(q, heads)?, expand_key_heads(k, heads)?);
     let mut outs = Vec::with_capacity(segments.len());
@@ -258,7 +274,7 @@ pub fn chunked_batch(
             None => &states[i],
         };
         let at = |t: &Tensor| t.narrow(0, seg.start, seg.len);
-        let (o, state) = chunked(&at(&q)?, &at(&k)?, &at(v)?, &at(g)?, &at(beta)?, start)?;
+        let (o, state) = step(&at(&q)?, &at(&k)?, &at(v)?, &at(g)?, &at(beta)?, start)?;
         outs.push(o);
         new_states.push(state);
     }

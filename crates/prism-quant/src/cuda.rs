@@ -25,9 +25,7 @@
 //!   NaN rows, then the flags are read back (one synchronization) and the call fails with the CPU's
 //!   [`QuantError::NonFiniteActivation`], naming the same row and element.
 
-use candle_core::cuda_backend::cudarc::driver::sys::{
-    CUdevice_attribute, CUfunction_attribute_enum,
-};
+use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Device, Result, Tensor};
@@ -418,11 +416,7 @@ fn gemm_slice(
     };
 
     let func = load_kernel(dev, MODULE, QUANT_GEMM_IMAGE, tile.kernel)?;
-    func.set_attribute(
-        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        i32_arg(tile.smem_bytes, "shared memory")?,
-    )
-    .map_err(launch_err)?;
+    func.allow_dynamic_shared(tile.smem_bytes, "shared memory")?;
     let cfg = LaunchConfig {
         grid_dim: (gx, gy, gz),
         block_dim: (tile.threads, 1, 1),

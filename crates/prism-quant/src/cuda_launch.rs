@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DeviceRepr, LaunchArgs,
 };
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
@@ -89,6 +90,17 @@ impl Kernel {
     /// A launch of this kernel on the device's stream.
     pub fn builder(&self) -> LaunchArgs<'_> {
         self.stream.launch_builder(&self.func)
+    }
+
+    /// Raises this kernel's dynamic shared-memory limit to `bytes` (what a launch needs); `what` names
+    /// the buffer in the error if the size does not fit.
+    pub fn allow_dynamic_shared(&self, bytes: usize, what: &str) -> Result<()> {
+        self.func
+            .set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                i32_arg(bytes, what)?,
+            )
+            .map_err(launch_err)
     }
 }
 
