@@ -92,15 +92,19 @@ impl Kernel {
         self.stream.launch_builder(&self.func)
     }
 
-    /// Raises this kernel's dynamic shared-memory limit to `bytes` (what a launch needs); `what` names
-    /// the buffer in the error if the size does not fit.
+    /// Raises this kernel's dynamic shared-memory limit to `bytes` (what a launch needs); the error of a
+    /// GPU with less shared memory per block names `what` and the size.
     pub fn allow_dynamic_shared(&self, bytes: usize, what: &str) -> Result<()> {
         self.func
             .set_attribute(
                 CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 i32_arg(bytes, what)?,
             )
-            .map_err(launch_err)
+            .map_err(|e| {
+                candle_core::Error::Msg(format!(
+                    "{what}: this GPU does not allow {bytes} bytes of dynamic shared memory per block ({e})"
+                ))
+            })
     }
 }
 
