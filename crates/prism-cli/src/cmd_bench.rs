@@ -373,6 +373,21 @@ fn matmul_rate(device: &Device, dtype: DType) -> Result<f64> {
     Ok(rate)
 }
 
+/// On a CUDA device and an integer precision, cuBLAS's int8 GEMM rate (ops/s, 8192³); `None` elsewhere.
+fn integer_matmul_rate(device: &Device, precision: Precision) -> Result<Option<f64>> {
+    if !precision.is_integer() {
+        return Ok(None);
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cuda) = device {
+        let rate = prism_model::cuda::int8_matmul_rate(cuda, 8192, 5)
+            .context("measuring cuBLAS's int8 GEMM rate")?;
+        return Ok(Some(rate));
+    }
+    let _ = device;
+    Ok(None)
+}
+
 /// This process's resident memory and its peak, bytes (Linux `/proc/self/status`).
 pub fn process_memory() -> Option<(u64, u64)> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -596,7 +611,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     } else {
         precision.matrix_dtype()
     };
-    let rate = matmul_rate(&device, matmul_dtype)?;
+    // The integer path's work runs on the int8 tensor cores: on a GPU its floor is cuBLAS's int8 rate.
+    let (rate, rate_label) = match integer_matmul_rate(&device, precision)? {
+        Some(rate) => (rate, "INT8, cuBLAS".to_string()),
+        None => (matmul_rate(&device, matmul_dtype)?, format!("{matmul_dtype:?}")),
+    };
     let mut rows = Vec::new();
     for (scenario, timings) in scenarios.iter().zip(&timed) {
         let bytes = cost.weight_bytes;
@@ -648,7 +667,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         },
         "copy_bandwidth_bytes_per_s": bandwidth,
         "matmul_flops_per_s": rate,
-        "matmul_dtype": format!("{matmul_dtype:?}"),
+        "matmul_dtype": rate_label,
         "warmup": args.warmup,
         "runs": args.runs,
         "scenarios": rows,

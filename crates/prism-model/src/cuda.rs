@@ -716,6 +716,62 @@ pub fn linear_bf16(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(wrap(y, &dev, (n, out)))
 }
 
+/// Operations per second (2 per multiply-add) of cuBLAS's int8 GEMM (int8 inputs, i32 accumulation and
+/// output, `CUBLAS_COMPUTE_32I`) on an `n × n × n` product, best of `runs`: the int8 tensor-core rate
+/// `prism bench` divides the integer path's work by (its compute floor). The inputs are zeros — the
+/// tensor cores' speed does not depend on the values.
+pub fn int8_matmul_rate(dev: &CudaDevice, n: usize, runs: usize) -> Result<f64> {
+    if n == 0 || n % 4 != 0 {
+        bail!("int8 matmul rate: n = {n} must be a positive multiple of 4 (cuBLAS int8 layout)");
+    }
+    let a = dev.alloc_zeros::<i8>(n * n)?;
+    let b = dev.alloc_zeros::<i8>(n * n)?;
+    let mut c = dev.alloc_zeros::<i32>(n * n)?;
+    let n_i = i32_arg(n, "n")?;
+    let stream = dev.cuda_stream();
+    let blas = dev.cublas_handle();
+    let mut best = f64::INFINITY;
+    for _ in 0..runs.max(1) {
+        stream.synchronize().map_err(launch_err)?;
+        let start = std::time::Instant::now();
+        {
+            let (pa, _ga) = a.device_ptr(&stream);
+            let (pb, _gb) = b.device_ptr(&stream);
+            let (pc, _gc) = c.device_ptr_mut(&stream);
+            let (alpha, beta) = (1i32, 0i32);
+            // SAFETY: three live device buffers of n·n elements on the handle's stream; the TN layout
+            // with leading dimensions n (a multiple of 4) is the one cuBLAS's int8 GEMM takes.
+            unsafe {
+                cublas::gemm_ex(
+                    *blas.handle(),
+                    cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+                    cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                    n_i,
+                    n_i,
+                    n_i,
+                    (&alpha) as *const i32 as *const _,
+                    pa as *const _,
+                    cublas_sys::cudaDataType::CUDA_R_8I,
+                    n_i,
+                    pb as *const _,
+                    cublas_sys::cudaDataType::CUDA_R_8I,
+                    n_i,
+                    (&beta) as *const i32 as *const _,
+                    pc as *mut _,
+                    cublas_sys::cudaDataType::CUDA_R_32I,
+                    n_i,
+                    cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32I,
+                    cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(launch_err)?;
+        }
+        stream.synchronize().map_err(launch_err)?;
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    Ok(2.0 * (n as f64).powi(3) / best)
+}
+
 /// Head rows per block of `qk_norm_rope_f32` (one warp each).
 const QK_NORM_ROPE_ROWS: u32 = 4;
 
