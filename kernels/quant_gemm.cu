@@ -707,18 +707,35 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
 
     // Closes part p: the operation depends only on (G, p), uniform over the grid; each output is then
     // one bounds check and one or two memory operations by its owner thread.
+    //
+    // The reads of a row's 2·NT outputs are all issued before any of its writes: the compiler
+    // cannot tell that `out` and `scratch` never overlap, so written element by element every read
+    // waited for the previous write and a part end cost 64 serial round trips to L2 or DRAM per thread
+    // (the larger part of a tile's time at large M); now 2·MT. Reads go through L2 only (`__ldcg`): the values
+    // were written by this thread, possibly in another SM's L1 lifetime — never stale in L2.
     auto finish_part = [&](int p) {
         const int r_base = opaque_int(m0 + c_row), c_base = opaque_int(n0 + c_col);
         const int op = G == 4 ? 0 : G == 2 ? ((p & 1) ? 2 : 1) : ((p & 1) == 0 ? 3 : p == 1 ? 4 : 5);
         float* ws = G == 1 ? out : out + (size_t)z * mn;
+        const bool read_ws = op == 2 || op == 5, read_sc = op == 4 || op == 5;
 #pragma unroll
         for (int i = 0; i < MT; ++i)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = r_base + i * 16 + h * 8;
-                if (r >= M) continue;
                 float* ws_row = ws + (size_t)r * N;
                 float* sc_row = scratch + (size_t)r * N;
+                float xw[NT][2], xs[NT][2];
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int e1 = 0; e1 < 2; ++e1) {
+                        const int c = c_base + j * 8 + e1;
+                        const bool ok = r < M && c < N;
+                        xw[j][e1] = ok && read_ws ? __ldcg(ws_row + c) : 0.f;
+                        xs[j][e1] = ok && read_sc ? __ldcg(sc_row + c) : 0.f;
+                    }
+                if (r >= M) continue;
 #pragma unroll
                 for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -726,14 +743,15 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                         const int c = c_base + j * 8 + e1;
                         if (c >= N) continue;
                         const float a = acc[i][j][2 * h + e1];
+                        const float w = xw[j][e1], s = xs[j][e1];
                         switch (op) {
                             case 0: ws_row[c] = a; break;                                  // G=4: p
                             case 1: ws_row[c] = a; break;                                  // G=2: lo
-                            case 2: ws_row[c] = __fadd_rn(ws_row[c], a); break;            // lo + acc
+                            case 2: ws_row[c] = __fadd_rn(w, a); break;                    // lo + acc
                             case 3: sc_row[c] = a; break;                                  // G=1: lo
-                            case 4: ws_row[c] = __fadd_rn(sc_row[c], a); break;            // s = lo + acc
+                            case 4: ws_row[c] = __fadd_rn(s, a); break;                    // s = lo + acc
                             default:                                                       // (s + pair)·scale
-                                ws_row[c] = __fmul_rn(__fadd_rn(ws_row[c], __fadd_rn(sc_row[c], a)), scale);
+                                ws_row[c] = __fmul_rn(__fadd_rn(w, __fadd_rn(s, a)), scale);
                         }
                     }
             }
@@ -985,4 +1003,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) qgemm2_q6k_64x128(QGEMM2_AR
 }
 extern "C" __global__ void __launch_bounds__(256, 1) qgemm2_q6k_128x128(QGEMM2_ARGS) {
     qgemm_tc2<FMT_Q6K, 2, 4, 4, 4, 2>(QGEMM2_PASS);
+}
+// 128×128 with 16 warps (4 × 4, warp tiles 32×32): the same shared memory as the 8-warp 128×128 tile
+// but four warps per scheduler instead of two, at 128 registers a thread.
+extern "C" __global__ void __launch_bounds__(512, 1) qgemm2_q8_0_128x128w16(QGEMM2_ARGS) {
+    qgemm_tc2<FMT_Q8_0, 4, 4, 2, 4, 4>(QGEMM2_PASS);
+}
+extern "C" __global__ void __launch_bounds__(512, 1) qgemm2_k32_128x128w16(QGEMM2_ARGS) {
+    qgemm_tc2<FMT_K32, 4, 4, 2, 4, 2>(QGEMM2_PASS);
+}
+extern "C" __global__ void __launch_bounds__(512, 1) qgemm2_q6k_128x128w16(QGEMM2_ARGS) {
+    qgemm_tc2<FMT_Q6K, 4, 4, 2, 4, 2>(QGEMM2_PASS);
 }

@@ -20,7 +20,7 @@ use crate::weight::{QuantWeight, WeightFormat};
 
 /// Threads per CTA of the v1 tensor-core kernels (4 warps, 2 × 2, each 32 × 32 outputs).
 pub const TC_THREADS: u32 = 128;
-/// Threads per CTA of the v2 tensor-core kernels (8 warps, 2 × 4).
+/// Threads per CTA of the 8-warp v2 tensor-core kernels (2 × 4 warps); the 16-warp tile has twice as many.
 pub const TC2_THREADS: u32 = 256;
 /// Threads per CTA of the plain one-thread-per-output kernel and of the element-wise kernels.
 pub const SIMT_THREADS: u32 = 256;
@@ -57,10 +57,21 @@ pub enum V2Tile {
     T64x128,
     /// 128 × 128, warp tiles 64×32, one CTA per SM.
     T128x128,
+    /// 128 × 128 with 16 warps (512 threads), warp tiles 32×32: the same shared memory as
+    /// [`V2Tile::T128x128`], twice the warps per scheduler at half the registers a thread.
+    T128x128W16,
 }
 
 impl V2Tile {
-    pub const ALL: [V2Tile; 2] = [V2Tile::T64x128, V2Tile::T128x128];
+    pub const ALL: [V2Tile; 3] = [V2Tile::T64x128, V2Tile::T128x128, V2Tile::T128x128W16];
+
+    /// Threads per CTA.
+    pub fn threads(self) -> u32 {
+        match self {
+            V2Tile::T64x128 | V2Tile::T128x128 => TC2_THREADS,
+            V2Tile::T128x128W16 => 2 * TC2_THREADS,
+        }
+    }
 }
 
 /// Which kernel computes the integer matmul. Every choice returns the same bits.
@@ -156,6 +167,9 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         (Q4K | Q5K, V2Tile::T128x128) => ("qgemm2_k32_128x128", 128, 128, 2, 1, 700.0),
         (Q6K, V2Tile::T64x128) => ("qgemm2_q6k_64x128", 64, 128, 2, 2, 500.0),
         (Q6K, V2Tile::T128x128) => ("qgemm2_q6k_128x128", 128, 128, 2, 1, 650.0),
+        (Q8_0, V2Tile::T128x128W16) => ("qgemm2_q8_0_128x128w16", 128, 128, 4, 1, 900.0),
+        (Q4K | Q5K, V2Tile::T128x128W16) => ("qgemm2_k32_128x128w16", 128, 128, 2, 1, 700.0),
+        (Q6K, V2Tile::T128x128W16) => ("qgemm2_q6k_128x128w16", 128, 128, 2, 1, 650.0),
     };
     let bk = stage_k(format);
     TilePlan {
@@ -165,7 +179,7 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         bn,
         bk,
         stages,
-        threads: TC2_THREADS,
+        threads: tile.threads(),
         smem_bytes: stages * stage_bytes(format, bm, bn, bk),
         ctas_per_sm,
         macs_per_sm_clock: rate,
@@ -955,12 +969,38 @@ mod tests {
                 2,
                 2 * 32_768 + 512 + 2_048,
             ),
+            // The 16-warp tiles: the same shared memory as their 8-warp twins.
+            (
+                Q8_0,
+                V2Tile::T128x128W16,
+                "qgemm2_q8_0_128x128w16",
+                128,
+                4,
+                16_384 + 16_384 + 2_048,
+            ),
+            (
+                Q4K,
+                V2Tile::T128x128W16,
+                "qgemm2_k32_128x128w16",
+                128,
+                2,
+                2 * 32_768 + 1_024 + 2_048 + 4_096,
+            ),
+            (
+                Q6K,
+                V2Tile::T128x128W16,
+                "qgemm2_q6k_128x128w16",
+                128,
+                2,
+                2 * 32_768 + 512 + 2_048,
+            ),
         ];
         for (format, tile, kernel, bm, stages, stage_bytes) in cases {
             let p = v2_tile_plan(format, tile);
+            let threads = if tile == V2Tile::T128x128W16 { 512 } else { 256 };
             assert_eq!(
                 (p.kernel, p.family, p.bm, p.bn, p.stages, p.threads),
-                (kernel, Family::V2, bm, 128, stages, 256)
+                (kernel, Family::V2, bm, 128, stages, threads)
             );
             assert_eq!(p.smem_bytes, stages * stage_bytes, "{kernel}");
             assert_eq!(p.bk % format.block_len(), 0);
