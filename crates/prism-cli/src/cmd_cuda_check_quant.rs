@@ -692,6 +692,77 @@ fn timings(r: &mut Report, gpu: &Device, dev: &candle_core::CudaDevice) -> Resul
     Ok(())
 }
 
+/// `--gemm FORMAT,K,N,M,TILE,G`: one GEMM on random weights and activations, one warm-up call and
+/// `runs` timed calls (each synchronized), for a profiler to look at one launch shape alone.
+pub fn time_one(spec: &str, runs: usize) -> Result<()> {
+    let fields: Vec<&str> = spec.split(',').map(str::trim).collect();
+    let [fmt, k, n, m, tile, g] = fields[..] else {
+        bail!("--gemm {spec:?}: expected FORMAT,K,N,M,TILE,G (six fields separated by commas)");
+    };
+    let format = match fmt.to_ascii_lowercase().as_str() {
+        "q8_0" => WeightFormat::Q8_0,
+        "q4_k" | "q4k" => WeightFormat::Q4K,
+        "q5_k" | "q5k" => WeightFormat::Q5K,
+        "q6_k" | "q6k" => WeightFormat::Q6K,
+        other => bail!("--gemm: unknown weight format {other:?} (q8_0, q4_k, q5_k or q6_k)"),
+    };
+    let num = |name: &str, v: &str| -> Result<usize> {
+        v.parse::<usize>()
+            .ok()
+            .filter(|&x| x > 0)
+            .with_context(|| format!("--gemm: {name} = {v:?} is not a positive integer"))
+    };
+    let (k, n, m) = (num("K", k)?, num("N", n)?, num("M", m)?);
+    let g = match g {
+        "1" => 1u32,
+        "2" => 2,
+        "4" => 4,
+        other => bail!("--gemm: G = {other:?}: expected 1, 2 or 4"),
+    };
+    let kernel = match tile.to_ascii_lowercase().as_str() {
+        "auto" => GemmKernel::Auto,
+        "v1" => GemmKernel::TensorCore { part_groups: g },
+        name => {
+            let Some(tile) = V2Tile::ALL
+                .into_iter()
+                .find(|t| format!("{t:?}").eq_ignore_ascii_case(name))
+            else {
+                bail!("--gemm: unknown tile {tile:?} (one of {:?}, v1 or auto)", V2Tile::ALL);
+            };
+            GemmKernel::V2 {
+                tile,
+                part_groups: g,
+            }
+        }
+    };
+    let gpu = Device::new_cuda(0).context("no CUDA device")?;
+    let dev = match &gpu {
+        Device::Cuda(d) => d.clone(),
+        _ => bail!("not a CUDA device"),
+    };
+    let w = random_weight(format, n, k, 9)?;
+    let wg = CudaQuantWeight::upload(&w, &dev)?;
+    let x = Tensor::randn(0f32, 1.0, (m, k), &gpu)?;
+    let scale = ActivationScale::from_absmax(5.0)?;
+    let qx = qcuda::quantize_activations(&x, &scale, format.has_mins())?;
+    let plan = plan_name(kernel, &wg, m, &dev)?;
+    let ops = 2.0 * (m * n * k) as f64;
+    qcuda::gemm_quantized(&qx, &wg, &scale, kernel, &dev)?;
+    dev.synchronize()?;
+    for run in 0..runs {
+        let t = Instant::now();
+        qcuda::gemm_quantized(&qx, &wg, &scale, kernel, &dev)?;
+        dev.synchronize()?;
+        let s = t.elapsed().as_secs_f64();
+        println!(
+            "{format:?} K={k} N={n} M={m} {plan}: run {run}: {:.3} ms, {:.1} TOPS",
+            s * 1e3,
+            ops / s / 1e12
+        );
+    }
+    Ok(())
+}
+
 /// Runs the checks (and, with `time`, the timings); writes the results as JSON to `json_out`.
 pub fn run(json_out: Option<PathBuf>, time: bool) -> Result<()> {
     let gpu = Device::new_cuda(0).context("no CUDA device")?;

@@ -66,6 +66,14 @@ enum Command {
         /// Skip the timings.
         #[arg(long)]
         no_timing: bool,
+        /// Only time one GEMM, for profilers: `FORMAT,K,N,M,TILE,G` (e.g. `q8_0,5120,17408,2048,T128x128,1`;
+        /// FORMAT q8_0|q4_k|q5_k|q6_k, TILE T64x128|T128x128|T128x128W16|v1|auto, G 1|2|4 (ignored by auto)).
+        /// Runs it once to warm up and `--runs` times, no checks.
+        #[arg(long)]
+        gemm: Option<String>,
+        /// Timed runs of `--gemm`.
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
     },
 }
 
@@ -238,6 +246,14 @@ fn main() -> Result<()> {
         #[cfg(feature = "cuda")]
         Command::CudaCheck { fixtures, json_out } => cmd_cuda_check::run(fixtures, json_out),
         #[cfg(feature = "cuda")]
-        Command::CudaQuantCheck { json_out, no_timing } => cmd_cuda_check_quant::run(json_out, !no_timing),
+        Command::CudaQuantCheck {
+            json_out,
+            no_timing,
+            gemm,
+            runs,
+        } => match gemm {
+            Some(spec) => cmd_cuda_check_quant::time_one(&spec, runs),
+            None => cmd_cuda_check_quant::run(json_out, !no_timing),
+        },
     }
 }
