@@ -60,15 +60,23 @@ pub enum V2Tile {
     /// 128 × 128 with 16 warps (512 threads), warp tiles 32×32: the same shared memory as
     /// [`V2Tile::T128x128`], twice the warps per scheduler at half the registers a thread.
     T128x128W16,
+    /// 128 × 128, 8 warps, Q8_0 stages of 256 bytes of K (8 blocks, 3 stages, 204 KiB: Hopper only)
+    /// instead of 128. The K-quants' stages are 256 bytes already: for them this is [`V2Tile::T128x128`].
+    T128x128K256,
 }
 
 impl V2Tile {
-    pub const ALL: [V2Tile; 3] = [V2Tile::T64x128, V2Tile::T128x128, V2Tile::T128x128W16];
+    pub const ALL: [V2Tile; 4] = [
+        V2Tile::T64x128,
+        V2Tile::T128x128,
+        V2Tile::T128x128W16,
+        V2Tile::T128x128K256,
+    ];
 
     /// Threads per CTA.
     pub fn threads(self) -> u32 {
         match self {
-            V2Tile::T64x128 | V2Tile::T128x128 => TC2_THREADS,
+            V2Tile::T64x128 | V2Tile::T128x128 | V2Tile::T128x128K256 => TC2_THREADS,
             V2Tile::T128x128W16 => 2 * TC2_THREADS,
         }
     }
@@ -170,8 +178,14 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         (Q8_0, V2Tile::T128x128W16) => ("qgemm2_q8_0_128x128w16", 128, 128, 4, 1, 900.0),
         (Q4K | Q5K, V2Tile::T128x128W16) => ("qgemm2_k32_128x128w16", 128, 128, 2, 1, 700.0),
         (Q6K, V2Tile::T128x128W16) => ("qgemm2_q6k_128x128w16", 128, 128, 2, 1, 650.0),
+        (Q8_0, V2Tile::T128x128K256) => ("qgemm2_q8_0_128x128k256", 128, 128, 3, 1, 900.0),
+        (_, V2Tile::T128x128K256) => return v2_tile_plan(format, V2Tile::T128x128),
     };
-    let bk = stage_k(format);
+    let bk = if tile == V2Tile::T128x128K256 {
+        256
+    } else {
+        stage_k(format)
+    };
     TilePlan {
         kernel,
         family: Family::V2,
@@ -884,7 +898,7 @@ mod tests {
     #[test]
     fn v2_stages_cover_each_part_in_order_without_straddling() {
         for nb in [1usize, 2, 3, 4, 5, 7, 35, 37, 160, 544] {
-            for bps in [1usize, 4] {
+            for bps in [1usize, 4, 8] {
                 for g in [1usize, 2, 4] {
                     for z in 0..g {
                         let (p_begin, p_end) = (z * 4 / g, (z + 1) * 4 / g);
@@ -994,6 +1008,23 @@ mod tests {
                 2,
                 2 * 32_768 + 512 + 2_048,
             ),
+            // Q8_0 stages of 8 blocks; the K-quants' 256-byte stages are T128x128's.
+            (
+                Q8_0,
+                V2Tile::T128x128K256,
+                "qgemm2_q8_0_128x128k256",
+                128,
+                3,
+                2 * 32_768 + 4_096,
+            ),
+            (
+                Q4K,
+                V2Tile::T128x128K256,
+                "qgemm2_k32_128x128",
+                128,
+                2,
+                2 * 32_768 + 1_024 + 2_048 + 4_096,
+            ),
         ];
         for (format, tile, kernel, bm, stages, stage_bytes) in cases {
             let p = v2_tile_plan(format, tile);
@@ -1004,17 +1035,22 @@ mod tests {
             );
             assert_eq!(p.smem_bytes, stages * stage_bytes, "{kernel}");
             assert_eq!(p.bk % format.block_len(), 0);
-            // The CTAs per SM it is built for fit an H200; every tile fits an A100's 163 KiB a CTA.
+            // The CTAs per SM it is built for fit an H200; every tile but the Hopper-only 256-byte
+            // Q8_0 stages fits an A100's 163 KiB a CTA (that one is never planned there).
             assert_eq!(
                 DeviceLimits::H200.resident_ctas(&p),
                 p.ctas_per_sm,
                 "{kernel}"
             );
-            assert!(
-                p.smem_bytes <= 163 * 1024,
-                "{kernel}: {} bytes",
-                p.smem_bytes
-            );
+            if kernel == "qgemm2_q8_0_128x128k256" {
+                assert!(p.smem_bytes > 163 * 1024);
+            } else {
+                assert!(
+                    p.smem_bytes <= 163 * 1024,
+                    "{kernel}: {} bytes",
+                    p.smem_bytes
+                );
+            }
         }
     }
 
