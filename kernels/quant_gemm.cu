@@ -221,18 +221,18 @@ struct IntC {
 #define MAGIC_I 0x4B400000
 #define MAGIC_F 12582912.0f
 
-template <int FMT, int BKQ = 128>
+template <int FMT>
 struct Layout {
-    static constexpr int BK = FMT == FMT_Q8_0 ? BKQ : 256;  // bytes of K per stage (Q8_0: 128 or 256)
+    static constexpr int BK = FMT == FMT_Q8_0 ? 128 : 256;  // bytes of K per stage
     static constexpr int BLK = FMT == FMT_Q8_0 ? 32 : 256;  // elements per block
     static constexpr int BPS = BK / BLK;                     // blocks per stage
     static constexpr int SUB = FMT == FMT_Q6K ? 16 : 32;     // elements per sub-block
     static constexpr int SPB = BLK / SUB;                    // sub-blocks per block (Q8_0: 1)
 };
 
-template <int FMT, int BM, int BN, int BKQ = 128>
+template <int FMT, int BM, int BN>
 struct Smem {
-    using L = Layout<FMT, BKQ>;
+    using L = Layout<FMT>;
     static constexpr int A = 0;
     static constexpr int B = A + BM * L::BK;
     static constexpr int D = B + BN * L::BK;                                      // f32 [BPS][BN]
@@ -586,17 +586,17 @@ extern "C" __global__ void __launch_bounds__(128) qgemm_q6k_64x64(QGEMM_ARGS) {
 //   same weight tiles and a bounded set of activation rows (L2 reuse when M is large).
 // ===================================================================================================
 
-template <int FMT, int WARPS_M, int WARPS_N, int MT, int NT, int STAGES, int BKQ = 128>
+template <int FMT, int WARPS_M, int WARPS_N, int MT, int NT, int STAGES>
 __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const int* __restrict__ asums,
                                           const int8_t* __restrict__ wq, const int8_t* __restrict__ wsc,
                                           const int8_t* __restrict__ wmin, const float* __restrict__ wd,
                                           const float* __restrict__ wdmin, float* __restrict__ out,
                                           int M, int N, int K, float scale, float* __restrict__ scratch,
                                           int group_m) {
-    using L = Layout<FMT, BKQ>;
+    using L = Layout<FMT>;
     constexpr int BM = WARPS_M * MT * 16, BN = WARPS_N * NT * 8, THREADS = WARPS_M * WARPS_N * 32;
     constexpr int BK = L::BK, CHUNKS = BK / 16, BPS = L::BPS;
-    using S = Smem<FMT, BM, BN, BKQ>;
+    using S = Smem<FMT, BM, BN>;
     static_assert(NT % 2 == 0, "B fragments are loaded two n-tiles at a time");
     static_assert(THREADS % CHUNKS == 0, "a thread copies the same 16-byte column of every row it loads");
     extern __shared__ __align__(128) unsigned char smem[];
@@ -1060,20 +1060,4 @@ extern "C" __global__ void __launch_bounds__(256, 2) qgemm2_q6k_64x128(QGEMM2_AR
 }
 extern "C" __global__ void __launch_bounds__(256, 1) qgemm2_q6k_128x128(QGEMM2_ARGS) {
     qgemm_tc2<FMT_Q6K, 2, 4, 4, 4, 2>(QGEMM2_PASS);
-}
-// 128×128 with 16 warps (4 × 4, warp tiles 32×32): the same shared memory as the 8-warp 128×128 tile
-// but four warps per scheduler instead of two, at 128 registers a thread.
-extern "C" __global__ void __launch_bounds__(512, 1) qgemm2_q8_0_128x128w16(QGEMM2_ARGS) {
-    qgemm_tc2<FMT_Q8_0, 4, 4, 2, 4, 4>(QGEMM2_PASS);
-}
-extern "C" __global__ void __launch_bounds__(512, 1) qgemm2_k32_128x128w16(QGEMM2_ARGS) {
-    qgemm_tc2<FMT_K32, 4, 4, 2, 4, 2>(QGEMM2_PASS);
-}
-extern "C" __global__ void __launch_bounds__(512, 1) qgemm2_q6k_128x128w16(QGEMM2_ARGS) {
-    qgemm_tc2<FMT_Q6K, 4, 4, 2, 4, 2>(QGEMM2_PASS);
-}
-// Q8_0 128×128 with stages of 256 bytes of K (8 blocks; 3 stages): half the stage barriers of the
-// 128-byte stages, each of which stalls both warps of a scheduler on the first fragment loads.
-extern "C" __global__ void __launch_bounds__(256, 1) qgemm2_q8_0_128x128k256(QGEMM2_ARGS) {
-    qgemm_tc2<FMT_Q8_0, 2, 4, 4, 4, 3, 256>(QGEMM2_PASS);
 }

@@ -20,7 +20,7 @@ use crate::weight::{QuantWeight, WeightFormat};
 
 /// Threads per CTA of the v1 tensor-core kernels (4 warps, 2 × 2, each 32 × 32 outputs).
 pub const TC_THREADS: u32 = 128;
-/// Threads per CTA of the 8-warp v2 tensor-core kernels (2 × 4 warps); the 16-warp tile has twice as many.
+/// Threads per CTA of the v2 tensor-core kernels (8 warps, 2 × 4).
 pub const TC2_THREADS: u32 = 256;
 /// Threads per CTA of the plain one-thread-per-output kernel and of the element-wise kernels.
 pub const SIMT_THREADS: u32 = 256;
@@ -57,29 +57,12 @@ pub enum V2Tile {
     T64x128,
     /// 128 × 128, warp tiles 64×32, one CTA per SM.
     T128x128,
-    /// 128 × 128 with 16 warps (512 threads), warp tiles 32×32: the same shared memory as
-    /// [`V2Tile::T128x128`], twice the warps per scheduler at half the registers a thread.
-    T128x128W16,
-    /// 128 × 128, 8 warps, Q8_0 stages of 256 bytes of K (8 blocks, 3 stages, 204 KiB: Hopper only)
-    /// instead of 128. The K-quants' stages are 256 bytes already: for them this is [`V2Tile::T128x128`].
-    T128x128K256,
 }
 
 impl V2Tile {
-    pub const ALL: [V2Tile; 4] = [
-        V2Tile::T64x128,
-        V2Tile::T128x128,
-        V2Tile::T128x128W16,
-        V2Tile::T128x128K256,
-    ];
-
-    /// Threads per CTA.
-    pub fn threads(self) -> u32 {
-        match self {
-            V2Tile::T64x128 | V2Tile::T128x128 | V2Tile::T128x128K256 => TC2_THREADS,
-            V2Tile::T128x128W16 => 2 * TC2_THREADS,
-        }
-    }
+    // Measured and dropped on 2026-11-30 (docs/benchmarks.md): a 16-warp 128×128 tile (warp tiles
+    // 32×32, 128 registers) and Q8_0 stages of 256 bytes; neither beat T128x128.
+    pub const ALL: [V2Tile; 2] = [V2Tile::T64x128, V2Tile::T128x128];
 }
 
 /// Which kernel computes the integer matmul. Every choice returns the same bits.
@@ -175,17 +158,8 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         (Q4K | Q5K, V2Tile::T128x128) => ("qgemm2_k32_128x128", 128, 128, 2, 1, 700.0),
         (Q6K, V2Tile::T64x128) => ("qgemm2_q6k_64x128", 64, 128, 2, 2, 500.0),
         (Q6K, V2Tile::T128x128) => ("qgemm2_q6k_128x128", 128, 128, 2, 1, 650.0),
-        (Q8_0, V2Tile::T128x128W16) => ("qgemm2_q8_0_128x128w16", 128, 128, 4, 1, 900.0),
-        (Q4K | Q5K, V2Tile::T128x128W16) => ("qgemm2_k32_128x128w16", 128, 128, 2, 1, 700.0),
-        (Q6K, V2Tile::T128x128W16) => ("qgemm2_q6k_128x128w16", 128, 128, 2, 1, 650.0),
-        (Q8_0, V2Tile::T128x128K256) => ("qgemm2_q8_0_128x128k256", 128, 128, 3, 1, 900.0),
-        (_, V2Tile::T128x128K256) => return v2_tile_plan(format, V2Tile::T128x128),
     };
-    let bk = if tile == V2Tile::T128x128K256 {
-        256
-    } else {
-        stage_k(format)
-    };
+    let bk = stage_k(format);
     TilePlan {
         kernel,
         family: Family::V2,
@@ -193,7 +167,7 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         bn,
         bk,
         stages,
-        threads: tile.threads(),
+        threads: TC2_THREADS,
         smem_bytes: stages * stage_bytes(format, bm, bn, bk),
         ctas_per_sm,
         macs_per_sm_clock: rate,
@@ -898,7 +872,7 @@ mod tests {
     #[test]
     fn v2_stages_cover_each_part_in_order_without_straddling() {
         for nb in [1usize, 2, 3, 4, 5, 7, 35, 37, 160, 544] {
-            for bps in [1usize, 4, 8] {
+            for bps in [1usize, 4] {
                 for g in [1usize, 2, 4] {
                     for z in 0..g {
                         let (p_begin, p_end) = (z * 4 / g, (z + 1) * 4 / g);
@@ -983,74 +957,26 @@ mod tests {
                 2,
                 2 * 32_768 + 512 + 2_048,
             ),
-            // The 16-warp tiles: the same shared memory as their 8-warp twins.
-            (
-                Q8_0,
-                V2Tile::T128x128W16,
-                "qgemm2_q8_0_128x128w16",
-                128,
-                4,
-                16_384 + 16_384 + 2_048,
-            ),
-            (
-                Q4K,
-                V2Tile::T128x128W16,
-                "qgemm2_k32_128x128w16",
-                128,
-                2,
-                2 * 32_768 + 1_024 + 2_048 + 4_096,
-            ),
-            (
-                Q6K,
-                V2Tile::T128x128W16,
-                "qgemm2_q6k_128x128w16",
-                128,
-                2,
-                2 * 32_768 + 512 + 2_048,
-            ),
-            // Q8_0 stages of 8 blocks; the K-quants' 256-byte stages are T128x128's.
-            (
-                Q8_0,
-                V2Tile::T128x128K256,
-                "qgemm2_q8_0_128x128k256",
-                128,
-                3,
-                2 * 32_768 + 4_096,
-            ),
-            (
-                Q4K,
-                V2Tile::T128x128K256,
-                "qgemm2_k32_128x128",
-                128,
-                2,
-                2 * 32_768 + 1_024 + 2_048 + 4_096,
-            ),
         ];
         for (format, tile, kernel, bm, stages, stage_bytes) in cases {
             let p = v2_tile_plan(format, tile);
-            let threads = if tile == V2Tile::T128x128W16 { 512 } else { 256 };
             assert_eq!(
                 (p.kernel, p.family, p.bm, p.bn, p.stages, p.threads),
-                (kernel, Family::V2, bm, 128, stages, threads)
+                (kernel, Family::V2, bm, 128, stages, 256)
             );
             assert_eq!(p.smem_bytes, stages * stage_bytes, "{kernel}");
             assert_eq!(p.bk % format.block_len(), 0);
-            // The CTAs per SM it is built for fit an H200; every tile but the Hopper-only 256-byte
-            // Q8_0 stages fits an A100's 163 KiB a CTA (that one is never planned there).
+            // The CTAs per SM it is built for fit an H200; every tile fits an A100's 163 KiB a CTA.
             assert_eq!(
                 DeviceLimits::H200.resident_ctas(&p),
                 p.ctas_per_sm,
                 "{kernel}"
             );
-            if kernel == "qgemm2_q8_0_128x128k256" {
-                assert!(p.smem_bytes > 163 * 1024);
-            } else {
-                assert!(
-                    p.smem_bytes <= 163 * 1024,
-                    "{kernel}: {} bytes",
-                    p.smem_bytes
-                );
-            }
+            assert!(
+                p.smem_bytes <= 163 * 1024,
+                "{kernel}: {} bytes",
+                p.smem_bytes
+            );
         }
     }
 
