@@ -176,6 +176,30 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// mbarriers in shared memory (sm_80+): the warp-specialized kernel's stage hand-off.
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.shared.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// Arrives on `bar` when all of this thread's earlier cp.async copies have landed.
+__device__ __forceinline__ void cp_async_mbar_arrive(unsigned long long* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// Waits until the phase of `bar` with parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.test_wait.parity.shared.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -586,7 +610,7 @@ extern "C" __global__ void __launch_bounds__(128) qgemm_q6k_64x64(QGEMM_ARGS) {
 //   same weight tiles and a bounded set of activation rows (L2 reuse when M is large).
 // ===================================================================================================
 
-template <int FMT, int WARPS_M, int WARPS_N, int MT, int NT, int STAGES>
+template <int FMT, int WARPS_M, int WARPS_N, int MT, int NT, int STAGES, bool WS = false>
 __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const int* __restrict__ asums,
                                           const int8_t* __restrict__ wq, const int8_t* __restrict__ wsc,
                                           const int8_t* __restrict__ wmin, const float* __restrict__ wd,
@@ -997,6 +1021,84 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
         }
     };
 
+    // ---- the warp-specialized K loop (WS, Q8_0) ------------------------------------------------------
+    // One more warp (the producer) issues every stage's copies; the THREADS consumer threads only
+    // compute. Stage s is handed over by two mbarriers: full[s] completes when the producer's copies
+    // of a stage have landed (each producer lane arrives when its own cp.asyncs complete), empty[s]
+    // when every consumer thread is done reading it. No CTA-wide barrier in the loop, so the two
+    // warps of a scheduler are not held in step, and the consumers run no address arithmetic for the
+    // loads. Both sides walk the same stages: part by part, BPS blocks at a time; the consumers close
+    // each part (empty ones too) after its stages, as in the v2 loop below.
+    if constexpr (WS) {
+        static_assert(FMT == FMT_Q8_0, "the warp-specialized loop is for Q8_0");
+        unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem + STAGES * S::STAGE);
+        unsigned long long* full = bars;
+        unsigned long long* empty = bars + STAGES;
+        if (tid == 0) {
+            for (int s = 0; s < STAGES; ++s) {
+                mbar_init(full + s, 32);
+                mbar_init(empty + s, THREADS);
+            }
+        }
+        __syncthreads();
+        auto part_begin = [&](int p) { return p * nb / 4; };
+        if (warp == WARPS_M * WARPS_N) {
+            // Producer: lane copies 16-byte column (lane & 7) of rows (lane >> 3) + 4·i of A and B,
+            // and scales lane + 32·j of the stage's [BPS][BN] block.
+            const int chunk = lane & 7, r0 = lane >> 3;
+            const int a_left = M - m0 - r0, b_left = N - n0 - r0;  // row i valid iff 4·i < left
+            const int8_t* a0 = qa + (size_t)max(0, min(m0 + r0, M - 1)) * K + chunk * 16;
+            const int8_t* b0 = wq + (size_t)max(0, min(n0 + r0, N - 1)) * K + chunk * 16;
+            const size_t step4 = (size_t)4 * K;
+            int t = 0;
+            for (int p = p_begin; p < p_end; ++p)
+                for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
+                    const int cnt = min(BPS, part_end(p) - b), s = t % STAGES;
+                    if (t >= STAGES) mbar_wait(empty + s, ((t / STAGES) - 1) & 1);
+                    unsigned char* st = smem + s * S::STAGE;
+                    const bool chunk_ok = chunk * 16 < cnt * L::BLK;
+                    const size_t k0 = (size_t)b * L::BLK;
+#pragma unroll 8
+                    for (int i = 0; i < BM / 4; ++i) {
+                        const int r = r0 + 4 * i;
+                        const bool ok = chunk_ok && 4 * i < a_left;
+                        cp_async16(st + S::A + r * BK + ((chunk ^ (r & 7)) << 4), ok ? a0 + i * step4 + k0 : qa,
+                                   ok);
+                    }
+#pragma unroll 8
+                    for (int i = 0; i < BN / 4; ++i) {
+                        const int r = r0 + 4 * i;
+                        const bool ok = chunk_ok && 4 * i < b_left;
+                        cp_async16(st + S::B + r * BK + ((chunk ^ (r & 7)) << 4), ok ? b0 + i * step4 + k0 : wq,
+                                   ok);
+                    }
+#pragma unroll 4
+                    for (int j = 0; j < BPS * BN / 32; ++j) {
+                        const int i = lane + 32 * j, blk = i / BN, col = n0 + i % BN;
+                        const bool ok = col < N && blk < cnt;
+                        cp_async4(st + S::D + 4 * i, ok ? wd + (size_t)col * nb + b + blk : wd, ok);
+                    }
+                    cp_async_mbar_arrive(full + s);
+                }
+            cp_async_wait<0>();
+            return;
+        }
+        int t = 0;
+        for (int p = p_begin; p < p_end; ++p) {
+            for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
+                const int cnt = min(BPS, part_end(p) - b), s = t % STAGES;
+                const unsigned char* st = smem + s * S::STAGE;
+                mbar_wait(full + s, (t / STAGES) & 1);
+                unsigned af[2][MT][4], bf[2][NT][2];
+                if (cnt == BPS) load_frags(st, 0, af[0], bf[0]);
+                compute_stage(st, cnt, af, bf);
+                mbar_arrive(empty + s);
+            }
+            finish_part(p);
+        }
+        return;
+    }
+
     // ---- the K loop --------------------------------------------------------------------------------
     // Both cursors visit the same stages: part by part, BPS blocks at a time, skipping empty parts. The
     // first STAGES − 1 iterations (it < 0) only issue loads; every call site of a lambda above is single,
@@ -1060,4 +1162,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) qgemm2_q6k_64x128(QGEMM2_AR
 }
 extern "C" __global__ void __launch_bounds__(256, 1) qgemm2_q6k_128x128(QGEMM2_ARGS) {
     qgemm_tc2<FMT_Q6K, 2, 4, 4, 4, 2>(QGEMM2_PASS);
+}
+
+// Q8_0 128×128, warp-specialized: the 8 compute warps of qgemm2_q8_0_128x128 plus one producer warp
+// (288 threads), mbarrier stage hand-off instead of CTA barriers (see the WS loop in qgemm_tc2).
+extern "C" __global__ void __launch_bounds__(288, 1) qgemm2_q8_0_128x128ws(QGEMM2_ARGS) {
+    qgemm_tc2<FMT_Q8_0, 2, 4, 4, 4, 4, true>(QGEMM2_PASS);
 }

@@ -57,12 +57,15 @@ pub enum V2Tile {
     T64x128,
     /// 128 × 128, warp tiles 64×32, one CTA per SM.
     T128x128,
+    /// Q8_0: the 8 compute warps of [`V2Tile::T128x128`] plus a producer warp that issues every
+    /// copy, stages handed over by mbarriers instead of CTA barriers. Other formats: T128x128.
+    T128x128Ws,
 }
 
 impl V2Tile {
     // Measured and dropped on 2026-11-30 (docs/benchmarks.md): a 16-warp 128×128 tile (warp tiles
     // 32×32, 128 registers) and Q8_0 stages of 256 bytes; neither beat T128x128.
-    pub const ALL: [V2Tile; 2] = [V2Tile::T64x128, V2Tile::T128x128];
+    pub const ALL: [V2Tile; 3] = [V2Tile::T64x128, V2Tile::T128x128, V2Tile::T128x128Ws];
 }
 
 /// Which kernel computes the integer matmul. Every choice returns the same bits.
@@ -158,8 +161,11 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         (Q4K | Q5K, V2Tile::T128x128) => ("qgemm2_k32_128x128", 128, 128, 2, 1, 700.0),
         (Q6K, V2Tile::T64x128) => ("qgemm2_q6k_64x128", 64, 128, 2, 2, 500.0),
         (Q6K, V2Tile::T128x128) => ("qgemm2_q6k_128x128", 128, 128, 2, 1, 650.0),
+        (Q8_0, V2Tile::T128x128Ws) => ("qgemm2_q8_0_128x128ws", 128, 128, 4, 1, 900.0),
+        (_, V2Tile::T128x128Ws) => return v2_tile_plan(format, V2Tile::T128x128),
     };
     let bk = stage_k(format);
+    let warp_specialized = tile == V2Tile::T128x128Ws;
     TilePlan {
         kernel,
         family: Family::V2,
@@ -167,8 +173,10 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         bn,
         bk,
         stages,
-        threads: TC2_THREADS,
-        smem_bytes: stages * stage_bytes(format, bm, bn, bk),
+        // The producer warp; the stages' full / empty mbarriers after the stages.
+        threads: TC2_THREADS + if warp_specialized { 32 } else { 0 },
+        smem_bytes: stages * stage_bytes(format, bm, bn, bk)
+            + if warp_specialized { 16 * stages } else { 0 },
         ctas_per_sm,
         macs_per_sm_clock: rate,
     }
@@ -957,14 +965,33 @@ mod tests {
                 2,
                 2 * 32_768 + 512 + 2_048,
             ),
+            // Q8_0 warp-specialized: a producer warp more, two mbarriers a stage; the others are T128x128.
+            (
+                Q8_0,
+                V2Tile::T128x128Ws,
+                "qgemm2_q8_0_128x128ws",
+                128,
+                4,
+                16_384 + 16_384 + 2_048,
+            ),
+            (
+                Q6K,
+                V2Tile::T128x128Ws,
+                "qgemm2_q6k_128x128",
+                128,
+                2,
+                2 * 32_768 + 512 + 2_048,
+            ),
         ];
         for (format, tile, kernel, bm, stages, stage_bytes) in cases {
             let p = v2_tile_plan(format, tile);
+            let ws = kernel.ends_with("ws");
             assert_eq!(
                 (p.kernel, p.family, p.bm, p.bn, p.stages, p.threads),
-                (kernel, Family::V2, bm, 128, stages, 256)
+                (kernel, Family::V2, bm, 128, stages, if ws { 288 } else { 256 })
             );
-            assert_eq!(p.smem_bytes, stages * stage_bytes, "{kernel}");
+            let barriers = if ws { 16 * stages } else { 0 };
+            assert_eq!(p.smem_bytes, stages * stage_bytes + barriers, "{kernel}");
             assert_eq!(p.bk % format.block_len(), 0);
             // The CTAs per SM it is built for fit an H200; every tile fits an A100's 163 KiB a CTA.
             assert_eq!(
