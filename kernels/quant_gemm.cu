@@ -187,8 +187,21 @@ __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
 __device__ __forceinline__ void cp_async_mbar_arrive(unsigned long long* bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
-// Waits until the phase of `bar` with parity `parity` has completed.
+// Waits until the phase of `bar` with parity `parity` has completed. On sm_90 with try_wait, which
+// suspends the waiting warp instead of spinning (a spinning producer took issue slots from the
+// compute warps of its scheduler); before sm_90 by polling test_wait.
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+#else
     asm volatile(
         "{\n"
         ".reg .pred done;\n"
@@ -198,6 +211,7 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
         "}\n" ::"r"(smem_addr(bar)),
         "r"(parity)
         : "memory");
+#endif
 }
 
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
@@ -1022,34 +1036,40 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
     };
 
     // ---- the warp-specialized K loop (WS, Q8_0) ------------------------------------------------------
-    // One more warp (the producer) issues every stage's copies; the THREADS consumer threads only
-    // compute. Stage s is handed over by two mbarriers: full[s] completes when the producer's copies
-    // of a stage have landed (each producer lane arrives when its own cp.asyncs complete), empty[s]
-    // when every consumer thread is done reading it. No CTA-wide barrier in the loop, so the two
+    // One more warpgroup (the producers) issues every stage's copies; the THREADS consumer threads
+    // only compute. Stage s is handed over by two mbarriers: full[s] completes when the producers'
+    // copies of a stage have landed (each producer thread arrives when its own cp.asyncs complete),
+    // empty[s] when every consumer warp is done reading it. No CTA-wide barrier in the loop, so the two
     // warps of a scheduler are not held in step, and the consumers run no address arithmetic for the
     // loads. Both sides walk the same stages: part by part, BPS blocks at a time; the consumers close
     // each part (empty ones too) after its stages, as in the v2 loop below.
     if constexpr (WS) {
         static_assert(FMT == FMT_Q8_0, "the warp-specialized loop is for Q8_0");
+        constexpr int PRODUCERS = 128;  // one warpgroup
         unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem + STAGES * S::STAGE);
         unsigned long long* full = bars;
         unsigned long long* empty = bars + STAGES;
         if (tid == 0) {
             for (int s = 0; s < STAGES; ++s) {
-                mbar_init(full + s, 32);
-                mbar_init(empty + s, THREADS);
+                mbar_init(full + s, PRODUCERS);
+                mbar_init(empty + s, WARPS_M * WARPS_N);
             }
         }
         __syncthreads();
         auto part_begin = [&](int p) { return p * nb / 4; };
-        if (warp == WARPS_M * WARPS_N) {
-            // Producer: lane copies 16-byte column (lane & 7) of rows (lane >> 3) + 4·i of A and B,
-            // and scales lane + 32·j of the stage's [BPS][BN] block.
-            const int chunk = lane & 7, r0 = lane >> 3;
-            const int a_left = M - m0 - r0, b_left = N - n0 - r0;  // row i valid iff 4·i < left
+        if (tid >= THREADS) {
+            // Producers (the last warpgroup): thread q copies 16-byte column (q & 7) of rows (q >> 3) +
+            // 16·i of A and B, and scales q + 128·j of the stage's [BPS][BN] block. On sm_90a they
+            // give registers back to the compute warpgroups.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+#endif
+            const int q = tid - THREADS, chunk = q & 7, r0 = q >> 3;
+            const int a_left = M - m0 - r0, b_left = N - n0 - r0;  // row i valid iff 16·i < left
             const int8_t* a0 = qa + (size_t)max(0, min(m0 + r0, M - 1)) * K + chunk * 16;
             const int8_t* b0 = wq + (size_t)max(0, min(n0 + r0, N - 1)) * K + chunk * 16;
-            const size_t step4 = (size_t)4 * K;
+            const size_t step16 = (size_t)16 * K;
+            const int swz = (chunk ^ (r0 & 7)) << 4;
             int t = 0;
             for (int p = p_begin; p < p_end; ++p)
                 for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
@@ -1058,23 +1078,20 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                     unsigned char* st = smem + s * S::STAGE;
                     const bool chunk_ok = chunk * 16 < cnt * L::BLK;
                     const size_t k0 = (size_t)b * L::BLK;
-#pragma unroll 8
-                    for (int i = 0; i < BM / 4; ++i) {
-                        const int r = r0 + 4 * i;
-                        const bool ok = chunk_ok && 4 * i < a_left;
-                        cp_async16(st + S::A + r * BK + ((chunk ^ (r & 7)) << 4), ok ? a0 + i * step4 + k0 : qa,
-                                   ok);
+#pragma unroll
+                    for (int i = 0; i < BM / 16; ++i) {
+                        const bool ok = chunk_ok && 16 * i < a_left;
+                        cp_async16(st + S::A + (r0 + 16 * i) * BK + swz, ok ? a0 + i * step16 + k0 : qa, ok);
                     }
-#pragma unroll 8
-                    for (int i = 0; i < BN / 4; ++i) {
-                        const int r = r0 + 4 * i;
-                        const bool ok = chunk_ok && 4 * i < b_left;
-                        cp_async16(st + S::B + r * BK + ((chunk ^ (r & 7)) << 4), ok ? b0 + i * step4 + k0 : wq,
-                                   ok);
+#pragma unroll
+                    for (int i = 0; i < BN / 16; ++i) {
+                        const int r = r0 + 16 * i;
+                        const bool ok = chunk_ok && 16 * i < b_left;
+                        cp_async16(st + S::B + r * BK + swz, ok ? b0 + i * step16 + k0 : wq, ok);
                     }
-#pragma unroll 4
-                    for (int j = 0; j < BPS * BN / 32; ++j) {
-                        const int i = lane + 32 * j, blk = i / BN, col = n0 + i % BN;
+#pragma unroll
+                    for (int j = 0; j < BPS * BN / PRODUCERS; ++j) {
+                        const int i = q + PRODUCERS * j, blk = i / BN, col = n0 + i % BN;
                         const bool ok = col < N && blk < cnt;
                         cp_async4(st + S::D + 4 * i, ok ? wd + (size_t)col * nb + b + blk : wd, ok);
                     }
@@ -1083,6 +1100,9 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
             cp_async_wait<0>();
             return;
         }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+#endif
         int t = 0;
         for (int p = p_begin; p < p_end; ++p) {
             for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
@@ -1092,7 +1112,8 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                 unsigned af[2][MT][4], bf[2][NT][2];
                 if (cnt == BPS) load_frags(st, 0, af[0], bf[0]);
                 compute_stage(st, cnt, af, bf);
-                mbar_arrive(empty + s);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty + s);
             }
             finish_part(p);
         }
@@ -1164,8 +1185,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) qgemm2_q6k_128x128(QGEMM2_A
     qgemm_tc2<FMT_Q6K, 2, 4, 4, 4, 2>(QGEMM2_PASS);
 }
 
-// Q8_0 128×128, warp-specialized: the 8 compute warps of qgemm2_q8_0_128x128 plus one producer warp
-// (288 threads), mbarrier stage hand-off instead of CTA barriers (see the WS loop in qgemm_tc2).
-extern "C" __global__ void __launch_bounds__(288, 1) qgemm2_q8_0_128x128ws(QGEMM2_ARGS) {
+// Q8_0 128×128, warp-specialized: the 8 compute warps of qgemm2_q8_0_128x128 plus a producer
+// warpgroup (384 threads; on sm_90a the producers hand their registers to the compute warps),
+// mbarrier stage hand-off instead of CTA barriers (see the WS loop in qgemm_tc2).
+extern "C" __global__ void __launch_bounds__(384, 1) qgemm2_q8_0_128x128ws(QGEMM2_ARGS) {
     qgemm_tc2<FMT_Q8_0, 2, 4, 4, 4, 4, true>(QGEMM2_PASS);
 }

@@ -57,7 +57,7 @@ pub enum V2Tile {
     T64x128,
     /// 128 × 128, warp tiles 64×32, one CTA per SM.
     T128x128,
-    /// Q8_0: the 8 compute warps of [`V2Tile::T128x128`] plus a producer warp that issues every
+    /// Q8_0: the 8 compute warps of [`V2Tile::T128x128`] plus a producer warpgroup that issues every
     /// copy, stages handed over by mbarriers instead of CTA barriers. Other formats: T128x128.
     T128x128Ws,
 }
@@ -173,8 +173,8 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         bn,
         bk,
         stages,
-        // The producer warp; the stages' full / empty mbarriers after the stages.
-        threads: TC2_THREADS + if warp_specialized { 32 } else { 0 },
+        // The producer warpgroup; the stages' full / empty mbarriers after the stages.
+        threads: TC2_THREADS + if warp_specialized { 128 } else { 0 },
         smem_bytes: stages * stage_bytes(format, bm, bn, bk)
             + if warp_specialized { 16 * stages } else { 0 },
         ctas_per_sm,
@@ -988,7 +988,7 @@ mod tests {
             let ws = kernel.ends_with("ws");
             assert_eq!(
                 (p.kernel, p.family, p.bm, p.bn, p.stages, p.threads),
-                (kernel, Family::V2, bm, 128, stages, if ws { 288 } else { 256 })
+                (kernel, Family::V2, bm, 128, stages, if ws { 384 } else { 256 })
             );
             let barriers = if ws { 16 * stages } else { 0 };
             assert_eq!(p.smem_bytes, stages * stage_bytes + barriers, "{kernel}");
