@@ -290,6 +290,7 @@ pub fn device_limits(dev: &CudaDevice) -> Result<DeviceLimits> {
         smem_per_sm: attr(
             CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
         )?,
+        compute_major: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
     })
 }
 

@@ -102,6 +102,10 @@ pub struct TilePlan {
     pub smem_bytes: usize,
     /// CTAs per SM the instantiation is built for (its `__launch_bounds__` minimum).
     pub ctas_per_sm: usize,
+    /// Built for sm_90a only: the warp-specialized tile hands the producers' registers to the
+    /// compute warps with `setmaxnreg`; elsewhere its compute warps would spill. Never planned on
+    /// an older GPU.
+    pub hopper_only: bool,
     /// Cost-model guess: multiply-adds per SM and clock when every SM is full of these CTAs (not
     /// measured on this tile yet; `prism cuda-quant-check` prints the model next to the timings).
     pub macs_per_sm_clock: f64,
@@ -146,6 +150,7 @@ pub fn v1_tile_plan(format: WeightFormat) -> TilePlan {
         threads: TC_THREADS,
         smem_bytes: stages * stage_bytes(format, bm, bn, bk),
         ctas_per_sm: 1,
+        hopper_only: false,
         macs_per_sm_clock: 250.0,
     }
 }
@@ -161,7 +166,8 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         (Q4K | Q5K, V2Tile::T128x128) => ("qgemm2_k32_128x128", 128, 128, 2, 1, 700.0),
         (Q6K, V2Tile::T64x128) => ("qgemm2_q6k_64x128", 64, 128, 2, 2, 500.0),
         (Q6K, V2Tile::T128x128) => ("qgemm2_q6k_128x128", 128, 128, 2, 1, 650.0),
-        (Q8_0, V2Tile::T128x128Ws) => ("qgemm2_q8_0_128x128ws", 128, 128, 4, 1, 900.0),
+        // Measured 7–13 % faster than T128x128 on an H200 (docs/benchmarks.md, 2026-11-30).
+        (Q8_0, V2Tile::T128x128Ws) => ("qgemm2_q8_0_128x128ws", 128, 128, 4, 1, 1000.0),
         (_, V2Tile::T128x128Ws) => return v2_tile_plan(format, V2Tile::T128x128),
     };
     let bk = stage_k(format);
@@ -178,6 +184,7 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         smem_bytes: stages * stage_bytes(format, bm, bn, bk)
             + if warp_specialized { 16 * stages } else { 0 },
         ctas_per_sm,
+        hopper_only: warp_specialized,
         macs_per_sm_clock: rate,
     }
 }
@@ -199,6 +206,8 @@ pub struct DeviceLimits {
     pub smem_per_block: usize,
     /// `MAX_SHARED_MEMORY_PER_MULTIPROCESSOR`.
     pub smem_per_sm: usize,
+    /// The compute capability's major number (8: Ampere / Ada, 9: Hopper).
+    pub compute_major: usize,
 }
 
 impl DeviceLimits {
@@ -207,12 +216,13 @@ impl DeviceLimits {
         sm_count: 132,
         smem_per_block: 227 * 1024,
         smem_per_sm: 228 * 1024,
+        compute_major: 9,
     };
 
-    /// CTAs of `plan` that fit on one SM at once (0: the tile does not fit this GPU). Each CTA also
-    /// takes 1 KiB of shared memory reserved by the system.
+    /// CTAs of `plan` that fit on one SM at once (0: the tile does not fit this GPU, or needs Hopper
+    /// and this is not one). Each CTA also takes 1 KiB of shared memory reserved by the system.
     pub fn resident_ctas(&self, plan: &TilePlan) -> usize {
-        if plan.smem_bytes > self.smem_per_block {
+        if plan.smem_bytes > self.smem_per_block || (plan.hopper_only && self.compute_major < 9) {
             return 0;
         }
         plan.ctas_per_sm
@@ -383,6 +393,12 @@ pub fn plan_launch(
         }
     };
     let explicit = |p: TilePlan, g: u32| -> Result<LaunchPlan> {
+        if p.hopper_only && limits.compute_major < 9 {
+            return Err(QuantError::Input(format!(
+                "{}: built for Hopper (sm_90a) only; this GPU is compute capability {}.x",
+                p.kernel, limits.compute_major
+            )));
+        }
         if !fits(&p) {
             return Err(QuantError::Input(format!(
                 "{}: {} bytes of shared memory a CTA, the GPU allows {} ({} a multiprocessor)",
@@ -1046,7 +1062,7 @@ mod tests {
     fn the_chooser_fills_the_gpu_and_falls_back_where_tiles_do_not_fit() {
         use WeightFormat::*;
         let h200 = DeviceLimits::H200;
-        // Big M: whole reductions per CTA on the big tile.
+        // Big M: whole reductions per CTA on the big (warp-specialized on Hopper) tile.
         let big = plan_launch(
             GemmKernel::Auto,
             Family::V2,
@@ -1058,7 +1074,7 @@ mod tests {
         )
         .unwrap();
         let t = big.tile.unwrap();
-        assert_eq!((t.kernel, big.part_groups), ("qgemm2_q8_0_128x128", 1));
+        assert_eq!((t.kernel, big.part_groups), ("qgemm2_q8_0_128x128ws", 1));
         assert_eq!(big.grid(16384, 17408), (128 * 136, 1, 1));
         // Decode: 40 column tiles alone would leave most SMs idle: split the reduction.
         let decode = plan_launch(GemmKernel::Auto, Family::V2, Q8_0, 1, 5120, 5120, &h200).unwrap();
@@ -1106,6 +1122,7 @@ mod tests {
             sm_count: 128,
             smem_per_block: 99 * 1024,
             smem_per_sm: 100 * 1024,
+            compute_major: 8,
         };
         let q8 = plan_launch(GemmKernel::Auto, Family::V2, Q8_0, 512, 4096, 4096, &ada).unwrap();
         assert_eq!(q8.tile.unwrap().family, Family::V1);
@@ -1132,8 +1149,33 @@ mod tests {
             sm_count: 108,
             smem_per_block: 163 * 1024,
             smem_per_sm: 164 * 1024,
+            compute_major: 8,
         };
         assert_eq!(a100.resident_ctas(&v2_tile_plan(Q8_0, V2Tile::T64x128)), 1);
+        // The warp-specialized Q8_0 tile is planned on Hopper only (it fits the A100's memory).
+        let ws = v2_tile_plan(Q8_0, V2Tile::T128x128Ws);
+        assert!(ws.hopper_only && ws.smem_bytes <= a100.smem_per_block);
+        assert_eq!(a100.resident_ctas(&ws), 0);
+        let err = plan_launch(
+            GemmKernel::V2 {
+                tile: V2Tile::T128x128Ws,
+                part_groups: 1,
+            },
+            Family::V2,
+            Q8_0,
+            512,
+            4096,
+            4096,
+            &a100,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("qgemm2_q8_0_128x128ws") && err.contains("Hopper"), "{err}");
+        assert_eq!(h200.resident_ctas(&ws), 1);
+        let on_a100 = plan_launch(GemmKernel::Auto, Family::V2, Q8_0, 2048, 5120, 5120, &a100).unwrap();
+        assert_eq!(on_a100.tile.unwrap().kernel, "qgemm2_q8_0_128x128");
+        let on_h200 = plan_launch(GemmKernel::Auto, Family::V2, Q8_0, 2048, 5120, 5120, &h200).unwrap();
+        assert_eq!(on_h200.tile.unwrap().kernel, "qgemm2_q8_0_128x128ws");
     }
 
     #[test]
