@@ -727,7 +727,10 @@ pub fn time_one(spec: &str, runs: usize) -> Result<()> {
                 .into_iter()
                 .find(|t| format!("{t:?}").eq_ignore_ascii_case(name))
             else {
-                bail!("--gemm: unknown tile {tile:?} (one of {:?}, v1 or auto)", V2Tile::ALL);
+                bail!(
+                    "--gemm: unknown tile {tile:?} (one of {:?}, v1 or auto)",
+                    V2Tile::ALL
+                );
             };
             GemmKernel::V2 {
                 tile,

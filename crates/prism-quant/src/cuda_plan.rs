@@ -1004,7 +1004,14 @@ mod tests {
             let ws = kernel.ends_with("ws");
             assert_eq!(
                 (p.kernel, p.family, p.bm, p.bn, p.stages, p.threads),
-                (kernel, Family::V2, bm, 128, stages, if ws { 384 } else { 256 })
+                (
+                    kernel,
+                    Family::V2,
+                    bm,
+                    128,
+                    stages,
+                    if ws { 384 } else { 256 }
+                )
             );
             let barriers = if ws { 16 * stages } else { 0 };
             assert_eq!(p.smem_bytes, stages * stage_bytes + barriers, "{kernel}");
@@ -1129,20 +1136,16 @@ mod tests {
         let q4 = plan_launch(GemmKernel::Auto, Family::V2, Q4K, 512, 4096, 4096, &ada).unwrap();
         assert_eq!(q4.tile, None);
         // An explicit tile that does not fit is an error naming the kernel.
-        let err = plan_launch(
-            GemmKernel::V2 {
-                tile: V2Tile::T128x128,
+        let explicit_error = |tile: V2Tile, limits: &DeviceLimits| {
+            let kernel = GemmKernel::V2 {
+                tile,
                 part_groups: 1,
-            },
-            Family::V2,
-            Q8_0,
-            512,
-            4096,
-            4096,
-            &ada,
-        )
-        .unwrap_err()
-        .to_string();
+            };
+            plan_launch(kernel, Family::V2, Q8_0, 512, 4096, 4096, limits)
+                .unwrap_err()
+                .to_string()
+        };
+        let err = explicit_error(V2Tile::T128x128, &ada);
         assert!(err.contains("qgemm2_q8_0_128x128"), "{err}");
         // An A100-sized GPU (163 KiB a CTA, 164 KiB an SM): the 64×128 tiles run one CTA per SM.
         let a100 = DeviceLimits {
@@ -1156,25 +1159,17 @@ mod tests {
         let ws = v2_tile_plan(Q8_0, V2Tile::T128x128Ws);
         assert!(ws.hopper_only && ws.smem_bytes <= a100.smem_per_block);
         assert_eq!(a100.resident_ctas(&ws), 0);
-        let err = plan_launch(
-            GemmKernel::V2 {
-                tile: V2Tile::T128x128Ws,
-                part_groups: 1,
-            },
-            Family::V2,
-            Q8_0,
-            512,
-            4096,
-            4096,
-            &a100,
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(err.contains("qgemm2_q8_0_128x128ws") && err.contains("Hopper"), "{err}");
+        let err = explicit_error(V2Tile::T128x128Ws, &a100);
+        assert!(
+            err.contains("qgemm2_q8_0_128x128ws") && err.contains("Hopper"),
+            "{err}"
+        );
         assert_eq!(h200.resident_ctas(&ws), 1);
-        let on_a100 = plan_launch(GemmKernel::Auto, Family::V2, Q8_0, 2048, 5120, 5120, &a100).unwrap();
+        let on_a100 =
+            plan_launch(GemmKernel::Auto, Family::V2, Q8_0, 2048, 5120, 5120, &a100).unwrap();
         assert_eq!(on_a100.tile.unwrap().kernel, "qgemm2_q8_0_128x128");
-        let on_h200 = plan_launch(GemmKernel::Auto, Family::V2, Q8_0, 2048, 5120, 5120, &h200).unwrap();
+        let on_h200 =
+            plan_launch(GemmKernel::Auto, Family::V2, Q8_0, 2048, 5120, 5120, &h200).unwrap();
         assert_eq!(on_h200.tile.unwrap().kernel, "qgemm2_q8_0_128x128ws");
     }
 
