@@ -1191,3 +1191,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) qgemm2_q6k_128x128(QGEMM2_A
 extern "C" __global__ void __launch_bounds__(384, 1) qgemm2_q8_0_128x128ws(QGEMM2_ARGS) {
     qgemm_tc2<FMT_Q8_0, 2, 4, 4, 4, 4, true>(QGEMM2_PASS);
 }
+// The same with 96 activation rows (warp tiles 48×32): at the model's M (a few hundred rows a pass) a
+// 128-row tile grid leaves more rows empty (M = 275: 384 rows computed, 288 with this tile).
+extern "C" __global__ void __launch_bounds__(384, 1) qgemm2_q8_0_96x128ws(QGEMM2_ARGS) {
+    qgemm_tc2<FMT_Q8_0, 2, 4, 3, 4, 4, true>(QGEMM2_PASS);
+}

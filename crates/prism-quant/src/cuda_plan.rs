@@ -60,12 +60,21 @@ pub enum V2Tile {
     /// Q8_0: the 8 compute warps of [`V2Tile::T128x128`] plus a producer warpgroup that issues every
     /// copy, stages handed over by mbarriers instead of CTA barriers. Other formats: T128x128.
     T128x128Ws,
+    /// Q8_0: [`V2Tile::T128x128Ws`] with 96 activation rows (warp tiles 48×32), for the few hundred
+    /// rows of a decision pass, which leave a 128-row grid's last tile mostly empty. Other formats:
+    /// T128x128.
+    T96x128Ws,
 }
 
 impl V2Tile {
     // Measured and dropped on 2026-11-30 (docs/benchmarks.md): a 16-warp 128×128 tile (warp tiles
     // 32×32, 128 registers) and Q8_0 stages of 256 bytes; neither beat T128x128.
-    pub const ALL: [V2Tile; 3] = [V2Tile::T64x128, V2Tile::T128x128, V2Tile::T128x128Ws];
+    pub const ALL: [V2Tile; 4] = [
+        V2Tile::T64x128,
+        V2Tile::T128x128,
+        V2Tile::T128x128Ws,
+        V2Tile::T96x128Ws,
+    ];
 }
 
 /// Which kernel computes the integer matmul. Every choice returns the same bits.
@@ -168,10 +177,13 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         (Q6K, V2Tile::T128x128) => ("qgemm2_q6k_128x128", 128, 128, 2, 1, 650.0),
         // Measured 7–13 % faster than T128x128 on an H200 (docs/benchmarks.md, 2026-11-30).
         (Q8_0, V2Tile::T128x128Ws) => ("qgemm2_q8_0_128x128ws", 128, 128, 4, 1, 1000.0),
-        (_, V2Tile::T128x128Ws) => return v2_tile_plan(format, V2Tile::T128x128),
+        (Q8_0, V2Tile::T96x128Ws) => ("qgemm2_q8_0_96x128ws", 96, 128, 4, 1, 950.0),
+        (_, V2Tile::T128x128Ws | V2Tile::T96x128Ws) => {
+            return v2_tile_plan(format, V2Tile::T128x128)
+        }
     };
     let bk = stage_k(format);
-    let warp_specialized = tile == V2Tile::T128x128Ws;
+    let warp_specialized = matches!(tile, V2Tile::T128x128Ws | V2Tile::T96x128Ws);
     TilePlan {
         kernel,
         family: Family::V2,
@@ -997,6 +1009,14 @@ mod tests {
                 128,
                 2,
                 2 * 32_768 + 512 + 2_048,
+            ),
+            (
+                Q8_0,
+                V2Tile::T96x128Ws,
+                "qgemm2_q8_0_96x128ws",
+                96,
+                4,
+                12_288 + 16_384 + 2_048,
             ),
         ];
         for (format, tile, kernel, bm, stages, stage_bytes) in cases {
