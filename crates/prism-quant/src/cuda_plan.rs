@@ -177,7 +177,9 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         (Q6K, V2Tile::T128x128) => ("qgemm2_q6k_128x128", 128, 128, 2, 1, 650.0),
         // Measured 7–13 % faster than T128x128 on an H200 (docs/benchmarks.md, 2026-11-30).
         (Q8_0, V2Tile::T128x128Ws) => ("qgemm2_q8_0_128x128ws", 128, 128, 4, 1, 1000.0),
-        (Q8_0, V2Tile::T96x128Ws) => ("qgemm2_q8_0_96x128ws", 96, 128, 4, 1, 950.0),
+        // Measured at M = 275 (2026-11-30): 6–7 % faster than 128×128 ws on 27B's gate|up and down
+        // shapes, 9 % slower on a 17,408-wide one; at M = 1 slower than 64×128 (0.116 / 0.097 ms).
+        (Q8_0, V2Tile::T96x128Ws) => ("qgemm2_q8_0_96x128ws", 96, 128, 4, 1, 900.0),
         (_, V2Tile::T128x128Ws | V2Tile::T96x128Ws) => {
             return v2_tile_plan(format, V2Tile::T128x128)
         }
