@@ -569,7 +569,7 @@ fn time_median(
 
 fn timings(r: &mut Report, gpu: &Device, dev: &candle_core::CudaDevice) -> Result<()> {
     let shapes = [(5120usize, 17408usize), (17408, 5120)];
-    let batch_sizes = [1usize, 128, 256, 512, 2048, 16384];
+    let batch_sizes = [1usize, 16, 64, 128, 256, 512, 2048, 16384];
     let sweep_sizes = [1usize, 16, 64, 128, 512, 2048, 16384];
     let limits = qcuda::device_limits(dev)?;
     println!(
