@@ -242,11 +242,12 @@ pub fn chunked_batch(
     segments: &[RuleSegment],
     states: &[RuleState],
 ) -> Result<(Tensor, Vec<RuleState>)> {
-    check_batch(q, k, v, g, beta, segments, states)?;
+    // The CUDA path makes the same checks itself.
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() && q.dtype() == DType::F32 {
         return crate::cuda_delta::delta_rule_batch(q, k, v, g, beta, segments, states);
     }
+    check_batch(q, k, v, g, beta, segments, states)?;
     per_segment([q, k, v, g, beta], segments, states, chunked)
 }
 

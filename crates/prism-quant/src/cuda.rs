@@ -274,15 +274,25 @@ pub fn quantize_activations(
     })
 }
 
-/// The GPU's multiprocessor count and shared-memory limits.
+/// The GPU's multiprocessor count, shared-memory limits and compute capability, queried from the driver
+/// once per device: every integer GEMM launch plans with them, and they never change.
 pub fn device_limits(dev: &CudaDevice) -> Result<DeviceLimits> {
+    static KNOWN: std::sync::Mutex<Vec<(usize, DeviceLimits)>> = std::sync::Mutex::new(Vec::new());
     let stream = dev.cuda_stream();
     let ctx = stream.context();
+    let ordinal = ctx.ordinal();
+    // A poisoned lock only means another thread panicked while holding it; the list stays valid.
+    let known = |list: &Vec<(usize, DeviceLimits)>| {
+        list.iter().find(|(o, _)| *o == ordinal).map(|(_, l)| *l)
+    };
+    if let Some(limits) = known(&KNOWN.lock().unwrap_or_else(|e| e.into_inner())) {
+        return Ok(limits);
+    }
     let attr = |a: CUdevice_attribute| -> Result<usize> {
         let v = ctx.attribute(a).map_err(launch_err)?;
         Ok(usize::try_from(v).unwrap_or(0))
     };
-    Ok(DeviceLimits {
+    let limits = DeviceLimits {
         sm_count: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1),
         smem_per_block: attr(
             CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
@@ -291,7 +301,12 @@ pub fn device_limits(dev: &CudaDevice) -> Result<DeviceLimits> {
             CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
         )?,
         compute_major: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
-    })
+    };
+    let mut list = KNOWN.lock().unwrap_or_else(|e| e.into_inner());
+    if known(&list).is_none() {
+        list.push((ordinal, limits));
+    }
+    Ok(limits)
 }
 
 /// The family [`GemmKernel::Auto`] runs: `PRISM_QGEMM` (`v1` / `v2`), read once per process. A value
