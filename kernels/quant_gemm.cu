@@ -220,6 +220,33 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
                  : "r"(smem_addr(p)));
 }
 
+// Hopper's tensor memory accelerator (TMA): a CUtensorMap (built on the host by cuTensorMapEncodeTiled)
+// passed as a __grid_constant__ kernel parameter, of which the kernel only takes the address.
+struct alignas(64) TmaDesc {
+    unsigned long long opaque[16];
+};
+
+#if __CUDA_ARCH__ >= 900
+// One 2-D box of the tensor `tmap` at (c0 = byte of K, c1 = row) into shared memory at `dst`; its bytes
+// count towards the transaction count of `bar` (rows past the tensor are zero-filled).
+__device__ __forceinline__ void tma_load_2d(void* dst, const TmaDesc* tmap, int c0, int c1,
+                                            unsigned long long* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+        "[%4];\n" ::"r"(smem_addr(dst)),
+        "l"(reinterpret_cast<unsigned long long>(tmap)), "r"(c0), "r"(c1), "r"(smem_addr(bar))
+        : "memory");
+}
+// Arrives on `bar` and adds `bytes` to the transaction count its phase waits for.
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* tmap) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(tmap)) : "memory");
+}
+#endif
+
 // d = a·b + c, 16×8 outputs, k = 32, int8 → int32 (exact: nothing here can overflow).
 __device__ __forceinline__ void mma_k32(int (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1, int c) {
     asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -624,20 +651,28 @@ extern "C" __global__ void __launch_bounds__(128) qgemm_q6k_64x64(QGEMM_ARGS) {
 //   same weight tiles and a bounded set of activation rows (L2 reuse when M is large).
 // ===================================================================================================
 
-template <int FMT, int WARPS_M, int WARPS_N, int MT, int NT, int STAGES, bool WS = false>
+template <int FMT, int WARPS_M, int WARPS_N, int MT, int NT, int STAGES, bool WS = false, bool TMA = false>
 __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const int* __restrict__ asums,
                                           const int8_t* __restrict__ wq, const int8_t* __restrict__ wsc,
                                           const int8_t* __restrict__ wmin, const float* __restrict__ wd,
                                           const float* __restrict__ wdmin, float* __restrict__ out,
                                           int M, int N, int K, float scale, float* __restrict__ scratch,
-                                          int group_m) {
+                                          int group_m, const TmaDesc* tmap_a = nullptr,
+                                          const TmaDesc* tmap_b = nullptr) {
     using L = Layout<FMT>;
     constexpr int BM = WARPS_M * MT * 16, BN = WARPS_N * NT * 8, THREADS = WARPS_M * WARPS_N * 32;
     constexpr int BK = L::BK, CHUNKS = BK / 16, BPS = L::BPS;
     using S = Smem<FMT, BM, BN>;
     static_assert(NT % 2 == 0, "B fragments are loaded two n-tiles at a time");
     static_assert(THREADS % CHUNKS == 0, "a thread copies the same 16-byte column of every row it loads");
-    extern __shared__ __align__(128) unsigned char smem[];
+    static_assert(!TMA || WS, "the TMA copies are the warp-specialized loop's");
+    static_assert(!TMA || S::STAGE % 1024 == 0, "TMA stages start on the swizzle's 1,024-byte boundary");
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    // TMA's 128-byte swizzle repeats every 1,024 bytes: its stages start on a 1,024-byte boundary (the
+    // host asks for 1 KiB more). The swizzle is the kernel's own: 16-byte chunk c of row r at chunk
+    // c ^ (r & 7) of a 128-byte row.
+    unsigned char* const smem =
+        TMA ? smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u) : smem_raw;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
@@ -1051,13 +1086,53 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
         unsigned long long* empty = bars + STAGES;
         if (tid == 0) {
             for (int s = 0; s < STAGES; ++s) {
-                mbar_init(full + s, PRODUCERS);
+                mbar_init(full + s, PRODUCERS + (TMA ? 1 : 0));
                 mbar_init(empty + s, WARPS_M * WARPS_N);
             }
         }
         __syncthreads();
         auto part_begin = [&](int p) { return p * nb / 4; };
         if (tid >= THREADS) {
+            if constexpr (TMA) {
+#if __CUDA_ARCH__ >= 900
+                // Producers with TMA: thread 0 of the warpgroup issues one tensor copy each for the
+                // stage's A and B tiles (zero rows past M / N; bytes past the part's last block are
+                // never read), every producer thread copies scales q + 128·j as below. The full
+                // barrier waits for the 128 threads' scale copies plus thread 0's arrival with the
+                // TMA byte count.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+                asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+#endif
+                const int q = tid - THREADS;
+                if (q == 0) {
+                    tma_prefetch_desc(tmap_a);
+                    tma_prefetch_desc(tmap_b);
+                }
+                int t = 0;
+                for (int p = p_begin; p < p_end; ++p)
+                    for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
+                        const int cnt = min(BPS, part_end(p) - b), s = t % STAGES;
+                        if (t >= STAGES) mbar_wait(empty + s, ((t / STAGES) - 1) & 1);
+                        unsigned char* st = smem + s * S::STAGE;
+                        if (q == 0) {
+                            mbar_arrive_expect_tx(full + s, (BM + BN) * BK);
+                            tma_load_2d(st + S::A, tmap_a, b * L::BLK, m0, full + s);
+                            tma_load_2d(st + S::B, tmap_b, b * L::BLK, n0, full + s);
+                        }
+#pragma unroll
+                        for (int j = 0; j < BPS * BN / PRODUCERS; ++j) {
+                            const int i = q + PRODUCERS * j, blk = i / BN, col = n0 + i % BN;
+                            const bool ok = col < N && blk < cnt;
+                            cp_async4(st + S::D + 4 * i, ok ? wd + (size_t)col * nb + b + blk : wd, ok);
+                        }
+                        cp_async_mbar_arrive(full + s);
+                    }
+                cp_async_wait<0>();
+#else
+                __trap();  // never launched before sm_90 (the plan's `hopper_only`)
+#endif
+                return;
+            }
             // Producers (the last warpgroup): thread q copies 16-byte column (q & 7) of rows (q >> 3) +
             // 16·i of A and B, and scales q + 128·j of the stage's [BPS][BN] block. On sm_90a they
             // give registers back to the compute warpgroups.
@@ -1101,7 +1176,11 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
             return;
         }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+        // 128·56 + 256·224 = 128·40 + 256·232 = 384·168, the CTA's registers at launch.
+        if constexpr (TMA)
+            asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+        else
+            asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
 #endif
         int t = 0;
         for (int p = p_begin; p < p_end; ++p) {
@@ -1195,4 +1274,17 @@ extern "C" __global__ void __launch_bounds__(384, 1) qgemm2_q8_0_128x128ws(QGEMM
 // 128-row tile grid leaves more rows empty (M = 275: 384 rows computed, 288 with this tile).
 extern "C" __global__ void __launch_bounds__(384, 1) qgemm2_q8_0_96x128ws(QGEMM2_ARGS) {
     qgemm_tc2<FMT_Q8_0, 2, 4, 3, 4, 4, true>(QGEMM2_PASS);
+}
+
+// The warp-specialized Q8_0 tiles with TMA copies of A and B (sm_90 only): one thread issues a stage's
+// two tensor copies instead of 16 cp.async per producer thread with their address arithmetic (the
+// producers were a sixth of the instructions issued), and the producers keep 40 registers instead
+// of 56, the compute warps 232 instead of 224.
+#define QGEMM2_TMA_ARGS QGEMM2_ARGS, const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b
+#define QGEMM2_TMA_PASS QGEMM2_PASS, &tmap_a, &tmap_b
+extern "C" __global__ void __launch_bounds__(384, 1) qgemm2_q8_0_128x128tma(QGEMM2_TMA_ARGS) {
+    qgemm_tc2<FMT_Q8_0, 2, 4, 4, 4, 4, true, true>(QGEMM2_TMA_PASS);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) qgemm2_q8_0_96x128tma(QGEMM2_TMA_ARGS) {
+    qgemm_tc2<FMT_Q8_0, 2, 4, 3, 4, 4, true, true>(QGEMM2_TMA_PASS);
 }

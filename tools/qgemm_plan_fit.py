@@ -12,9 +12,10 @@ constants (fixed cycles a CTA, extra seconds a split launch) is then evaluated w
 with the constants of the binary that wrote it (`--fixed 3000 --launch 3e-6` before any refit) and
 stops if it does not, so a drifted mirror cannot mislead.
 
-    python3 tools/qgemm_plan_fit.py LOG[.gz] [--fixed CYCLES --launch SECONDS] [--rate TILE=MACS ...]
+    python3 tools/qgemm_plan_fit.py LOG[.gz] [--fixed CYCLES --launch SECONDS] [--rate TILE=MACS ...] [--try-rate TILE=MACS ...]
 
-`--rate T96x128Ws=950` sets a Q8_0 tile's modelled rate to the one of the binary that wrote the log
+`--try-rate TILE=MACS` (repeatable) changes a Q8_0 tile's rate for the refit grid only, to try a new
+rate against a sweep of the binary that still had the old one. `--rate T96x128Ws=950` sets a Q8_0 tile's modelled rate to the one of the binary that wrote the log
 (`696885d` had 950 for that tile; 900 since `9fdbe7a`). Rows of tiles this mirror does not know (ones
 measured and dropped, like T128x128W16) are left out, with a line saying so. Only Hopper-sized limits (132 SMs, 228 KiB an SM) are mirrored. Host-timed single launches vary by
 about ±10 % between runs, so regrets below that are noise.
@@ -47,6 +48,9 @@ Q8_0_TILES = {
     "T128x128": (128, 1, 900.0, 4, 0),
     "T128x128Ws": (128, 1, 1000.0, 4, 64),
     "T96x128Ws": (96, 1, 900.0, 4, 64),
+    # TMA tiles: the barriers plus 1 KiB to align the stages.
+    "T128x128Tma": (128, 1, 1100.0, 4, 64 + 1024),
+    "T96x128Tma": (96, 1, 990.0, 4, 64 + 1024),
 }
 KNOWN_TILES = set(Q8_0_TILES)
 
@@ -56,7 +60,7 @@ def tile_plan(fmt, tile):
         bm, ctas, rate, stages, bars = Q8_0_TILES[tile]
         return bm, ctas, rate, stages * STAGE[("Q8_0", bm)] + bars
     kind = "Q6K" if fmt == "Q6K" else "K32"
-    if tile in ("T128x128Ws", "T96x128Ws"):
+    if tile in ("T128x128Ws", "T96x128Ws", "T128x128Tma", "T96x128Tma"):
         tile = "T128x128"
     bm, ctas = (64, 2) if tile == "T64x128" else (128, 1)
     rate = {("K32", 64): 550.0, ("K32", 128): 700.0, ("Q6K", 64): 500.0, ("Q6K", 128): 650.0}[(kind, bm)]
@@ -141,6 +145,12 @@ def main():
     for loss, key, t, g in losses[:5]:
         print(f"  {100 * loss:5.1f} %  {key}: picked {t} G={g}")
 
+    # Candidate rates for the grid only (the binary's own are the --rate values above).
+    for i, a in enumerate(args):
+        if a == "--try-rate":
+            tile, value = args[i + 1].split("=")
+            bm, ctas, _rate, stages, bars = Q8_0_TILES[tile]
+            Q8_0_TILES[tile] = (bm, ctas, float(value), stages, bars)
     print("refit grid (fixed cycles a CTA × extra seconds a split launch): average regret")
     for f in (3000.0, 5000.0, 10000.0, 20000.0):
         cells = []

@@ -314,8 +314,8 @@ fn copy_bandwidth(device: &Device) -> Result<f64> {
         Ok(2.0 * (n * 4) as f64 / best)
     } else {
         let n = 256 << 20; // 256 Mi f32 = 1 GiB each way
-        // A plain device-to-device copy (cuMemcpyDtoD) moves data at the DRAM's rate; candle's
-        // `slice_set` runs a strided copy kernel that reaches only about half of it on an H200.
+                           // A plain device-to-device copy (cuMemcpyDtoD) moves data at the DRAM's rate; candle's
+                           // `slice_set` runs a strided copy kernel that reaches only about half of it on an H200.
         #[cfg(feature = "cuda")]
         if let Device::Cuda(dev) = device {
             let src = dev.alloc_zeros::<f32>(n)?;
@@ -432,10 +432,14 @@ fn open_device(name: &str) -> Result<Device> {
     match name {
         "cpu" => Ok(Device::Cpu),
         "cuda" => {
-            if !cfg!(feature = "cuda") {
-                bail!("--device cuda: this prism was built without the `cuda` feature (cargo build --features cuda)");
+            #[cfg(feature = "cuda")]
+            {
+                prism_quant::cuda_launch::open_device(0).context("opening CUDA device 0")
             }
-            Device::new_cuda(0).context("opening CUDA device 0")
+            #[cfg(not(feature = "cuda"))]
+            {
+                bail!("--device cuda: this prism was built without the `cuda` feature (cargo build --features cuda)")
+            }
         }
         other => bail!("--device {other:?}: expected cpu or cuda"),
     }
@@ -494,7 +498,10 @@ impl ProfilerRange {
             f()
         };
         if code != 0 {
-            bail!("{} returned CUDA error {code}", String::from_utf8_lossy(name));
+            bail!(
+                "{} returned CUDA error {code}",
+                String::from_utf8_lossy(name)
+            );
         }
         Ok(())
     }
@@ -592,19 +599,35 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         prism_model::profile::take();
         for scenario in &scenarios {
             let start = Instant::now();
-            decide(&scenario.request, &loaded.config, &mut model)
-                .map_err(|e| anyhow::anyhow!("profiling {}: {}", scenario.name, serde_json::to_string(&e.body()).unwrap_or_default()))?;
+            decide(&scenario.request, &loaded.config, &mut model).map_err(|e| {
+                anyhow::anyhow!(
+                    "profiling {}: {}",
+                    scenario.name,
+                    serde_json::to_string(&e.body()).unwrap_or_default()
+                )
+            })?;
             device.synchronize()?;
             let total = start.elapsed().as_secs_f64();
             let sections = prism_model::profile::take();
-            eprintln!("profile of {} (one synchronized run, {:.1} ms):", scenario.name, ms(total));
+            eprintln!(
+                "profile of {} (one synchronized run, {:.1} ms):",
+                scenario.name,
+                ms(total)
+            );
             let mut rows = Vec::new();
             for (name, time, calls) in &sections {
                 let t = time.as_secs_f64();
-                eprintln!("  {name:<45} {:>10.2} ms {:>6.1}%  {calls:>6} calls", ms(t), 100.0 * t / total);
+                eprintln!(
+                    "  {name:<45} {:>10.2} ms {:>6.1}%  {calls:>6} calls",
+                    ms(t),
+                    100.0 * t / total
+                );
                 rows.push(json!({"section": name, "ms": ms(t), "calls": calls}));
             }
-            profiles.insert(scenario.name.to_string(), json!({"total_ms": ms(total), "sections": rows}));
+            profiles.insert(
+                scenario.name.to_string(),
+                json!({"total_ms": ms(total), "sections": rows}),
+            );
         }
         prism_model::profile::set_enabled(false);
     }
@@ -621,7 +644,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     // The integer path's work runs on the int8 tensor cores: on a GPU its floor is cuBLAS's int8 rate.
     let (rate, rate_label) = match integer_matmul_rate(&device, precision)? {
         Some(rate) => (rate, "INT8, cuBLAS".to_string()),
-        None => (matmul_rate(&device, matmul_dtype)?, format!("{matmul_dtype:?}")),
+        None => (
+            matmul_rate(&device, matmul_dtype)?,
+            format!("{matmul_dtype:?}"),
+        ),
     };
     let mut rows = Vec::new();
     for (scenario, timings) in scenarios.iter().zip(&timed) {

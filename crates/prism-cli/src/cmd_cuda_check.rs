@@ -433,7 +433,7 @@ fn integer_model_checks(r: &mut Report, gpu: &Device, fixtures: &std::path::Path
 mod nonfinite;
 
 pub fn run(fixtures: Option<PathBuf>, json_out: Option<PathBuf>) -> Result<()> {
-    let gpu = Device::new_cuda(0).context("no CUDA device")?;
+    let gpu = prism_quant::cuda_launch::open_device(0).context("no CUDA device")?;
     let fixtures = fixtures.unwrap_or_else(|| PathBuf::from("tests/fixtures/qwen35-tiny"));
     let mut report = Report { rows: Vec::new(), failed: 0 };
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);

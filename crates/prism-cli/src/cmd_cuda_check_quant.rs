@@ -738,7 +738,7 @@ pub fn time_one(spec: &str, runs: usize) -> Result<()> {
             }
         }
     };
-    let gpu = Device::new_cuda(0).context("no CUDA device")?;
+    let gpu = prism_quant::cuda_launch::open_device(0).context("no CUDA device")?;
     let dev = match &gpu {
         Device::Cuda(d) => d.clone(),
         _ => bail!("not a CUDA device"),
@@ -768,7 +768,7 @@ pub fn time_one(spec: &str, runs: usize) -> Result<()> {
 
 /// Runs the checks (and, with `time`, the timings); writes the results as JSON to `json_out`.
 pub fn run(json_out: Option<PathBuf>, time: bool) -> Result<()> {
-    let gpu = Device::new_cuda(0).context("no CUDA device")?;
+    let gpu = prism_quant::cuda_launch::open_device(0).context("no CUDA device")?;
     let dev = match &gpu {
         Device::Cuda(d) => d.clone(),
         _ => bail!("not a CUDA device"),

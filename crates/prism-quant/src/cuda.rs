@@ -25,8 +25,10 @@
 //!   NaN rows, then the flags are read back (one synchronization) and the call fails with the CPU's
 //!   [`QuantError::NonFiniteActivation`], naming the same row and element.
 
-use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::sys::{self, CUdevice_attribute};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Device, Result, Tensor};
 
@@ -467,7 +469,19 @@ fn gemm_slice(
             // touch (never an alias of `out`: both are restrict pointers in the kernel).
             b.arg(scratch.as_ref().unwrap_or(&y)).arg(&group_m);
         }
-        // SAFETY: as above; the workspace holds G·m·n f32, the scratch m·n.
+        let stream = dev.cuda_stream();
+        let (qa_ptr, _qa_sync) = qx.q.device_ptr(&stream);
+        let (wq_ptr, _wq_sync) = vq.device_ptr(&stream);
+        let maps;
+        if tile.tma {
+            maps = [
+                byte_rows_map(qa_ptr, m, k, tile.bm)?,
+                byte_rows_map(wq_ptr, n, k, tile.bn)?,
+            ];
+            b.arg(&maps[0]).arg(&maps[1]);
+        }
+        // SAFETY: as above; the workspace holds G·m·n f32, the scratch m·n; the tensor maps describe
+        // the activation and weight buffers (m·k and n·k bytes), alive until the launch is queued.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
     if let Some(ws) = &target {
@@ -485,6 +499,57 @@ fn gemm_slice(
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
     Ok(y)
+}
+
+/// A `CUtensorMap` as a kernel argument (`TmaDesc` in quant_gemm.cu: 128 opaque bytes, passed by value
+/// as a `__grid_constant__` parameter).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct TensorMapArg(sys::CUtensorMap);
+
+// SAFETY: plain bytes the driver copies into the kernel's parameter space.
+unsafe impl DeviceRepr for TensorMapArg {}
+
+/// The TMA tensor map of a row-major `[rows, k]` byte matrix at `ptr`, read in boxes of 128 bytes of K
+/// by `box_rows` rows into shared memory with the 128-byte swizzle (16-byte chunk c of row r lands at
+/// chunk c ^ (r & 7), the layout the kernels' `ldmatrix` addressing expects). Rows past `rows` and
+/// bytes past `k` read as zeros.
+fn byte_rows_map(
+    ptr: sys::CUdeviceptr,
+    rows: usize,
+    k: usize,
+    box_rows: usize,
+) -> Result<TensorMapArg> {
+    use sys::{
+        CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
+        CUtensorMapL2promotion, CUtensorMapSwizzle,
+    };
+    let dims = [k as u64, rows as u64];
+    let strides = [k as u64]; // bytes between rows; the innermost stride is the element size
+    let boxes = [128u32, u32::try_from(box_rows).unwrap_or(u32::MAX)];
+    let element_strides = [1u32, 1];
+    let mut map = TensorMapArg(sys::CUtensorMap { opaque: [0; 16] });
+    // SAFETY: the driver writes the 128-byte map; every array has `rank` = 2 elements (strides 1).
+    let status = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map.0,
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            element_strides.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if status != sys::CUresult::CUDA_SUCCESS {
+        bail!("integer matmul (cuda): no TMA map for a [{rows}, {k}] byte matrix ({status:?})");
+    }
+    Ok(map)
 }
 
 /// How many elements of two f32 CUDA tensors with the same number of elements differ in their bits

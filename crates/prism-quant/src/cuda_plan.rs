@@ -64,16 +64,23 @@ pub enum V2Tile {
     /// rows of a decision pass, which leave a 128-row grid's last tile mostly empty. Other formats:
     /// T128x128.
     T96x128Ws,
+    /// Q8_0 on Hopper: [`V2Tile::T128x128Ws`] whose producers copy A and B by TMA (one tensor copy per
+    /// stage and matrix, issued by one thread) instead of `cp.async`. Other formats: T128x128.
+    T128x128Tma,
+    /// Q8_0 on Hopper: [`V2Tile::T96x128Ws`] with TMA copies. Other formats: T128x128.
+    T96x128Tma,
 }
 
 impl V2Tile {
     // Measured and dropped on 2026-11-30 (docs/benchmarks.md): a 16-warp 128×128 tile (warp tiles
     // 32×32, 128 registers) and Q8_0 stages of 256 bytes; neither beat T128x128.
-    pub const ALL: [V2Tile; 4] = [
+    pub const ALL: [V2Tile; 6] = [
         V2Tile::T64x128,
         V2Tile::T128x128,
         V2Tile::T128x128Ws,
         V2Tile::T96x128Ws,
+        V2Tile::T128x128Tma,
+        V2Tile::T96x128Tma,
     ];
 }
 
@@ -115,6 +122,9 @@ pub struct TilePlan {
     /// compute warps with `setmaxnreg`; elsewhere its compute warps would spill. Never planned on
     /// an older GPU.
     pub hopper_only: bool,
+    /// The kernel takes tensor maps of the activations and weights (`cuTensorMapEncodeTiled`, 128-byte
+    /// swizzle, boxes of `bk` bytes × `bm` / `bn` rows) after its other arguments.
+    pub tma: bool,
     /// Cost-model guess: multiply-adds per SM and clock when every SM is full of these CTAs (not
     /// measured on this tile yet; `prism cuda-quant-check` prints the model next to the timings).
     pub macs_per_sm_clock: f64,
@@ -160,6 +170,7 @@ pub fn v1_tile_plan(format: WeightFormat) -> TilePlan {
         smem_bytes: stages * stage_bytes(format, bm, bn, bk),
         ctas_per_sm: 1,
         hopper_only: false,
+        tma: false,
         macs_per_sm_clock: 250.0,
     }
 }
@@ -180,12 +191,17 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         // Measured at M = 275 (2026-11-30): 6–7 % faster than 128×128 ws on 27B's gate|up and down
         // shapes, 9 % slower on a 17,408-wide one; at M = 1 slower than 64×128 (0.116 / 0.097 ms).
         (Q8_0, V2Tile::T96x128Ws) => ("qgemm2_q8_0_96x128ws", 96, 128, 4, 1, 900.0),
-        (_, V2Tile::T128x128Ws | V2Tile::T96x128Ws) => {
+        // Measured 10–14 % faster than their cp.async twins on an H200 (docs/benchmarks.md,
+        // 2026-11-30, third session): the default Q8_0 tiles on Hopper.
+        (Q8_0, V2Tile::T128x128Tma) => ("qgemm2_q8_0_128x128tma", 128, 128, 4, 1, 1100.0),
+        (Q8_0, V2Tile::T96x128Tma) => ("qgemm2_q8_0_96x128tma", 96, 128, 4, 1, 990.0),
+        (_, V2Tile::T128x128Ws | V2Tile::T96x128Ws | V2Tile::T128x128Tma | V2Tile::T96x128Tma) => {
             return v2_tile_plan(format, V2Tile::T128x128)
         }
     };
     let bk = stage_k(format);
-    let warp_specialized = matches!(tile, V2Tile::T128x128Ws | V2Tile::T96x128Ws);
+    let tma = matches!(tile, V2Tile::T128x128Tma | V2Tile::T96x128Tma);
+    let warp_specialized = tma || matches!(tile, V2Tile::T128x128Ws | V2Tile::T96x128Ws);
     TilePlan {
         kernel,
         family: Family::V2,
@@ -195,10 +211,13 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         stages,
         // The producer warpgroup; the stages' full / empty mbarriers after the stages.
         threads: TC2_THREADS + if warp_specialized { 128 } else { 0 },
+        // TMA tiles: 1 KiB more, to start the stages on the 1,024-byte boundary of the swizzle.
         smem_bytes: stages * stage_bytes(format, bm, bn, bk)
-            + if warp_specialized { 16 * stages } else { 0 },
+            + if warp_specialized { 16 * stages } else { 0 }
+            + if tma { 1024 } else { 0 },
         ctas_per_sm,
         hopper_only: warp_specialized,
+        tma,
         macs_per_sm_clock: rate,
     }
 }
@@ -1020,10 +1039,38 @@ mod tests {
                 4,
                 12_288 + 16_384 + 2_048,
             ),
+            (
+                Q8_0,
+                V2Tile::T128x128Tma,
+                "qgemm2_q8_0_128x128tma",
+                128,
+                4,
+                16_384 + 16_384 + 2_048,
+            ),
+            (
+                Q8_0,
+                V2Tile::T96x128Tma,
+                "qgemm2_q8_0_96x128tma",
+                96,
+                4,
+                12_288 + 16_384 + 2_048,
+            ),
+            (
+                Q4K,
+                V2Tile::T96x128Tma,
+                "qgemm2_k32_128x128",
+                128,
+                2,
+                2 * 32_768 + 1_024 + 2_048 + 4_096,
+            ),
         ];
         for (format, tile, kernel, bm, stages, stage_bytes) in cases {
             let p = v2_tile_plan(format, tile);
-            let ws = kernel.ends_with("ws");
+            let tma = kernel.ends_with("tma");
+            let ws = tma || kernel.ends_with("ws");
+            assert_eq!((p.tma, p.hopper_only), (tma, ws), "{kernel}");
+            // The swizzled TMA boxes need stages that start on 1,024-byte boundaries.
+            assert!(!tma || stage_bytes % 1024 == 0, "{kernel}");
             assert_eq!(
                 (p.kernel, p.family, p.bm, p.bn, p.stages, p.threads),
                 (
@@ -1036,7 +1083,12 @@ mod tests {
                 )
             );
             let barriers = if ws { 16 * stages } else { 0 };
-            assert_eq!(p.smem_bytes, stages * stage_bytes + barriers, "{kernel}");
+            let align = if tma { 1024 } else { 0 };
+            assert_eq!(
+                p.smem_bytes,
+                stages * stage_bytes + barriers + align,
+                "{kernel}"
+            );
             assert_eq!(p.bk % format.block_len(), 0);
             // The CTAs per SM it is built for fit an H200; every tile fits an A100's 163 KiB a CTA.
             assert_eq!(
@@ -1103,7 +1155,7 @@ mod tests {
         )
         .unwrap();
         let t = big.tile.unwrap();
-        assert_eq!((t.kernel, big.part_groups), ("qgemm2_q8_0_128x128ws", 1));
+        assert_eq!((t.kernel, big.part_groups), ("qgemm2_q8_0_128x128tma", 1));
         assert_eq!(big.grid(16384, 17408), (128 * 136, 1, 1));
         // Decode: 40 column tiles alone would leave most SMs idle: split the reduction.
         let decode = plan_launch(GemmKernel::Auto, Family::V2, Q8_0, 1, 5120, 5120, &h200).unwrap();
@@ -1192,7 +1244,7 @@ mod tests {
         assert_eq!(on_a100.tile.unwrap().kernel, "qgemm2_q8_0_128x128");
         let on_h200 =
             plan_launch(GemmKernel::Auto, Family::V2, Q8_0, 2048, 5120, 5120, &h200).unwrap();
-        assert_eq!(on_h200.tile.unwrap().kernel, "qgemm2_q8_0_128x128ws");
+        assert_eq!(on_h200.tile.unwrap().kernel, "qgemm2_q8_0_128x128tma");
     }
 
     #[test]
