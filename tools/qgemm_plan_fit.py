@@ -53,6 +53,7 @@ Q8_0_TILES = {
     "T96x128Tma": (96, 1, 990.0, 4, 64 + 1024),
 }
 KNOWN_TILES = set(Q8_0_TILES)
+K_TMA_RATES = {("K32", 128): 770.0, ("K32", 96): 690.0, ("Q6K", 128): 780.0, ("Q6K", 96): 700.0}
 
 
 def tile_plan(fmt, tile):
@@ -60,7 +61,13 @@ def tile_plan(fmt, tile):
         bm, ctas, rate, stages, bars = Q8_0_TILES[tile]
         return bm, ctas, rate, stages * STAGE[("Q8_0", bm)] + bars
     kind = "Q6K" if fmt == "Q6K" else "K32"
-    if tile in ("T128x128Ws", "T96x128Ws", "T128x128Tma", "T96x128Tma"):
+    if tile in ("T128x128Tma", "T96x128Tma"):
+        # The K-quant TMA tiles: 3 stages rounded up to whole KiB, barriers, 1 KiB of alignment.
+        bm = 128 if tile == "T128x128Tma" else 96
+        rate = K_TMA_RATES[(kind, bm)]
+        stage = bm * 256 + 128 * 256 + (512 + 512 + 1024 + 1024 + bm * 32 if kind == "K32" else 512 + 2048)
+        return bm, 1, rate, 3 * ((stage + 1023) // 1024 * 1024) + 48 + 1024
+    if tile in ("T128x128Ws", "T96x128Ws"):
         tile = "T128x128"
     bm, ctas = (64, 2) if tile == "T64x128" else (128, 1)
     rate = {("K32", 64): 550.0, ("K32", 128): 700.0, ("Q6K", 64): 500.0, ("Q6K", 128): 650.0}[(kind, bm)]
