@@ -14,9 +14,11 @@ stops if it does not, so a drifted mirror cannot mislead.
 
     python3 tools/qgemm_plan_fit.py LOG[.gz] [--fixed CYCLES --launch SECONDS] [--rate TILE=MACS ...] [--try-rate TILE=MACS ...]
 
-`--try-rate TILE=MACS` (repeatable) changes a Q8_0 tile's rate for the refit grid only, to try a new
-rate against a sweep of the binary that still had the old one. `--rate T96x128Ws=950` sets a Q8_0 tile's modelled rate to the one of the binary that wrote the log
-(`696885d` had 950 for that tile; 900 since `9fdbe7a`). Rows of tiles this mirror does not know (ones
+`--rate TILE=MACS` (repeatable) sets a tile's modelled rate to the one of the binary that wrote the log:
+a Q8_0 tile by name (`696885d` had T96x128Ws=950; 900 since `9fdbe7a`), a K-quant TMA tile as
+`K32/T96x128Tma=690` or `Q6K/T128x128Tma=…` (`520455f` had K32/T96x128Tma=690, Q6K/T96x128Tma=700;
+600 both since). `--try-rate TILE=MACS` (same forms) changes a rate for the refit grid only, to try a
+new rate against a sweep of a binary that still had the old one. Rows of tiles this mirror does not know (ones
 measured and dropped, like T128x128W16) are left out, with a line saying so. Only Hopper-sized limits (132 SMs, 228 KiB an SM) are mirrored. Host-timed single launches vary by
 about ±10 % between runs, so regrets below that are noise.
 """
@@ -53,7 +55,7 @@ Q8_0_TILES = {
     "T96x128Tma": (96, 1, 990.0, 4, 64 + 1024),
 }
 KNOWN_TILES = set(Q8_0_TILES)
-K_TMA_RATES = {("K32", 128): 770.0, ("K32", 96): 690.0, ("Q6K", 128): 780.0, ("Q6K", 96): 700.0}
+K_TMA_RATES = {("K32", 128): 770.0, ("K32", 96): 600.0, ("Q6K", 128): 780.0, ("Q6K", 96): 600.0}
 
 
 def tile_plan(fmt, tile):
@@ -122,11 +124,18 @@ def main():
         fixed = float(args[args.index("--fixed") + 1])
     if "--launch" in args:
         launch = float(args[args.index("--launch") + 1])
+    def set_rate(spec):
+        tile, value = spec.split("=")
+        if "/" in tile:  # a K-quant TMA tile: K32/T96x128Tma or Q6K/T128x128Tma
+            kind, name = tile.split("/")
+            K_TMA_RATES[(kind, 128 if name == "T128x128Tma" else 96)] = float(value)
+            return
+        bm, ctas, _rate, stages, bars = Q8_0_TILES[tile]
+        Q8_0_TILES[tile] = (bm, ctas, float(value), stages, bars)
+
     for i, a in enumerate(args):
         if a == "--rate":
-            tile, value = args[i + 1].split("=")
-            bm, ctas, _rate, stages, bars = Q8_0_TILES[tile]
-            Q8_0_TILES[tile] = (bm, ctas, float(value), stages, bars)
+            set_rate(args[i + 1])
     rows = read_sweep(path)
     unknown = sorted({r[4] for r in rows if r[4] not in KNOWN_TILES})
     if unknown:
@@ -155,9 +164,7 @@ def main():
     # Candidate rates for the grid only (the binary's own are the --rate values above).
     for i, a in enumerate(args):
         if a == "--try-rate":
-            tile, value = args[i + 1].split("=")
-            bm, ctas, _rate, stages, bars = Q8_0_TILES[tile]
-            Q8_0_TILES[tile] = (bm, ctas, float(value), stages, bars)
+            set_rate(args[i + 1])
     print("refit grid (fixed cycles a CTA × extra seconds a split launch): average regret")
     for f in (3000.0, 5000.0, 10000.0, 20000.0):
         cells = []
