@@ -1372,24 +1372,16 @@ extern "C" __global__ void __launch_bounds__(384, 1) qgemm2_q8_0_96x128ws(QGEMM2
 // of 56, the compute warps 232 instead of 224.
 #define QGEMM2_TMA_ARGS QGEMM2_ARGS, const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b
 #define QGEMM2_TMA_PASS QGEMM2_PASS, &tmap_a, &tmap_b
-extern "C" __global__ void __launch_bounds__(384, 1) qgemm2_q8_0_128x128tma(QGEMM2_TMA_ARGS) {
-    qgemm_tc2<FMT_Q8_0, 2, 4, 4, 4, 4, true, true>(QGEMM2_TMA_PASS);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) qgemm2_q8_0_96x128tma(QGEMM2_TMA_ARGS) {
-    qgemm_tc2<FMT_Q8_0, 2, 4, 3, 4, 4, true, true>(QGEMM2_TMA_PASS);
-}
-// The K-quant kernels' warp-specialized TMA tiles: 3 stages of one 256-element block (two boxes of 128
-// bytes of K per matrix), the scales, mins and activation sums copied by the producer warpgroup.
-extern "C" __global__ void __launch_bounds__(384, 1) qgemm2_k32_128x128tma(QGEMM2_TMA_ARGS) {
-    qgemm_tc2<FMT_K32, 2, 4, 4, 4, 3, true, true>(QGEMM2_TMA_PASS);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) qgemm2_q6k_128x128tma(QGEMM2_TMA_ARGS) {
-    qgemm_tc2<FMT_Q6K, 2, 4, 4, 4, 3, true, true>(QGEMM2_TMA_PASS);
-}
-// Their 96-row twins (warp tiles 48×32), for passes of a few hundred rows as for Q8_0.
-extern "C" __global__ void __launch_bounds__(384, 1) qgemm2_k32_96x128tma(QGEMM2_TMA_ARGS) {
-    qgemm_tc2<FMT_K32, 2, 4, 3, 4, 3, true, true>(QGEMM2_TMA_PASS);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) qgemm2_q6k_96x128tma(QGEMM2_TMA_ARGS) {
-    qgemm_tc2<FMT_Q6K, 2, 4, 3, 4, 3, true, true>(QGEMM2_TMA_PASS);
-}
+// One TMA tile: format, m16 tiles per warp (4: 128 rows, 3: 96 rows), stages; 2 × 4 compute warps.
+#define QGEMM2_TMA_TILE(name, fmt, mt, stages)                                          \
+    extern "C" __global__ void __launch_bounds__(384, 1) name(QGEMM2_TMA_ARGS) {      \
+        qgemm_tc2<fmt, 2, 4, mt, 4, stages, true, true>(QGEMM2_TMA_PASS);               \
+    }
+QGEMM2_TMA_TILE(qgemm2_q8_0_128x128tma, FMT_Q8_0, 4, 4)
+QGEMM2_TMA_TILE(qgemm2_q8_0_96x128tma, FMT_Q8_0, 3, 4)
+// The K-quant tiles: 3 stages of one 256-element block (two boxes of 128 bytes of K per matrix), the
+// scales, mins and activation sums copied by the producer warpgroup; 96-row twins as for Q8_0.
+QGEMM2_TMA_TILE(qgemm2_k32_128x128tma, FMT_K32, 4, 3)
+QGEMM2_TMA_TILE(qgemm2_q6k_128x128tma, FMT_Q6K, 4, 3)
+QGEMM2_TMA_TILE(qgemm2_k32_96x128tma, FMT_K32, 3, 3)
+QGEMM2_TMA_TILE(qgemm2_q6k_96x128tma, FMT_Q6K, 3, 3)
