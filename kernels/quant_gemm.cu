@@ -1154,6 +1154,27 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
         }
         __syncthreads();
         auto part_begin = [&](int p) { return p * nb / 4; };
+        // The producers' walk: the CTA's stages in order, part by part, BPS blocks at a time; for each,
+        // wait until its slot is free, then copy_stage(b, cnt, s, st) fills slot s (shared memory st)
+        // with blocks b .. b + cnt.
+        auto producer_stages = [&](auto&& copy_stage) {
+            int t = 0;
+            for (int p = p_begin; p < p_end; ++p)
+                for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
+                    const int cnt = min(BPS, part_end(p) - b), s = t % STAGES;
+                    if (t >= STAGES) mbar_wait(empty + s, ((t / STAGES) - 1) & 1);
+                    copy_stage(b, cnt, s, smem + s * S::STAGE);
+                }
+        };
+        // Producer thread q's share of a stage's block scales: elements q + 128·j of [BPS][BN].
+        auto copy_block_scales = [&](int q, int b, int cnt, unsigned char* st) {
+#pragma unroll
+            for (int j = 0; j < BPS * BN / PRODUCERS; ++j) {
+                const int i = q + PRODUCERS * j, blk = i / BN, col = n0 + i % BN;
+                const bool ok = col < N && blk < cnt;
+                cp_async4(st + S::D + 4 * i, ok ? wd + (size_t)col * nb + b + blk : wd, ok);
+            }
+        };
         if (tid >= THREADS) {
             if constexpr (TMA) {
 #if __CUDA_ARCH__ >= 900
@@ -1170,12 +1191,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                     tma_prefetch_desc(tmap_a);
                     tma_prefetch_desc(tmap_b);
                 }
-                int t = 0;
-                for (int p = p_begin; p < p_end; ++p)
-                    for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
-                        const int cnt = min(BPS, part_end(p) - b), s = t % STAGES;
-                        if (t >= STAGES) mbar_wait(empty + s, ((t / STAGES) - 1) & 1);
-                        unsigned char* st = smem + s * S::STAGE;
+                producer_stages([&](int b, int cnt, int s, unsigned char* st) {
                         if (q == 0) {
                             mbar_arrive_expect_tx(full + s, (BM + BN) * BK);
 #pragma unroll
@@ -1185,12 +1201,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                                 tma_load_2d(st + S::B + h * BN * 128, tmap_b, k, n0, full + s);
                             }
                         }
-#pragma unroll
-                        for (int j = 0; j < BPS * BN / PRODUCERS; ++j) {
-                            const int i = q + PRODUCERS * j, blk = i / BN, col = n0 + i % BN;
-                            const bool ok = col < N && blk < cnt;
-                            cp_async4(st + S::D + 4 * i, ok ? wd + (size_t)col * nb + b + blk : wd, ok);
-                        }
+                        copy_block_scales(q, b, cnt, st);
                         // K-quants (one block a stage): the block's min scales, the sub-block scales
                         // and mins of column q, the activation sums of the tile's rows.
                         if constexpr (FMT == FMT_K32) {
@@ -1214,7 +1225,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                             cp_async16(st + S::SC + 16 * q, wsc + row * nsub + (size_t)b * 16, ok);
                         }
                         cp_async_mbar_arrive(full + s);
-                    }
+                    });
                 cp_async_wait<0>();
 #else
                 __trap();  // never launched before sm_90 (the plan's `hopper_only`)
@@ -1233,12 +1244,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
             const int8_t* b0 = wq + (size_t)max(0, min(n0 + r0, N - 1)) * K + chunk * 16;
             const size_t step16 = (size_t)16 * K;
             const int swz = (chunk ^ (r0 & 7)) << 4;
-            int t = 0;
-            for (int p = p_begin; p < p_end; ++p)
-                for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
-                    const int cnt = min(BPS, part_end(p) - b), s = t % STAGES;
-                    if (t >= STAGES) mbar_wait(empty + s, ((t / STAGES) - 1) & 1);
-                    unsigned char* st = smem + s * S::STAGE;
+            producer_stages([&](int b, int cnt, int s, unsigned char* st) {
                     const bool chunk_ok = chunk * 16 < cnt * L::BLK;
                     const size_t k0 = (size_t)b * L::BLK;
 #pragma unroll
@@ -1252,14 +1258,9 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                         const bool ok = chunk_ok && 16 * i < b_left;
                         cp_async16(st + S::B + r * BK + swz, ok ? b0 + i * step16 + k0 : wq, ok);
                     }
-#pragma unroll
-                    for (int j = 0; j < BPS * BN / PRODUCERS; ++j) {
-                        const int i = q + PRODUCERS * j, blk = i / BN, col = n0 + i % BN;
-                        const bool ok = col < N && blk < cnt;
-                        cp_async4(st + S::D + 4 * i, ok ? wd + (size_t)col * nb + b + blk : wd, ok);
-                    }
+                    copy_block_scales(q, b, cnt, st);
                     cp_async_mbar_arrive(full + s);
-                }
+                });
             cp_async_wait<0>();
             return;
         }
