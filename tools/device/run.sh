@@ -12,6 +12,8 @@
 #   bench27-int8  27B int8 bench (calibrates once into /tmp/pc: about 100 s)
 #   bench9 / bench4   9B / 4B bf16 benches (10 runs after 2 warm-ups)
 #   ncu27       ncu kernel times of one warm pass per scenario of the 27B bf16 bench
+#   gemm        prism cuda-quant-check --gemm timings of the integer GEMM tiles at 27B shapes (M = 275,
+#               2,048, 16,384 and a one-wave steady state; docs/benchmarks.md, third session)
 # The binary is taken from .device-carry/prism.gz (gzip of a stripped `--features cuda` build).
 set -u
 OUT=${OUT:-/tmp/out}
@@ -44,6 +46,15 @@ for step in "$@"; do
                 --metrics gpu__time_duration.sum --csv --log-file "$OUT/ncu-27b.csv" \
                 /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision bf16 --runs 1 --warmup 1 \
                 --profiler-range > "$OUT/bench-27b-under-ncu.txt" 2>&1 ;;
+        gemm)
+            for spec in q8_0,65536,1408,1536,T128x128Tma,1 q8_0,65536,1408,1536,T128x128Ws,1 \
+                q8_0,17408,5120,275,T96x128Tma,1 q8_0,5120,34816,275,T96x128Tma,1 \
+                q8_0,5120,17408,2048,T128x128Tma,1 q8_0,17408,5120,2048,T128x128Tma,1 \
+                q4_k,17408,5120,2048,T128x128Tma,1 q4_k,17408,5120,2048,T128x128,1 \
+                q4_k,17408,5120,16384,T128x128Tma,1 q4_k,5120,34816,275,T96x128Tma,1 \
+                q6_k,17408,5120,2048,T128x128Tma,1 q6_k,17408,5120,275,T96x128Tma,1; do
+                timeout 60 /tmp/prism cuda-quant-check --gemm "$spec" --runs 6 2>&1 | tail -2
+            done > "$OUT/gemm-times.txt" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
     echo "   $step rc=$?"
