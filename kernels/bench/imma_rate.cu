@@ -1,6 +1,7 @@
 // Micro-benchmark of the pieces of the integer GEMM's inner loop on one GPU (not part of the engine):
 // how fast mma.sync int8 runs alone, with the Q8_0 contract's per-block float epilogue (one FADD of the
-// magic-number conversion and one FFMA per output), and with the fragment loads from shared memory.
+// magic-number conversion and one FFMA per output), with the fragment loads from shared memory, and
+// with the K-quants' (W4A8) integer epilogue instead.
 // It tells which of these bounds kernels/quant_gemm.cu. Build here, run on the device:
 //
 //   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o imma_rate kernels/bench/imma_rate.cu
@@ -38,6 +39,13 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
                  : "r"((unsigned)__cvta_generic_to_shared(p)));
 }
 
+// k = 16 from a zero accumulator (the min term's products).
+__device__ __forceinline__ void mma_k16(int (&d)[4], unsigned a0, unsigned a1, unsigned b0) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};\n"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b0), "r"(0));
+}
+
 #define MAGIC_I 0x4B400000
 #define MAGIC_F 12582912.0f
 
@@ -45,6 +53,10 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
 // MODE 1: the Q8_0 block: MMA from the magic constant, FADD, FFMA into a float accumulator.
 // MODE 2: MODE 1 plus the fragments of every block from shared memory by ldmatrix (and the scales
 //         by LDS), as the v2 kernel does.
+// MODE 3: the Q4_K / Q5_K slice (W4A8): each MMA from zero, its i32 sums times the sub-block's integer
+//         scale into an i32 block sum (one IMAD per output), and every 8 slices (a 256-element block)
+//         the block end: two k16 MMAs for the min term, two I2F and two FFMA per output. Fragments
+//         stay in registers, as in MODE 1. (Added 2026-11-30, third session; not yet run.)
 template <int MODE, int MT, int NT>
 __global__ void imma_kernel(int blocks, float* out, int seed) {
     __shared__ __align__(128) unsigned char sm[2][(MT * 16 + NT * 8) * 128 + 512];
@@ -71,7 +83,52 @@ __global__ void imma_kernel(int blocks, float* out, int seed) {
                 iacc[i][j][e] = 0;
             }
     const int warp = threadIdx.x >> 5;
-    for (int b = 0; b < blocks; ++b) {
+    if (MODE == 3) {
+        int dsum[MT][NT][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dsum[i][j][e] = 0;
+        for (int b = 0; b < blocks; ++b) {
+            const int slice = b & 7;
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                // The two columns' sub-block scales (bytes in 0..63 in the kernel; any ints here).
+                const int sc0 = (lane + j + slice) & 63, sc1 = (lane + 3 * j + slice) & 63;
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    int c[4];
+                    mma_k32(c, af[i], bf[j][0], bf[j][1], 0, 0, 0, 0);
+                    dsum[i][j][0] += sc0 * c[0];
+                    dsum[i][j][1] += sc1 * c[1];
+                    dsum[i][j][2] += sc0 * c[2];
+                    dsum[i][j][3] += sc1 * c[3];
+                }
+            }
+            if (slice == 7) {
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    const float2 dv = make_float2(1.0f + j, 0.5f + warp), dm = make_float2(0.25f, 0.125f * j);
+#pragma unroll
+                    for (int i = 0; i < MT; ++i) {
+                        int sh[4], sl[4];
+                        mma_k16(sh, af[i][0], af[i][1], bf[j][0]);
+                        mma_k16(sl, af[i][2], af[i][3], bf[j][1]);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int mb = sh[e] * 64 + sl[e];
+                            const float a = fmaf((e & 1) ? dv.y : dv.x, __int2float_rn(dsum[i][j][e]), acc[i][j][e]);
+                            acc[i][j][e] = fmaf(-((e & 1) ? dm.y : dm.x), __int2float_rn(mb), a);
+                            dsum[i][j][e] = 0;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (int b = 0; b < (MODE == 3 ? 0 : blocks); ++b) {
         if (MODE == 2) {
             const unsigned char* st = sm[b & 1];
             const int kc = b & 3;
@@ -175,5 +232,8 @@ int main() {
     rc |= run<2, 4, 4>("mma + FADD/FFMA + ldmatrix, warp tile 64x32", 8, 2, sms);
     rc |= run<2, 2, 4>("mma + FADD/FFMA + ldmatrix, warp tile 32x32", 16, 1, sms);
     rc |= run<2, 2, 4>("mma + FADD/FFMA + ldmatrix, warp tile 32x32", 8, 4, sms);
+    rc |= run<3, 4, 4>("Q4_K: mma + IMAD, block end, warp tile 64x32", 8, 1, sms);
+    rc |= run<3, 3, 4>("Q4_K: mma + IMAD, block end, warp tile 48x32", 8, 1, sms);
+    rc |= run<3, 2, 4>("Q4_K: mma + IMAD, block end, warp tile 32x32", 16, 1, sms);
     return rc;
 }
