@@ -57,12 +57,22 @@ fn on(gpu: &Device, t: &Tensor) -> Result<Tensor> {
 
 /// The largest element-wise |Δ| / |ref| (reference zeros counted against the smallest normal f32).
 fn max_rel(got: &Tensor, want: &Tensor) -> Result<f64> {
-    let got: Vec<f32> = got.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-    let want: Vec<f32> = want.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    let got: Vec<f32> = got
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1()?;
+    let want: Vec<f32> = want
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1()?;
     Ok(got
         .iter()
         .zip(&want)
-        .map(|(g, w)| (f64::from(*g) - f64::from(*w)).abs() / f64::from(w.abs().max(f32::MIN_POSITIVE)))
+        .map(|(g, w)| {
+            (f64::from(*g) - f64::from(*w)).abs() / f64::from(w.abs().max(f32::MIN_POSITIVE))
+        })
         .fold(0.0, f64::max))
 }
 
@@ -84,13 +94,26 @@ fn norm_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
         let want = ops::rms_norm(&x, &w, 1e-6)?;
         let (xg, wg) = (on(gpu, &x)?, on(gpu, &w)?);
         let got = ops::rms_norm(&xg, &wg, 1e-6)?;
-        r.compare(&format!("rms_norm [{TOKENS}, {d}] (block per row)"), &got, &want, BOUND)?;
+        r.compare(
+            &format!("rms_norm [{TOKENS}, {d}] (block per row)"),
+            &got,
+            &want,
+            BOUND,
+        )?;
         for (start, len) in [(0usize, 1usize), (TOKENS - 1, 1), (40, 7)] {
             let part = ops::rms_norm(&xg.narrow(0, start, len)?, &wg, 1e-6)?;
-            r.identical(&format!("rms_norm (GPU) D={d}: rows {start}..+{len} alone vs in {TOKENS}"), &part, &got.narrow(0, start, len)?)?;
+            r.identical(
+                &format!("rms_norm (GPU) D={d}: rows {start}..+{len} alone vs in {TOKENS}"),
+                &part,
+                &got.narrow(0, start, len)?,
+            )?;
         }
         let bf = ops::rms_norm_as(&xg, &wg, 1e-6, DType::BF16)?;
-        r.identical(&format!("rms_norm (GPU) D={d}: bf16 output vs f32 output cast"), &bf, &got.to_dtype(DType::BF16)?)?;
+        r.identical(
+            &format!("rms_norm (GPU) D={d}: bf16 output vs f32 output cast"),
+            &bf,
+            &got.to_dtype(DType::BF16)?,
+        )?;
     }
     // Misaligned rows (scalar loads) vs the contiguous copy (vector loads): the same values and order.
     let x = rng.tensor(&[TOKENS, HIDDEN], 2.0)?;
@@ -98,7 +121,11 @@ fn norm_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
     let xg = on(gpu, &inside(rng, &x, 1, 3)?)?;
     let a = ops::rms_norm(&xg, &w, 1e-6)?;
     let b = ops::rms_norm(&xg.contiguous()?, &w, 1e-6)?;
-    r.identical("rms_norm (GPU): misaligned column range vs contiguous copy", &a, &b)?;
+    r.identical(
+        "rms_norm (GPU): misaligned column range vs contiguous copy",
+        &a,
+        &b,
+    )?;
 
     // Residual add fused into the norm, long rows (block) and short rows (warp).
     for d in [HIDDEN, 256] {
@@ -108,15 +135,47 @@ fn norm_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
         let (want_sum, want) = ops::add_rms_norm(&x, &res, &w, 1e-6, DType::F32)?;
         let (xg, rg, wg) = (on(gpu, &x)?, on(gpu, &res)?, on(gpu, &w)?);
         let (sum, normed) = ops::add_rms_norm(&xg, &rg, &wg, 1e-6, DType::F32)?;
-        r.identical(&format!("add_rms_norm D={d}: sum (GPU vs CPU, bitwise)"), &sum, &want_sum)?;
-        r.compare(&format!("add_rms_norm D={d}: norm vs CPU"), &normed, &want, BOUND)?;
+        r.identical(
+            &format!("add_rms_norm D={d}: sum (GPU vs CPU, bitwise)"),
+            &sum,
+            &want_sum,
+        )?;
+        r.compare(
+            &format!("add_rms_norm D={d}: norm vs CPU"),
+            &normed,
+            &want,
+            BOUND,
+        )?;
         let separate = ops::rms_norm(&(&xg + &rg)?, &wg, 1e-6)?;
-        r.identical(&format!("add_rms_norm (GPU) D={d}: fused vs add then rms_norm"), &normed, &separate)?;
+        r.identical(
+            &format!("add_rms_norm (GPU) D={d}: fused vs add then rms_norm"),
+            &normed,
+            &separate,
+        )?;
         let (sum16, normed16) = ops::add_rms_norm(&xg, &rg, &wg, 1e-6, DType::BF16)?;
-        r.identical(&format!("add_rms_norm (GPU) D={d}: bf16 norm vs f32 norm cast"), &normed16, &normed.to_dtype(DType::BF16)?)?;
-        r.identical(&format!("add_rms_norm (GPU) D={d}: sum with a bf16 norm vs with f32"), &sum16, &sum)?;
-        let alone = ops::add_rms_norm(&xg.narrow(0, 9, 1)?, &rg.narrow(0, 9, 1)?, &wg, 1e-6, DType::F32)?.1;
-        r.identical(&format!("add_rms_norm (GPU) D={d}: row 9 alone vs in {TOKENS}"), &alone, &normed.narrow(0, 9, 1)?)?;
+        r.identical(
+            &format!("add_rms_norm (GPU) D={d}: bf16 norm vs f32 norm cast"),
+            &normed16,
+            &normed.to_dtype(DType::BF16)?,
+        )?;
+        r.identical(
+            &format!("add_rms_norm (GPU) D={d}: sum with a bf16 norm vs with f32"),
+            &sum16,
+            &sum,
+        )?;
+        let alone = ops::add_rms_norm(
+            &xg.narrow(0, 9, 1)?,
+            &rg.narrow(0, 9, 1)?,
+            &wg,
+            1e-6,
+            DType::F32,
+        )?
+        .1;
+        r.identical(
+            &format!("add_rms_norm (GPU) D={d}: row 9 alone vs in {TOKENS}"),
+            &alone,
+            &normed.narrow(0, 9, 1)?,
+        )?;
     }
 
     // The attention q norm on the query halves of [query | gate] heads, read in place.
@@ -126,9 +185,18 @@ fn norm_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
     let want = ops::rms_norm(&qg.narrow(2, 0, hd)?, &w, 1e-6)?;
     let (qgg, wg) = (on(gpu, &qg)?, on(gpu, &w)?);
     let got = ops::rms_norm(&qgg.narrow(2, 0, hd)?, &wg, 1e-6)?;
-    r.compare("rms_norm of the query halves [275, 24, 256] of [q | gate], in place", &got, &want, BOUND)?;
+    r.compare(
+        "rms_norm of the query halves [275, 24, 256] of [q | gate], in place",
+        &got,
+        &want,
+        BOUND,
+    )?;
     let copy = ops::rms_norm(&qgg.narrow(2, 0, hd)?.contiguous()?, &wg, 1e-6)?;
-    r.identical("rms_norm (GPU): head-strided view vs contiguous copy", &got, &copy)?;
+    r.identical(
+        "rms_norm (GPU): head-strided view vs contiguous copy",
+        &got,
+        &copy,
+    )?;
 
     // The DeltaNet gated norm with z read from the fused projection's columns.
     let (n_v, dv) = (48usize, 128usize);
@@ -139,11 +207,29 @@ fn norm_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
     let want = ops::gated_rms_norm_rows(&o, &z, &w, 1e-6, DType::F32)?;
     let (og, wg) = (on(gpu, &o)?, on(gpu, &w)?);
     let got = ops::gated_rms_norm_rows(&og, &zg, &wg, 1e-6, DType::F32)?;
-    r.compare("gated rms_norm [275, 48, 128], z in place in the fused output", &got, &want, BOUND)?;
-    let old = ops::gated_rms_norm(&og, &zg.contiguous()?.reshape((TOKENS, n_v, dv))?, &wg, 1e-6)?;
-    r.identical("gated rms_norm (GPU): z in place vs contiguous copy", &got, &old.reshape((TOKENS, n_v * dv))?)?;
+    r.compare(
+        "gated rms_norm [275, 48, 128], z in place in the fused output",
+        &got,
+        &want,
+        BOUND,
+    )?;
+    let old = ops::gated_rms_norm(
+        &og,
+        &zg.contiguous()?.reshape((TOKENS, n_v, dv))?,
+        &wg,
+        1e-6,
+    )?;
+    r.identical(
+        "gated rms_norm (GPU): z in place vs contiguous copy",
+        &got,
+        &old.reshape((TOKENS, n_v * dv))?,
+    )?;
     let bf = ops::gated_rms_norm_rows(&og, &zg, &wg, 1e-6, DType::BF16)?;
-    r.identical("gated rms_norm (GPU): bf16 output vs f32 output cast", &bf, &got.to_dtype(DType::BF16)?)?;
+    r.identical(
+        "gated rms_norm (GPU): bf16 output vs f32 output cast",
+        &bf,
+        &got.to_dtype(DType::BF16)?,
+    )?;
     Ok(())
 }
 
@@ -153,17 +239,40 @@ fn swiglu_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
         let want = ops::swiglu(&gu, f)?;
         let gug = on(gpu, &gu)?;
         let got = ops::swiglu_as(&gug, f, DType::F32)?;
-        r.compare(&format!("swiglu [{TOKENS}, 2·{f}] vs CPU"), &got, &want, BOUND)?;
-        r.note(&format!("swiglu [{TOKENS}, 2·{f}]: max element-wise rel diff vs CPU"), json!(max_rel(&got, &want)?));
-        let chain = gug.narrow(D::Minus1, 0, f)?.silu()?.mul(&gug.narrow(D::Minus1, f, f)?)?;
-        r.identical(&format!("swiglu (GPU) f={f}: fused vs candle silu then mul"), &got, &chain)?;
+        r.compare(
+            &format!("swiglu [{TOKENS}, 2·{f}] vs CPU"),
+            &got,
+            &want,
+            BOUND,
+        )?;
+        r.note(
+            &format!("swiglu [{TOKENS}, 2·{f}]: max element-wise rel diff vs CPU"),
+            json!(max_rel(&got, &want)?),
+        );
+        let chain = gug
+            .narrow(D::Minus1, 0, f)?
+            .silu()?
+            .mul(&gug.narrow(D::Minus1, f, f)?)?;
+        r.identical(
+            &format!("swiglu (GPU) f={f}: fused vs candle silu then mul"),
+            &got,
+            &chain,
+        )?;
         let bf = ops::swiglu_as(&gug, f, DType::BF16)?;
-        r.identical(&format!("swiglu (GPU) f={f}: bf16 output vs f32 output cast"), &bf, &got.to_dtype(DType::BF16)?)?;
+        r.identical(
+            &format!("swiglu (GPU) f={f}: bf16 output vs f32 output cast"),
+            &bf,
+            &got.to_dtype(DType::BF16)?,
+        )?;
         // As a column range of a wider output, aligned (vector loads) and misaligned (scalar loads).
         for left in [12usize, 1] {
             let wide = on(gpu, &inside(rng, &gu, left, 36)?)?;
             let g = ops::swiglu_as(&wide, f, DType::F32)?;
-            r.identical(&format!("swiglu (GPU) f={f}: column range at {left} vs contiguous"), &g, &got)?;
+            r.identical(
+                &format!("swiglu (GPU) f={f}: column range at {left} vs contiguous"),
+                &g,
+                &got,
+            )?;
         }
     }
     Ok(())
@@ -193,7 +302,12 @@ fn conv_silu(
     let mut out = prism_model::cuda::ConvSiluOutput::new(&mixed, n, c)?;
     let mut new_windows = Vec::new();
     for (&(start, len), window) in segments.iter().zip(windows) {
-        new_windows.push(out.segment(&mixed.narrow(0, start, len)?, start, &window.to_device(device)?, &taps)?);
+        new_windows.push(out.segment(
+            &mixed.narrow(0, start, len)?,
+            start,
+            &window.to_device(device)?,
+            &taps,
+        )?);
     }
     Ok((out.finish()?, new_windows))
 }
@@ -204,27 +318,51 @@ fn conv_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
     let qkv = rng.tensor(&[TOKENS, c], 2.0)?;
     let mixed = inside(rng, &qkv, 0, 6240)?;
     let taps = rng.tensor(&[k, c], 1.0)?;
-    let windows: Vec<Tensor> = (0..3).map(|_| rng.tensor(&[k - 1, c], 2.0)).collect::<Result<_>>()?;
+    let windows: Vec<Tensor> = (0..3)
+        .map(|_| rng.tensor(&[k - 1, c], 2.0))
+        .collect::<Result<_>>()?;
     let one = [(0usize, TOKENS)];
     let (want, want_w) = conv_silu(&mixed, &one, &windows[..1], &taps, &Device::Cpu)?;
     let (got, got_w) = conv_silu(&mixed, &one, &windows[..1], &taps, gpu)?;
-    r.compare("conv + silu [275, 10240] K=4, in place in the fused output, vs CPU", &got, &want, BOUND)?;
-    r.identical("conv + silu: new window (GPU vs CPU, bitwise)", &got_w[0], &want_w[0])?;
+    r.compare(
+        "conv + silu [275, 10240] K=4, in place in the fused output, vs CPU",
+        &got,
+        &want,
+        BOUND,
+    )?;
+    r.identical(
+        "conv + silu: new window (GPU vs CPU, bitwise)",
+        &got_w[0],
+        &want_w[0],
+    )?;
     let window_after_one_call = got_w[0].clone();
     let (old, _) = prism_model::cuda::causal_conv(
         &on(gpu, &mixed.contiguous()?)?,
         &on(gpu, &windows[0])?,
         &on(gpu, &taps)?,
     )?;
-    r.identical("conv + silu (GPU): fused vs conv kernel then candle silu", &got, &old.silu()?)?;
+    r.identical(
+        "conv + silu (GPU): fused vs conv kernel then candle silu",
+        &got,
+        &old.silu()?,
+    )?;
 
     // Three sequences in one call, each from its own window.
     let segs = [(0usize, 100usize), (100, 1), (101, TOKENS - 101)];
     let (want3, want3_w) = conv_silu(&mixed, &segs, &windows, &taps, &Device::Cpu)?;
     let (got3, got3_w) = conv_silu(&mixed, &segs, &windows, &taps, gpu)?;
-    r.compare("conv + silu: 3 segments 100/1/174 with their own windows vs CPU", &got3, &want3, BOUND)?;
+    r.compare(
+        "conv + silu: 3 segments 100/1/174 with their own windows vs CPU",
+        &got3,
+        &want3,
+        BOUND,
+    )?;
     for (i, (g, w)) in got3_w.iter().zip(&want3_w).enumerate() {
-        r.identical(&format!("conv + silu: segment {i} new window (GPU vs CPU)"), g, w)?;
+        r.identical(
+            &format!("conv + silu: segment {i} new window (GPU vs CPU)"),
+            g,
+            w,
+        )?;
     }
     // One sequence in pieces (prefill pieces and decode steps), each piece from the last one's window.
     let mut outs = Vec::new();
@@ -238,8 +376,16 @@ fn conv_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
         window = w[0].to_device(&Device::Cpu)?;
         at += len;
     }
-    r.identical("conv + silu (GPU): pieces 1/7/64/200/1/1/1 vs one call", &Tensor::cat(&outs, 0)?, &got)?;
-    r.identical("conv + silu (GPU): window after the pieces vs after one call", &window, &window_after_one_call)?;
+    r.identical(
+        "conv + silu (GPU): pieces 1/7/64/200/1/1/1 vs one call",
+        &Tensor::cat(&outs, 0)?,
+        &got,
+    )?;
+    r.identical(
+        "conv + silu (GPU): window after the pieces vs after one call",
+        &window,
+        &window_after_one_call,
+    )?;
 
     // Another tap count (the generic loop).
     let k = 3;
@@ -248,7 +394,12 @@ fn conv_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
     let w3 = [rng.tensor(&[k - 1, 64], 2.0)?];
     let (want, _) = conv_silu(&m3, &[(0, 37)], &w3, &taps3, &Device::Cpu)?;
     let (got, _) = conv_silu(&m3, &[(0, 37)], &w3, &taps3, gpu)?;
-    r.compare("conv + silu [37, 64] K=3 (generic tap loop) vs CPU", &got, &want, BOUND)?;
+    r.compare(
+        "conv + silu [37, 64] K=3 (generic tap loop) vs CPU",
+        &got,
+        &want,
+        BOUND,
+    )?;
     Ok(())
 }
 
@@ -261,14 +412,37 @@ fn gate_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
     let (b, a) = (proj.narrow(1, 16384, h)?, proj.narrow(1, 16384 + h, h)?);
     let (want_beta, want_g) = ops::delta_net_gates(&b, &a, &dt_bias, &ssm_a)?;
     let pg = on(gpu, &proj)?;
-    let (bg, ag, dg, sg) = (pg.narrow(1, 16384, h)?, pg.narrow(1, 16384 + h, h)?, on(gpu, &dt_bias)?, on(gpu, &ssm_a)?);
+    let (bg, ag, dg, sg) = (
+        pg.narrow(1, 16384, h)?,
+        pg.narrow(1, 16384 + h, h)?,
+        on(gpu, &dt_bias)?,
+        on(gpu, &ssm_a)?,
+    );
     let (beta, g) = ops::delta_net_gates(&bg, &ag, &dg, &sg)?;
-    r.compare("delta-net gates: beta [275, 48] in place vs CPU", &beta, &want_beta, BOUND)?;
-    r.compare("delta-net gates: g [275, 48] in place vs CPU", &g, &want_g, BOUND)?;
+    r.compare(
+        "delta-net gates: beta [275, 48] in place vs CPU",
+        &beta,
+        &want_beta,
+        BOUND,
+    )?;
+    r.compare(
+        "delta-net gates: g [275, 48] in place vs CPU",
+        &g,
+        &want_g,
+        BOUND,
+    )?;
     let chain_beta = ops::sigmoid(&bg)?;
     let chain_g = ops::softplus(&ag.broadcast_add(&dg)?)?.broadcast_mul(&sg)?;
-    r.identical("delta-net gates (GPU): beta vs candle's sigmoid chain", &beta, &chain_beta)?;
-    r.identical("delta-net gates (GPU): g vs candle's softplus chain", &g, &chain_g)?;
+    r.identical(
+        "delta-net gates (GPU): beta vs candle's sigmoid chain",
+        &beta,
+        &chain_beta,
+    )?;
+    r.identical(
+        "delta-net gates (GPU): g vs candle's softplus chain",
+        &g,
+        &chain_g,
+    )?;
 
     // The attention output gate from the gate halves of [query | gate] heads; also one decode row.
     let (n_h, hd) = (24usize, 256usize);
@@ -279,11 +453,24 @@ fn gate_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
         let (qgg, ag) = (on(gpu, &qg)?, on(gpu, &attn)?);
         let gate = qgg.narrow(2, hd, hd)?;
         let got = ops::sigmoid_gate(&ag, &gate, DType::F32)?;
-        r.compare(&format!("attention gate [{n}, 24·256], gate in place, vs CPU"), &got, &want, BOUND)?;
+        r.compare(
+            &format!("attention gate [{n}, 24·256], gate in place, vs CPU"),
+            &got,
+            &want,
+            BOUND,
+        )?;
         let chain = ag.mul(&ops::sigmoid(&gate.contiguous()?.reshape((n, n_h * hd))?)?)?;
-        r.identical(&format!("attention gate (GPU) [{n}]: fused vs candle's sigmoid then mul"), &got, &chain)?;
+        r.identical(
+            &format!("attention gate (GPU) [{n}]: fused vs candle's sigmoid then mul"),
+            &got,
+            &chain,
+        )?;
         let bf = ops::sigmoid_gate(&ag, &gate, DType::BF16)?;
-        r.identical(&format!("attention gate (GPU) [{n}]: bf16 output vs f32 output cast"), &bf, &got.to_dtype(DType::BF16)?)?;
+        r.identical(
+            &format!("attention gate (GPU) [{n}]: bf16 output vs f32 output cast"),
+            &bf,
+            &got.to_dtype(DType::BF16)?,
+        )?;
     }
     Ok(())
 }
@@ -293,9 +480,18 @@ fn gemm_input_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> 
     let w = on(gpu, &rng.tensor(&[1024, HIDDEN], 0.05)?)?.to_dtype(DType::BF16)?;
     let from_f32 = ops::linear(&x, &w)?;
     let from_bf16 = ops::linear(&x.to_dtype(DType::BF16)?, &w)?;
-    r.identical("bf16 GEMM (GPU): bf16 input vs f32 input cast inside", &from_bf16, &from_f32)?;
+    r.identical(
+        "bf16 GEMM (GPU): bf16 input vs f32 input cast inside",
+        &from_bf16,
+        &from_f32,
+    )?;
     let want = ops::linear(&x.to_device(&Device::Cpu)?, &w.to_device(&Device::Cpu)?)?;
-    r.compare("bf16 GEMM [275, 5120] × [1024, 5120]ᵀ, bf16 input, vs CPU", &from_bf16, &want, 1e-5)?;
+    r.compare(
+        "bf16 GEMM [275, 5120] × [1024, 5120]ᵀ, bf16 input, vs CPU",
+        &from_bf16,
+        &want,
+        1e-5,
+    )?;
     Ok(())
 }
 
@@ -320,16 +516,32 @@ fn timing_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
     let w = on(gpu, &rng.tensor(&[HIDDEN], 1.0)?)?;
     let t = time_us(gpu, || Ok(ops::rms_norm(&x, &w, 1e-6)?))?;
     r.note("time: rms_norm [275, 5120] f32 out, µs", json!(t));
-    let t = time_us(gpu, || Ok(ops::add_rms_norm(&x, &res, &w, 1e-6, DType::BF16)?))?;
-    r.note("time: add + rms_norm [275, 5120] (sum f32, norm bf16), µs", json!(t));
-    let t = time_us(gpu, || Ok(((&x + &res)?, ops::rms_norm(&x, &w, 1e-6)?.to_dtype(DType::BF16)?)))?;
-    r.note("time: separate add, rms_norm, cast (what it replaces), µs", json!(t));
+    let t = time_us(gpu, || {
+        Ok(ops::add_rms_norm(&x, &res, &w, 1e-6, DType::BF16)?)
+    })?;
+    r.note(
+        "time: add + rms_norm [275, 5120] (sum f32, norm bf16), µs",
+        json!(t),
+    );
+    let t = time_us(gpu, || {
+        Ok((
+            (&x + &res)?,
+            ops::rms_norm(&x, &w, 1e-6)?.to_dtype(DType::BF16)?,
+        ))
+    })?;
+    r.note(
+        "time: separate add, rms_norm, cast (what it replaces), µs",
+        json!(t),
+    );
 
     let gu = on(gpu, &rng.tensor(&[TOKENS, 2 * FFN + 64], 4.0)?)?.narrow(1, 0, 2 * FFN)?;
     let t = time_us(gpu, || Ok(ops::swiglu_as(&gu, FFN, DType::BF16)?))?;
     r.note("time: swiglu [275, 2·17408] → bf16, µs", json!(t));
     let t = time_us(gpu, || Ok(ops::swiglu(&gu, FFN)?.to_dtype(DType::BF16)?))?;
-    r.note("time: candle silu, mul, cast (what it replaces), µs", json!(t));
+    r.note(
+        "time: candle silu, mul, cast (what it replaces), µs",
+        json!(t),
+    );
 
     let (c, k) = (10240usize, 4usize);
     let mixed = on(gpu, &rng.tensor(&[TOKENS, 16480], 2.0)?)?.narrow(1, 0, c)?;
@@ -349,7 +561,10 @@ fn timing_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
 
     let proj = on(gpu, &rng.tensor(&[TOKENS, 16480], 4.0)?)?;
     let (b, a) = (proj.narrow(1, 16384, 48)?, proj.narrow(1, 16432, 48)?);
-    let (dt, sa) = (on(gpu, &rng.tensor(&[48], 1.0)?)?, on(gpu, &rng.tensor(&[48], 1.0)?)?);
+    let (dt, sa) = (
+        on(gpu, &rng.tensor(&[48], 1.0)?)?,
+        on(gpu, &rng.tensor(&[48], 1.0)?)?,
+    );
     let t = time_us(gpu, || Ok(ops::delta_net_gates(&b, &a, &dt, &sa)?))?;
     r.note("time: delta-net gates [275, 48], µs", json!(t));
     let t = time_us(gpu, || {
@@ -368,7 +583,10 @@ fn timing_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
         let g = gate.contiguous()?.reshape((TOKENS, 24 * 256))?;
         Ok(attn.mul(&ops::sigmoid(&g)?)?.to_dtype(DType::BF16)?)
     })?;
-    r.note("time: copy, candle sigmoid, mul, cast (what it replaces), µs", json!(t));
+    r.note(
+        "time: copy, candle sigmoid, mul, cast (what it replaces), µs",
+        json!(t),
+    );
     Ok(())
 }
 
@@ -390,7 +608,14 @@ fn rope_positions(n: usize, start: u32) -> Vec<Position3> {
 
 /// The chain `norm_and_rotate` replaces on the GPU: the norm kernel on q and on k (k reshaped, a
 /// copy), candle's rotation of each, both cast to `out`.
-fn qk_chain(rope: &MRope, q: &Tensor, k: &Tensor, norms: &HeadNorms<'_>, cs: (&Tensor, &Tensor), out: DType) -> Result<(Tensor, Tensor)> {
+fn qk_chain(
+    rope: &MRope,
+    q: &Tensor,
+    k: &Tensor,
+    norms: &HeadNorms<'_>,
+    cs: (&Tensor, &Tensor),
+    out: DType,
+) -> Result<(Tensor, Tensor)> {
     let (n, _, hd) = q.dims3()?;
     let n_kv = k.elem_count() / (n * hd);
     let qn = ops::rms_norm(q, norms.q_weight, norms.eps)?;
@@ -405,7 +630,10 @@ fn qk_chain(rope: &MRope, q: &Tensor, k: &Tensor, norms: &HeadNorms<'_>, cs: (&T
 /// 32): q read in place as the query halves of `[query | gate]` heads, k as a column range of the
 /// fused projection output; text positions and an image-like block of 3-D positions.
 fn qk_norm_rope_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
-    for (n_h, n_kv, hd, rot, sections) in [(24usize, 4usize, 256usize, 64usize, [11usize, 11, 10]), (6, 2, 96, 32, [6, 5, 5])] {
+    for (n_h, n_kv, hd, rot, sections) in [
+        (24usize, 4usize, 256usize, 64usize, [11usize, 11, 10]),
+        (6, 2, 96, 32, [6, 5, 5]),
+    ] {
         let label = format!("q/k norm + rope (h {n_h}/{n_kv}, hd {hd}, rot {rot})");
         let rope_cpu = MRope::new(rot, 1e7, sections, DType::F32, &Device::Cpu)?;
         let rope_gpu = MRope::new(rot, 1e7, sections, DType::F32, gpu)?;
@@ -416,48 +644,140 @@ fn qk_norm_rope_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()
         let pos = rope_positions(TOKENS, 1000);
         let (cos_c, sin_c) = rope_cpu.cos_sin(&pos)?;
         let (cos_g, sin_g) = rope_gpu.cos_sin(&pos)?;
-        let norms_c = HeadNorms { q_weight: &qw, k_weight: &kw, eps: 1e-6 };
+        let norms_c = HeadNorms {
+            q_weight: &qw,
+            k_weight: &kw,
+            eps: 1e-6,
+        };
         let (qwg, kwg) = (on(gpu, &qw)?, on(gpu, &kw)?);
-        let norms_g = HeadNorms { q_weight: &qwg, k_weight: &kwg, eps: 1e-6 };
+        let norms_g = HeadNorms {
+            q_weight: &qwg,
+            k_weight: &kwg,
+            eps: 1e-6,
+        };
         let (qgg, kg) = (on(gpu, &qg)?, on(gpu, &k_wide)?);
         let qv = qgg.narrow(2, 0, hd)?;
 
         let (q, kk) = rope_gpu.norm_and_rotate(&qv, &kg, &norms_g, &cos_g, &sin_g, DType::F32)?;
-        let (want_q, want_k) = qk_chain(&rope_gpu, &qv, &kg, &norms_g, (&cos_g, &sin_g), DType::F32)?;
-        r.identical(&format!("{label} (GPU): q vs norm kernel + candle rope"), &q, &want_q)?;
-        r.identical(&format!("{label} (GPU): k vs norm kernel + candle rope"), &kk, &want_k)?;
-        let (q16, k2) = rope_gpu.norm_and_rotate(&qv, &kg, &norms_g, &cos_g, &sin_g, DType::BF16)?;
-        r.identical(&format!("{label} (GPU): bf16 q vs f32 q cast"), &q16, &q.to_dtype(DType::BF16)?)?;
-        r.identical(&format!("{label} (GPU): bf16 k vs f32 k cast"), &k2, &kk.to_dtype(DType::BF16)?)?;
-        let (qc, kc) = rope_gpu.norm_and_rotate(&qv.contiguous()?, &kg.contiguous()?, &norms_g, &cos_g, &sin_g, DType::F32)?;
-        r.identical(&format!("{label} (GPU): in place vs contiguous copies (q)"), &qc, &q)?;
-        r.identical(&format!("{label} (GPU): in place vs contiguous copies (k)"), &kc, &kk)?;
+        let (want_q, want_k) =
+            qk_chain(&rope_gpu, &qv, &kg, &norms_g, (&cos_g, &sin_g), DType::F32)?;
+        r.identical(
+            &format!("{label} (GPU): q vs norm kernel + candle rope"),
+            &q,
+            &want_q,
+        )?;
+        r.identical(
+            &format!("{label} (GPU): k vs norm kernel + candle rope"),
+            &kk,
+            &want_k,
+        )?;
+        let (q16, k2) =
+            rope_gpu.norm_and_rotate(&qv, &kg, &norms_g, &cos_g, &sin_g, DType::BF16)?;
+        r.identical(
+            &format!("{label} (GPU): bf16 q vs f32 q cast"),
+            &q16,
+            &q.to_dtype(DType::BF16)?,
+        )?;
+        r.identical(
+            &format!("{label} (GPU): bf16 k vs f32 k cast"),
+            &k2,
+            &kk.to_dtype(DType::BF16)?,
+        )?;
+        let (qc, kc) = rope_gpu.norm_and_rotate(
+            &qv.contiguous()?,
+            &kg.contiguous()?,
+            &norms_g,
+            &cos_g,
+            &sin_g,
+            DType::F32,
+        )?;
+        r.identical(
+            &format!("{label} (GPU): in place vs contiguous copies (q)"),
+            &qc,
+            &q,
+        )?;
+        r.identical(
+            &format!("{label} (GPU): in place vs contiguous copies (k)"),
+            &kc,
+            &kk,
+        )?;
 
         // Against the CPU twin: with the GPU's cos/sin (the kernel alone), and each device its own.
         let qv_c = qg.narrow(2, 0, hd)?;
-        let (cq, ck) = rope_cpu.norm_and_rotate(&qv_c, &k, &norms_c, &cos_g.to_device(&Device::Cpu)?, &sin_g.to_device(&Device::Cpu)?, DType::F32)?;
-        r.compare(&format!("{label}: q vs CPU twin (same cos/sin)"), &q, &cq, BOUND)?;
-        r.compare(&format!("{label}: k vs CPU twin (same cos/sin)"), &kk, &ck, BOUND)?;
+        let (cq, ck) = rope_cpu.norm_and_rotate(
+            &qv_c,
+            &k,
+            &norms_c,
+            &cos_g.to_device(&Device::Cpu)?,
+            &sin_g.to_device(&Device::Cpu)?,
+            DType::F32,
+        )?;
+        r.compare(
+            &format!("{label}: q vs CPU twin (same cos/sin)"),
+            &q,
+            &cq,
+            BOUND,
+        )?;
+        r.compare(
+            &format!("{label}: k vs CPU twin (same cos/sin)"),
+            &kk,
+            &ck,
+            BOUND,
+        )?;
         let (cq, ck) = rope_cpu.norm_and_rotate(&qv_c, &k, &norms_c, &cos_c, &sin_c, DType::F32)?;
-        r.compare(&format!("{label}: q vs CPU twin (CPU cos/sin)"), &q, &cq, BOUND)?;
-        r.compare(&format!("{label}: k vs CPU twin (CPU cos/sin)"), &kk, &ck, BOUND)?;
+        r.compare(
+            &format!("{label}: q vs CPU twin (CPU cos/sin)"),
+            &q,
+            &cq,
+            BOUND,
+        )?;
+        r.compare(
+            &format!("{label}: k vs CPU twin (CPU cos/sin)"),
+            &kk,
+            &ck,
+            BOUND,
+        )?;
 
         // Rows alone (a decode step) and a middle range vs inside the call.
         for (start, len) in [(0usize, 1usize), (TOKENS - 1, 1), (37, 70)] {
             let (cs, ss) = (cos_g.narrow(0, start, len)?, sin_g.narrow(0, start, len)?);
-            let (pq, pk) = rope_gpu.norm_and_rotate(&qv.narrow(0, start, len)?, &kg.narrow(0, start, len)?, &norms_g, &cs, &ss, DType::F32)?;
-            r.identical(&format!("{label} (GPU): q rows {start}..+{len} alone vs in {TOKENS}"), &pq, &q.narrow(0, start, len)?)?;
-            r.identical(&format!("{label} (GPU): k rows {start}..+{len} alone vs in {TOKENS}"), &pk, &kk.narrow(0, start, len)?)?;
+            let (pq, pk) = rope_gpu.norm_and_rotate(
+                &qv.narrow(0, start, len)?,
+                &kg.narrow(0, start, len)?,
+                &norms_g,
+                &cs,
+                &ss,
+                DType::F32,
+            )?;
+            r.identical(
+                &format!("{label} (GPU): q rows {start}..+{len} alone vs in {TOKENS}"),
+                &pq,
+                &q.narrow(0, start, len)?,
+            )?;
+            r.identical(
+                &format!("{label} (GPU): k rows {start}..+{len} alone vs in {TOKENS}"),
+                &pk,
+                &kk.narrow(0, start, len)?,
+            )?;
         }
 
         // Timing: the fused kernel (bf16 q and k, as the flash path takes them) vs the chain it replaces.
         for n in [TOKENS, 12, 1] {
             let (qn, kn) = (qv.narrow(0, 0, n)?, kg.narrow(0, 0, n)?);
             let (cs, ss) = (cos_g.narrow(0, 0, n)?, sin_g.narrow(0, 0, n)?);
-            let t = time_us(gpu, || Ok(rope_gpu.norm_and_rotate(&qn, &kn, &norms_g, &cs, &ss, DType::BF16)?))?;
+            let t = time_us(gpu, || {
+                Ok(rope_gpu.norm_and_rotate(&qn, &kn, &norms_g, &cs, &ss, DType::BF16)?)
+            })?;
             r.note(&format!("time: {label} fused, N={n}, µs"), json!(t));
-            let t = time_us(gpu, || qk_chain(&rope_gpu, &qn, &kn, &norms_g, (&cs, &ss), DType::BF16))?;
-            r.note(&format!("time: {label} old chain (2 norms, copy, 2 × 6 rope ops, cast), N={n}, µs"), json!(t));
+            let t = time_us(gpu, || {
+                qk_chain(&rope_gpu, &qn, &kn, &norms_g, (&cs, &ss), DType::BF16)
+            })?;
+            r.note(
+                &format!(
+                    "time: {label} old chain (2 norms, copy, 2 × 6 rope ops, cast), N={n}, µs"
+                ),
+                json!(t),
+            );
         }
     }
     Ok(())

@@ -24,7 +24,9 @@ use super::Report;
 /// `gguf`'s bytes with the first block of `token`'s embedding row made NaN (its f16 scale for Q8_0 and
 /// Q4_K/Q5_K blocks, the first element for float rows).
 fn with_nan_embedding(path: &Path, gguf: &GgufFile, token: u32) -> Result<GgufFile> {
-    let info = gguf.tensor_info("token_embd.weight").context("no token_embd.weight")?;
+    let info = gguf
+        .tensor_info("token_embd.weight")
+        .context("no token_embd.weight")?;
     let rows = info.n_rows();
     if u64::from(token) >= rows {
         bail!("token {token} is outside the embedding's {rows} rows");
@@ -32,7 +34,9 @@ fn with_nan_embedding(path: &Path, gguf: &GgufFile, token: u32) -> Result<GgufFi
     let row_bytes = info.n_bytes() / rows;
     let start = usize::try_from(gguf.data_offset() + info.offset + u64::from(token) * row_bytes)?;
     let nan: Vec<u8> = match info.ggml_type {
-        GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::F16 => 0x7E00u16.to_le_bytes().to_vec(),
+        GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::F16 => {
+            0x7E00u16.to_le_bytes().to_vec()
+        }
         GgmlType::F32 => f32::NAN.to_le_bytes().to_vec(),
         other => bail!("token_embd.weight is {other:?}: no NaN patch for that type"),
     };
@@ -48,7 +52,8 @@ fn with_nan_embedding(path: &Path, gguf: &GgufFile, token: u32) -> Result<GgufFi
 fn pass(r: &mut Report, name: &str, ok: bool, detail: String) {
     println!("{name:<58} {detail}  {}", if ok { "ok" } else { "FAIL" });
     r.failed += usize::from(!ok);
-    r.rows.push(json!({"check": name, "detail": detail, "ok": ok}));
+    r.rows
+        .push(json!({"check": name, "detail": detail, "ok": ok}));
 }
 
 fn rows_of(t: &Tensor, rows: &[usize]) -> Result<Tensor> {
@@ -77,7 +82,9 @@ pub fn checks(r: &mut Report, gpu: &Device, fixtures: &Path, prompts: &[Vec<u32>
         .find(|t| prompts.iter().all(|p| !p.contains(t)))
         .context("every token is used")?;
     let bad = with_nan_embedding(&path, &clean, token)?;
-    let info = bad.tensor_info("token_embd.weight").context("no token_embd.weight")?;
+    let info = bad
+        .tensor_info("token_embd.weight")
+        .context("no token_embd.weight")?;
     let row = bad.dequantize_row(info, u64::from(token))?;
     let nans = row.iter().filter(|v| v.is_nan()).count();
     pass(
@@ -92,7 +99,8 @@ pub fn checks(r: &mut Report, gpu: &Device, fixtures: &Path, prompts: &[Vec<u32>
         precision: Precision::Int8,
         hf_config: None,
     };
-    let calibration = prism_model::calibration::calibrate(&clean, &cpu_opts, &prompts[..6], "cuda-check")?;
+    let calibration =
+        prism_model::calibration::calibrate(&clean, &cpu_opts, &prompts[..6], "cuda-check")?;
     let mut bad_calibration = calibration.clone();
     bad_calibration.model_key = prism_model::calibration::model_key(&bad);
     let gpu_opts = LoadOptions {
@@ -111,7 +119,8 @@ pub fn checks(r: &mut Report, gpu: &Device, fixtures: &Path, prompts: &[Vec<u32>
     // The CPU reference refuses the prompt at its first projection.
     let bad_cpu = Qwen35Model::from_gguf_calibrated(&bad, &cpu_opts, &bad_calibration)?;
     let cpu = bad_cpu.last_hidden(&[&poisoned]);
-    let refused = matches!(&cpu, Err(e) if e.to_string().contains("int8 quantization needs finite inputs"));
+    let refused =
+        matches!(&cpu, Err(e) if e.to_string().contains("int8 quantization needs finite inputs"));
     pass(
         r,
         "int8 whole forward, CPU: the prompt with a NaN embedding is refused",
@@ -165,9 +174,11 @@ pub fn checks(r: &mut Report, gpu: &Device, fixtures: &Path, prompts: &[Vec<u32>
     let differing: usize = others
         .iter()
         .map(|&i| match (got.get(i), want.get(i)) {
-            (Some(g), Some(w)) if g.len() == w.len() => {
-                g.iter().zip(w).filter(|(a, b)| a.to_bits() != b.to_bits()).count()
-            }
+            (Some(g), Some(w)) if g.len() == w.len() => g
+                .iter()
+                .zip(w)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count(),
             _ => letters.len(),
         })
         .sum();
@@ -175,7 +186,10 @@ pub fn checks(r: &mut Report, gpu: &Device, fixtures: &Path, prompts: &[Vec<u32>
         r,
         "int8 read-out, GPU: the 3 other prompts' letter logits vs the clean model",
         differing == 0,
-        format!("{differing} of {} differ in bits", others.len() * letters.len()),
+        format!(
+            "{differing} of {} differ in bits",
+            others.len() * letters.len()
+        ),
     );
     Ok(())
 }

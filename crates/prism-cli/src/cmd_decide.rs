@@ -16,12 +16,18 @@ use crate::DecideArgs;
 
 /// The bundled default model: the tiny Qwen3.5 fixture made by llama.cpp's converter and quantizer.
 fn bundled_model_dir() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/qwen35-tiny"))
+    PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/qwen35-tiny"
+    ))
 }
 
 pub fn run(args: &DecideArgs) -> Result<()> {
     let source = match (&args.gguf, &args.model_dir) {
-        (Some(gguf), dir) => ModelSource { gguf: gguf.clone(), model_dir: dir.clone() },
+        (Some(gguf), dir) => ModelSource {
+            gguf: gguf.clone(),
+            model_dir: dir.clone(),
+        },
         (None, Some(_)) => bail!("--model-dir needs --gguf (the model file)"),
         (None, None) => {
             let dir = bundled_model_dir();
@@ -33,24 +39,35 @@ pub fn run(args: &DecideArgs) -> Result<()> {
                     gguf.display()
                 );
             }
-            tracing::info!("no --gguf given: using the bundled tiny random-weight model {}", gguf.display());
-            ModelSource { gguf, model_dir: Some(dir) }
+            tracing::info!(
+                "no --gguf given: using the bundled tiny random-weight model {}",
+                gguf.display()
+            );
+            ModelSource {
+                gguf,
+                model_dir: Some(dir),
+            }
         }
     };
     let precision = if args.precision == "auto" {
-        let gguf = prism_gguf::GgufFile::open(&source.gguf).with_context(|| format!("opening {}", source.gguf.display()))?;
+        let gguf = prism_gguf::GgufFile::open(&source.gguf)
+            .with_context(|| format!("opening {}", source.gguf.display()))?;
         Precision::resolve("auto", &gguf)?
     } else {
         Precision::parse(&args.precision)?
     };
-    let options = LoadOptions { precision, ..LoadOptions::default() };
+    let options = LoadOptions {
+        precision,
+        ..LoadOptions::default()
+    };
     tracing::info!("loading {}", source.gguf.display());
     let loaded = DecoderLetterModel::load(&source, &options, args.max_tokens)
         .with_context(|| format!("loading the decision model {}", source.gguf.display()))?;
     let mut model = loaded.model;
     tracing::info!("ready: {}", prism_decision::LetterModel::model_name(&model));
 
-    let body = std::fs::read(&args.request).with_context(|| format!("cannot read {}", args.request.display()))?;
+    let body = std::fs::read(&args.request)
+        .with_context(|| format!("cannot read {}", args.request.display()))?;
     let result = DecisionRequest::parse(&body, &RequestDefaults::default())
         .and_then(|request| decide(&request, &loaded.config, &mut model));
     let mut out = std::io::stdout().lock();
@@ -63,7 +80,11 @@ pub fn run(args: &DecideArgs) -> Result<()> {
         Err(error) => {
             writeln!(out, "{}", serde_json::to_string_pretty(&error.body())?)?;
             out.flush()?;
-            eprintln!("prism decide: the API refuses {} (HTTP {})", args.request.display(), error.status());
+            eprintln!(
+                "prism decide: the API refuses {} (HTTP {})",
+                args.request.display(),
+                error.status()
+            );
             std::process::exit(1);
         }
     }

@@ -44,7 +44,10 @@ pub fn run(args: &LogitsArgs) -> Result<()> {
         (Some(path), _) => read_token_file(path)?,
         (None, Some(path)) => {
             let format = format.as_ref().map_err(|e| {
-                anyhow::anyhow!("--prompt-file {} needs the tokenizer, which did not load: {e}", path.display())
+                anyhow::anyhow!(
+                    "--prompt-file {} needs the tokenizer, which did not load: {e}",
+                    path.display()
+                )
             })?;
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading {}", path.display()))?;
@@ -56,7 +59,9 @@ pub fn run(args: &LogitsArgs) -> Result<()> {
             }
             vec![ids]
         }
-        (None, None) => bail!("give --tokens FILE (a JSON array of token-id arrays) or --prompt-file FILE"),
+        (None, None) => {
+            bail!("give --tokens FILE (a JSON array of token-id arrays) or --prompt-file FILE")
+        }
     };
 
     let hf_config = args
@@ -74,7 +79,10 @@ pub fn run(args: &LogitsArgs) -> Result<()> {
             // int8 / w4a8 quantize activations at static ranges measured on the built-in decision
             // prompts, which need the tokenizer and chat template.
             let format = format.as_ref().map_err(|e| {
-                anyhow::anyhow!("--precision {} needs the tokenizer and chat template, which did not load: {e}", precision.as_str())
+                anyhow::anyhow!(
+                    "--precision {} needs the tokenizer and chat template, which did not load: {e}",
+                    precision.as_str()
+                )
             })?;
             prism_decision::calibration_prompts::load_decoder(gguf, &options, format, None)
                 .with_context(|| format!("loading the model from {}", path.display()))?
@@ -92,8 +100,15 @@ pub fn run(args: &LogitsArgs) -> Result<()> {
             None
         }
     };
-    if let Some(&id) = letter_ids.iter().flatten().find(|&&id| id as usize >= model.vocab_size()) {
-        bail!("letter token {id} is outside the model's {} output rows", model.vocab_size());
+    if let Some(&id) = letter_ids
+        .iter()
+        .flatten()
+        .find(|&&id| id as usize >= model.vocab_size())
+    {
+        bail!(
+            "letter token {id} is outside the model's {} output rows",
+            model.vocab_size()
+        );
     }
 
     let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();

@@ -4,10 +4,11 @@
 use std::io::Write;
 
 use anyhow::{Context, Result};
-use prism_decision::{
-    render_request, DecisionConfig, DecisionRequest, LetterPrompt, ReadMode, RenderedQuestion, RequestDefaults,
-};
 use prism_decision::chat_template::{ChatMessage, PromptFormat, RenderedPrompt};
+use prism_decision::{
+    render_request, DecisionConfig, DecisionRequest, LetterPrompt, ReadMode, RenderedQuestion,
+    RequestDefaults,
+};
 use serde_json::json;
 
 use crate::RenderArgs;
@@ -17,8 +18,12 @@ pub fn run(args: &RenderArgs) -> Result<()> {
     // decision config (the wide-choice grouping depends on it).
     let (format, config) = match &args.model_dir {
         Some(dir) => {
-            let format = PromptFormat::load_from_model_dir(dir, None)
-                .with_context(|| format!("loading the tokenizer and chat template of {}", dir.display()))?;
+            let format = PromptFormat::load_from_model_dir(dir, None).with_context(|| {
+                format!(
+                    "loading the tokenizer and chat template of {}",
+                    dir.display()
+                )
+            })?;
             let config = DecisionConfig::from_model_dir(dir)?;
             if let Some(ids) = &config.letter_token_ids {
                 format.check_letter_token_ids(ids)?;
@@ -27,7 +32,8 @@ pub fn run(args: &RenderArgs) -> Result<()> {
         }
         None => (None, DecisionConfig::default()),
     };
-    let body = std::fs::read(&args.request).with_context(|| format!("cannot read {}", args.request.display()))?;
+    let body = std::fs::read(&args.request)
+        .with_context(|| format!("cannot read {}", args.request.display()))?;
     let rendered = DecisionRequest::parse(&body, &RequestDefaults::default())
         .and_then(|request| render_request(&request, &config));
     let questions = match rendered {
@@ -36,7 +42,11 @@ pub fn run(args: &RenderArgs) -> Result<()> {
             let mut out = std::io::stdout().lock();
             writeln!(out, "{}", serde_json::to_string_pretty(&error.body())?)?;
             out.flush()?;
-            eprintln!("prism render: the API refuses {} (HTTP {})", args.request.display(), error.status());
+            eprintln!(
+                "prism render: the API refuses {} (HTTP {})",
+                args.request.display(),
+                error.status()
+            );
             std::process::exit(1);
         }
     };
@@ -44,7 +54,10 @@ pub fn run(args: &RenderArgs) -> Result<()> {
     if args.json {
         let mut object = serde_json::Map::new();
         for question in &questions {
-            object.insert(question.name.clone(), question_json(question, format.as_ref())?);
+            object.insert(
+                question.name.clone(),
+                question_json(question, format.as_ref())?,
+            );
         }
         writeln!(out, "{}", serde_json::to_string_pretty(&object)?)?;
     } else {
@@ -69,12 +82,16 @@ fn mode_name(mode: ReadMode) -> &'static str {
 
 /// The prompt through the chat template with thinking off, as the model reads it.
 fn templated(prompt: &LetterPrompt, format: &PromptFormat) -> Result<RenderedPrompt> {
-    let messages = [ChatMessage::system(prompt.system.as_str()), ChatMessage::user(prompt.user.as_str())];
+    let messages = [
+        ChatMessage::system(prompt.system.as_str()),
+        ChatMessage::user(prompt.user.as_str()),
+    ];
     Ok(format.render_and_encode(&messages, false)?)
 }
 
 fn prompt_json(prompt: &LetterPrompt, format: Option<&PromptFormat>) -> Result<serde_json::Value> {
-    let mut value = json!({"system": prompt.system, "user": prompt.user, "order": prompt.option_ids});
+    let mut value =
+        json!({"system": prompt.system, "user": prompt.user, "order": prompt.option_ids});
     if let Some(format) = format {
         let rendered = templated(prompt, format)?;
         value["text"] = json!(rendered.text);
@@ -84,8 +101,15 @@ fn prompt_json(prompt: &LetterPrompt, format: Option<&PromptFormat>) -> Result<s
     Ok(value)
 }
 
-fn question_json(question: &RenderedQuestion, format: Option<&PromptFormat>) -> Result<serde_json::Value> {
-    let prompts = question.prompts.iter().map(|p| prompt_json(p, format)).collect::<Result<Vec<_>>>()?;
+fn question_json(
+    question: &RenderedQuestion,
+    format: Option<&PromptFormat>,
+) -> Result<serde_json::Value> {
+    let prompts = question
+        .prompts
+        .iter()
+        .map(|p| prompt_json(p, format))
+        .collect::<Result<Vec<_>>>()?;
     Ok(json!({
         "type": question.kind.as_str(),
         "mode": mode_name(question.mode),
@@ -93,7 +117,11 @@ fn question_json(question: &RenderedQuestion, format: Option<&PromptFormat>) -> 
     }))
 }
 
-fn write_text(out: &mut impl Write, question: &RenderedQuestion, format: Option<&PromptFormat>) -> Result<()> {
+fn write_text(
+    out: &mut impl Write,
+    question: &RenderedQuestion,
+    format: Option<&PromptFormat>,
+) -> Result<()> {
     let kind = question.kind.as_str();
     match question.mode {
         ReadMode::SelfAnswered => {
@@ -118,12 +146,21 @@ fn write_text(out: &mut impl Write, question: &RenderedQuestion, format: Option<
         }
         writeln!(out, "--- system\n{}", prompt.system)?;
         writeln!(out, "--- user\n{}", prompt.user)?;
-        writeln!(out, "--- options in letter order: {}", prompt.option_ids.join(", "))?;
+        writeln!(
+            out,
+            "--- options in letter order: {}",
+            prompt.option_ids.join(", ")
+        )?;
         if let Some(format) = format {
             let rendered = templated(prompt, format)?;
             writeln!(out, "--- chat template (thinking off)\n{}", rendered.text)?;
             let ids: Vec<String> = rendered.ids.iter().map(u32::to_string).collect();
-            writeln!(out, "--- {} token ids\n[{}]", rendered.ids.len(), ids.join(", "))?;
+            writeln!(
+                out,
+                "--- {} token ids\n[{}]",
+                rendered.ids.len(),
+                ids.join(", ")
+            )?;
         }
     }
     Ok(())

@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::{ArgAction, Args};
-use prism_decision::{decide, DecisionRequest, DecoderLetterModel, LetterModel, ModelSource, RequestDefaults};
+use prism_decision::{
+    decide, DecisionRequest, DecoderLetterModel, LetterModel, ModelSource, RequestDefaults,
+};
 use prism_model::{LoadOptions, Precision};
 use prism_server::{router, serve, ModelInfo, Scheduler, ServerConfig, Stats};
 
@@ -66,11 +68,19 @@ pub struct ServeArgs {
 /// tree this binary was built from.
 fn bundled_model_dir() -> Option<PathBuf> {
     let relative = ["tests", "fixtures", "qwen35-tiny"];
-    let from_binary = std::env::current_exe()
-        .ok()
-        .and_then(|exe| exe.ancestors().nth(3).map(|root| relative.iter().fold(root.to_path_buf(), |p, c| p.join(c))));
-    let from_source = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/qwen35-tiny"));
-    from_binary.into_iter().chain([from_source]).find(|dir| dir.join("tiny-Q8_0.gguf").is_file())
+    let from_binary = std::env::current_exe().ok().and_then(|exe| {
+        exe.ancestors()
+            .nth(3)
+            .map(|root| relative.iter().fold(root.to_path_buf(), |p, c| p.join(c)))
+    });
+    let from_source = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/qwen35-tiny"
+    ));
+    from_binary
+        .into_iter()
+        .chain([from_source])
+        .find(|dir| dir.join("tiny-Q8_0.gguf").is_file())
 }
 
 /// One line of progress on stdout, flushed at once (a pipe would otherwise hold it back).
@@ -83,15 +93,17 @@ macro_rules! say {
 }
 
 /// A request that exercises the whole path once before the server opens.
-const WARM_UP: &str =
-    r#"{"state": "Prism warm-up.", "questions": {"ready": {"type": "noul", "instructions": "Is the engine ready?"}}}"#;
+const WARM_UP: &str = r#"{"state": "Prism warm-up.", "questions": {"ready": {"type": "noul", "instructions": "Is the engine ready?"}}}"#;
 
 pub fn run(args: &ServeArgs) -> Result<()> {
     if !(0.0..=1.0).contains(&args.gate) {
         bail!("--gate must be from 0 to 1, got {}", args.gate);
     }
     if !(args.timeout.is_finite() && args.timeout > 0.0) {
-        bail!("--timeout must be a positive number of seconds, got {}", args.timeout);
+        bail!(
+            "--timeout must be a positive number of seconds, got {}",
+            args.timeout
+        );
     }
     if args.queue_size == 0 {
         bail!("--queue-size must be at least 1");
@@ -109,9 +121,18 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     }
     let precision = Precision::parse(&args.precision)?;
 
-    say!("Prism {} — /v1/systemone server (CPU)", env!("CARGO_PKG_VERSION"));
+    say!(
+        "Prism {} — /v1/systemone server (CPU)",
+        env!("CARGO_PKG_VERSION")
+    );
     let (source, demo) = match (&args.gguf, &args.model_dir) {
-        (Some(gguf), dir) => (ModelSource { gguf: gguf.clone(), model_dir: dir.clone() }, false),
+        (Some(gguf), dir) => (
+            ModelSource {
+                gguf: gguf.clone(),
+                model_dir: dir.clone(),
+            },
+            false,
+        ),
         (None, Some(_)) => bail!("--model-dir needs --gguf (the model file)"),
         (None, None) => {
             let Some(dir) = bundled_model_dir() else {
@@ -121,12 +142,21 @@ pub fn run(args: &ServeArgs) -> Result<()> {
                 );
             };
             say!("");
-            say!("  NOTE: no --gguf given, so this serves the bundled DEMO model ({}).", dir.display());
+            say!(
+                "  NOTE: no --gguf given, so this serves the bundled DEMO model ({}).",
+                dir.display()
+            );
             say!("  Its weights are random: its answers are meaningless. It is here to try the API and run the tests.");
             say!("  To serve a real StartLux-Decision release:");
             say!("    prism serve --gguf StartLux-Decision-v1-4B-Q8_0.gguf --model-dir DIR_WITH_ITS_TOKENIZER_AND_CONFIGS");
             say!("");
-            (ModelSource { gguf: dir.join("tiny-Q8_0.gguf"), model_dir: Some(dir) }, true)
+            (
+                ModelSource {
+                    gguf: dir.join("tiny-Q8_0.gguf"),
+                    model_dir: Some(dir),
+                },
+                true,
+            )
         }
     };
 
@@ -140,14 +170,20 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         args.precision
     );
     let started = Instant::now();
-    let options = LoadOptions { precision, ..LoadOptions::default() };
+    let options = LoadOptions {
+        precision,
+        ..LoadOptions::default()
+    };
     let loaded = DecoderLetterModel::load(&source, &options, args.max_tokens)
         .with_context(|| format!("loading the decision model {}", source.gguf.display()))?;
     let mut model = loaded.model;
     let config = loaded.config;
     let name = model.model_name().to_string();
     let layers = model.decoder().config().n_layers;
-    say!("      done in {:.2} s: {name}, {layers} layers", started.elapsed().as_secs_f64());
+    say!(
+        "      done in {:.2} s: {name}, {layers} layers",
+        started.elapsed().as_secs_f64()
+    );
 
     say!("[2/3] Warm-up: one question through the whole path ...");
     let started = Instant::now();
@@ -161,8 +197,9 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     );
 
     let stats = Arc::new(Stats::default());
-    let (scheduler, worker) = Scheduler::start(Box::new(model), config, args.queue_size, stats.clone())
-        .context("cannot start the model worker thread")?;
+    let (scheduler, worker) =
+        Scheduler::start(Box::new(model), config, args.queue_size, stats.clone())
+            .context("cannot start the model worker thread")?;
     let timeout = Duration::from_secs_f64(args.timeout);
     let server_config = ServerConfig {
         api_key: api_key.clone(),
@@ -198,9 +235,14 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         .context("cannot start the async runtime")?;
     say!("[3/3] Binding {}:{} ...", args.host, args.port);
     let listener = runtime
-        .block_on(tokio::net::TcpListener::bind((args.host.as_str(), args.port)))
+        .block_on(tokio::net::TcpListener::bind((
+            args.host.as_str(),
+            args.port,
+        )))
         .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
-    let address = listener.local_addr().context("the listening socket has no address")?;
+    let address = listener
+        .local_addr()
+        .context("the listening socket has no address")?;
     let base = format!("http://{address}");
     if !address.ip().is_loopback() && api_key.is_none() {
         say!("  WARNING: listening on {address}, reachable from other machines, without an API key (--api-key).");
@@ -217,7 +259,11 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     say!("  GET  {base}/health");
     say!("  GET  {base}/stats");
     say!("Try:");
-    let auth = if api_key.is_some() { " -H \"Authorization: Bearer $PRISM_API_KEY\"" } else { "" };
+    let auth = if api_key.is_some() {
+        " -H \"Authorization: Bearer $PRISM_API_KEY\""
+    } else {
+        ""
+    };
     say!(
         "  curl -s {base}/v1/systemone -H 'Content-Type: application/json'{auth} -d '{{\"state\": \"The parcel \
          arrived two days late and the box was crushed.\", \"questions\": {{\"late\": {{\"type\": \"noul\", \

@@ -7,11 +7,11 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 
+mod cmd_bench;
 #[cfg(feature = "cuda")]
 mod cmd_cuda_check;
 #[cfg(feature = "cuda")]
 mod cmd_cuda_check_quant;
-mod cmd_bench;
 mod cmd_decide;
 mod cmd_gguf;
 mod cmd_logits;
@@ -20,7 +20,11 @@ mod cmd_serve;
 mod cmd_synth;
 
 #[derive(Parser)]
-#[command(name = "prism", version, about = "Prism: an exact, fast inference engine for StartLux-Decision models")]
+#[command(
+    name = "prism",
+    version,
+    about = "Prism: an exact, fast inference engine for StartLux-Decision models"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -234,9 +238,9 @@ fn main() -> Result<()> {
         .init();
     let cli = Cli::parse();
     match cli.command {
-        Command::Gguf { command: GgufCommand::Info { file } } => {
-            cmd_gguf::info(&file, &mut std::io::stdout().lock())
-        }
+        Command::Gguf {
+            command: GgufCommand::Info { file },
+        } => cmd_gguf::info(&file, &mut std::io::stdout().lock()),
         Command::Render(args) => cmd_render::run(&args),
         Command::Logits(args) => cmd_logits::run(&args),
         Command::Decide(args) => cmd_decide::run(&args),

@@ -6,7 +6,9 @@ use std::process::Command;
 use serde_json::Value;
 
 fn example(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../examples")
+        .join(name)
 }
 
 fn prism(args: &[&str]) -> std::process::Output {
@@ -21,21 +23,35 @@ fn prism(args: &[&str]) -> std::process::Output {
 #[test]
 fn answers_the_example_request_with_the_bundled_model() {
     let output = prism(&["decide", example("request.json").to_str().unwrap()]);
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-    let response: Value = serde_json::from_slice(&output.stdout).expect("stdout is the response JSON");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let response: Value =
+        serde_json::from_slice(&output.stdout).expect("stdout is the response JSON");
     let answers = response["answers"].as_object().expect("answers");
-    assert_eq!(answers.keys().collect::<Vec<_>>(), ["team", "urgent", "mood"]);
+    assert_eq!(
+        answers.keys().collect::<Vec<_>>(),
+        ["team", "urgent", "mood"]
+    );
 
     let team = &answers["team"];
     assert_eq!(team["type"], "choice");
     let probabilities = team["probabilities"].as_object().unwrap();
-    assert_eq!(probabilities.keys().collect::<Vec<_>>(), ["billing", "technical", "sales"]);
+    assert_eq!(
+        probabilities.keys().collect::<Vec<_>>(),
+        ["billing", "technical", "sales"]
+    );
     let sum: f64 = probabilities.values().map(|p| p.as_f64().unwrap()).sum();
     assert!((sum - 1.0).abs() < 1e-12, "{sum}");
     let (best, p_best) = probabilities
         .iter()
         .map(|(k, p)| (k, p.as_f64().unwrap()))
-        .fold(("", -1.0), |acc, (k, p)| if p > acc.1 { (k.as_str(), p) } else { acc });
+        .fold(
+            ("", -1.0),
+            |acc, (k, p)| if p > acc.1 { (k.as_str(), p) } else { acc },
+        );
     assert_eq!(team["choice"], best);
     let confidence = team["confidence"].as_f64().unwrap();
     assert!((confidence - (p_best - 1.0 / 3.0) / (1.0 - 1.0 / 3.0)).abs() < 1e-12);
@@ -44,7 +60,12 @@ fn answers_the_example_request_with_the_bundled_model() {
     assert!(p_yes > 0.0 && p_yes < 1.0);
 
     let mood = &answers["mood"];
-    let p: Vec<f64> = mood["probabilities"].as_object().unwrap().values().map(|v| v.as_f64().unwrap()).collect();
+    let p: Vec<f64> = mood["probabilities"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
     let score: f64 = p.iter().enumerate().map(|(i, p)| i as f64 * p).sum();
     assert!((mood["score"].as_f64().unwrap() - score).abs() < 1e-12);
     assert_eq!(mood["legend"]["2"], "angry");
@@ -59,13 +80,21 @@ fn a_refused_request_prints_the_api_error() {
     let output = prism(&["decide", example("refused-request.json").to_str().unwrap()]);
     assert_eq!(output.status.code(), Some(1));
     let body: Value = serde_json::from_slice(&output.stdout).expect("stdout is the error JSON");
-    assert!(body["error"].as_str().unwrap().contains("criteria"), "{body}");
+    assert!(
+        body["error"].as_str().unwrap().contains("criteria"),
+        "{body}"
+    );
     assert!(String::from_utf8_lossy(&output.stderr).contains("HTTP 422"));
 }
 
 #[test]
 fn model_dir_without_gguf_is_refused() {
-    let output = prism(&["decide", example("request.json").to_str().unwrap(), "--model-dir", "/tmp"]);
+    let output = prism(&[
+        "decide",
+        example("request.json").to_str().unwrap(),
+        "--model-dir",
+        "/tmp",
+    ]);
     assert_eq!(output.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&output.stderr).contains("--model-dir needs --gguf"));
 }

@@ -129,7 +129,8 @@ fn info_lists_every_tensor_and_key_of_the_fixtures() {
 
 #[test]
 fn info_on_a_corrupt_file_fails_and_names_the_problem() {
-    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("prism-cli-gguf-info-{}", std::process::id()));
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("prism-cli-gguf-info-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let original = std::fs::read(fixture_dir().join("tiny-Q8_0.gguf")).unwrap();
 

@@ -4,11 +4,16 @@ use std::path::PathBuf;
 use std::process::Command;
 
 fn example(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../examples")
+        .join(name)
 }
 
 fn prism(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_prism")).args(args).output().expect("run prism")
+    Command::new(env!("CARGO_BIN_EXE_prism"))
+        .args(args)
+        .output()
+        .expect("run prism")
 }
 
 const EVIDENCE: &str = "Evidence:\n{\"ticket\": \"I was charged twice for my March invoice and now the app says my card is \
@@ -21,7 +26,11 @@ declined. Please fix this today!\", \"customer\": {\"plan\": \"pro\", \"since\":
 fn renders_a_three_question_request_as_json() {
     let request = example("request.json");
     let output = prism(&["render", request.to_str().unwrap(), "--json"]);
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("stdout is JSON");
     let keys: Vec<&String> = json.as_object().unwrap().keys().collect();
     assert_eq!(keys, ["team", "urgent", "mood"]);
@@ -63,10 +72,20 @@ fn renders_a_three_question_request_as_json() {
 fn renders_text() {
     let request = example("request.json");
     let output = prism(&["render", request.to_str().unwrap()]);
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let text = String::from_utf8(output.stdout).unwrap();
-    assert!(text.starts_with("=== team (choice)\n--- system\nApply the criterion"), "{text}");
-    assert!(text.contains("\nA) yes\nB) no\n--- options in letter order: true, false\n"), "{text}");
+    assert!(
+        text.starts_with("=== team (choice)\n--- system\nApply the criterion"),
+        "{text}"
+    );
+    assert!(
+        text.contains("\nA) yes\nB) no\n--- options in letter order: true, false\n"),
+        "{text}"
+    );
     assert!(text.contains("=== mood (score)"), "{text}");
 }
 
@@ -75,19 +94,37 @@ fn a_refused_request_prints_the_api_error_and_fails() {
     let request = example("refused-request.json");
     let output = prism(&["render", request.to_str().unwrap(), "--json"]);
     assert_eq!(output.status.code(), Some(1));
-    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("stdout is the error JSON");
-    assert_eq!(json["detail"][0]["loc"], serde_json::json!(["body", "questions", "rating", "criteria"]));
+    let json: serde_json::Value =
+        serde_json::from_slice(&output.stdout).expect("stdout is the error JSON");
+    assert_eq!(
+        json["detail"][0]["loc"],
+        serde_json::json!(["body", "questions", "rating", "criteria"])
+    );
     assert_eq!(json["detail"][0]["type"], "too_many_levels");
-    assert!(json["error"].as_str().unwrap().starts_with("questions.rating.criteria: "));
+    assert!(json["error"]
+        .as_str()
+        .unwrap()
+        .starts_with("questions.rating.criteria: "));
     assert!(String::from_utf8_lossy(&output.stderr).contains("HTTP 422"));
 }
 
 #[test]
 fn with_a_model_dir_shows_the_chat_templated_text_and_its_tokens() {
     let request = example("request.json");
-    let model_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
-    let output = prism(&["render", request.to_str().unwrap(), "--json", "--model-dir", model_dir.to_str().unwrap()]);
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let model_dir =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
+    let output = prism(&[
+        "render",
+        request.to_str().unwrap(),
+        "--json",
+        "--model-dir",
+        model_dir.to_str().unwrap(),
+    ]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("stdout is JSON");
     for (name, question) in json.as_object().unwrap() {
         let prompt = &question["prompts"][0];
@@ -103,25 +140,47 @@ fn with_a_model_dir_shows_the_chat_templated_text_and_its_tokens() {
             ),
             "{name}"
         );
-        let ids: Vec<u64> = prompt["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+        let ids: Vec<u64> = prompt["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect();
         assert_eq!(prompt["n_tokens"].as_u64(), Some(ids.len() as u64));
         // <|im_start|> is id 4097 in the tiny vocabulary; the prompt ends in "\n\n" after </think> (4121).
         assert_eq!(ids[0], 4097, "{name}");
-        assert!(ids[ids.len() - 2..].contains(&4121), "{name}: {:?}", &ids[ids.len() - 3..]);
+        assert!(
+            ids[ids.len() - 2..].contains(&4121),
+            "{name}: {:?}",
+            &ids[ids.len() - 3..]
+        );
     }
 
     // Text mode prints the same ids.
-    let text = prism(&["render", request.to_str().unwrap(), "--model-dir", model_dir.to_str().unwrap()]);
+    let text = prism(&[
+        "render",
+        request.to_str().unwrap(),
+        "--model-dir",
+        model_dir.to_str().unwrap(),
+    ]);
     assert!(text.status.success());
     let stdout = String::from_utf8_lossy(&text.stdout);
-    assert!(stdout.contains("--- chat template (thinking off)\n<|im_start|>system\n"), "{stdout}");
+    assert!(
+        stdout.contains("--- chat template (thinking off)\n<|im_start|>system\n"),
+        "{stdout}"
+    );
     assert_eq!(stdout.matches(" token ids\n[4097, ").count(), 3, "{stdout}");
 }
 
 #[test]
 fn a_model_dir_without_a_tokenizer_is_an_error() {
     let request = example("request.json");
-    let output = prism(&["render", request.to_str().unwrap(), "--model-dir", "/nonexistent"]);
+    let output = prism(&[
+        "render",
+        request.to_str().unwrap(),
+        "--model-dir",
+        "/nonexistent",
+    ]);
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("/nonexistent"), "{stderr}");

@@ -15,11 +15,23 @@ use serve_common::{repo_path, send, Reply, Server};
 fn decide_cli(body: &Value) -> Value {
     let dir = repo_path("target/tmp");
     std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!("serve_http_{}_{:?}.json", std::process::id(), std::thread::current().id()));
+    let path = dir.join(format!(
+        "serve_http_{}_{:?}.json",
+        std::process::id(),
+        std::thread::current().id()
+    ));
     std::fs::write(&path, serde_json::to_vec(body).unwrap()).unwrap();
-    let output = Command::new(env!("CARGO_BIN_EXE_prism")).arg("decide").arg(&path).output().expect("run prism decide");
+    let output = Command::new(env!("CARGO_BIN_EXE_prism"))
+        .arg("decide")
+        .arg(&path)
+        .output()
+        .expect("run prism decide");
     let _ = std::fs::remove_file(&path);
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     serde_json::from_slice(&output.stdout).unwrap()
 }
 
@@ -28,9 +40,16 @@ fn post(server: &Server, body: &Value) -> Reply {
 }
 
 fn probabilities(answer: &Value) -> Vec<f64> {
-    let map =
-        if answer["type"] == "noul" { return vec![answer["noul"].as_f64().unwrap()] } else { &answer["probabilities"] };
-    map.as_object().unwrap().values().map(|p| p.as_f64().unwrap()).collect()
+    let map = if answer["type"] == "noul" {
+        return vec![answer["noul"].as_f64().unwrap()];
+    } else {
+        &answer["probabilities"]
+    };
+    map.as_object()
+        .unwrap()
+        .values()
+        .map(|p| p.as_f64().unwrap())
+        .collect()
 }
 
 /// TypeSafe's confidences, recomputed from the probabilities.
@@ -41,17 +60,23 @@ fn check_answer_arithmetic(name: &str, answer: &Value) {
             let n = p.len() as f64;
             let sum: f64 = p.iter().sum();
             assert!((sum - 1.0).abs() < 1e-9, "{name}: sum {sum}");
-            let (best, p_max) = answer["probabilities"].as_object().unwrap().iter().fold(("", -1.0), |acc, (k, v)| {
-                if v.as_f64().unwrap() > acc.1 {
-                    (k.as_str(), v.as_f64().unwrap())
-                } else {
-                    acc
-                }
-            });
+            let (best, p_max) = answer["probabilities"].as_object().unwrap().iter().fold(
+                ("", -1.0),
+                |acc, (k, v)| {
+                    if v.as_f64().unwrap() > acc.1 {
+                        (k.as_str(), v.as_f64().unwrap())
+                    } else {
+                        acc
+                    }
+                },
+            );
             assert_eq!(answer["choice"], best, "{name}");
             if p.len() > 1 {
                 let expected = (p_max - 1.0 / n) / (1.0 - 1.0 / n);
-                assert!((answer["confidence"].as_f64().unwrap() - expected).abs() < 1e-12, "{name}");
+                assert!(
+                    (answer["confidence"].as_f64().unwrap() - expected).abs() < 1e-12,
+                    "{name}"
+                );
             }
         }
         "noul" => {
@@ -62,9 +87,21 @@ fn check_answer_arithmetic(name: &str, answer: &Value) {
             let p = probabilities(answer);
             assert!((p.iter().sum::<f64>() - 1.0).abs() < 1e-9, "{name}");
             let score: f64 = p.iter().enumerate().map(|(i, p)| i as f64 * p).sum();
-            assert!((answer["score"].as_f64().unwrap() - score).abs() < 1e-12, "{name}");
-            let keys: Vec<String> = answer["legend"].as_object().unwrap().keys().cloned().collect();
-            assert_eq!(keys, (0..p.len()).map(|i| i.to_string()).collect::<Vec<_>>(), "{name}");
+            assert!(
+                (answer["score"].as_f64().unwrap() - score).abs() < 1e-12,
+                "{name}"
+            );
+            let keys: Vec<String> = answer["legend"]
+                .as_object()
+                .unwrap()
+                .keys()
+                .cloned()
+                .collect();
+            assert_eq!(
+                keys,
+                (0..p.len()).map(|i| i.to_string()).collect::<Vec<_>>(),
+                "{name}"
+            );
         }
         other => panic!("{name}: unexpected type {other}"),
     }
@@ -86,13 +123,23 @@ fn readme_examples_endpoints_and_banner() {
         "/v1/models",
         "curl -s",
     ] {
-        assert!(banner.contains(expected), "banner lacks {expected:?}:\n{banner}");
+        assert!(
+            banner.contains(expected),
+            "banner lacks {expected:?}:\n{banner}"
+        );
     }
 
     // The example request answers exactly what `prism decide` answers for it.
-    let example: Value = serde_json::from_slice(&std::fs::read(repo_path("examples/request.json")).unwrap()).unwrap();
+    let example: Value =
+        serde_json::from_slice(&std::fs::read(repo_path("examples/request.json")).unwrap())
+            .unwrap();
     let reply = post(&server, &example);
-    assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
     assert_eq!(reply.header("content-type"), Some("application/json"));
     let body = reply.json();
     let cli = decide_cli(&example);
@@ -100,8 +147,14 @@ fn readme_examples_endpoints_and_banner() {
     assert_eq!(body["usage"], cli["usage"]);
     assert_eq!(body["model"], "Qwen35 Tiny");
     assert!(body["latency_ms"].as_f64().unwrap() > 0.0);
-    assert!(body.get("notes").is_none(), "no notes for a plain request: {body}");
-    let id = reply.header("x-typesafe-request-id").expect("request id").to_string();
+    assert!(
+        body.get("notes").is_none(),
+        "no notes for a plain request: {body}"
+    );
+    let id = reply
+        .header("x-typesafe-request-id")
+        .expect("request id")
+        .to_string();
     assert!(id.starts_with("req_") && id.len() == 36, "{id}");
     // The alias answers the same bytes, under another request id.
     let alias = server.post_json("/v1/decisions", &serde_json::to_vec(&example).unwrap());
@@ -119,29 +172,54 @@ fn readme_examples_endpoints_and_banner() {
                 let file = file.split_whitespace().next()?;
                 return Some(std::fs::read_to_string(repo_path(file)).unwrap());
             }
-            line.split("-d '").nth(1).and_then(|rest| rest.rsplit_once('\'')).map(|(json, _)| json.to_string())
+            line.split("-d '")
+                .nth(1)
+                .and_then(|rest| rest.rsplit_once('\''))
+                .map(|(json, _)| json.to_string())
         })
         .collect();
-    assert!(curl_bodies.len() >= 3, "README and banner curl examples found: {curl_bodies:?}");
+    assert!(
+        curl_bodies.len() >= 3,
+        "README and banner curl examples found: {curl_bodies:?}"
+    );
     for body in &curl_bodies {
         let reply = server.post_json("/v1/systemone", body.as_bytes());
-        assert_eq!(reply.status, 200, "{body}: {}", String::from_utf8_lossy(&reply.body));
+        assert_eq!(
+            reply.status,
+            200,
+            "{body}: {}",
+            String::from_utf8_lossy(&reply.body)
+        );
     }
     // The README's refused example.
-    let refused =
-        server.post_json("/v1/systemone", &std::fs::read(repo_path("examples/refused-request.json")).unwrap());
+    let refused = server.post_json(
+        "/v1/systemone",
+        &std::fs::read(repo_path("examples/refused-request.json")).unwrap(),
+    );
     assert_eq!(refused.status, 422);
-    assert_eq!(refused.locs()[0], ["body", "questions", "rating", "criteria"]);
+    assert_eq!(
+        refused.locs()[0],
+        ["body", "questions", "rating", "criteria"]
+    );
 
     let models = server.get("/v1/models").json();
     let model = &models["models"][0];
     assert_eq!(model["name"], "Qwen35 Tiny");
     assert_eq!(model["precision"], "f32");
     assert_eq!(model["demo"], true);
-    assert!(model["description"].as_str().unwrap().contains("random weights"));
+    assert!(model["description"]
+        .as_str()
+        .unwrap()
+        .contains("random weights"));
     assert!(model["release_date"].is_string());
-    assert!(model["supports"]["think_mode"]["always"].as_str().unwrap().starts_with("no"));
-    assert!(model["supports"]["images"].as_str().unwrap().starts_with("no"));
+    assert!(model["supports"]["think_mode"]["always"]
+        .as_str()
+        .unwrap()
+        .starts_with("no"));
+    assert!(model["supports"]["images"]
+        .as_str()
+        .unwrap()
+        .starts_with("no"));
 
     let health = server.get("/health");
     assert_eq!(health.status, 200);
@@ -152,8 +230,14 @@ fn readme_examples_endpoints_and_banner() {
     assert_eq!(stats["requests"]["decisions"], answered);
     assert_eq!(stats["requests"]["by_status"]["422"], 1);
     assert_eq!(stats["latency_ms"]["count"], answered);
-    assert!(stats["latency_ms"]["p50"].as_f64().unwrap() <= stats["latency_ms"]["p99"].as_f64().unwrap());
-    assert!(stats["tokens"]["input"].as_u64().unwrap() >= 2 * cli["usage"]["input_tokens"].as_u64().unwrap());
+    assert!(
+        stats["latency_ms"]["p50"].as_f64().unwrap()
+            <= stats["latency_ms"]["p99"].as_f64().unwrap()
+    );
+    assert!(
+        stats["tokens"]["input"].as_u64().unwrap()
+            >= 2 * cli["usage"]["input_tokens"].as_u64().unwrap()
+    );
     // The three questions of the example went to the model in one call.
     assert!(stats["batches"]["prompts_per_call"]["3"].as_u64().unwrap() >= 2);
     assert_eq!(stats["queue"]["depth"], 0);
@@ -191,7 +275,12 @@ fn decision_rules_through_http() {
     for state in states {
         let request = json!({"state": state, "questions": questions, "model": "jev-latest", "think_mode": "never"});
         let reply = post(&server, &request);
-        assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+        assert_eq!(
+            reply.status,
+            200,
+            "{}",
+            String::from_utf8_lossy(&reply.body)
+        );
         let body = reply.json();
         let cli = decide_cli(&request);
         assert_eq!(body["answers"], cli["answers"], "state {state}");
@@ -201,7 +290,13 @@ fn decision_rules_through_http() {
         }
         let answers = &body["answers"];
         assert_eq!(answers["choice_single"]["probabilities"]["only"], 1.0);
-        assert_eq!(answers["choice_wide"]["probabilities"].as_object().unwrap().len(), 30);
+        assert_eq!(
+            answers["choice_wide"]["probabilities"]
+                .as_object()
+                .unwrap()
+                .len(),
+            30
+        );
         assert_eq!(
             answers["score_dict"]["legend"],
             json!({"0": "low", "1": "mid", "2": "top"}),
@@ -215,7 +310,10 @@ fn decision_rules_through_http() {
 
         // Alone, each question answers with exactly the bytes it had in the combined request.
         for (name, question) in questions.as_object().unwrap() {
-            let alone = post(&server, &json!({"state": state, "questions": {name.clone(): question}}));
+            let alone = post(
+                &server,
+                &json!({"state": state, "questions": {name.clone(): question}}),
+            );
             assert_eq!(alone.status, 200);
             let alone = alone.json();
             assert_eq!(
@@ -227,7 +325,11 @@ fn decision_rules_through_http() {
     }
 
     // A single-option choice needs no model: no tokens.
-    let single = post(&server, &json!({"state": "s", "questions": {"q": questions["choice_single"]}})).json();
+    let single = post(
+        &server,
+        &json!({"state": "s", "questions": {"q": questions["choice_single"]}}),
+    )
+    .json();
     assert_eq!(single["usage"]["input_tokens"], 0);
 
     // return_details: the read-out per answer; settings without effect are named in `notes`.
@@ -237,15 +339,33 @@ fn decision_rules_through_http() {
     );
     assert_eq!(detailed.status, 200);
     let detailed = detailed.json();
-    assert_eq!(detailed["answers"]["q"]["details"]["first"], detailed["answers"]["q"]["probabilities"]);
-    assert_eq!(detailed["answers"]["q"]["details"]["prompts"], 3, "two group prompts and a final round");
+    assert_eq!(
+        detailed["answers"]["q"]["details"]["first"],
+        detailed["answers"]["q"]["probabilities"]
+    );
+    assert_eq!(
+        detailed["answers"]["q"]["details"]["prompts"], 3,
+        "two group prompts and a final round"
+    );
     let notes = detailed["notes"].as_array().unwrap();
-    assert!(notes.iter().any(|n| n.as_str().unwrap().contains("`gate`, `mix`")), "{notes:?}");
-    assert!(notes.iter().any(|n| n.as_str().unwrap().contains("none option")), "{notes:?}");
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.as_str().unwrap().contains("`gate`, `mix`")),
+        "{notes:?}"
+    );
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.as_str().unwrap().contains("none option")),
+        "{notes:?}"
+    );
 
     // think_mode "always" needs AutoThink: refused, naming the field.
-    let always =
-        post(&server, &json!({"state": "s", "questions": {"q": questions["noul_default"]}, "think_mode": "always"}));
+    let always = post(
+        &server,
+        &json!({"state": "s", "questions": {"q": questions["noul_default"]}, "think_mode": "always"}),
+    );
     assert_eq!(always.status, 422);
     assert_eq!(always.locs()[0], ["body", "think_mode"]);
 }
@@ -281,36 +401,104 @@ struct Case {
 
 fn case(name: &'static str, body: impl Into<Vec<u8>>, status: u16, loc: &[&str]) -> Case {
     let loc = loc.iter().map(|s| s.to_string()).collect();
-    Case { name, content_type: "application/json", encoding: None, body: body.into(), status, loc }
+    Case {
+        name,
+        content_type: "application/json",
+        encoding: None,
+        body: body.into(),
+        status,
+        loc,
+    }
 }
 
 fn hostile_cases() -> Vec<Case> {
     let q = r#""questions": {"q": {"type": "noul", "instructions": "Is it?"}}"#;
     let with = |extra: &str| format!(r#"{{"state": "s", {q}, {extra}}}"#);
     let question = |spec: &str| format!(r#"{{"state": "s", "questions": {{"q": {spec}}}}}"#);
-    let options = |n: usize| (0..n).map(|i| format!("\"o{i}\"")).collect::<Vec<_>>().join(", ");
-    let levels = |n: usize| (0..n).map(|i| format!("\"level {i}\"")).collect::<Vec<_>>().join(", ");
+    let options = |n: usize| {
+        (0..n)
+            .map(|i| format!("\"o{i}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let levels = |n: usize| {
+        (0..n)
+            .map(|i| format!("\"level {i}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     let valid = format!(r#"{{"state": "s", {q}}}"#);
     let image = r#""iVBORw0KGgo=""#;
-    let asset_json =
-        format!(r#"{{"state": "<image:1>", {q}, "assets": {{"<image:1>": {{"type": "image", "part": "asset-0"}}}}}}"#);
+    let asset_json = format!(
+        r#"{{"state": "<image:1>", {q}, "assets": {{"<image:1>": {{"type": "image", "part": "asset-0"}}}}}}"#
+    );
     let mut cases = vec![
-        case("truncated JSON", r#"{"state": "s", "questions": {"#, 400, &["body", "29"]),
+        case(
+            "truncated JSON",
+            r#"{"state": "s", "questions": {"#,
+            400,
+            &["body", "29"],
+        ),
         case("empty body", "", 400, &["body", "0"]),
         case("not an object", "[1, 2]", 400, &["body"]),
         case("a bare string", r#""hello""#, 400, &["body"]),
         case("null", "null", 400, &["body"]),
-        case("trailing garbage", format!("{valid} x"), 400, &["body", &(valid.len() + 1).to_string()]),
-        case("invalid UTF-8", b"{\"state\": \"\xff\xfe\", \"questions\": {}}".to_vec(), 400, &["body", "11"]),
+        case(
+            "trailing garbage",
+            format!("{valid} x"),
+            400,
+            &["body", &(valid.len() + 1).to_string()],
+        ),
+        case(
+            "invalid UTF-8",
+            b"{\"state\": \"\xff\xfe\", \"questions\": {}}".to_vec(),
+            400,
+            &["body", "11"],
+        ),
         // `{"state": ` is 10 characters; the 512th `[` (index 521) opens level 513, one past the limit.
-        case("deep nesting", format!(r#"{{"state": {}, {q}}}"#, "[".repeat(100_000)), 400, &["body", "521"]),
+        case(
+            "deep nesting",
+            format!(r#"{{"state": {}, {q}}}"#, "[".repeat(100_000)),
+            400,
+            &["body", "521"],
+        ),
         case("missing state", format!("{{{q}}}"), 400, &["body", "state"]),
-        case("missing questions", r#"{"state": "s"}"#, 400, &["body", "questions"]),
-        case("questions a list", r#"{"state": "s", "questions": ["a"]}"#, 400, &["body", "questions"]),
-        case("no questions", r#"{"state": "s", "questions": {}}"#, 400, &["body", "questions"]),
-        case("question a string", question(r#""why?""#), 400, &["body", "questions", "q"]),
-        case("question without type", question(r#"{"instructions": "x"}"#), 400, &["body", "questions", "q", "type"]),
-        case("type a number", question(r#"{"type": 3}"#), 400, &["body", "questions", "q", "type"]),
+        case(
+            "missing questions",
+            r#"{"state": "s"}"#,
+            400,
+            &["body", "questions"],
+        ),
+        case(
+            "questions a list",
+            r#"{"state": "s", "questions": ["a"]}"#,
+            400,
+            &["body", "questions"],
+        ),
+        case(
+            "no questions",
+            r#"{"state": "s", "questions": {}}"#,
+            400,
+            &["body", "questions"],
+        ),
+        case(
+            "question a string",
+            question(r#""why?""#),
+            400,
+            &["body", "questions", "q"],
+        ),
+        case(
+            "question without type",
+            question(r#"{"instructions": "x"}"#),
+            400,
+            &["body", "questions", "q", "type"],
+        ),
+        case(
+            "type a number",
+            question(r#"{"type": 3}"#),
+            400,
+            &["body", "questions", "q", "type"],
+        ),
         case(
             "unknown type",
             question(r#"{"type": "essay", "instructions": "x"}"#),
@@ -373,7 +561,9 @@ fn hostile_cases() -> Vec<Case> {
         ),
         case(
             "empty id",
-            question(r#"{"type": "choice", "instructions": "x", "criteria": {"": "nothing", "b": "b"}}"#),
+            question(
+                r#"{"type": "choice", "instructions": "x", "criteria": {"": "nothing", "b": "b"}}"#,
+            ),
             400,
             &["body", "questions", "q", "criteria", ""],
         ),
@@ -400,7 +590,10 @@ fn hostile_cases() -> Vec<Case> {
         ),
         case(
             "2001 options",
-            question(&format!(r#"{{"type": "choice", "instructions": "x", "criteria": [{}]}}"#, options(2001))),
+            question(&format!(
+                r#"{{"type": "choice", "instructions": "x", "criteria": [{}]}}"#,
+                options(2001)
+            )),
             422,
             &["body", "questions", "q", "criteria"],
         ),
@@ -424,13 +617,19 @@ fn hostile_cases() -> Vec<Case> {
         ),
         case(
             "score of 11 levels",
-            question(&format!(r#"{{"type": "score", "instructions": "x", "criteria": [{}]}}"#, levels(11))),
+            question(&format!(
+                r#"{{"type": "score", "instructions": "x", "criteria": [{}]}}"#,
+                levels(11)
+            )),
             422,
             &["body", "questions", "q", "criteria"],
         ),
         case(
             "score of 27 levels",
-            question(&format!(r#"{{"type": "score", "instructions": "x", "criteria": [{}]}}"#, levels(27))),
+            question(&format!(
+                r#"{{"type": "score", "instructions": "x", "criteria": [{}]}}"#,
+                levels(27)
+            )),
             422,
             &["body", "questions", "q", "criteria"],
         ),
@@ -446,23 +645,78 @@ fn hostile_cases() -> Vec<Case> {
             400,
             &["body", "questions", "q", "criteria"],
         ),
-        case("unknown field", with(r#""temperature": 0.5"#), 400, &["body", "temperature"]),
+        case(
+            "unknown field",
+            with(r#""temperature": 0.5"#),
+            400,
+            &["body", "temperature"],
+        ),
         case(
             "unknown question field",
             question(r#"{"type": "noul", "instructions": "x", "weight": 2}"#),
             400,
             &["body", "questions", "q", "weight"],
         ),
-        case("think_mode unknown", with(r#""think_mode": "sometimes""#), 400, &["body", "think_mode"]),
-        case("gate above 1", with(r#""gate": 1.5"#), 400, &["body", "gate"]),
-        case("mix a string", with(r#""mix": "half""#), 400, &["body", "mix"]),
-        case("think_budget negative", with(r#""think_budget": -1"#), 400, &["body", "think_budget"]),
-        case("think_budget huge", with(r#""think_budget": 1e400"#), 400, &["body", "think_budget"]),
-        case("none_check a string", with(r#""none_check": "yes""#), 400, &["body", "none_check"]),
-        case("model a number", with(r#""model": 5"#), 400, &["body", "model"]),
-        case("images not a list", with(&format!(r#""images": {image}"#)), 400, &["body", "images"]),
-        case("an image", with(&format!(r#""images": [{image}]"#)), 422, &["body", "images"]),
-        case("nine images", with(&format!(r#""images": [{}]"#, [image; 9].join(", "))), 422, &["body", "images"]),
+        case(
+            "think_mode unknown",
+            with(r#""think_mode": "sometimes""#),
+            400,
+            &["body", "think_mode"],
+        ),
+        case(
+            "gate above 1",
+            with(r#""gate": 1.5"#),
+            400,
+            &["body", "gate"],
+        ),
+        case(
+            "mix a string",
+            with(r#""mix": "half""#),
+            400,
+            &["body", "mix"],
+        ),
+        case(
+            "think_budget negative",
+            with(r#""think_budget": -1"#),
+            400,
+            &["body", "think_budget"],
+        ),
+        case(
+            "think_budget huge",
+            with(r#""think_budget": 1e400"#),
+            400,
+            &["body", "think_budget"],
+        ),
+        case(
+            "none_check a string",
+            with(r#""none_check": "yes""#),
+            400,
+            &["body", "none_check"],
+        ),
+        case(
+            "model a number",
+            with(r#""model": 5"#),
+            400,
+            &["body", "model"],
+        ),
+        case(
+            "images not a list",
+            with(&format!(r#""images": {image}"#)),
+            400,
+            &["body", "images"],
+        ),
+        case(
+            "an image",
+            with(&format!(r#""images": [{image}]"#)),
+            422,
+            &["body", "images"],
+        ),
+        case(
+            "nine images",
+            with(&format!(r#""images": [{}]"#, [image; 9].join(", "))),
+            422,
+            &["body", "images"],
+        ),
         case(
             "assets inline",
             with(r#""assets": {"a": {"type": "image", "format": "png", "data_base64": "iVBO"}}"#),
@@ -486,7 +740,14 @@ fn hostile_cases() -> Vec<Case> {
             loc: loc.iter().map(|s| s.to_string()).collect(),
         })
     };
-    odd("text/plain", "text/plain", None, valid.clone().into_bytes(), 415, &["header", "content-type"]);
+    odd(
+        "text/plain",
+        "text/plain",
+        None,
+        valid.clone().into_bytes(),
+        415,
+        &["header", "content-type"],
+    );
     odd(
         "form encoded",
         "application/x-www-form-urlencoded",
@@ -503,8 +764,22 @@ fn hostile_cases() -> Vec<Case> {
         415,
         &["header", "content-type"],
     );
-    odd("gzip", "application/json", Some("gzip"), valid.clone().into_bytes(), 415, &["header", "content-encoding"]);
-    odd("bad zstd", "application/json", Some("zstd"), valid.clone().into_bytes(), 400, &["body"]);
+    odd(
+        "gzip",
+        "application/json",
+        Some("gzip"),
+        valid.clone().into_bytes(),
+        415,
+        &["header", "content-encoding"],
+    );
+    odd(
+        "bad zstd",
+        "application/json",
+        Some("zstd"),
+        valid.clone().into_bytes(),
+        400,
+        &["body"],
+    );
     let compressed = zstd(valid.as_bytes());
     odd(
         "truncated zstd",
@@ -517,10 +792,38 @@ fn hostile_cases() -> Vec<Case> {
     let mut flipped = zstd(valid.repeat(20).as_bytes());
     let last = flipped.len() - 1;
     flipped[last] ^= 0x55;
-    odd("zstd checksum", "application/json", Some("zstd"), flipped, 400, &["body"]);
-    odd("zstd of invalid JSON", "application/json", Some("zstd"), zstd(b"{nope"), 400, &["body", "1"]);
-    odd("multipart without boundary", "multipart/form-data", None, valid.clone().into_bytes(), 400, &["body"]);
-    odd("multipart garbage", "multipart/form-data; boundary=xyz", None, b"garbage".to_vec(), 400, &["body"]);
+    odd(
+        "zstd checksum",
+        "application/json",
+        Some("zstd"),
+        flipped,
+        400,
+        &["body"],
+    );
+    odd(
+        "zstd of invalid JSON",
+        "application/json",
+        Some("zstd"),
+        zstd(b"{nope"),
+        400,
+        &["body", "1"],
+    );
+    odd(
+        "multipart without boundary",
+        "multipart/form-data",
+        None,
+        valid.clone().into_bytes(),
+        400,
+        &["body"],
+    );
+    odd(
+        "multipart garbage",
+        "multipart/form-data; boundary=xyz",
+        None,
+        b"garbage".to_vec(),
+        400,
+        &["body"],
+    );
     let unclosed = multipart("xyz", &[("request", "application/json", valid.as_bytes())]);
     odd(
         "multipart unclosed",
@@ -550,7 +853,13 @@ fn hostile_cases() -> Vec<Case> {
         "multipart unclaimed part",
         "multipart/form-data; boundary=xyz",
         None,
-        multipart("xyz", &[("request", "application/json", valid.as_bytes()), ("extra", "image/png", b"\x89PNG")]),
+        multipart(
+            "xyz",
+            &[
+                ("request", "application/json", valid.as_bytes()),
+                ("extra", "image/png", b"\x89PNG"),
+            ],
+        ),
         400,
         &["body", "assets"],
     );
@@ -560,7 +869,10 @@ fn hostile_cases() -> Vec<Case> {
         None,
         multipart(
             "xyz",
-            &[("request", "application/json", asset_json.as_bytes()), ("asset-0", "image/png", b"\x89PNG\r\n")],
+            &[
+                ("request", "application/json", asset_json.as_bytes()),
+                ("asset-0", "image/png", b"\x89PNG\r\n"),
+            ],
         ),
         422,
         &["body", "assets"],
@@ -571,7 +883,10 @@ fn hostile_cases() -> Vec<Case> {
         Some("zstd"),
         zstd(&multipart(
             "xyz",
-            &[("request", "application/json", asset_json.as_bytes()), ("asset-0", "image/png", b"\x89PNG")],
+            &[
+                ("request", "application/json", asset_json.as_bytes()),
+                ("asset-0", "image/png", b"\x89PNG"),
+            ],
         )),
         422,
         &["body", "assets"],
@@ -582,7 +897,8 @@ fn hostile_cases() -> Vec<Case> {
 #[test]
 fn hostile_bodies_get_the_right_status_and_field_and_the_server_keeps_serving() {
     let server = Server::start(&[]);
-    let valid = br#"{"state": "s", "questions": {"q": {"type": "noul", "instructions": "Is it?"}}}"#;
+    let valid =
+        br#"{"state": "s", "questions": {"q": {"type": "noul", "instructions": "Is it?"}}}"#;
     let reference = server.post_json("/v1/systemone", valid);
     assert_eq!(reference.status, 200);
     let cases = hostile_cases();
@@ -596,32 +912,56 @@ fn hostile_bodies_get_the_right_status_and_field_and_the_server_keeps_serving() 
         let text = String::from_utf8_lossy(&reply.body).into_owned();
         assert_eq!(reply.status, case.status, "{}: {text}", case.name);
         let body = reply.json();
-        assert!(body["error"].as_str().is_some_and(|e| !e.is_empty()), "{}: {text}", case.name);
+        assert!(
+            body["error"].as_str().is_some_and(|e| !e.is_empty()),
+            "{}: {text}",
+            case.name
+        );
         assert_eq!(reply.locs()[0], case.loc, "{}: {text}", case.name);
         for detail in body["detail"].as_array().unwrap() {
-            assert!(detail["msg"].is_string() && detail["type"].is_string(), "{}: {text}", case.name);
+            assert!(
+                detail["msg"].is_string() && detail["type"].is_string(),
+                "{}: {text}",
+                case.name
+            );
         }
-        assert!(reply.header("x-typesafe-request-id").is_some(), "{}", case.name);
+        assert!(
+            reply.header("x-typesafe-request-id").is_some(),
+            "{}",
+            case.name
+        );
     }
     // Still serving, with the same answer as before.
     let after = server.post_json("/v1/systemone", valid);
     assert_eq!(after.answer_bytes(), reference.answer_bytes());
 
     // 27 options is a wide choice, not an error: every option gets a probability.
-    let wide = (0..27).map(|i| format!("\"o{i}\"")).collect::<Vec<_>>().join(", ");
+    let wide = (0..27)
+        .map(|i| format!("\"o{i}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
     let wide = format!(
         r#"{{"state": "s", "questions": {{"q": {{"type": "choice", "instructions": "x", "criteria": [{wide}]}}}}}}"#
     );
     let reply = server.post_json("/v1/systemone", wide.as_bytes());
     assert_eq!(reply.status, 200);
-    assert_eq!(reply.json()["answers"]["q"]["probabilities"].as_object().unwrap().len(), 27);
+    assert_eq!(
+        reply.json()["answers"]["q"]["probabilities"]
+            .as_object()
+            .unwrap()
+            .len(),
+        27
+    );
 
     // zstd and a multipart body holding only the request answer like plain JSON.
     let zstd_reply = send(
         server.addr,
         "POST",
         "/v1/systemone",
-        &[("Content-Type", "application/json"), ("Content-Encoding", "zstd")],
+        &[
+            ("Content-Type", "application/json"),
+            ("Content-Encoding", "zstd"),
+        ],
         &zstd(valid),
     );
     assert_eq!(zstd_reply.answer_bytes(), reference.answer_bytes());
@@ -643,15 +983,29 @@ fn body_size_limits() {
     let big = vec![b' '; 10 << 20];
     let started = Instant::now();
     // Declared too large: refused before the body is read.
-    let declared = send(server.addr, "POST", "/v1/systemone", &[("Content-Type", "application/json")], &big);
-    assert_eq!(declared.status, 413, "{}", String::from_utf8_lossy(&declared.body));
+    let declared = send(
+        server.addr,
+        "POST",
+        "/v1/systemone",
+        &[("Content-Type", "application/json")],
+        &big,
+    );
+    assert_eq!(
+        declared.status,
+        413,
+        "{}",
+        String::from_utf8_lossy(&declared.body)
+    );
     assert_eq!(declared.locs()[0], ["body"]);
     // No length given (chunked): refused once the limit is passed.
     let chunked = send(
         server.addr,
         "POST",
         "/v1/systemone",
-        &[("Content-Type", "application/json"), ("Transfer-Encoding", "chunked")],
+        &[
+            ("Content-Type", "application/json"),
+            ("Transfer-Encoding", "chunked"),
+        ],
         &big,
     );
     assert_eq!(chunked.status, 413);
@@ -662,12 +1016,22 @@ fn body_size_limits() {
         server.addr,
         "POST",
         "/v1/systemone",
-        &[("Content-Type", "application/json"), ("Content-Encoding", "zstd")],
+        &[
+            ("Content-Type", "application/json"),
+            ("Content-Encoding", "zstd"),
+        ],
         &bomb,
     );
     assert_eq!(inflated.status, 413);
-    assert!(started.elapsed() < Duration::from_secs(20), "{:?}", started.elapsed());
-    let ok = server.post_json("/v1/systemone", br#"{"state": "s", "questions": {"q": {"type": "noul"}}}"#);
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    let ok = server.post_json(
+        "/v1/systemone",
+        br#"{"state": "s", "questions": {"q": {"type": "noul"}}}"#,
+    );
     assert_eq!(ok.status, 200);
 }
 
@@ -687,9 +1051,14 @@ fn thirty_two_concurrent_clients_get_exactly_their_sequential_answers() {
             .unwrap()
         })
         .collect();
-    let sequential: Vec<Vec<u8>> =
-        bodies.iter().map(|b| server.post_json("/v1/systemone", b).answer_bytes().to_vec()).collect();
-    assert!(sequential.windows(2).all(|w| w[0] != w[1]), "the four requests differ");
+    let sequential: Vec<Vec<u8>> = bodies
+        .iter()
+        .map(|b| server.post_json("/v1/systemone", b).answer_bytes().to_vec())
+        .collect();
+    assert!(
+        sequential.windows(2).all(|w| w[0] != w[1]),
+        "the four requests differ"
+    );
     let addr = server.addr;
     let clients: Vec<_> = (0..32)
         .map(|client| {
@@ -719,7 +1088,10 @@ fn thirty_two_concurrent_clients_get_exactly_their_sequential_answers() {
     let mut ids = std::collections::HashSet::new();
     for client in clients {
         for (which, bytes, id) in client.join().expect("client thread") {
-            assert_eq!(bytes, sequential[which], "request {which} under concurrency");
+            assert_eq!(
+                bytes, sequential[which],
+                "request {which} under concurrency"
+            );
             assert!(ids.insert(id), "request ids are unique");
         }
     }
@@ -738,22 +1110,59 @@ fn api_key() {
     assert_eq!(missing.header("www-authenticate"), Some("Bearer"));
     assert_eq!(missing.locs()[0], ["header", "authorization"]);
     assert_eq!(
-        send(server.addr, "POST", "/v1/systemone", &[json, ("Authorization", "Bearer wrong")], body).status,
+        send(
+            server.addr,
+            "POST",
+            "/v1/systemone",
+            &[json, ("Authorization", "Bearer wrong")],
+            body
+        )
+        .status,
         401
     );
-    assert_eq!(send(server.addr, "POST", "/v1/systemone", &[json, ("Authorization", "s3cret")], body).status, 401);
+    assert_eq!(
+        send(
+            server.addr,
+            "POST",
+            "/v1/systemone",
+            &[json, ("Authorization", "s3cret")],
+            body
+        )
+        .status,
+        401
+    );
     assert_eq!(send(server.addr, "GET", "/v1/models", &[], b"").status, 401);
     assert_eq!(send(server.addr, "GET", "/stats", &[], b"").status, 401);
-    assert_eq!(server.get("/health").status, 200, "health checks need no key");
-    let ok = send(server.addr, "POST", "/v1/systemone", &[json, ("Authorization", "Bearer s3cret")], body);
+    assert_eq!(
+        server.get("/health").status,
+        200,
+        "health checks need no key"
+    );
+    let ok = send(
+        server.addr,
+        "POST",
+        "/v1/systemone",
+        &[json, ("Authorization", "Bearer s3cret")],
+        body,
+    );
     assert_eq!(ok.status, 200);
     assert!(server.stdout.lock().unwrap().contains("API key required"));
 
     // The key can come from PRISM_API_KEY.
     let from_env = Server::start_with_env(&[], &[("PRISM_API_KEY", "k3y")]);
-    assert_eq!(send(from_env.addr, "POST", "/v1/systemone", &[json], body).status, 401);
     assert_eq!(
-        send(from_env.addr, "POST", "/v1/systemone", &[json, ("Authorization", "Bearer k3y")], body).status,
+        send(from_env.addr, "POST", "/v1/systemone", &[json], body).status,
+        401
+    );
+    assert_eq!(
+        send(
+            from_env.addr,
+            "POST",
+            "/v1/systemone",
+            &[json, ("Authorization", "Bearer k3y")],
+            body
+        )
+        .status,
         200
     );
 }
@@ -774,13 +1183,23 @@ fn full_queue_timeout_and_prompt_limit() {
     let clients: Vec<_> = (0..6)
         .map(|_| {
             std::thread::spawn(move || {
-                send(addr, "POST", "/v1/systemone", &[("Content-Type", "application/json")], &slow_body())
+                send(
+                    addr,
+                    "POST",
+                    "/v1/systemone",
+                    &[("Content-Type", "application/json")],
+                    &slow_body(),
+                )
             })
         })
         .collect();
     let replies: Vec<Reply> = clients.into_iter().map(|c| c.join().unwrap()).collect();
     let busy: Vec<&Reply> = replies.iter().filter(|r| r.status == 503).collect();
-    assert!(!busy.is_empty(), "statuses {:?}", replies.iter().map(|r| r.status).collect::<Vec<_>>());
+    assert!(
+        !busy.is_empty(),
+        "statuses {:?}",
+        replies.iter().map(|r| r.status).collect::<Vec<_>>()
+    );
     assert!(replies.iter().all(|r| r.status == 200 || r.status == 503));
     assert!(replies.iter().filter(|r| r.status == 200).count() >= 1);
     for reply in busy {
@@ -805,7 +1224,10 @@ fn full_queue_timeout_and_prompt_limit() {
     }
     let long = server.post_json(
         "/v1/systemone",
-        &serde_json::to_vec(&json!({"state": "word ".repeat(4000), "questions": {"q": {"type": "noul"}}})).unwrap(),
+        &serde_json::to_vec(
+            &json!({"state": "word ".repeat(4000), "questions": {"q": {"type": "noul"}}}),
+        )
+        .unwrap(),
     );
     assert_eq!(long.status, 422, "{}", String::from_utf8_lossy(&long.body));
     assert_eq!(long.locs()[0], ["body", "questions", "q"]);
@@ -818,21 +1240,38 @@ fn sigterm_finishes_the_request_in_flight() {
     let mut server = Server::start(&[]);
     let addr = server.addr;
     let in_flight = std::thread::spawn(move || {
-        send(addr, "POST", "/v1/systemone", &[("Content-Type", "application/json")], &slow_body())
+        send(
+            addr,
+            "POST",
+            "/v1/systemone",
+            &[("Content-Type", "application/json")],
+            &slow_body(),
+        )
     });
     let started = Instant::now();
     while server.get("/stats").json()["queue"]["running"] != 1 {
-        assert!(started.elapsed() < Duration::from_secs(30), "the request never started");
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the request never started"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     server.sigterm();
     let reply = in_flight.join().unwrap();
-    assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
     assert!(reply.json()["answers"]["q"]["noul"].is_number());
     let status = server.wait_exit(Duration::from_secs(30));
     assert!(status.success(), "{status}\n{}", server.output());
     let stdout = server.stdout.lock().unwrap().clone();
-    assert!(stdout.contains("Shutting down") && stdout.contains("Stopped."), "{stdout}");
+    assert!(
+        stdout.contains("Shutting down") && stdout.contains("Stopped."),
+        "{stdout}"
+    );
 }
 
 #[test]
@@ -844,7 +1283,11 @@ fn flag_errors() {
         (vec!["--precision", "f17"], "f17"),
         (vec!["--gguf", "/nonexistent.gguf"], "/nonexistent.gguf"),
     ] {
-        let output = Command::new(env!("CARGO_BIN_EXE_prism")).arg("serve").args(&args).output().unwrap();
+        let output = Command::new(env!("CARGO_BIN_EXE_prism"))
+            .arg("serve")
+            .args(&args)
+            .output()
+            .unwrap();
         assert_eq!(output.status.code(), Some(1), "{args:?}");
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(stderr.contains(expected), "{args:?}: {stderr}");

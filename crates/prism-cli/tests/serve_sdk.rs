@@ -25,7 +25,8 @@ fn sdk_python() -> Option<PathBuf> {
 #[test]
 fn the_typesafe_python_sdk_works_unchanged() {
     let Some(python) = sdk_python() else {
-        let message = "the TypeSafe SDK virtualenv (target/typesafe-sdk-venv, made by .ci/run) is missing";
+        let message =
+            "the TypeSafe SDK virtualenv (target/typesafe-sdk-venv, made by .ci/run) is missing";
         if std::env::var("CI").is_ok_and(|v| v == "true") {
             panic!("{message}: CI must run the SDK test");
         }
@@ -52,7 +53,8 @@ fn the_typesafe_python_sdk_works_unchanged() {
     assert_eq!(report["sdk_version"], "0.7.5", "the version .ci/run pins");
 
     // The same request as plain JSON (what the SDK sends, uncompressed): the same answers.
-    let criteria = json!({"billing": "Payments and invoices", "technical": "Bugs and outages", "sales": null});
+    let criteria =
+        json!({"billing": "Payments and invoices", "technical": "Bugs and outages", "sales": null});
     let request = json!({
         "state": report["state"],
         "model": "jev-latest",
@@ -66,14 +68,24 @@ fn the_typesafe_python_sdk_works_unchanged() {
         server.addr,
         "POST",
         "/v1/systemone",
-        &[("Content-Type", "application/json"), ("Authorization", "Bearer sdk-test-key")],
+        &[
+            ("Content-Type", "application/json"),
+            ("Authorization", "Bearer sdk-test-key"),
+        ],
         &serde_json::to_vec(&request).unwrap(),
     );
     assert_eq!(reply.status, 200);
     assert_eq!(reply.json()["answers"], report["answers"]);
 
     // What the server saw: the SDK's calls (sync, uncompressed, 4 async) answered, and its refusals.
-    let stats = send(server.addr, "GET", "/stats", &[("Authorization", "Bearer sdk-test-key")], b"").json();
+    let stats = send(
+        server.addr,
+        "GET",
+        "/stats",
+        &[("Authorization", "Bearer sdk-test-key")],
+        b"",
+    )
+    .json();
     assert_eq!(stats["requests"]["decisions"], 7, "{stats}");
     assert_eq!(stats["requests"]["by_status"]["422"], 3, "{stats}");
 }

@@ -55,10 +55,18 @@ pub fn calibration_tokens(format: &PromptFormat) -> Result<Vec<Vec<u32>>, Calibr
         let err = |reason: String| CalibrationPromptError { index, reason };
         let request = DecisionRequest::parse(body.as_bytes(), &RequestDefaults::default())
             .map_err(|e| err(format!("{:?}", e.body())))?;
-        for question in render_request(&request, &config).map_err(|e| err(format!("{:?}", e.body())))? {
+        for question in
+            render_request(&request, &config).map_err(|e| err(format!("{:?}", e.body())))?
+        {
             for prompt in question.prompts {
-                let messages = [ChatMessage::system(prompt.system.as_str()), ChatMessage::user(prompt.user.as_str())];
-                let ids = format.render_and_encode(&messages, false).map_err(|e| err(e.to_string()))?.ids;
+                let messages = [
+                    ChatMessage::system(prompt.system.as_str()),
+                    ChatMessage::user(prompt.user.as_str()),
+                ];
+                let ids = format
+                    .render_and_encode(&messages, false)
+                    .map_err(|e| err(e.to_string()))?
+                    .ids;
                 out.push(ids);
             }
         }

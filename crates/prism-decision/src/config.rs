@@ -39,7 +39,11 @@ pub struct TemperatureByType {
 
 impl Default for TemperatureByType {
     fn default() -> Self {
-        TemperatureByType { choice: 1.0, noul: 1.0, score: 1.0 }
+        TemperatureByType {
+            choice: 1.0,
+            noul: 1.0,
+            score: 1.0,
+        }
     }
 }
 
@@ -55,18 +59,31 @@ pub struct WideChoiceConfig {
 
 impl Default for WideChoiceConfig {
     fn default() -> Self {
-        WideChoiceConfig { group: 25, keep: 3, residual: 1e-3 }
+        WideChoiceConfig {
+            group: 25,
+            keep: 3,
+            residual: 1e-3,
+        }
     }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path} is not a valid decision config: {source}")]
-    Json { path: PathBuf, source: serde_json::Error },
+    Json {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
     #[error("decision config field `{field}`: {message}")]
-    Invalid { field: &'static str, message: String },
+    Invalid {
+        field: &'static str,
+        message: String,
+    },
 }
 
 impl DecisionConfig {
@@ -74,7 +91,10 @@ impl DecisionConfig {
     pub fn from_model_dir(dir: &Path) -> Result<Self, ConfigError> {
         let path = dir.join(DECISION_CONFIG_FILE);
         if !path.exists() {
-            tracing::info!("{} not found: using the default decision config", path.display());
+            tracing::info!(
+                "{} not found: using the default decision config",
+                path.display()
+            );
             return Ok(DecisionConfig::default());
         }
         Self::load(&path)
@@ -82,9 +102,15 @@ impl DecisionConfig {
 
     /// Reads and checks a decision config file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io { path: path.into(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.into(),
+            source,
+        })?;
         let config: DecisionConfig =
-            serde_json::from_str(&text).map_err(|source| ConfigError::Json { path: path.into(), source })?;
+            serde_json::from_str(&text).map_err(|source| ConfigError::Json {
+                path: path.into(),
+                source,
+            })?;
         config.validate()?;
         Ok(config)
     }
@@ -92,13 +118,19 @@ impl DecisionConfig {
     /// Checks the values the read-out relies on.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let temperatures = [
-            ("temperature_by_type.choice", self.temperature_by_type.choice),
+            (
+                "temperature_by_type.choice",
+                self.temperature_by_type.choice,
+            ),
             ("temperature_by_type.noul", self.temperature_by_type.noul),
             ("temperature_by_type.score", self.temperature_by_type.score),
         ];
         for (field, value) in temperatures {
             if !(value.is_finite() && value > 0.0) {
-                return Err(ConfigError::Invalid { field, message: format!("must be a positive number, got {value}") });
+                return Err(ConfigError::Invalid {
+                    field,
+                    message: format!("must be a positive number, got {value}"),
+                });
             }
         }
         if let Some(ids) = &self.letter_token_ids {

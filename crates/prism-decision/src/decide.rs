@@ -15,11 +15,14 @@ use std::time::Instant;
 use crate::config::DecisionConfig;
 use crate::error::{DecisionError, FieldError, FieldPath, ModelError};
 use crate::model::{LetterModel, LetterPrompt};
-use crate::readout::{argmax, choice_confidence, expected_score, score_confidence, softmax, WideChoice};
+use crate::readout::{
+    argmax, choice_confidence, expected_score, score_confidence, softmax, WideChoice,
+};
 use crate::render::{option_labels, render_options, state_text};
 use crate::request::{DecisionRequest, Question, QuestionType, ThinkMode};
 use crate::response::{
-    Answer, AnswerDetails, ChoiceAnswer, DecisionResponse, NoulAnswer, OrderedMap, ScoreAnswer, Usage,
+    Answer, AnswerDetails, ChoiceAnswer, DecisionResponse, NoulAnswer, OrderedMap, ScoreAnswer,
+    Usage,
 };
 
 /// How a question is read.
@@ -87,7 +90,12 @@ pub fn render_request(
                 Some(wide) if wide.groups().len() == 1 => ReadMode::Single,
                 Some(_) => ReadMode::Wide,
             };
-            RenderedQuestion { name: question.name.clone(), kind: question.kind, mode, prompts: task.prompts(&state) }
+            RenderedQuestion {
+                name: question.name.clone(),
+                kind: question.kind,
+                mode,
+                prompts: task.prompts(&state),
+            }
         })
         .collect())
 }
@@ -119,9 +127,11 @@ impl<'a> Task<'a> {
 
     fn prompts(&self, state: &str) -> Vec<LetterPrompt> {
         match (&self.wide, &self.probabilities) {
-            (Some(wide), None) => {
-                wide.groups().iter().map(|group| render_options(state, self.question, &self.labels, group)).collect()
-            }
+            (Some(wide), None) => wide
+                .groups()
+                .iter()
+                .map(|group| render_options(state, self.question, &self.labels, group))
+                .collect(),
             _ => Vec::new(),
         }
     }
@@ -137,7 +147,11 @@ pub fn decide(
     config.validate()?;
     check_supported(request, true)?;
     let state = state_text(&request.state);
-    let mut tasks: Vec<Task> = request.questions.iter().map(|q| Task::new(q, config)).collect();
+    let mut tasks: Vec<Task> = request
+        .questions
+        .iter()
+        .map(|q| Task::new(q, config))
+        .collect();
     let mut usage = Usage::default();
 
     // One model call per step: all questions' prompts first, then each further wide-choice round.
@@ -153,7 +167,9 @@ pub fn decide(
         if prompts.is_empty() {
             break;
         }
-        let read = model.letter_logits(&prompts).map_err(|error| model_error(error, &owners, &tasks))?;
+        let read = model
+            .letter_logits(&prompts)
+            .map_err(|error| model_error(error, &owners, &tasks))?;
         if read.logits.len() != prompts.len() {
             return Err(DecisionError::ModelOutput(format!(
                 "{} read-outs for {} prompts",
@@ -165,7 +181,9 @@ pub fn decide(
         usage.output_tokens += read.output_tokens;
 
         let mut per_task: Vec<Vec<Vec<f64>>> = vec![Vec::new(); tasks.len()];
-        for (index, ((prompt, logits), &t)) in prompts.iter().zip(&read.logits).zip(&owners).enumerate() {
+        for (index, ((prompt, logits), &t)) in
+            prompts.iter().zip(&read.logits).zip(&owners).enumerate()
+        {
             let task = &tasks[t];
             if logits.len() != prompt.option_ids.len() {
                 return Err(DecisionError::ModelOutput(format!(
@@ -189,10 +207,13 @@ pub fn decide(
                 continue;
             }
             task.prompts_read += read_outs.len();
-            let Some(wide) = task.wide.as_mut() else { continue };
+            let Some(wide) = task.wide.as_mut() else {
+                continue;
+            };
             let name = &task.question.name;
-            if let Some(final_probabilities) =
-                wide.feed(&read_outs).map_err(|e| DecisionError::ModelOutput(format!("question {name:?}: {e}")))?
+            if let Some(final_probabilities) = wide
+                .feed(&read_outs)
+                .map_err(|e| DecisionError::ModelOutput(format!("question {name:?}: {e}")))?
             {
                 task.probabilities = Some(final_probabilities);
             }
@@ -203,7 +224,10 @@ pub fn decide(
         .iter()
         .map(|task| {
             let probabilities = task.probabilities.clone().unwrap_or_default();
-            (task.question.name.clone(), answer(task, &probabilities, request.return_details))
+            (
+                task.question.name.clone(),
+                answer(task, &probabilities, request.return_details),
+            )
         })
         .collect();
     Ok(DecisionResponse {
@@ -216,10 +240,17 @@ pub fn decide(
 
 /// A prompt the model cannot take becomes a 422 naming its question; anything else is internal.
 fn model_error(error: ModelError, owners: &[usize], tasks: &[Task]) -> DecisionError {
-    if let ModelError::PromptTooLong { prompt, tokens, limit } = error {
+    if let ModelError::PromptTooLong {
+        prompt,
+        tokens,
+        limit,
+    } = error
+    {
         if let Some(&t) = owners.get(prompt) {
             return FieldError::unanswerable(
-                FieldPath::root().key("questions").key(&tasks[t].question.name),
+                FieldPath::root()
+                    .key("questions")
+                    .key(&tasks[t].question.name),
                 "prompt_too_long",
                 format!("the prompt has {tokens} tokens, more than this server's limit of {limit}"),
             )
@@ -232,19 +263,36 @@ fn model_error(error: ModelError, owners: &[usize], tasks: &[Task]) -> DecisionE
 fn answer(task: &Task, probabilities: &[f64], return_details: bool) -> Answer {
     let question = task.question;
     let by_id = || -> OrderedMap<f64> {
-        OrderedMap(question.options.iter().zip(probabilities).map(|(o, &p)| (o.id.clone(), p)).collect())
+        OrderedMap(
+            question
+                .options
+                .iter()
+                .zip(probabilities)
+                .map(|(o, &p)| (o.id.clone(), p))
+                .collect(),
+        )
     };
-    let details = return_details.then(|| AnswerDetails { first: by_id(), prompts: task.prompts_read });
+    let details = return_details.then(|| AnswerDetails {
+        first: by_id(),
+        prompts: task.prompts_read,
+    });
     match question.kind {
         QuestionType::Choice => Answer::Choice(ChoiceAnswer {
-            choice: question.options.get(argmax(probabilities)).map(|o| o.id.clone()).unwrap_or_default(),
+            choice: question
+                .options
+                .get(argmax(probabilities))
+                .map(|o| o.id.clone())
+                .unwrap_or_default(),
             confidence: choice_confidence(probabilities),
             probabilities: by_id(),
             none_probability: None,
             details,
         }),
         // Options are [true, false]: P(yes) is the first.
-        QuestionType::Noul => Answer::Noul(NoulAnswer { noul: probabilities.first().copied().unwrap_or(0.0), details }),
+        QuestionType::Noul => Answer::Noul(NoulAnswer {
+            noul: probabilities.first().copied().unwrap_or(0.0),
+            details,
+        }),
         QuestionType::Score => Answer::Score(ScoreAnswer {
             score: expected_score(probabilities),
             confidence: score_confidence(probabilities),
@@ -252,7 +300,14 @@ fn answer(task: &Task, probabilities: &[f64], return_details: bool) -> Answer {
                 question
                     .options
                     .iter()
-                    .map(|o| (o.id.clone(), o.description.clone().unwrap_or(crate::pyjson::PyValue::Null)))
+                    .map(|o| {
+                        (
+                            o.id.clone(),
+                            o.description
+                                .clone()
+                                .unwrap_or(crate::pyjson::PyValue::Null),
+                        )
+                    })
                     .collect(),
             ),
             probabilities: by_id(),

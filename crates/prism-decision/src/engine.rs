@@ -21,15 +21,25 @@ pub enum EngineError {
     #[error("cannot read the model file {path}: {source}")]
     Gguf { path: PathBuf, source: GgufError },
     #[error("model directory {dir}: {source}")]
-    PromptFormat { dir: PathBuf, source: PromptFormatError },
+    PromptFormat {
+        dir: PathBuf,
+        source: PromptFormatError,
+    },
     #[error(transparent)]
     DecisionConfig(#[from] ConfigError),
     #[error("decision_config.json's letter_token_ids disagree with the tokenizer: {0}")]
     LetterTokenIds(PromptFormatError),
     #[error("cannot load the decoder from {path}: {source}")]
-    Model { path: PathBuf, source: prism_model::ModelError },
+    Model {
+        path: PathBuf,
+        source: prism_model::ModelError,
+    },
     #[error("letter {letter} is token {id}, outside the model's {vocab_size} output rows")]
-    LetterOutsideVocabulary { letter: char, id: u32, vocab_size: usize },
+    LetterOutsideVocabulary {
+        letter: char,
+        id: u32,
+        vocab_size: usize,
+    },
 }
 
 /// Where a decision model comes from: its GGUF file and, optionally, the release's model directory
@@ -64,34 +74,59 @@ impl DecoderLetterModel {
         options: &LoadOptions,
         max_prompt_tokens: usize,
     ) -> Result<LoadedDecisionModel, EngineError> {
-        let gguf = GgufFile::open(&source.gguf).map_err(|e| EngineError::Gguf { path: source.gguf.clone(), source: e })?;
+        let gguf = GgufFile::open(&source.gguf).map_err(|e| EngineError::Gguf {
+            path: source.gguf.clone(),
+            source: e,
+        })?;
         // A directory that does not exist has no files in it: everything then comes from the GGUF.
         let dir = source.model_dir.clone().unwrap_or_default();
-        let format = PromptFormat::load_from_model_dir(&dir, Some(&gguf))
-            .map_err(|e| EngineError::PromptFormat { dir: dir.clone(), source: e })?;
+        let format = PromptFormat::load_from_model_dir(&dir, Some(&gguf)).map_err(|e| {
+            EngineError::PromptFormat {
+                dir: dir.clone(),
+                source: e,
+            }
+        })?;
         let config = match &source.model_dir {
             Some(dir) => DecisionConfig::from_model_dir(dir)?,
             None => DecisionConfig::default(),
         };
         if let Some(ids) = &config.letter_token_ids {
-            format.check_letter_token_ids(ids).map_err(EngineError::LetterTokenIds)?;
+            format
+                .check_letter_token_ids(ids)
+                .map_err(EngineError::LetterTokenIds)?;
         }
         let mut options = options.clone();
         if options.hf_config.is_none() {
-            options.hf_config = source.model_dir.as_ref().map(|d| d.join("config.json")).filter(|p| p.is_file());
+            options.hf_config = source
+                .model_dir
+                .as_ref()
+                .map(|d| d.join("config.json"))
+                .filter(|p| p.is_file());
         }
         // int8 / w4a8: activation ranges from the calibration cache (measured once per model file).
         let decoder = crate::calibration_prompts::load_decoder(&gguf, &options, &format, None)
-            .map_err(|e| EngineError::Model { path: source.gguf.clone(), source: e })?;
+            .map_err(|e| EngineError::Model {
+                path: source.gguf.clone(),
+                source: e,
+            })?;
         let vocab_size = decoder.vocab_size();
         for (letter, &id) in ('A'..='Z').zip(format.letter_ids().iter()) {
             if id as usize >= vocab_size {
-                return Err(EngineError::LetterOutsideVocabulary { letter, id, vocab_size });
+                return Err(EngineError::LetterOutsideVocabulary {
+                    letter,
+                    id,
+                    vocab_size,
+                });
             }
         }
         let name = model_name(&gguf, &source.gguf);
         Ok(LoadedDecisionModel {
-            model: DecoderLetterModel { name, decoder, format, max_prompt_tokens },
+            model: DecoderLetterModel {
+                name,
+                decoder,
+                format,
+                max_prompt_tokens,
+            },
             config,
         })
     }
@@ -114,7 +149,10 @@ impl DecoderLetterModel {
     /// A prompt's token ids: system and user message through the chat template with thinking off, so the
     /// text ends in the assistant prefix `<think>\n\n</think>\n\n` where the letter is read.
     pub fn prompt_tokens(&self, prompt: &LetterPrompt) -> Result<Vec<u32>, PromptFormatError> {
-        let messages = [ChatMessage::system(prompt.system.as_str()), ChatMessage::user(prompt.user.as_str())];
+        let messages = [
+            ChatMessage::system(prompt.system.as_str()),
+            ChatMessage::user(prompt.user.as_str()),
+        ];
         Ok(self.format.render_and_encode(&messages, false)?.ids)
     }
 }
@@ -153,12 +191,21 @@ impl LetterModel for DecoderLetterModel {
         let logits = rows
             .into_iter()
             .zip(prompts)
-            .map(|(row, prompt)| row.into_iter().take(prompt.option_ids.len()).map(f64::from).collect())
+            .map(|(row, prompt)| {
+                row.into_iter()
+                    .take(prompt.option_ids.len())
+                    .map(f64::from)
+                    .collect()
+            })
             .collect();
         // Usage counts every prompt's whole length, as a client would count it; that a shared evidence
         // prefix is computed once is the engine's saving, not the client's.
         let input_tokens = token_prompts.iter().map(|p| p.len() as u64).sum();
-        Ok(LetterLogits { logits, input_tokens, output_tokens: 0 })
+        Ok(LetterLogits {
+            logits,
+            input_tokens,
+            output_tokens: 0,
+        })
     }
 }
 
@@ -169,5 +216,7 @@ fn model_name(gguf: &GgufFile, path: &Path) -> String {
             return name.trim().to_string();
         }
     }
-    path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".to_string())
+    path.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".to_string())
 }

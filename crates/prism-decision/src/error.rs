@@ -45,7 +45,9 @@ impl FieldPath {
 
     /// The path as TypeSafe's `loc`: `["body", ...]`.
     pub fn loc(&self) -> Vec<LocPart> {
-        std::iter::once(LocPart::Key("body".to_string())).chain(self.0.iter().cloned()).collect()
+        std::iter::once(LocPart::Key("body".to_string()))
+            .chain(self.0.iter().cloned())
+            .collect()
     }
 }
 
@@ -96,11 +98,21 @@ pub struct FieldError {
 
 impl FieldError {
     pub fn malformed(path: FieldPath, code: &'static str, message: impl Into<String>) -> Self {
-        FieldError { path, message: message.into(), code, class: ErrorClass::Malformed }
+        FieldError {
+            path,
+            message: message.into(),
+            code,
+            class: ErrorClass::Malformed,
+        }
     }
 
     pub fn unanswerable(path: FieldPath, code: &'static str, message: impl Into<String>) -> Self {
-        FieldError { path, message: message.into(), code, class: ErrorClass::Unanswerable }
+        FieldError {
+            path,
+            message: message.into(),
+            code,
+            class: ErrorClass::Unanswerable,
+        }
     }
 }
 
@@ -146,7 +158,11 @@ impl fmt::Display for FieldErrors {
 pub enum ModelError {
     /// A prompt is longer than the engine accepts (`--max-tokens`): the request gets a 422.
     #[error("prompt {prompt} has {tokens} tokens, more than the limit of {limit}")]
-    PromptTooLong { prompt: usize, tokens: usize, limit: usize },
+    PromptTooLong {
+        prompt: usize,
+        tokens: usize,
+        limit: usize,
+    },
     /// Anything else (device, kernel, tokenizer): an internal error.
     #[error("{0}")]
     Backend(String),
@@ -233,11 +249,18 @@ impl DecisionError {
             DecisionError::Request(errors) => errors
                 .0
                 .iter()
-                .map(|e| ErrorDetail { loc: e.path.loc(), msg: e.message.clone(), kind: e.code.into() })
+                .map(|e| ErrorDetail {
+                    loc: e.path.loc(),
+                    msg: e.message.clone(),
+                    kind: e.code.into(),
+                })
                 .collect(),
             _ => Vec::new(),
         };
-        ErrorBody { error: self.to_string(), detail }
+        ErrorBody {
+            error: self.to_string(),
+            detail,
+        }
     }
 }
 

@@ -1,7 +1,6 @@
 //! StartLux-Decision: requests, prompt rendering, read-out and calibrated probabilities.
 pub mod calibration_prompts;
 pub mod chat_template;
-pub mod tokenizer;
 pub mod config;
 pub mod decide;
 pub mod engine;
@@ -13,10 +12,11 @@ pub mod render;
 pub mod request;
 pub mod response;
 pub mod synth_files;
+pub mod tokenizer;
 
 pub use config::{DecisionConfig, WideChoiceConfig};
-pub use engine::{DecoderLetterModel, EngineError, LoadedDecisionModel, ModelSource};
 pub use decide::{decide, render_request, ReadMode, RenderedQuestion};
+pub use engine::{DecoderLetterModel, EngineError, LoadedDecisionModel, ModelSource};
 pub use error::{DecisionError, ErrorBody, FieldError, FieldErrors, ModelError};
 pub use model::{LetterLogits, LetterModel, LetterPrompt};
 pub use request::{DecisionRequest, Question, QuestionType, RequestDefaults};

@@ -120,7 +120,9 @@ impl PyObject {
     }
 
     pub fn get(&self, key: &str) -> Option<&PyValue> {
-        self.index.get(key).map(|&position| &self.entries[position].1)
+        self.index
+            .get(key)
+            .map(|&position| &self.entries[position].1)
     }
 
     pub fn contains_key(&self, key: &str) -> bool {
@@ -137,7 +139,9 @@ impl PyObject {
 
     /// Entries in insertion order.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &PyValue)> {
-        self.entries.iter().map(|(key, value)| (key.as_str(), value))
+        self.entries
+            .iter()
+            .map(|(key, value)| (key.as_str(), value))
     }
 
     pub fn keys(&self) -> impl Iterator<Item = &str> {
@@ -215,10 +219,14 @@ impl From<&serde_json::Value> for PyValue {
                 }
             }
             serde_json::Value::String(text) => PyValue::Str(text.clone()),
-            serde_json::Value::Array(items) => PyValue::Array(items.iter().map(PyValue::from).collect()),
-            serde_json::Value::Object(map) => {
-                PyValue::Object(map.iter().map(|(key, item)| (key.clone(), PyValue::from(item))).collect())
+            serde_json::Value::Array(items) => {
+                PyValue::Array(items.iter().map(PyValue::from).collect())
             }
+            serde_json::Value::Object(map) => PyValue::Object(
+                map.iter()
+                    .map(|(key, item)| (key.clone(), PyValue::from(item)))
+                    .collect(),
+            ),
         }
     }
 }
@@ -287,7 +295,11 @@ pub fn parse_bytes(bytes: &[u8]) -> Result<PyValue, JsonError> {
 
 /// Parses one JSON document as `json.loads` would (see the module notes for the deviations).
 pub fn parse(text: &str) -> Result<PyValue, JsonError> {
-    let mut parser = Parser { text, bytes: text.as_bytes(), pos: 0 };
+    let mut parser = Parser {
+        text,
+        bytes: text.as_bytes(),
+        pos: 0,
+    };
     parser.skip_whitespace();
     let value = parser.value(0)?;
     parser.skip_whitespace();
@@ -302,7 +314,12 @@ fn error_at(text: &str, byte_pos: usize, message: String) -> JsonError {
     let line = before.matches('\n').count() + 1;
     let line_start = before.rfind('\n').map(|p| p + 1).unwrap_or(0);
     let column = before[line_start..].chars().count() + 1;
-    JsonError { message, line, column, offset: before.chars().count() }
+    JsonError {
+        message,
+        line,
+        column,
+        offset: before.chars().count(),
+    }
 }
 
 struct Parser<'a> {
@@ -550,31 +567,38 @@ impl Parser<'_> {
             b'r' => '\r',
             b't' => '\t',
             b'u' => {
-                let unit =
-                    self.hex4(self.pos).ok_or_else(|| self.error_at(escape_at, "Invalid \\uXXXX escape".into()))?;
+                let unit = self
+                    .hex4(self.pos)
+                    .ok_or_else(|| self.error_at(escape_at, "Invalid \\uXXXX escape".into()))?;
                 self.pos += 4;
                 let code = match unit {
                     0xD800..=0xDBFF => {
                         let low = if self.bytes.get(self.pos..self.pos + 2) == Some(b"\\u") {
-                            self.hex4(self.pos + 2).filter(|low| (0xDC00..=0xDFFF).contains(low))
+                            self.hex4(self.pos + 2)
+                                .filter(|low| (0xDC00..=0xDFFF).contains(low))
                         } else {
                             None
                         };
                         let Some(low) = low else {
-                            return Err(
-                                self.error_at(escape_at, format!("Lone surrogate \\u{unit:04x} (not a character)"))
-                            );
+                            return Err(self.error_at(
+                                escape_at,
+                                format!("Lone surrogate \\u{unit:04x} (not a character)"),
+                            ));
                         };
                         self.pos += 6;
                         0x10000 + ((unit - 0xD800) << 10) + (low - 0xDC00)
                     }
                     0xDC00..=0xDFFF => {
-                        return Err(self.error_at(escape_at, format!("Lone surrogate \\u{unit:04x} (not a character)")))
+                        return Err(self.error_at(
+                            escape_at,
+                            format!("Lone surrogate \\u{unit:04x} (not a character)"),
+                        ))
                     }
                     _ => unit,
                 };
                 // Surrogates were handled above, so every remaining code is a scalar value.
-                char::from_u32(code).ok_or_else(|| self.error_at(escape_at, "Invalid \\uXXXX escape".into()))?
+                char::from_u32(code)
+                    .ok_or_else(|| self.error_at(escape_at, "Invalid \\uXXXX escape".into()))?
             }
             _ => return Err(self.error_at(escape_at, "Invalid \\escape".into())),
         };
@@ -666,7 +690,12 @@ pub fn float_repr(value: f64) -> String {
         return if value > 0.0 { "inf" } else { "-inf" }.to_string();
     }
     if value == 0.0 {
-        return if value.is_sign_negative() { "-0.0" } else { "0.0" }.to_string();
+        return if value.is_sign_negative() {
+            "-0.0"
+        } else {
+            "0.0"
+        }
+        .to_string();
     }
     // Rust's `{:e}` prints the shortest round-trip digits (the same digits as Python's repr, which also
     // takes the shortest string, nearest to the exact value) in the form `-d.ddde-7`.

@@ -46,7 +46,11 @@ pub fn score_confidence(probabilities: &[f64]) -> f64 {
         return 1.0;
     }
     let mode = argmax(probabilities) as f64;
-    let d_mode: f64 = probabilities.iter().enumerate().map(|(i, &p)| p * (i as f64 - mode).abs()).sum();
+    let d_mode: f64 = probabilities
+        .iter()
+        .enumerate()
+        .map(|(i, &p)| p * (i as f64 - mode).abs())
+        .sum();
     let middle = (n as f64 - 1.0) / 2.0;
     let d_uniform = (0..n).map(|i| (i as f64 - middle).abs()).sum::<f64>() / n as f64;
     (1.0 - d_mode / d_uniform).max(0.0)
@@ -54,7 +58,11 @@ pub fn score_confidence(probabilities: &[f64]) -> f64 {
 
 /// The expected score `Σ i · p_i`.
 pub fn expected_score(probabilities: &[f64]) -> f64 {
-    probabilities.iter().enumerate().map(|(i, &p)| i as f64 * p).sum()
+    probabilities
+        .iter()
+        .enumerate()
+        .map(|(i, &p)| i as f64 * p)
+        .sum()
 }
 
 /// Splits `0..n` into `ceil(n / group)` contiguous groups whose sizes differ by at most one (the larger
@@ -139,7 +147,10 @@ impl WideChoice {
     /// the final probabilities of all `n` options when this was the last round.
     pub fn feed(&mut self, probabilities: &[Vec<f64>]) -> Result<Option<Vec<f64>>, String> {
         if probabilities.len() != self.groups.len()
-            || probabilities.iter().zip(&self.groups).any(|(p, g)| p.len() != g.len())
+            || probabilities
+                .iter()
+                .zip(&self.groups)
+                .any(|(p, g)| p.len() != g.len())
         {
             return Err(format!(
                 "wide choice: expected read-outs of sizes {:?}, got {:?}",
@@ -168,9 +179,17 @@ impl WideChoice {
             first: self.candidates.iter().map(|&c| first[c]).collect(),
             kept: self.candidates.iter().map(|&c| kept[c]).collect(),
         };
-        let next: Vec<usize> = self.candidates.iter().copied().filter(|&c| kept[c]).collect();
+        let next: Vec<usize> = self
+            .candidates
+            .iter()
+            .copied()
+            .filter(|&c| kept[c])
+            .collect();
         if next.len() >= self.candidates.len() {
-            return Err(format!("wide choice: a round of {} options kept them all", self.candidates.len()));
+            return Err(format!(
+                "wide choice: a round of {} options kept them all",
+                self.candidates.len()
+            ));
         }
         self.rounds.push(round);
         self.candidates = next;
@@ -186,10 +205,17 @@ impl WideChoice {
             p[option] = q;
         }
         for round in self.rounds.iter().rev() {
-            let left_behind: f64 =
-                round.first.iter().zip(&round.kept).filter(|(_, &kept)| !kept).map(|(&f, _)| f).sum();
+            let left_behind: f64 = round
+                .first
+                .iter()
+                .zip(&round.kept)
+                .filter(|(_, &kept)| !kept)
+                .map(|(&f, _)| f)
+                .sum();
             let behind_count = round.kept.iter().filter(|&&kept| !kept).count();
-            for ((&option, &first), &kept) in round.candidates.iter().zip(&round.first).zip(&round.kept) {
+            for ((&option, &first), &kept) in
+                round.candidates.iter().zip(&round.first).zip(&round.kept)
+            {
                 p[option] = if kept {
                     p[option] * (1.0 - residual)
                 } else if left_behind > 0.0 {

@@ -17,8 +17,8 @@ pub const SYSTEM_PROMPT: &str =
 
 /// The option letters, in order; one prompt has at most 26 options.
 pub const LETTERS: [char; 26] = [
-    'A', 'B', 'C', 'D', 'E', 'F', 'G', 'H', 'I', 'J', 'K', 'L', 'M', 'N', 'O', 'P', 'Q', 'R', 'S', 'T', 'U', 'V', 'W',
-    'X', 'Y', 'Z',
+    'A', 'B', 'C', 'D', 'E', 'F', 'G', 'H', 'I', 'J', 'K', 'L', 'M', 'N', 'O', 'P', 'Q', 'R', 'S',
+    'T', 'U', 'V', 'W', 'X', 'Y', 'Z',
 ];
 
 /// Fewest and most options in one prompt.
@@ -78,9 +78,12 @@ pub fn annotate_long_arrays(value: &PyValue) -> PyValue {
                     .collect(),
             )
         }
-        PyValue::Object(object) => {
-            PyValue::Object(object.iter().map(|(key, item)| (key.to_string(), annotate_long_arrays(item))).collect())
-        }
+        PyValue::Object(object) => PyValue::Object(
+            object
+                .iter()
+                .map(|(key, item)| (key.to_string(), annotate_long_arrays(item)))
+                .collect(),
+        ),
         other => other.clone(),
     }
 }
@@ -98,7 +101,10 @@ fn description_text(description: Option<&PyValue>) -> Option<String> {
 /// Whether a description merely repeats a label: equal ignoring case, whitespace, `_` and `-`.
 fn same_text(a: &str, b: &str) -> bool {
     let normalize = |text: &str| -> String {
-        text.chars().filter(|&c| !is_py_space(c) && c != '_' && c != '-').flat_map(char::to_lowercase).collect()
+        text.chars()
+            .filter(|&c| !is_py_space(c) && c != '_' && c != '-')
+            .flat_map(char::to_lowercase)
+            .collect()
     };
     normalize(a) == normalize(b)
 }
@@ -136,8 +142,11 @@ pub fn is_bare_id(id: &str) -> bool {
 
 /// Each option's text after its letter, in option order (spec §3 option lines).
 pub fn option_labels(question: &Question) -> Vec<String> {
-    let descriptions: Vec<Option<String>> =
-        question.options.iter().map(|option| description_text(option.description.as_ref())).collect();
+    let descriptions: Vec<Option<String>> = question
+        .options
+        .iter()
+        .map(|option| description_text(option.description.as_ref()))
+        .collect();
     match question.kind {
         QuestionType::Choice => {
             let hide_ids = question.options.iter().all(|option| is_bare_id(&option.id))
@@ -164,7 +173,9 @@ pub fn option_labels(question: &Question) -> Vec<String> {
                     _ => option.id.as_str(),
                 };
                 match description {
-                    Some(text) if !same_text(text, label) && !same_text(text, &option.id) => format!("{label}: {text}"),
+                    Some(text) if !same_text(text, label) && !same_text(text, &option.id) => {
+                        format!("{label}: {text}")
+                    }
                     _ => label.to_string(),
                 }
             })
@@ -186,12 +197,23 @@ pub fn user_text(state_text: &str, instructions: &str, labels: &[&str]) -> Strin
 
 /// Renders the prompt of `question` over the options at `indices` (in that letter order), given the
 /// question's [`option_labels`]. At most 26 indices, each in range (the caller's invariant).
-pub fn render_options(state_text: &str, question: &Question, labels: &[String], indices: &[usize]) -> LetterPrompt {
-    let shown: Vec<&str> = indices.iter().filter_map(|&i| labels.get(i).map(String::as_str)).collect();
+pub fn render_options(
+    state_text: &str,
+    question: &Question,
+    labels: &[String],
+    indices: &[usize],
+) -> LetterPrompt {
+    let shown: Vec<&str> = indices
+        .iter()
+        .filter_map(|&i| labels.get(i).map(String::as_str))
+        .collect();
     LetterPrompt {
         system: SYSTEM_PROMPT.to_string(),
         user: user_text(state_text, &question.instructions, &shown),
-        option_ids: indices.iter().filter_map(|&i| question.options.get(i).map(|o| o.id.clone())).collect(),
+        option_ids: indices
+            .iter()
+            .filter_map(|&i| question.options.get(i).map(|o| o.id.clone()))
+            .collect(),
     }
 }
 
@@ -202,9 +224,14 @@ pub fn render_prompt(state_text: &str, question: &Question) -> Result<LetterProm
     let n = question.options.len();
     if !(MIN_PROMPT_OPTIONS..=MAX_PROMPT_OPTIONS).contains(&n) {
         return Err(FieldError::malformed(
-            FieldPath::root().key("questions").key(&question.name).key("criteria"),
+            FieldPath::root()
+                .key("questions")
+                .key(&question.name)
+                .key("criteria"),
             "value_error",
-            format!("one prompt takes {MIN_PROMPT_OPTIONS} to {MAX_PROMPT_OPTIONS} options, got {n}"),
+            format!(
+                "one prompt takes {MIN_PROMPT_OPTIONS} to {MAX_PROMPT_OPTIONS} options, got {n}"
+            ),
         ));
     }
     let labels = option_labels(question);

@@ -163,23 +163,33 @@ impl DecisionRequest {
                     "`assets` is not supported: send images as `images` (base64 strings or data URIs)",
                 ));
             } else if !REQUEST_FIELDS.contains(&key) {
-                errors.push(FieldError::malformed(root.key(key), "extra_forbidden", format!("unknown field `{key}`")));
+                errors.push(FieldError::malformed(
+                    root.key(key),
+                    "extra_forbidden",
+                    format!("unknown field `{key}`"),
+                ));
             }
         }
 
         let state = match object.get("state") {
             Some(state) => state.clone(),
             None => {
-                errors.push(FieldError::malformed(root.key("state"), "missing", "field required"));
+                errors.push(FieldError::malformed(
+                    root.key("state"),
+                    "missing",
+                    "field required",
+                ));
                 PyValue::Null
             }
         };
 
         let mut questions = Vec::new();
         match object.get("questions") {
-            None | Some(PyValue::Null) => {
-                errors.push(FieldError::malformed(root.key("questions"), "missing", "field required"))
-            }
+            None | Some(PyValue::Null) => errors.push(FieldError::malformed(
+                root.key("questions"),
+                "missing",
+                "field required",
+            )),
             Some(PyValue::Object(specs)) => {
                 if specs.is_empty() {
                     errors.push(FieldError::malformed(
@@ -198,7 +208,10 @@ impl DecisionRequest {
             Some(other) => errors.push(FieldError::malformed(
                 root.key("questions"),
                 "type_error",
-                format!("must be an object (question name -> question), got {}", other.type_name()),
+                format!(
+                    "must be an object (question name -> question), got {}",
+                    other.type_name()
+                ),
             )),
         }
 
@@ -212,7 +225,10 @@ impl DecisionRequest {
                         other => errors.push(FieldError::malformed(
                             root.key("images").index(i),
                             "type_error",
-                            format!("an image must be a base64 string or data URI, got {}", other.type_name()),
+                            format!(
+                                "an image must be a base64 string or data URI, got {}",
+                                other.type_name()
+                            ),
                         )),
                     }
                 }
@@ -220,14 +236,20 @@ impl DecisionRequest {
                     errors.push(FieldError::unanswerable(
                         root.key("images"),
                         "too_many_images",
-                        format!("at most {MAX_IMAGES} images per request, got {}", items.len()),
+                        format!(
+                            "at most {MAX_IMAGES} images per request, got {}",
+                            items.len()
+                        ),
                     ));
                 }
             }
             Some(other) => errors.push(FieldError::malformed(
                 root.key("images"),
                 "type_error",
-                format!("must be a list of base64 strings or data URIs, got {}", other.type_name()),
+                format!(
+                    "must be a list of base64 strings or data URIs, got {}",
+                    other.type_name()
+                ),
             )),
         }
 
@@ -240,7 +262,10 @@ impl DecisionRequest {
                 errors.push(FieldError::malformed(
                     root.key("think_mode"),
                     "value_error",
-                    format!("must be \"auto\", \"never\" or \"always\", got {}", other.dumps()),
+                    format!(
+                        "must be \"auto\", \"never\" or \"always\", got {}",
+                        other.dumps()
+                    ),
                 ));
                 defaults.think_mode
             }
@@ -249,14 +274,21 @@ impl DecisionRequest {
         let mix = unit_number(object, "mix", defaults.mix, &mut errors);
         let think_budget = match object.get("think_budget") {
             None | Some(PyValue::Null) => defaults.think_budget,
-            Some(PyValue::Int(int)) if int.to_i64().is_some_and(|v| (0..=u32::MAX as i64).contains(&v)) => {
+            Some(PyValue::Int(int))
+                if int
+                    .to_i64()
+                    .is_some_and(|v| (0..=u32::MAX as i64).contains(&v)) =>
+            {
                 int.to_i64().unwrap_or(0) as u32
             }
             Some(other) => {
                 errors.push(FieldError::malformed(
                     root.key("think_budget"),
                     "value_error",
-                    format!("must be a non-negative integer (tokens), got {}", other.dumps()),
+                    format!(
+                        "must be a non-negative integer (tokens), got {}",
+                        other.dumps()
+                    ),
                 ));
                 defaults.think_budget
             }
@@ -364,12 +396,24 @@ fn aliased<'a>(
         }
         (Some(value), None) => (name, Some(value)),
         (None, Some(value)) => (alias, Some(value)),
-        (None, None) => (if object.contains_key(alias) { alias } else { name }, None),
+        (None, None) => (
+            if object.contains_key(alias) {
+                alias
+            } else {
+                name
+            },
+            None,
+        ),
     }
 }
 
 /// Validates one question, pushing its errors; `None` when it is unusable.
-fn parse_question(path: &FieldPath, name: &str, spec: &PyValue, errors: &mut Vec<FieldError>) -> Option<Question> {
+fn parse_question(
+    path: &FieldPath,
+    name: &str,
+    spec: &PyValue,
+    errors: &mut Vec<FieldError>,
+) -> Option<Question> {
     let Some(object) = spec.as_object() else {
         errors.push(FieldError::malformed(
             path.clone(),
@@ -381,12 +425,20 @@ fn parse_question(path: &FieldPath, name: &str, spec: &PyValue, errors: &mut Vec
     let errors_before = errors.len();
     for key in object.keys() {
         if !QUESTION_FIELDS.contains(&key) {
-            errors.push(FieldError::malformed(path.key(key), "extra_forbidden", format!("unknown field `{key}`")));
+            errors.push(FieldError::malformed(
+                path.key(key),
+                "extra_forbidden",
+                format!("unknown field `{key}`"),
+            ));
         }
     }
     let kind = match object.get("type") {
         None => {
-            errors.push(FieldError::malformed(path.key("type"), "missing", "field required (choice, noul or score)"));
+            errors.push(FieldError::malformed(
+                path.key("type"),
+                "missing",
+                "field required (choice, noul or score)",
+            ));
             return None;
         }
         Some(PyValue::Str(kind)) => match kind.as_str() {
@@ -420,7 +472,8 @@ fn parse_question(path: &FieldPath, name: &str, spec: &PyValue, errors: &mut Vec
         }
     };
 
-    let (instructions_key, instructions) = aliased(object, path, "instructions", "question", errors);
+    let (instructions_key, instructions) =
+        aliased(object, path, "instructions", "question", errors);
     let instructions = match instructions {
         None => None,
         Some(PyValue::Str(text)) => Some(py_strip(text).to_string()),
@@ -429,7 +482,10 @@ fn parse_question(path: &FieldPath, name: &str, spec: &PyValue, errors: &mut Vec
             errors.push(FieldError::malformed(
                 path.key(instructions_key),
                 "type_error",
-                format!("instructions must be a string (or a JSON object or array), got {}", other.type_name()),
+                format!(
+                    "instructions must be a string (or a JSON object or array), got {}",
+                    other.type_name()
+                ),
             ));
             Some(String::new())
         }
@@ -439,7 +495,10 @@ fn parse_question(path: &FieldPath, name: &str, spec: &PyValue, errors: &mut Vec
         (Some(text), _) => text,
         (None, QuestionType::Noul) => DEFAULT_NOUL_INSTRUCTIONS.to_string(),
         (None, _) => {
-            if !errors[errors_before..].iter().any(|e| e.path == path.key(instructions_key)) {
+            if !errors[errors_before..]
+                .iter()
+                .any(|e| e.path == path.key(instructions_key))
+            {
                 errors.push(FieldError::malformed(
                     path.key(instructions_key),
                     "missing",
@@ -460,7 +519,12 @@ fn parse_question(path: &FieldPath, name: &str, spec: &PyValue, errors: &mut Vec
     if errors.len() > errors_before {
         return None;
     }
-    Some(Question { name: name.to_string(), kind, instructions, options })
+    Some(Question {
+        name: name.to_string(),
+        kind,
+        instructions,
+        options,
+    })
 }
 
 /// Checks an option id: non-empty, not blank, at most 200 characters, on one line.
@@ -468,7 +532,10 @@ fn check_option_id(id: &str, path: &FieldPath, errors: &mut Vec<FieldError>) -> 
     let problem = if py_strip(id).is_empty() {
         Some("must not be empty or blank".to_string())
     } else if id.chars().count() > MAX_OPTION_ID_CHARS {
-        Some(format!("must be at most {MAX_OPTION_ID_CHARS} characters, got {}", id.chars().count()))
+        Some(format!(
+            "must be at most {MAX_OPTION_ID_CHARS} characters, got {}",
+            id.chars().count()
+        ))
     } else if id.contains(['\n', '\r']) {
         Some("must not contain a line break".to_string())
     } else {
@@ -476,14 +543,22 @@ fn check_option_id(id: &str, path: &FieldPath, errors: &mut Vec<FieldError>) -> 
     };
     match problem {
         Some(problem) => {
-            errors.push(FieldError::malformed(path.clone(), "value_error", format!("bad option id {id:?}: {problem}")));
+            errors.push(FieldError::malformed(
+                path.clone(),
+                "value_error",
+                format!("bad option id {id:?}: {problem}"),
+            ));
             false
         }
         None => true,
     }
 }
 
-fn choice_options(path: &FieldPath, criteria: Option<&PyValue>, errors: &mut Vec<FieldError>) -> Vec<QuestionOption> {
+fn choice_options(
+    path: &FieldPath,
+    criteria: Option<&PyValue>,
+    errors: &mut Vec<FieldError>,
+) -> Vec<QuestionOption> {
     let mut options = Vec::new();
     match criteria {
         None => {
@@ -498,7 +573,10 @@ fn choice_options(path: &FieldPath, criteria: Option<&PyValue>, errors: &mut Vec
             for (id, description) in map.iter() {
                 if check_option_id(id, &path.key(id), errors) {
                     let description = (*description != PyValue::Null).then(|| description.clone());
-                    options.push(QuestionOption { id: id.to_string(), description });
+                    options.push(QuestionOption {
+                        id: id.to_string(),
+                        description,
+                    });
                 }
             }
         }
@@ -519,7 +597,10 @@ fn choice_options(path: &FieldPath, criteria: Option<&PyValue>, errors: &mut Vec
                             ));
                             continue;
                         }
-                        options.push(QuestionOption { id: id.clone(), description: None });
+                        options.push(QuestionOption {
+                            id: id.clone(),
+                            description: None,
+                        });
                     }
                     other => errors.push(FieldError::malformed(
                         item_path,
@@ -533,7 +614,10 @@ fn choice_options(path: &FieldPath, criteria: Option<&PyValue>, errors: &mut Vec
             errors.push(FieldError::malformed(
                 path.clone(),
                 "type_error",
-                format!("must be an object {{option_id: description}} or a list of ids, got {}", other.type_name()),
+                format!(
+                    "must be an object {{option_id: description}} or a list of ids, got {}",
+                    other.type_name()
+                ),
             ));
             return options;
         }
@@ -544,18 +628,29 @@ fn choice_options(path: &FieldPath, criteria: Option<&PyValue>, errors: &mut Vec
         _ => 0,
     });
     if count == Some(0) {
-        errors.push(FieldError::malformed(path.clone(), "value_error", "a choice needs at least one option"));
+        errors.push(FieldError::malformed(
+            path.clone(),
+            "value_error",
+            "a choice needs at least one option",
+        ));
     } else if options.len() > MAX_CHOICE_OPTIONS {
         errors.push(FieldError::unanswerable(
             path.clone(),
             "too_many_options",
-            format!("at most {MAX_CHOICE_OPTIONS} options per choice, got {}", options.len()),
+            format!(
+                "at most {MAX_CHOICE_OPTIONS} options per choice, got {}",
+                options.len()
+            ),
         ));
     }
     options
 }
 
-fn noul_options(path: &FieldPath, criteria: Option<&PyValue>, errors: &mut Vec<FieldError>) -> Vec<QuestionOption> {
+fn noul_options(
+    path: &FieldPath,
+    criteria: Option<&PyValue>,
+    errors: &mut Vec<FieldError>,
+) -> Vec<QuestionOption> {
     let mut yes = None;
     let mut no = None;
     match criteria {
@@ -583,10 +678,23 @@ fn noul_options(path: &FieldPath, criteria: Option<&PyValue>, errors: &mut Vec<F
             ),
         )),
     }
-    vec![QuestionOption { id: "true".into(), description: yes }, QuestionOption { id: "false".into(), description: no }]
+    vec![
+        QuestionOption {
+            id: "true".into(),
+            description: yes,
+        },
+        QuestionOption {
+            id: "false".into(),
+            description: no,
+        },
+    ]
 }
 
-fn score_options(path: &FieldPath, criteria: Option<&PyValue>, errors: &mut Vec<FieldError>) -> Vec<QuestionOption> {
+fn score_options(
+    path: &FieldPath,
+    criteria: Option<&PyValue>,
+    errors: &mut Vec<FieldError>,
+) -> Vec<QuestionOption> {
     let levels: Vec<(FieldPath, &PyValue)> = match criteria {
         None => {
             errors.push(FieldError::malformed(
@@ -596,19 +704,28 @@ fn score_options(path: &FieldPath, criteria: Option<&PyValue>, errors: &mut Vec<
             ));
             return Vec::new();
         }
-        Some(PyValue::Array(items)) => items.iter().enumerate().map(|(i, item)| (path.index(i), item)).collect(),
+        Some(PyValue::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| (path.index(i), item))
+            .collect(),
         Some(PyValue::Object(map)) => {
             // A dict is ordered by numeric key ("0", "1", "2.5"); when any key is not a number the client's
             // order is kept (the reference keeps {"b": .., "a": ..} as given).
             let mut entries: Vec<(&str, &PyValue)> = map.iter().collect();
-            let numbers: Option<Vec<f64>> =
-                entries.iter().map(|(key, _)| key.trim().parse::<f64>().ok().filter(|n| n.is_finite())).collect();
+            let numbers: Option<Vec<f64>> = entries
+                .iter()
+                .map(|(key, _)| key.trim().parse::<f64>().ok().filter(|n| n.is_finite()))
+                .collect();
             if let Some(numbers) = numbers {
                 let mut order: Vec<usize> = (0..entries.len()).collect();
                 order.sort_by(|&a, &b| numbers[a].total_cmp(&numbers[b]));
                 entries = order.into_iter().map(|i| entries[i]).collect();
             }
-            entries.into_iter().map(|(key, item)| (path.key(key), item)).collect()
+            entries
+                .into_iter()
+                .map(|(key, item)| (path.key(key), item))
+                .collect()
         }
         Some(other) => {
             errors.push(FieldError::malformed(
@@ -625,22 +742,35 @@ fn score_options(path: &FieldPath, criteria: Option<&PyValue>, errors: &mut Vec<
     let mut options = Vec::new();
     for (i, (level_path, level)) in levels.iter().enumerate() {
         if **level == PyValue::Null {
-            errors.push(FieldError::malformed(level_path.clone(), "value_error", "a score level needs a description"));
+            errors.push(FieldError::malformed(
+                level_path.clone(),
+                "value_error",
+                "a score level needs a description",
+            ));
             continue;
         }
-        options.push(QuestionOption { id: i.to_string(), description: Some((*level).clone()) });
+        options.push(QuestionOption {
+            id: i.to_string(),
+            description: Some((*level).clone()),
+        });
     }
     if levels.len() < MIN_SCORE_LEVELS {
         errors.push(FieldError::malformed(
             path.clone(),
             "value_error",
-            format!("a score needs {MIN_SCORE_LEVELS} to {MAX_SCORE_LEVELS} levels, got {}", levels.len()),
+            format!(
+                "a score needs {MIN_SCORE_LEVELS} to {MAX_SCORE_LEVELS} levels, got {}",
+                levels.len()
+            ),
         ));
     } else if levels.len() > MAX_SCORE_LEVELS {
         errors.push(FieldError::unanswerable(
             path.clone(),
             "too_many_levels",
-            format!("the model cannot answer a score with more than {MAX_SCORE_LEVELS} levels, got {}", levels.len()),
+            format!(
+                "the model cannot answer a score with more than {MAX_SCORE_LEVELS} levels, got {}",
+                levels.len()
+            ),
         ));
     }
     options

@@ -5,8 +5,8 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use prism_decision::{
-    decide, DecisionConfig, DecisionRequest, DecoderLetterModel, EngineError, LetterModel, LetterPrompt,
-    ModelSource, RequestDefaults,
+    decide, DecisionConfig, DecisionRequest, DecoderLetterModel, EngineError, LetterModel,
+    LetterPrompt, ModelSource, RequestDefaults,
 };
 use prism_model::LoadOptions;
 use serde_json::Value;
@@ -22,8 +22,12 @@ fn read_json(name: &str) -> Value {
 }
 
 fn load(gguf: &str, max_tokens: usize) -> (DecoderLetterModel, DecisionConfig) {
-    let source = ModelSource { gguf: fixture_dir().join(gguf), model_dir: Some(fixture_dir()) };
-    let loaded = DecoderLetterModel::load(&source, &LoadOptions::default(), max_tokens).expect("model loads");
+    let source = ModelSource {
+        gguf: fixture_dir().join(gguf),
+        model_dir: Some(fixture_dir()),
+    };
+    let loaded = DecoderLetterModel::load(&source, &LoadOptions::default(), max_tokens)
+        .expect("model loads");
     (loaded.model, loaded.config)
 }
 
@@ -41,7 +45,10 @@ fn fixture_prompts() -> Vec<(usize, LetterPrompt)> {
                 .iter()
                 .filter_map(|p| {
                     let messages = p["messages"].as_array()?;
-                    if messages.len() != 2 || messages[0]["role"] != "system" || messages[1]["role"] != "user" {
+                    if messages.len() != 2
+                        || messages[0]["role"] != "system"
+                        || messages[1]["role"] != "user"
+                    {
                         return None;
                     }
                     let prompt = LetterPrompt {
@@ -58,7 +65,10 @@ fn fixture_prompts() -> Vec<(usize, LetterPrompt)> {
 
 fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
 }
 
 #[test]
@@ -87,15 +97,25 @@ fn letter_logits_match_transformers_for_every_fixture_prompt() {
         assert_eq!(ids, want_ids, "prompt {index}: token ids");
         total_tokens += ids.len() as u64;
 
-        let full = reference["prompts"][*index]["logits"].as_array().expect("reference logits");
-        let want: Vec<f64> = letter_ids.iter().map(|&id| full[id as usize].as_f64().expect("logit")).collect();
+        let full = reference["prompts"][*index]["logits"]
+            .as_array()
+            .expect("reference logits");
+        let want: Vec<f64> = letter_ids
+            .iter()
+            .map(|&id| full[id as usize].as_f64().expect("logit"))
+            .collect();
         let d = max_abs_diff(got, &want);
         worst = worst.max(d);
-        assert!(d < 1e-3, "prompt {index}: letter logits differ from transformers by {d}");
+        assert!(
+            d < 1e-3,
+            "prompt {index}: letter logits differ from transformers by {d}"
+        );
 
         // Read alone, the prompt gets bit for bit the letter logits it got in the batch: the decoder is
         // batch-invariant by construction (the product's exactness promise).
-        let alone = model.letter_logits(std::slice::from_ref(prompt)).expect("single read-out");
+        let alone = model
+            .letter_logits(std::slice::from_ref(prompt))
+            .expect("single read-out");
         assert_eq!(&alone.logits[0], got, "prompt {index}: alone vs batched");
     }
     assert_eq!(together.input_tokens, total_tokens);
@@ -106,9 +126,11 @@ fn letter_logits_match_transformers_for_every_fixture_prompt() {
 #[test]
 fn decide_reads_the_probabilities_off_the_letter_logits() {
     let (mut model, config) = load("tiny-Q8_0.gguf", 4096);
-    let body = std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/request.json"))
-        .expect("examples/request.json");
-    let request = DecisionRequest::parse(&body, &RequestDefaults::default()).expect("valid request");
+    let body =
+        std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/request.json"))
+            .expect("examples/request.json");
+    let request =
+        DecisionRequest::parse(&body, &RequestDefaults::default()).expect("valid request");
     let response = decide(&request, &config, &mut model).expect("decided");
     let json = serde_json::to_value(&response).expect("serializes");
 
@@ -126,18 +148,30 @@ fn decide_reads_the_probabilities_off_the_letter_logits() {
         match question.kind.as_str() {
             "noul" => {
                 let p_yes = answer["noul"].as_f64().expect("noul");
-                assert!((p_yes - probs[0]).abs() < 1e-12, "{}: {p_yes} vs {}", question.name, probs[0]);
+                assert!(
+                    (p_yes - probs[0]).abs() < 1e-12,
+                    "{}: {p_yes} vs {}",
+                    question.name,
+                    probs[0]
+                );
             }
             _ => {
                 let table = answer["probabilities"].as_object().expect("probabilities");
                 assert_eq!(table.len(), probs.len());
                 for (p, (_, got)) in probs.iter().zip(table) {
-                    assert!((p - got.as_f64().expect("p")).abs() < 1e-12, "{}", question.name);
+                    assert!(
+                        (p - got.as_f64().expect("p")).abs() < 1e-12,
+                        "{}",
+                        question.name
+                    );
                 }
             }
         }
     }
-    assert_eq!(json["usage"]["input_tokens"].as_u64(), Some(read.input_tokens));
+    assert_eq!(
+        json["usage"]["input_tokens"].as_u64(),
+        Some(read.input_tokens)
+    );
     assert_eq!(json["model"], "Qwen35 Tiny");
 }
 
@@ -156,7 +190,10 @@ fn a_prompt_over_the_limit_is_refused_naming_its_question() {
 
 #[test]
 fn load_errors_name_what_is_wrong() {
-    let missing = ModelSource { gguf: fixture_dir().join("no-such.gguf"), model_dir: None };
+    let missing = ModelSource {
+        gguf: fixture_dir().join("no-such.gguf"),
+        model_dir: None,
+    };
     match DecoderLetterModel::load(&missing, &LoadOptions::default(), 100) {
         Err(EngineError::Gguf { path, .. }) => assert!(path.ends_with("no-such.gguf")),
         Err(other) => panic!("unexpected error {other}"),
@@ -164,17 +201,29 @@ fn load_errors_name_what_is_wrong() {
     }
 
     // A decision_config.json whose letter ids disagree with the tokenizer is refused at load.
-    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("prism-engine-test-{}", std::process::id()));
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("prism-engine-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    for name in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"] {
+    for name in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "config.json",
+    ] {
         std::fs::copy(fixture_dir().join(name), dir.join(name)).expect("copy fixture file");
     }
     let (model, _) = load("tiny-Q8_0.gguf", 100);
     let mut ids: Vec<u32> = model.prompt_format().letter_ids().to_vec();
     ids.swap(0, 1);
-    std::fs::write(dir.join("decision_config.json"), serde_json::json!({ "letter_token_ids": ids }).to_string())
-        .expect("write config");
-    let source = ModelSource { gguf: fixture_dir().join("tiny-Q8_0.gguf"), model_dir: Some(dir.clone()) };
+    std::fs::write(
+        dir.join("decision_config.json"),
+        serde_json::json!({ "letter_token_ids": ids }).to_string(),
+    )
+    .expect("write config");
+    let source = ModelSource {
+        gguf: fixture_dir().join("tiny-Q8_0.gguf"),
+        model_dir: Some(dir.clone()),
+    };
     let result = DecoderLetterModel::load(&source, &LoadOptions::default(), 100);
     let _ = std::fs::remove_dir_all(&dir);
     match result {
@@ -192,26 +241,49 @@ fn questions_sharing_evidence_read_the_same_alone_or_together() {
     // prompts.json batch A (prompts 4-7) shares 286 tokens of evidence: the engine runs it once and
     // branches. Each question must read exactly what it reads alone, whatever else is in the batch.
     let (mut model, _) = load("tiny-Q8_0.gguf", 4096);
-    let batch: Vec<LetterPrompt> =
-        fixture_prompts().into_iter().filter(|(i, _)| (4..=7).contains(i)).map(|(_, p)| p).collect();
+    let batch: Vec<LetterPrompt> = fixture_prompts()
+        .into_iter()
+        .filter(|(i, _)| (4..=7).contains(i))
+        .map(|(_, p)| p)
+        .collect();
     assert_eq!(batch.len(), 4);
     let together = model.letter_logits(&batch).expect("batch read-out");
     let reversed: Vec<LetterPrompt> = batch.iter().rev().cloned().collect();
-    let backwards = model.letter_logits(&reversed).expect("reversed batch read-out");
+    let backwards = model
+        .letter_logits(&reversed)
+        .expect("reversed batch read-out");
     for (i, prompt) in batch.iter().enumerate() {
-        let alone = model.letter_logits(std::slice::from_ref(prompt)).expect("single read-out");
-        assert_eq!(alone.logits[0], together.logits[i], "prompt {i} alone vs together");
-        assert_eq!(backwards.logits[batch.len() - 1 - i], together.logits[i], "prompt {i} in reverse order");
+        let alone = model
+            .letter_logits(std::slice::from_ref(prompt))
+            .expect("single read-out");
+        assert_eq!(
+            alone.logits[0], together.logits[i],
+            "prompt {i} alone vs together"
+        );
+        assert_eq!(
+            backwards.logits[batch.len() - 1 - i],
+            together.logits[i],
+            "prompt {i} in reverse order"
+        );
     }
 }
 
 #[test]
 fn the_gguf_alone_serves_the_same_read_out() {
     // Without a model directory the tokenizer and chat template come from the GGUF's own metadata.
-    let source = ModelSource { gguf: fixture_dir().join("tiny-Q8_0.gguf"), model_dir: None };
-    let mut alone = DecoderLetterModel::load(&source, &LoadOptions::default(), 4096).expect("loads").model;
+    let source = ModelSource {
+        gguf: fixture_dir().join("tiny-Q8_0.gguf"),
+        model_dir: None,
+    };
+    let mut alone = DecoderLetterModel::load(&source, &LoadOptions::default(), 4096)
+        .expect("loads")
+        .model;
     let (mut with_dir, _) = load("tiny-Q8_0.gguf", 4096);
-    let prompts: Vec<LetterPrompt> = fixture_prompts().into_iter().take(3).map(|(_, p)| p).collect();
+    let prompts: Vec<LetterPrompt> = fixture_prompts()
+        .into_iter()
+        .take(3)
+        .map(|(_, p)| p)
+        .collect();
     let a = alone.letter_logits(&prompts).expect("read-out");
     let b = with_dir.letter_logits(&prompts).expect("read-out");
     assert_eq!(a.logits, b.logits);

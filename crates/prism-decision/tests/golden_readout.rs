@@ -12,7 +12,9 @@ use prism_decision::{decide, Answer, DecisionConfig, DecisionRequest, RequestDef
 const TOLERANCE: f64 = 1e-12;
 
 fn number(value: &PyValue) -> f64 {
-    value.as_f64().unwrap_or_else(|| panic!("not a number: {value}"))
+    value
+        .as_f64()
+        .unwrap_or_else(|| panic!("not a number: {value}"))
 }
 
 fn close(got: f64, want: f64) -> bool {
@@ -31,11 +33,23 @@ fn golden_confidences() {
         if get(case, "kind").as_str() != Some("confidence") {
             continue;
         }
-        let p: Vec<f64> = list(get(case, "probabilities")).iter().map(number).collect();
-        let (want_choice, want_score) = (number(get(case, "expect_choice")), number(get(case, "expect_score")));
+        let p: Vec<f64> = list(get(case, "probabilities"))
+            .iter()
+            .map(number)
+            .collect();
+        let (want_choice, want_score) = (
+            number(get(case, "expect_choice")),
+            number(get(case, "expect_score")),
+        );
         let (choice, score) = (choice_confidence(&p), score_confidence(&p));
-        assert!(close(choice, want_choice), "case {i}: choice confidence {choice} vs {want_choice}");
-        assert!(close(score, want_score), "case {i}: score confidence {score} vs {want_score}");
+        assert!(
+            close(choice, want_choice),
+            "case {i}: choice confidence {choice} vs {want_choice}"
+        );
+        assert!(
+            close(score, want_score),
+            "case {i}: score confidence {score} vs {want_score}"
+        );
         checked += 1;
     }
     assert_eq!(checked, 20);
@@ -64,24 +78,38 @@ fn golden_wide_choices_through_decide() {
         body.insert("state".into(), PyValue::Str("a catalogue".into()));
         body.insert("questions".into(), PyValue::Object(questions));
         body.insert("return_details".into(), PyValue::Bool(true));
-        let request = DecisionRequest::from_json(&PyValue::Object(body), &RequestDefaults::default()).unwrap();
+        let request =
+            DecisionRequest::from_json(&PyValue::Object(body), &RequestDefaults::default())
+                .unwrap();
 
         let mut config = DecisionConfig::default();
         config.temperature_by_type.choice = temperature;
-        let mut model = ShaModel { tokens_per_prompt: 7, ..Default::default() };
+        let mut model = ShaModel {
+            tokens_per_prompt: 7,
+            ..Default::default()
+        };
         let response = decide(&request, &config, &mut model).unwrap();
 
-        let Answer::Choice(answer) = response.answers.get("pick").expect("answer") else { panic!("not a choice") };
+        let Answer::Choice(answer) = response.answers.get("pick").expect("answer") else {
+            panic!("not a choice")
+        };
         assert_eq!(answer.probabilities.len(), ids.len(), "case {i}");
         assert_eq!(expect.len(), ids.len(), "case {i}");
         for (id, want) in expect.iter() {
-            let got = *answer.probabilities.get(id).unwrap_or_else(|| panic!("case {i}: no {id}"));
+            let got = *answer
+                .probabilities
+                .get(id)
+                .unwrap_or_else(|| panic!("case {i}: no {id}"));
             let want = number(want);
             worst = worst.max(rel_diff(got, want));
             assert!(close(got, want), "case {i}: {id}: {got} vs {want}");
         }
         // The chosen option is the most probable of the golden distribution.
-        let best = expect.iter().max_by(|a, b| number(a.1).total_cmp(&number(b.1))).unwrap().0;
+        let best = expect
+            .iter()
+            .max_by(|a, b| number(a.1).total_cmp(&number(b.1)))
+            .unwrap()
+            .0;
         assert_eq!(answer.choice, best, "case {i}");
 
         // Rounds: groups of <= 25 (all in one call), 3 kept from each, again while more than 26.

@@ -9,7 +9,9 @@ use common::{get, golden, list};
 use prism_decision::error::{ErrorClass, LocPart};
 use prism_decision::pyjson::PyValue;
 use prism_decision::render::{render_prompt, state_text};
-use prism_decision::{render_request, DecisionConfig, DecisionRequest, Question, ReadMode, RequestDefaults};
+use prism_decision::{
+    render_request, DecisionConfig, DecisionRequest, Question, ReadMode, RequestDefaults,
+};
 
 /// The question key the client used for a field that has an alias.
 fn key_used(question: &PyValue, name: &str, alias: &str) -> String {
@@ -43,23 +45,41 @@ fn golden_render_cases() {
             let criteria_key = key_used(spec, "criteria", "options");
             match message {
                 "instructions required" => {
-                    let errors = parsed.expect_err(&format!("case {i}: must be refused ({message})"));
+                    let errors =
+                        parsed.expect_err(&format!("case {i}: must be refused ({message})"));
                     let first = &errors.0[0];
-                    assert_eq!(first.path.0, path_parts(&["questions", "q", &instructions_key]), "case {i}: {first}");
+                    assert_eq!(
+                        first.path.0,
+                        path_parts(&["questions", "q", &instructions_key]),
+                        "case {i}: {first}"
+                    );
                     assert_eq!(errors.class(), ErrorClass::Malformed, "case {i}");
                 }
                 "score needs 2..10 levels" => {
-                    let errors = parsed.expect_err(&format!("case {i}: must be refused ({message})"));
+                    let errors =
+                        parsed.expect_err(&format!("case {i}: must be refused ({message})"));
                     assert_eq!(errors.0.len(), 1, "case {i}: {errors}");
-                    assert_eq!(errors.0[0].path.0, path_parts(&["questions", "q", &criteria_key]), "case {i}");
-                    assert!(errors.0[0].message.contains("more than 10 levels"), "case {i}: {errors}");
+                    assert_eq!(
+                        errors.0[0].path.0,
+                        path_parts(&["questions", "q", &criteria_key]),
+                        "case {i}"
+                    );
+                    assert!(
+                        errors.0[0].message.contains("more than 10 levels"),
+                        "case {i}: {errors}"
+                    );
                     // Well-formed but beyond the model: 422.
                     assert_eq!(errors.class(), ErrorClass::Unanswerable, "case {i}");
                 }
                 m if m.starts_with("bad option id") => {
-                    let errors = parsed.expect_err(&format!("case {i}: must be refused ({message})"));
+                    let errors =
+                        parsed.expect_err(&format!("case {i}: must be refused ({message})"));
                     let first = &errors.0[0];
-                    assert_eq!(first.path.0[..3], path_parts(&["questions", "q", &criteria_key])[..], "case {i}");
+                    assert_eq!(
+                        first.path.0[..3],
+                        path_parts(&["questions", "q", &criteria_key])[..],
+                        "case {i}"
+                    );
                     assert!(first.message.contains("line break"), "case {i}: {first}");
                     assert_eq!(errors.class(), ErrorClass::Malformed, "case {i}");
                 }
@@ -67,8 +87,13 @@ fn golden_render_cases() {
                     // A valid question for the engine (answered without the model); the prompt renderer
                     // refuses it as the reference does.
                     let question = parsed.unwrap_or_else(|e| panic!("case {i}: {e}"));
-                    let error = render_prompt(&state_text(state), &question).expect_err("one option is no prompt");
-                    assert_eq!(error.path.0, path_parts(&["questions", "q", "criteria"]), "case {i}");
+                    let error = render_prompt(&state_text(state), &question)
+                        .expect_err("one option is no prompt");
+                    assert_eq!(
+                        error.path.0,
+                        path_parts(&["questions", "q", "criteria"]),
+                        "case {i}"
+                    );
                     assert!(error.message.contains("got 1"), "case {i}: {error}");
                 }
                 other => panic!("case {i}: unexpected golden error {other:?}"),
@@ -77,10 +102,22 @@ fn golden_render_cases() {
         }
         rendered += 1;
         let question = parsed.unwrap_or_else(|e| panic!("case {i}: refused: {e}"));
-        let prompt = render_prompt(&state_text(state), &question).unwrap_or_else(|e| panic!("case {i}: {e}"));
-        assert_eq!(prompt.system, get(expect, "system").as_str().unwrap(), "case {i}: system");
-        assert_eq!(prompt.user, get(expect, "user").as_str().unwrap(), "case {i}: user");
-        let order: Vec<&str> = list(get(expect, "order")).iter().map(|v| v.as_str().unwrap()).collect();
+        let prompt = render_prompt(&state_text(state), &question)
+            .unwrap_or_else(|e| panic!("case {i}: {e}"));
+        assert_eq!(
+            prompt.system,
+            get(expect, "system").as_str().unwrap(),
+            "case {i}: system"
+        );
+        assert_eq!(
+            prompt.user,
+            get(expect, "user").as_str().unwrap(),
+            "case {i}: user"
+        );
+        let order: Vec<&str> = list(get(expect, "order"))
+            .iter()
+            .map(|v| v.as_str().unwrap())
+            .collect();
         assert_eq!(prompt.option_ids, order, "case {i}: order");
     }
     assert_eq!((rendered, refused), (45, 25));
@@ -98,9 +135,14 @@ fn golden_render_cases_as_requests() {
         let mut questions = prism_decision::pyjson::PyObject::new();
         questions.insert("q".into(), get(case, "question").clone());
         body.insert("questions".into(), PyValue::Object(questions));
-        let parsed = DecisionRequest::from_json(&PyValue::Object(body), &RequestDefaults::default());
+        let parsed =
+            DecisionRequest::from_json(&PyValue::Object(body), &RequestDefaults::default());
         let expect = get(case, "expect");
-        match expect.as_object().and_then(|e| e.get("error")).and_then(PyValue::as_str) {
+        match expect
+            .as_object()
+            .and_then(|e| e.get("error"))
+            .and_then(PyValue::as_str)
+        {
             Some("2..26 options required, got 1") => {
                 let request = parsed.unwrap_or_else(|e| panic!("case {i}: {e}"));
                 let rendered = render_request(&request, &config).unwrap();
@@ -109,16 +151,28 @@ fn golden_render_cases_as_requests() {
             }
             Some(message) => {
                 let error = parsed.expect_err(&format!("case {i}: must be refused ({message})"));
-                let status = if message.starts_with("score needs") { 422 } else { 400 };
+                let status = if message.starts_with("score needs") {
+                    422
+                } else {
+                    400
+                };
                 assert_eq!(error.status(), status, "case {i}: {error}");
                 let body = error.body();
-                assert_eq!(body.detail[0].loc[..3], path_parts(&["body", "questions", "q"])[..], "case {i}");
+                assert_eq!(
+                    body.detail[0].loc[..3],
+                    path_parts(&["body", "questions", "q"])[..],
+                    "case {i}"
+                );
             }
             None => {
                 let request = parsed.unwrap_or_else(|e| panic!("case {i}: {e}"));
                 let rendered = render_request(&request, &config).unwrap();
                 assert_eq!(rendered[0].mode, ReadMode::Single, "case {i}");
-                assert_eq!(rendered[0].prompts[0].user, get(expect, "user").as_str().unwrap(), "case {i}");
+                assert_eq!(
+                    rendered[0].prompts[0].user,
+                    get(expect, "user").as_str().unwrap(),
+                    "case {i}"
+                );
             }
         }
     }

@@ -15,12 +15,23 @@ use prism_model::{LoadOptions, Precision};
 
 fn load(file: &str, precision: Precision) -> DecoderLetterModel {
     // Tests keep their calibration cache in cargo's scratch directory, never in the user's.
-    std::env::set_var("PRISM_CACHE_DIR", PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("prism-cache"));
+    std::env::set_var(
+        "PRISM_CACHE_DIR",
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("prism-cache"),
+    );
     std::env::set_var("RAYON_NUM_THREADS", "1");
     let dir = fixture_path("qwen35-tiny");
-    let source = ModelSource { gguf: dir.join(file), model_dir: Some(dir) };
-    let options = LoadOptions { precision, ..LoadOptions::default() };
-    DecoderLetterModel::load(&source, &options, 32768).unwrap_or_else(|e| panic!("{file} {precision:?}: {e}")).model
+    let source = ModelSource {
+        gguf: dir.join(file),
+        model_dir: Some(dir),
+    };
+    let options = LoadOptions {
+        precision,
+        ..LoadOptions::default()
+    };
+    DecoderLetterModel::load(&source, &options, 32768)
+        .unwrap_or_else(|e| panic!("{file} {precision:?}: {e}"))
+        .model
 }
 
 /// The 45 rendered golden cases as read-out prompts.
@@ -35,7 +46,11 @@ fn golden_prompts() -> Vec<LetterPrompt> {
             let user = text("user")?;
             // The option count is all the read-out needs from the order.
             let n = list(expect.get("order")?).len();
-            Some(LetterPrompt { system, user, option_ids: (0..n).map(|i| i.to_string()).collect() })
+            Some(LetterPrompt {
+                system,
+                user,
+                option_ids: (0..n).map(|i| i.to_string()).collect(),
+            })
         })
         .collect()
 }
@@ -48,11 +63,21 @@ fn softmax(l: &[f64]) -> Vec<f64> {
 }
 
 fn best(p: &[f64]) -> usize {
-    p.iter().enumerate().fold((0, f64::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0
+    p.iter()
+        .enumerate()
+        .fold(
+            (0, f64::NEG_INFINITY),
+            |b, (i, &x)| if x > b.1 { (i, x) } else { b },
+        )
+        .0
 }
 
 /// (max |Δp|, mean |Δp|, same decision, prompts).
-fn drift(quant: &mut DecoderLetterModel, float: &mut DecoderLetterModel, prompts: &[LetterPrompt]) -> (f64, f64, usize, usize) {
+fn drift(
+    quant: &mut DecoderLetterModel,
+    float: &mut DecoderLetterModel,
+    prompts: &[LetterPrompt],
+) -> (f64, f64, usize, usize) {
     let q = quant.letter_logits(prompts).unwrap().logits;
     let f = float.letter_logits(prompts).unwrap().logits;
     let (mut max, mut sum, mut n, mut same) = (0f64, 0f64, 0usize, 0usize);
@@ -68,7 +93,12 @@ fn drift(quant: &mut DecoderLetterModel, float: &mut DecoderLetterModel, prompts
             // How close the f32 decision was: its top probability minus the runner-up's.
             let mut sorted = pb.clone();
             sorted.sort_by(|x, y| y.total_cmp(x));
-            println!("  decision differs; f32 margin {:.3}, quantized {:?} vs f32 {:?}", sorted[0] - sorted[1], best(&pa), best(&pb));
+            println!(
+                "  decision differs; f32 margin {:.3}, quantized {:?} vs f32 {:?}",
+                sorted[0] - sorted[1],
+                best(&pa),
+                best(&pb)
+            );
         }
     }
     (max, sum / n as f64, same, q.len())
@@ -84,9 +114,17 @@ fn fixture_chat_prompts() -> Vec<LetterPrompt> {
         .filter_map(|p| {
             let messages = p["messages"].as_array()?;
             let text = |role: &str| {
-                messages.iter().find(|m| m["role"] == role).and_then(|m| m["content"].as_str()).map(str::to_string)
+                messages
+                    .iter()
+                    .find(|m| m["role"] == role)
+                    .and_then(|m| m["content"].as_str())
+                    .map(str::to_string)
             };
-            Some(LetterPrompt { system: text("system")?, user: text("user")?, option_ids: (0..4).map(|i| i.to_string()).collect() })
+            Some(LetterPrompt {
+                system: text("system")?,
+                user: text("user")?,
+                option_ids: (0..4).map(|i| i.to_string()).collect(),
+            })
         })
         .collect()
 }
@@ -95,11 +133,17 @@ fn fixture_chat_prompts() -> Vec<LetterPrompt> {
 fn calibration_prompts_render() {
     let dir = fixture_path("qwen35-tiny");
     let gguf = prism_gguf::GgufFile::open(dir.join("tiny-Q8_0.gguf")).unwrap();
-    let format = prism_decision::chat_template::PromptFormat::load_from_model_dir(&dir, Some(&gguf)).unwrap();
+    let format =
+        prism_decision::chat_template::PromptFormat::load_from_model_dir(&dir, Some(&gguf))
+            .unwrap();
     let tokens = calibration_tokens(&format).unwrap();
     // 4 requests, 9 questions (3 + 2 + 2 + 2), one prompt each.
     assert_eq!((REQUESTS.len(), tokens.len()), (4, 9));
-    assert!(tokens.iter().all(|t| t.len() > 50), "{:?}", tokens.iter().map(Vec::len).collect::<Vec<_>>());
+    assert!(
+        tokens.iter().all(|t| t.len() > 50),
+        "{:?}",
+        tokens.iter().map(Vec::len).collect::<Vec<_>>()
+    );
 }
 
 /// ~20 s on 2 cores (4 models × 56 prompts): a measurement, run on demand with
@@ -133,6 +177,9 @@ fn int8_and_w4a8_read_outs_against_f32() {
         // 10/11, 43/45 and 9/11). The flips are not near-ties (f32 margins up to 0.6, printed): on
         // the fixture prompts this random model swings letter probabilities by ±0.3 under int8 noise,
         // with either range estimator (finer activation formats flip fewer: examples/int8_schemes.rs).
-        assert!(g.2 + 3 >= g.3 && c.2 + 4 >= c.3, "{file}: decisions {g:?} {c:?}");
+        assert!(
+            g.2 + 3 >= g.3 && c.2 + 4 >= c.3,
+            "{file}: decisions {g:?} {c:?}"
+        );
     }
 }

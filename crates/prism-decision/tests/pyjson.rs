@@ -46,7 +46,10 @@ fn numbers_print_back_as_python_does() {
         ("100000000000000000000", "100000000000000000000"),
         ("9007199254740993", "9007199254740993"),
         ("123456789012345678", "123456789012345678"),
-        ("123456789012345678901234567890", "123456789012345678901234567890"),
+        (
+            "123456789012345678901234567890",
+            "123456789012345678901234567890",
+        ),
         ("-0", "0"),
         ("0", "0"),
         ("-12", "-12"),
@@ -75,8 +78,7 @@ fn float_repr_matches_python_repr() {
 
 #[test]
 fn strings_escape_like_ensure_ascii_false() {
-    let text =
-        r#"{"s": "q\"b\\s\n\r\t\b\f\u0001\u001f\u007f\u00e9\ud83d\ude80\/ ü東", "k": [NaN, Infinity, -Infinity]}"#;
+    let text = r#"{"s": "q\"b\\s\n\r\t\b\f\u0001\u001f\u007f\u00e9\ud83d\ude80\/ ü東", "k": [NaN, Infinity, -Infinity]}"#;
     assert_eq!(
         roundtrip(text),
         "{\"s\": \"q\\\"b\\\\s\\n\\r\\t\\b\\f\\u0001\\u001f\u{7f}é🚀/ ü東\", \"k\": [NaN, Infinity, -Infinity]}"
@@ -90,7 +92,10 @@ fn key_order_is_kept_and_duplicates_keep_the_first_position() {
         r#"{"z": 1, "a": 2, "m": {"y": [], "b": {}}}"#
     );
     // A Python dict: the last value wins, at the first key's position.
-    assert_eq!(roundtrip(r#"{"a": 1, "b": 2, "a": 3}"#), r#"{"a": 3, "b": 2}"#);
+    assert_eq!(
+        roundtrip(r#"{"a": 1, "b": 2, "a": 3}"#),
+        r#"{"a": 3, "b": 2}"#
+    );
     let mut object = PyObject::new();
     object.insert("x".into(), PyValue::Null);
     object.insert("y".into(), PyValue::Bool(true));
@@ -105,7 +110,10 @@ fn whitespace_and_separators() {
     assert_eq!(roundtrip("\"plain\""), "\"plain\"");
     assert_eq!(roundtrip("null"), "null");
     // A UTF-8 byte-order mark is skipped, as json.loads(bytes) does.
-    assert_eq!(dumps(&parse_bytes(b"\xEF\xBB\xBF[true]").unwrap()), "[true]");
+    assert_eq!(
+        dumps(&parse_bytes(b"\xEF\xBB\xBF[true]").unwrap()),
+        "[true]"
+    );
 }
 
 #[test]
@@ -124,14 +132,28 @@ fn malformed_json_is_refused_with_its_position() {
         ("-", "Expecting value", 1, 1),
         ("1e", "Extra data", 1, 2),
         ("\"\\x\"", "Invalid \\escape", 1, 2),
-        ("{\n  \"a\": 1,\n  \"b\" 2}", "Expecting ':' delimiter", 3, 7),
+        (
+            "{\n  \"a\": 1,\n  \"b\" 2}",
+            "Expecting ':' delimiter",
+            3,
+            7,
+        ),
         ("\"a\u{1}b\"", "Invalid control character at", 1, 3),
-        ("{'a': 1}", "Expecting property name enclosed in double quotes", 1, 2),
+        (
+            "{'a': 1}",
+            "Expecting property name enclosed in double quotes",
+            1,
+            2,
+        ),
     ];
     for (text, message, line, column) in cases {
         let error = parse(text).expect_err(text);
         assert!(error.message.starts_with(message), "{text:?}: {error}");
-        assert_eq!((error.line, error.column), (line, column), "{text:?}: {error}");
+        assert_eq!(
+            (error.line, error.column),
+            (line, column),
+            "{text:?}: {error}"
+        );
     }
     // Trailing commas are refused (Python 3.13 names them; 3.11 says "Expecting value").
     assert!(parse("[1,]").is_err());
@@ -143,7 +165,12 @@ fn malformed_json_is_refused_with_its_position() {
 
 #[test]
 fn lone_surrogates_and_bad_utf8_are_refused() {
-    for text in [r#""\ud83d""#, r#""\ude80""#, r#""\ud83d\u0041""#, r#""\ud83dx""#] {
+    for text in [
+        r#""\ud83d""#,
+        r#""\ude80""#,
+        r#""\ud83d\u0041""#,
+        r#""\ud83dx""#,
+    ] {
         let error = parse(text).expect_err(text);
         assert!(error.message.contains("surrogate"), "{text}: {error}");
     }
@@ -158,14 +185,20 @@ fn nesting_and_integer_size_are_bounded() {
     let deepest = parse(&deep_ok).unwrap();
     // The recursive walks of the renderer stay within a test thread's stack at the deepest nesting.
     let text = prism_decision::render::state_text(&deepest);
-    assert!(text.starts_with(&"[".repeat(MAX_DEPTH - 1)) && text.contains("{\"_index\": 7, \"value\": 8}"));
+    assert!(
+        text.starts_with(&"[".repeat(MAX_DEPTH - 1))
+            && text.contains("{\"_index\": 7, \"value\": 8}")
+    );
     let too_deep = "[".repeat(MAX_DEPTH + 1) + &"]".repeat(MAX_DEPTH + 1);
     assert!(parse(&too_deep).unwrap_err().message.contains("Nesting"));
     let deep_objects = "{\"a\": ".repeat(100_000);
     assert!(parse(&deep_objects).is_err());
     // CPython refuses int literals over 4300 digits.
     assert!(parse(&"7".repeat(4300)).is_ok());
-    assert!(parse(&"7".repeat(4301)).unwrap_err().message.contains("4300"));
+    assert!(parse(&"7".repeat(4301))
+        .unwrap_err()
+        .message
+        .contains("4300"));
 }
 
 #[test]

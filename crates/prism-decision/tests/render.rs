@@ -3,7 +3,8 @@
 
 use prism_decision::pyjson::{parse, PyValue};
 use prism_decision::render::{
-    annotate_long_arrays, is_bare_id, option_labels, render_prompt, state_text, user_text, SYSTEM_PROMPT,
+    annotate_long_arrays, is_bare_id, option_labels, render_prompt, state_text, user_text,
+    SYSTEM_PROMPT,
 };
 use prism_decision::Question;
 
@@ -40,22 +41,36 @@ fn arrays_of_eight_or_more_items_are_annotated_at_every_depth() {
     // Items of an annotated array are annotated inside too; an object item keeps its keys after `_index`.
     let nested = parse("[[1,2,3,4,5,6,7,8],2,3,4,5,6,7,{\"k\": [0,0,0,0,0,0,0,0]}]").unwrap();
     let annotated = annotate_long_arrays(&nested);
-    let PyValue::Array(items) = &annotated else { panic!() };
+    let PyValue::Array(items) = &annotated else {
+        panic!()
+    };
     assert_eq!(items.len(), 8);
-    assert!(items[0].dumps().starts_with("{\"_index\": 0, \"value\": [{\"_index\": 0, \"value\": 1}, "));
-    assert!(items[7].dumps().starts_with("{\"_index\": 7, \"k\": [{\"_index\": 0, \"value\": 0}, "));
+    assert!(items[0]
+        .dumps()
+        .starts_with("{\"_index\": 0, \"value\": [{\"_index\": 0, \"value\": 1}, "));
+    assert!(items[7]
+        .dumps()
+        .starts_with("{\"_index\": 7, \"k\": [{\"_index\": 0, \"value\": 0}, "));
     // An item with its own `_index` keeps it, in first position (a Python dict {"_index": i, **item}).
     let own = parse("[{\"a\": 1, \"_index\": \"mine\"},{},{},{},{},{},{},{}]").unwrap();
     let text = annotate_long_arrays(&own).dumps();
-    assert!(text.starts_with("[{\"_index\": \"mine\", \"a\": 1}, {\"_index\": 1}, "), "{text}");
+    assert!(
+        text.starts_with("[{\"_index\": \"mine\", \"a\": 1}, {\"_index\": 1}, "),
+        "{text}"
+    );
 }
 
 #[test]
 fn bare_ids() {
-    for id in ["A", "z", "(b)", "3.", "12", "option_2", "opt 1", "Option A", "[c]", "d)", "choice-4", "(0)", "7:"] {
+    for id in [
+        "A", "z", "(b)", "3.", "12", "option_2", "opt 1", "Option A", "[c]", "d)", "choice-4",
+        "(0)", "7:",
+    ] {
         assert!(is_bare_id(id), "{id}");
     }
-    for id in ["label 0", "AB", "a1", "option", "opt", "high", "1.5", "", "(", "team_a"] {
+    for id in [
+        "label 0", "AB", "a1", "option", "opt", "high", "1.5", "", "(", "team_a",
+    ] {
         assert!(!is_bare_id(id), "{id}");
     }
 }
@@ -75,15 +90,25 @@ fn option_lines() {
         ["A: first", "B"]
     );
     assert_eq!(
-        labels(r#"{"type": "choice", "instructions": "x", "criteria": {"1.": "first", "(2)": ["a", 1]}}"#),
+        labels(
+            r#"{"type": "choice", "instructions": "x", "criteria": {"1.": "first", "(2)": ["a", 1]}}"#
+        ),
         ["first", "[\"a\", 1]"]
     );
     // Noul shows yes/no; a description that only says yes/no (or true/false) adds nothing.
-    assert_eq!(labels(r#"{"type": "noul", "criteria": {"false": "No", "true": "TRUE"}}"#), ["yes", "no"]);
-    assert_eq!(labels(r#"{"type": "bool", "criteria": {"false": "It can wait"}}"#), ["yes", "no: It can wait"]);
+    assert_eq!(
+        labels(r#"{"type": "noul", "criteria": {"false": "No", "true": "TRUE"}}"#),
+        ["yes", "no"]
+    );
+    assert_eq!(
+        labels(r#"{"type": "bool", "criteria": {"false": "It can wait"}}"#),
+        ["yes", "no: It can wait"]
+    );
     // Score levels are numbered; non-string levels are JSON.
     assert_eq!(
-        labels(r#"{"type": "score", "instructions": "x", "criteria": ["0", {"level": "mid"}, "high"]}"#),
+        labels(
+            r#"{"type": "score", "instructions": "x", "criteria": ["0", {"level": "mid"}, "high"]}"#
+        ),
         ["0", "1: {\"level\": \"mid\"}", "2: high"]
     );
 }
@@ -97,20 +122,31 @@ fn prompt_layout() {
     .unwrap();
     let prompt = render_prompt("E", &question).unwrap();
     assert_eq!(prompt.system, SYSTEM_PROMPT);
-    assert_eq!(prompt.user, "Evidence:\nE\n\nQuestion: Which?\nOptions:\nA) x\nB) y");
+    assert_eq!(
+        prompt.user,
+        "Evidence:\nE\n\nQuestion: Which?\nOptions:\nA) x\nB) y"
+    );
     assert_eq!(prompt.option_ids, ["x", "y"]);
-    assert_eq!(user_text("s", "i", &[]), "Evidence:\ns\n\nQuestion: i\nOptions:");
+    assert_eq!(
+        user_text("s", "i", &[]),
+        "Evidence:\ns\n\nQuestion: i\nOptions:"
+    );
     // JSON instructions render as JSON text.
-    let question =
-        Question::from_json("q", &parse(r#"{"type": "noul", "instructions": {"task": "Is it spam?"}}"#).unwrap())
-            .unwrap();
+    let question = Question::from_json(
+        "q",
+        &parse(r#"{"type": "noul", "instructions": {"task": "Is it spam?"}}"#).unwrap(),
+    )
+    .unwrap();
     assert_eq!(question.instructions, "{\"task\": \"Is it spam?\"}");
 }
 
 #[test]
 fn prompts_take_two_to_twenty_six_options() {
     let ids: Vec<String> = (0..27).map(|i| format!("\"o{i}\"")).collect();
-    let spec = format!(r#"{{"type": "choice", "instructions": "x", "criteria": [{}]}}"#, ids.join(", "));
+    let spec = format!(
+        r#"{{"type": "choice", "instructions": "x", "criteria": [{}]}}"#,
+        ids.join(", ")
+    );
     let question = Question::from_json("wide", &parse(&spec).unwrap()).unwrap();
     let error = render_prompt("s", &question).unwrap_err();
     assert_eq!(error.path.to_string(), "questions.wide.criteria");

@@ -844,7 +844,8 @@ fn missing_and_corrupt_tokenizer_json_are_typed_errors() {
         .unwrap();
 
     // A bad tokenizer_config.json next to a good tokenizer.json.
-    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("prism-tok-badcfg-{}", std::process::id()));
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("prism-tok-badcfg-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("tokenizer.json"), &good).unwrap();
     std::fs::write(dir.join("tokenizer_config.json"), b"{\"eos_token\": 5}").unwrap();
@@ -1123,7 +1124,8 @@ fn bad_rank_files_are_typed_errors() {
         PromptTokenizer::from_tiktoken_file(Path::new("/nonexistent/x.tiktoken"), &[]).unwrap_err();
     assert!(matches!(err, TokenizerError::MissingFile { .. }), "{err}");
 
-    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("prism-tok-ranks-{}", std::process::id()));
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("prism-tok-ranks-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("bad.tiktoken");
     std::fs::write(&path, "IQ== 0\nIg== 1\n!!!! 2\n").unwrap();

@@ -12,7 +12,14 @@ fn parse(body: &str) -> Result<DecisionRequest, DecisionError> {
 /// The status and the field paths of a refused body.
 fn refusal(body: &str) -> (u16, Vec<String>) {
     let error = parse(body).expect_err(body);
-    (error.status(), error.field_errors().iter().map(|e| e.path.to_string()).collect())
+    (
+        error.status(),
+        error
+            .field_errors()
+            .iter()
+            .map(|e| e.path.to_string())
+            .collect(),
+    )
 }
 
 fn with_question(question: &str) -> String {
@@ -28,48 +35,148 @@ fn a_full_request_with_defaults() {
             "risk": {"type": "score", "question": "Risk?", "options": ["low", "high"]}}}"#,
     )
     .unwrap();
-    assert_eq!(request.questions.iter().map(|q| q.name.as_str()).collect::<Vec<_>>(), ["team", "urgent", "risk"]);
     assert_eq!(
-        (request.think_mode, request.gate, request.mix, request.think_budget),
+        request
+            .questions
+            .iter()
+            .map(|q| q.name.as_str())
+            .collect::<Vec<_>>(),
+        ["team", "urgent", "risk"]
+    );
+    assert_eq!(
+        (
+            request.think_mode,
+            request.gate,
+            request.mix,
+            request.think_budget
+        ),
         (ThinkMode::Auto, 0.6, 0.75, 4096)
     );
-    assert!(request.none_check && request.allow_none && !request.return_details && !request.return_thought);
+    assert!(
+        request.none_check
+            && request.allow_none
+            && !request.return_details
+            && !request.return_thought
+    );
     assert_eq!(request.model.as_deref(), Some("jev-latest"));
-    assert_eq!(request.questions[1].instructions, "Which answer fits the evidence?");
-    assert_eq!(request.questions[2].options.iter().map(|o| o.id.as_str()).collect::<Vec<_>>(), ["0", "1"]);
+    assert_eq!(
+        request.questions[1].instructions,
+        "Which answer fits the evidence?"
+    );
+    assert_eq!(
+        request.questions[2]
+            .options
+            .iter()
+            .map(|o| o.id.as_str())
+            .collect::<Vec<_>>(),
+        ["0", "1"]
+    );
 
     // A server's defaults fill what the request leaves out; explicit values win.
-    let defaults = RequestDefaults { gate: 0.9, none_check: false, ..RequestDefaults::default() };
-    let body =
-        r#"{"state": "", "questions": {"q": {"type": "noul"}}, "mix": 0, "think_mode": "never", "think_budget": 12}"#;
+    let defaults = RequestDefaults {
+        gate: 0.9,
+        none_check: false,
+        ..RequestDefaults::default()
+    };
+    let body = r#"{"state": "", "questions": {"q": {"type": "noul"}}, "mix": 0, "think_mode": "never", "think_budget": 12}"#;
     let request = DecisionRequest::parse(body.as_bytes(), &defaults).unwrap();
-    assert_eq!((request.gate, request.none_check, request.mix), (0.9, false, 0.0));
-    assert_eq!((request.think_mode, request.think_budget), (ThinkMode::Never, 12));
+    assert_eq!(
+        (request.gate, request.none_check, request.mix),
+        (0.9, false, 0.0)
+    );
+    assert_eq!(
+        (request.think_mode, request.think_budget),
+        (ThinkMode::Never, 12)
+    );
 }
 
 #[test]
 fn top_level_fields() {
-    assert_eq!(refusal(r#"{"questions": {"q": {"type": "noul"}}}"#), (400, vec!["state".into()]));
-    assert_eq!(refusal(r#"{"state": "s"}"#), (400, vec!["questions".into()]));
-    assert_eq!(refusal(r#"{"state": "s", "questions": {}}"#), (400, vec!["questions".into()]));
-    assert_eq!(refusal(r#"{"state": "s", "questions": []}"#), (400, vec!["questions".into()]));
+    assert_eq!(
+        refusal(r#"{"questions": {"q": {"type": "noul"}}}"#),
+        (400, vec!["state".into()])
+    );
+    assert_eq!(
+        refusal(r#"{"state": "s"}"#),
+        (400, vec!["questions".into()])
+    );
+    assert_eq!(
+        refusal(r#"{"state": "s", "questions": {}}"#),
+        (400, vec!["questions".into()])
+    );
+    assert_eq!(
+        refusal(r#"{"state": "s", "questions": []}"#),
+        (400, vec!["questions".into()])
+    );
     assert_eq!(refusal(r#"[1]"#), (400, vec!["body".into()]));
     let q = r#""questions": {"q": {"type": "noul"}}"#;
     let cases = [
-        (format!(r#"{{"state": "s", {q}, "think_mod": "auto"}}"#), 400, "think_mod"),
-        (format!(r#"{{"state": "s", {q}, "think_mode": "sometimes"}}"#), 400, "think_mode"),
-        (format!(r#"{{"state": "s", {q}, "gate": 1.5}}"#), 400, "gate"),
-        (format!(r#"{{"state": "s", {q}, "gate": "0.5"}}"#), 400, "gate"),
+        (
+            format!(r#"{{"state": "s", {q}, "think_mod": "auto"}}"#),
+            400,
+            "think_mod",
+        ),
+        (
+            format!(r#"{{"state": "s", {q}, "think_mode": "sometimes"}}"#),
+            400,
+            "think_mode",
+        ),
+        (
+            format!(r#"{{"state": "s", {q}, "gate": 1.5}}"#),
+            400,
+            "gate",
+        ),
+        (
+            format!(r#"{{"state": "s", {q}, "gate": "0.5"}}"#),
+            400,
+            "gate",
+        ),
         (format!(r#"{{"state": "s", {q}, "mix": -0.1}}"#), 400, "mix"),
-        (format!(r#"{{"state": "s", {q}, "think_budget": -1}}"#), 400, "think_budget"),
-        (format!(r#"{{"state": "s", {q}, "think_budget": 10.0}}"#), 400, "think_budget"),
-        (format!(r#"{{"state": "s", {q}, "none_check": "yes"}}"#), 400, "none_check"),
-        (format!(r#"{{"state": "s", {q}, "return_details": 1}}"#), 400, "return_details"),
-        (format!(r#"{{"state": "s", {q}, "model": 3}}"#), 400, "model"),
-        (format!(r#"{{"state": "s", {q}, "images": "abc"}}"#), 400, "images"),
-        (format!(r#"{{"state": "s", {q}, "images": ["a", 2]}}"#), 400, "images[1]"),
-        (format!(r#"{{"state": "s", {q}, "images": ["a","a","a","a","a","a","a","a","a"]}}"#), 422, "images"),
-        (format!(r#"{{"state": "s", {q}, "assets": {{"x": {{}}}}}}"#), 422, "assets"),
+        (
+            format!(r#"{{"state": "s", {q}, "think_budget": -1}}"#),
+            400,
+            "think_budget",
+        ),
+        (
+            format!(r#"{{"state": "s", {q}, "think_budget": 10.0}}"#),
+            400,
+            "think_budget",
+        ),
+        (
+            format!(r#"{{"state": "s", {q}, "none_check": "yes"}}"#),
+            400,
+            "none_check",
+        ),
+        (
+            format!(r#"{{"state": "s", {q}, "return_details": 1}}"#),
+            400,
+            "return_details",
+        ),
+        (
+            format!(r#"{{"state": "s", {q}, "model": 3}}"#),
+            400,
+            "model",
+        ),
+        (
+            format!(r#"{{"state": "s", {q}, "images": "abc"}}"#),
+            400,
+            "images",
+        ),
+        (
+            format!(r#"{{"state": "s", {q}, "images": ["a", 2]}}"#),
+            400,
+            "images[1]",
+        ),
+        (
+            format!(r#"{{"state": "s", {q}, "images": ["a","a","a","a","a","a","a","a","a"]}}"#),
+            422,
+            "images",
+        ),
+        (
+            format!(r#"{{"state": "s", {q}, "assets": {{"x": {{}}}}}}"#),
+            422,
+            "assets",
+        ),
     ];
     for (body, status, path) in cases {
         assert_eq!(refusal(&body), (status, vec![path.to_string()]), "{body}");
@@ -83,29 +190,77 @@ fn top_level_fields() {
 fn question_fields() {
     let cases = [
         (r#"{"instructions": "x"}"#, 400, "questions.team.type"),
-        (r#"{"type": "multiple", "instructions": "x"}"#, 400, "questions.team.type"),
-        (r#"{"type": "box", "instructions": "the dog"}"#, 422, "questions.team.type"),
+        (
+            r#"{"type": "multiple", "instructions": "x"}"#,
+            400,
+            "questions.team.type",
+        ),
+        (
+            r#"{"type": "box", "instructions": "the dog"}"#,
+            422,
+            "questions.team.type",
+        ),
         (
             r#"{"type": "choice", "instructions": "x", "criteria": ["a", "b"], "weight": 2}"#,
             400,
             "questions.team.weight",
         ),
         (r#"[1]"#, 400, "questions.team"),
-        (r#"{"type": "choice", "criteria": ["a", "b"]}"#, 400, "questions.team.instructions"),
-        (r#"{"type": "choice", "question": " ", "criteria": ["a", "b"]}"#, 400, "questions.team.question"),
-        (r#"{"type": "choice", "instructions": 3, "criteria": ["a", "b"]}"#, 400, "questions.team.instructions"),
+        (
+            r#"{"type": "choice", "criteria": ["a", "b"]}"#,
+            400,
+            "questions.team.instructions",
+        ),
+        (
+            r#"{"type": "choice", "question": " ", "criteria": ["a", "b"]}"#,
+            400,
+            "questions.team.question",
+        ),
+        (
+            r#"{"type": "choice", "instructions": 3, "criteria": ["a", "b"]}"#,
+            400,
+            "questions.team.instructions",
+        ),
         (
             r#"{"type": "choice", "instructions": "x", "question": "y", "criteria": ["a", "b"]}"#,
             400,
             "questions.team.question",
         ),
-        (r#"{"type": "choice", "instructions": "x"}"#, 400, "questions.team.criteria"),
-        (r#"{"type": "choice", "instructions": "x", "criteria": {}}"#, 400, "questions.team.criteria"),
-        (r#"{"type": "choice", "instructions": "x", "options": []}"#, 400, "questions.team.options"),
-        (r#"{"type": "choice", "instructions": "x", "criteria": "a,b"}"#, 400, "questions.team.criteria"),
-        (r#"{"type": "choice", "instructions": "x", "criteria": ["a", "a"]}"#, 400, "questions.team.criteria[1]"),
-        (r#"{"type": "choice", "instructions": "x", "criteria": ["a", 2]}"#, 400, "questions.team.criteria[1]"),
-        (r#"{"type": "choice", "instructions": "x", "criteria": ["a", ""]}"#, 400, "questions.team.criteria[1]"),
+        (
+            r#"{"type": "choice", "instructions": "x"}"#,
+            400,
+            "questions.team.criteria",
+        ),
+        (
+            r#"{"type": "choice", "instructions": "x", "criteria": {}}"#,
+            400,
+            "questions.team.criteria",
+        ),
+        (
+            r#"{"type": "choice", "instructions": "x", "options": []}"#,
+            400,
+            "questions.team.options",
+        ),
+        (
+            r#"{"type": "choice", "instructions": "x", "criteria": "a,b"}"#,
+            400,
+            "questions.team.criteria",
+        ),
+        (
+            r#"{"type": "choice", "instructions": "x", "criteria": ["a", "a"]}"#,
+            400,
+            "questions.team.criteria[1]",
+        ),
+        (
+            r#"{"type": "choice", "instructions": "x", "criteria": ["a", 2]}"#,
+            400,
+            "questions.team.criteria[1]",
+        ),
+        (
+            r#"{"type": "choice", "instructions": "x", "criteria": ["a", ""]}"#,
+            400,
+            "questions.team.criteria[1]",
+        ),
         (
             r#"{"type": "choice", "instructions": "x", "criteria": {"a": "", " ": "blank"}}"#,
             400,
@@ -121,11 +276,31 @@ fn question_fields() {
             400,
             "questions.team.options",
         ),
-        (r#"{"type": "noul", "criteria": {"true": "y", "maybe": "m"}}"#, 400, "questions.team.criteria.maybe"),
-        (r#"{"type": "noul", "criteria": ["true", "false"]}"#, 400, "questions.team.criteria"),
-        (r#"{"type": "score", "instructions": "x", "criteria": ["only"]}"#, 400, "questions.team.criteria"),
-        (r#"{"type": "score", "instructions": "x", "criteria": ["a", null]}"#, 400, "questions.team.criteria[1]"),
-        (r#"{"type": "score", "instructions": "x", "criteria": "low..high"}"#, 400, "questions.team.criteria"),
+        (
+            r#"{"type": "noul", "criteria": {"true": "y", "maybe": "m"}}"#,
+            400,
+            "questions.team.criteria.maybe",
+        ),
+        (
+            r#"{"type": "noul", "criteria": ["true", "false"]}"#,
+            400,
+            "questions.team.criteria",
+        ),
+        (
+            r#"{"type": "score", "instructions": "x", "criteria": ["only"]}"#,
+            400,
+            "questions.team.criteria",
+        ),
+        (
+            r#"{"type": "score", "instructions": "x", "criteria": ["a", null]}"#,
+            400,
+            "questions.team.criteria[1]",
+        ),
+        (
+            r#"{"type": "score", "instructions": "x", "criteria": "low..high"}"#,
+            400,
+            "questions.team.criteria",
+        ),
         (
             r#"{"type": "score", "instructions": "x", "criteria": [0,1,2,3,4,5,6,7,8,9,10]}"#,
             422,
@@ -133,22 +308,47 @@ fn question_fields() {
         ),
     ];
     for (question, status, path) in cases {
-        assert_eq!(refusal(&with_question(question)), (status, vec![path.to_string()]), "{question}");
+        assert_eq!(
+            refusal(&with_question(question)),
+            (status, vec![path.to_string()]),
+            "{question}"
+        );
     }
     // Ids: 200 characters are fine, 201 are not.
-    let ok = format!(r#"{{"type": "choice", "instructions": "x", "criteria": ["{}", "b"]}}"#, "é".repeat(200));
-    assert!(parse(&with_question(&ok)).is_ok());
-    let long = format!(r#"{{"type": "choice", "instructions": "x", "criteria": ["{}", "b"]}}"#, "é".repeat(201));
-    assert_eq!(refusal(&with_question(&long)), (400, vec!["questions.team.criteria[0]".to_string()]));
-    // Ten levels are fine.
-    assert!(
-        parse(&with_question(r#"{"type": "score", "instructions": "x", "criteria": [0,1,2,3,4,5,6,7,8,9]}"#)).is_ok()
+    let ok = format!(
+        r#"{{"type": "choice", "instructions": "x", "criteria": ["{}", "b"]}}"#,
+        "é".repeat(200)
     );
+    assert!(parse(&with_question(&ok)).is_ok());
+    let long = format!(
+        r#"{{"type": "choice", "instructions": "x", "criteria": ["{}", "b"]}}"#,
+        "é".repeat(201)
+    );
+    assert_eq!(
+        refusal(&with_question(&long)),
+        (400, vec!["questions.team.criteria[0]".to_string()])
+    );
+    // Ten levels are fine.
+    assert!(parse(&with_question(
+        r#"{"type": "score", "instructions": "x", "criteria": [0,1,2,3,4,5,6,7,8,9]}"#
+    ))
+    .is_ok());
     // One option and many options are valid for the engine (self-answered / wide choice).
-    assert!(parse(&with_question(r#"{"type": "choice", "instructions": "x", "criteria": {"only": null}}"#)).is_ok());
+    assert!(parse(&with_question(
+        r#"{"type": "choice", "instructions": "x", "criteria": {"only": null}}"#
+    ))
+    .is_ok());
     let many: Vec<String> = (0..300).map(|i| format!("\"o{i}\"")).collect();
-    let wide = format!(r#"{{"type": "choice", "instructions": "x", "criteria": [{}]}}"#, many.join(","));
-    assert_eq!(parse(&with_question(&wide)).unwrap().questions[0].options.len(), 300);
+    let wide = format!(
+        r#"{{"type": "choice", "instructions": "x", "criteria": [{}]}}"#,
+        many.join(",")
+    );
+    assert_eq!(
+        parse(&with_question(&wide)).unwrap().questions[0]
+            .options
+            .len(),
+        300
+    );
 }
 
 #[test]
@@ -157,15 +357,22 @@ fn score_dicts_are_ordered_by_numeric_key() {
         r#"{"type": "score", "instructions": "x", "criteria": {"10": "ten", "2": "two", "9": "nine", "0": "zero"}}"#,
     ))
     .unwrap();
-    let levels: Vec<String> =
-        request.questions[0].options.iter().map(|o| o.description.as_ref().unwrap().dumps()).collect();
+    let levels: Vec<String> = request.questions[0]
+        .options
+        .iter()
+        .map(|o| o.description.as_ref().unwrap().dumps())
+        .collect();
     assert_eq!(levels, ["\"zero\"", "\"two\"", "\"nine\"", "\"ten\""]);
     // Not all numeric: the client's order (as the reference keeps {"b": .., "a": ..}).
-    let request =
-        parse(&with_question(r#"{"type": "score", "instructions": "x", "criteria": {"b": "bee", "1": "one"}}"#))
-            .unwrap();
-    let levels: Vec<String> =
-        request.questions[0].options.iter().map(|o| o.description.as_ref().unwrap().dumps()).collect();
+    let request = parse(&with_question(
+        r#"{"type": "score", "instructions": "x", "criteria": {"b": "bee", "1": "one"}}"#,
+    ))
+    .unwrap();
+    let levels: Vec<String> = request.questions[0]
+        .options
+        .iter()
+        .map(|o| o.description.as_ref().unwrap().dumps())
+        .collect();
     assert_eq!(levels, ["\"bee\"", "\"one\""]);
 }
 
@@ -176,17 +383,25 @@ fn malformed_wins_over_unanswerable_and_every_error_is_listed() {
         "b": {"type": "choice", "instructions": "", "criteria": ["x", "y"]}}}"#;
     let error = parse(body).unwrap_err();
     assert_eq!(error.status(), 400);
-    let paths: Vec<String> = error.field_errors().iter().map(|e| e.path.to_string()).collect();
+    let paths: Vec<String> = error
+        .field_errors()
+        .iter()
+        .map(|e| e.path.to_string())
+        .collect();
     assert_eq!(paths, ["questions.a.criteria", "questions.b.instructions"]);
     // The message leads with the malformed field.
-    assert!(error.to_string().starts_with("questions.b.instructions: "), "{error}");
+    assert!(
+        error.to_string().starts_with("questions.b.instructions: "),
+        "{error}"
+    );
 }
 
 #[test]
 fn error_body_shape() {
-    let error =
-        parse(&with_question(r#"{"type": "score", "instructions": "x", "criteria": [0,1,2,3,4,5,6,7,8,9,10]}"#))
-            .unwrap_err();
+    let error = parse(&with_question(
+        r#"{"type": "score", "instructions": "x", "criteria": [0,1,2,3,4,5,6,7,8,9,10]}"#,
+    ))
+    .unwrap_err();
     let body = serde_json::to_value(error.body()).unwrap();
     assert_eq!(
         body,
@@ -199,7 +414,10 @@ fn error_body_shape() {
             }]
         })
     );
-    let error = parse(&with_question(r#"{"type": "choice", "instructions": "x", "criteria": ["a", 7]}"#)).unwrap_err();
+    let error = parse(&with_question(
+        r#"{"type": "choice", "instructions": "x", "criteria": ["a", 7]}"#,
+    ))
+    .unwrap_err();
     assert_eq!(error.body().detail[0].loc[4], LocPart::Index(1));
     assert_eq!(
         serde_json::to_value(&error.body().detail[0].loc).unwrap(),
@@ -210,5 +428,9 @@ fn error_body_shape() {
     assert_eq!(error.status(), 400);
     let body = error.body();
     assert_eq!(body.detail[0].kind, "json_invalid");
-    assert!(body.error.contains("Expecting value: line 2 column 15"), "{}", body.error);
+    assert!(
+        body.error.contains("Expecting value: line 2 column 15"),
+        "{}",
+        body.error
+    );
 }

@@ -319,7 +319,8 @@ fn tensor_info_errors() {
 
 #[test]
 fn open_reports_the_path_and_reads_files() {
-    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("prism-gguf-crafted-{}", std::process::id()));
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("prism-gguf-crafted-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let missing = dir.join("missing.gguf");
     let err = GgufFile::open(&missing).unwrap_err();

@@ -10,8 +10,8 @@ use rayon::prelude::*;
 
 use crate::config::Qwen35Config;
 use crate::error::Result;
-use crate::matmul::{self, Float};
 use crate::linear::{FusedLinear, Linear};
+use crate::matmul::{self, Float};
 use crate::ops::{sigmoid_gate, softmax_last_dim};
 use crate::qwen35::Segment;
 use crate::rope::{HeadNorms, MRope};
@@ -105,12 +105,15 @@ impl Attention {
         )?;
         let v = if kv_bf16 {
             // One pass over the strided columns: the cast writes a contiguous copy.
-            proj.part(Self::V)?.to_dtype(DType::BF16)?.reshape((n_tokens, n_kv, hd))?
+            proj.part(Self::V)?
+                .to_dtype(DType::BF16)?
+                .reshape((n_tokens, n_kv, hd))?
         } else {
             proj.part(Self::V)?.reshape((n_tokens, n_kv, hd))?
         };
 
-        let attend_timer = crate::profile::Section::start("attention: kernel + cache append", x.device())?;
+        let attend_timer =
+            crate::profile::Section::start("attention: kernel + cache append", x.device())?;
         let scale = 1.0 / (hd as f64).sqrt();
         let mut outs = Vec::with_capacity(segments.len());
         for (i, seg) in segments.iter().enumerate() {
@@ -214,7 +217,13 @@ const CUDA_QUERY_PIECE: usize = 2048;
 
 /// The flash-attention kernel ([`crate::cuda_flash`]) where it supports the head layout, else `None`.
 #[cfg(feature = "cuda")]
-fn cuda_flash(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: f64) -> candle_core::Result<Option<Tensor>> {
+fn cuda_flash(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    past: usize,
+    scale: f64,
+) -> candle_core::Result<Option<Tensor>> {
     let (_, n_h, hd) = q.dims3()?;
     if !crate::cuda_flash::supports(hd, n_h, k.dim(0)?) {
         return Ok(None);
@@ -234,17 +243,35 @@ fn flash_serves(_: usize, _: usize, _: usize) -> bool {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_flash(_: &Tensor, _: &Tensor, _: &Tensor, _: usize, _: f64) -> candle_core::Result<Option<Tensor>> {
+fn cuda_flash(
+    _: &Tensor,
+    _: &Tensor,
+    _: &Tensor,
+    _: usize,
+    _: f64,
+) -> candle_core::Result<Option<Tensor>> {
     Ok(None)
 }
 
 #[cfg(feature = "cuda")]
-fn cuda_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: f64) -> candle_core::Result<Tensor> {
+fn cuda_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    past: usize,
+    scale: f64,
+) -> candle_core::Result<Tensor> {
     crate::cuda::causal_attention(q, k, v, past, scale)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_attention(_: &Tensor, _: &Tensor, _: &Tensor, _: usize, _: f64) -> candle_core::Result<Tensor> {
+fn cuda_attention(
+    _: &Tensor,
+    _: &Tensor,
+    _: &Tensor,
+    _: usize,
+    _: f64,
+) -> candle_core::Result<Tensor> {
     candle_core::bail!("this build has no CUDA support")
 }
 

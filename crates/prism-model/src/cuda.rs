@@ -124,8 +124,9 @@ fn delta_rule_launch(
     // Shared memory, as laid out at the top of each kernel (XS = CHUNK + 4, US = CW + 4).
     let (xs, us, cw) = (CHUNK + 4, DELTA_RULE_COLUMNS + 4, DELTA_RULE_COLUMNS);
     let pairs_smem = CHUNK * 8 + CHUNK * 4 + 2 * dk * xs * 4;
-    let main_smem =
-        CHUNK * 8 + 3 * CHUNK * 4 + (dk * cw + 2 * CHUNK * us + dk * xs + (dk * xs).max(2 * CHUNK * CHUNK)) * 4;
+    let main_smem = CHUNK * 8
+        + 3 * CHUNK * 4
+        + (dk * cw + 2 * CHUNK * us + dk * xs + (dk * xs).max(2 * CHUNK * CHUNK)) * 4;
     let (t0_i, n_i, dk_i, dv_i, p_i, ch_i) = (
         i32_arg(t0, "token offset")?,
         i32_arg(n, "tokens")?,
@@ -135,7 +136,12 @@ fn delta_rule_launch(
         i32_arg(chunks, "chunks")?,
     );
 
-    let pairs = load_kernel(dev, "prism_delta_rule", DELTA_RULE_IMAGE, "delta_rule_pairs_f32")?;
+    let pairs = load_kernel(
+        dev,
+        "prism_delta_rule",
+        DELTA_RULE_IMAGE,
+        "delta_rule_pairs_f32",
+    )?;
     pairs.allow_dynamic_shared(pairs_smem, "delta rule pair shared memory")?;
     let cfg = LaunchConfig {
         grid_dim: (heads as u32, chunks as u32, 1),
@@ -144,7 +150,12 @@ fn delta_rule_launch(
     };
     {
         let mut b = pairs.builder();
-        b.arg(&x.q).arg(&x.k).arg(&x.g).arg(&x.beta).arg(&vpk).arg(&vgam);
+        b.arg(&x.q)
+            .arg(&x.k)
+            .arg(&x.g)
+            .arg(&x.beta)
+            .arg(&vpk)
+            .arg(&vgam);
         b.arg(&ab).arg(&gam_s);
         b.arg(&t0_i).arg(&n_i).arg(&x.heads).arg(&dk_i).arg(&p_i);
         // SAFETY: argument types and buffer sizes match the kernel's signature (checked by the caller
@@ -152,7 +163,12 @@ fn delta_rule_launch(
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
 
-    let main = load_kernel(dev, "prism_delta_rule", DELTA_RULE_IMAGE, "delta_rule_chunked_f32")?;
+    let main = load_kernel(
+        dev,
+        "prism_delta_rule",
+        DELTA_RULE_IMAGE,
+        "delta_rule_chunked_f32",
+    )?;
     main.allow_dynamic_shared(main_smem, "delta rule shared memory")?;
     let cfg = LaunchConfig {
         grid_dim: (heads as u32, (dv / cw) as u32, 1),
@@ -161,10 +177,25 @@ fn delta_rule_launch(
     };
     {
         let mut b = main.builder();
-        b.arg(&x.q).arg(&x.k).arg(&x.v).arg(&x.beta).arg(&ab).arg(&gam_s);
+        b.arg(&x.q)
+            .arg(&x.k)
+            .arg(&x.v)
+            .arg(&x.beta)
+            .arg(&ab)
+            .arg(&gam_s);
         b.arg(&vs).arg(&vpk).arg(&vpu);
-        b.arg(out).arg(&s_out).arg(&pk_out).arg(&pu_out).arg(&gam_out);
-        b.arg(&t0_i).arg(&n_i).arg(&x.heads).arg(&dk_i).arg(&dv_i).arg(&p_i).arg(&ch_i);
+        b.arg(out)
+            .arg(&s_out)
+            .arg(&pk_out)
+            .arg(&pu_out)
+            .arg(&gam_out);
+        b.arg(&t0_i)
+            .arg(&n_i)
+            .arg(&x.heads)
+            .arg(&dk_i)
+            .arg(&dv_i)
+            .arg(&p_i)
+            .arg(&ch_i);
         // SAFETY: as above; `out` holds all tokens of the call and this launch writes t0..t0 + n.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
@@ -208,22 +239,41 @@ impl<'a> RowsInput<'a> {
         }
         let (guard, layout) = t.storage_and_layout();
         let Some(map) = row_map(layout.dims(), layout.stride(), d) else {
-            bail!("{name} {:?} (strides {:?}) cannot be read as rows of {d}", layout.dims(), layout.stride());
+            bail!(
+                "{name} {:?} (strides {:?}) cannot be read as rows of {d}",
+                layout.dims(),
+                layout.stride()
+            );
         };
-        Ok(Self { guard, start: layout.start_offset(), map, name })
+        Ok(Self {
+            guard,
+            start: layout.start_offset(),
+            map,
+            name,
+        })
     }
 
     fn view(&self) -> Result<CudaView<'_, f32>> {
         match &*self.guard {
-            Storage::Cuda(cs) => Ok(cs.as_cuda_slice::<f32>()?.slice(self.start..self.start + self.map.span)),
+            Storage::Cuda(cs) => Ok(cs
+                .as_cuda_slice::<f32>()?
+                .slice(self.start..self.start + self.map.span)),
             _ => bail!("{} is not on a CUDA device", self.name),
         }
     }
 
     /// `(inner, inner_stride, outer)` as kernel arguments.
     fn strides(&self) -> Result<(i64, i64, i64)> {
-        let arg = |v: usize| i64::try_from(v).map_err(|_| candle_core::Error::Msg(format!("{}: stride {v} does not fit in i64", self.name)));
-        Ok((arg(self.map.inner.max(1))?, arg(self.map.inner_stride)?, arg(self.map.outer)?))
+        let arg = |v: usize| {
+            i64::try_from(v).map_err(|_| {
+                candle_core::Error::Msg(format!("{}: stride {v} does not fit in i64", self.name))
+            })
+        };
+        Ok((
+            arg(self.map.inner.max(1))?,
+            arg(self.map.inner_stride)?,
+            arg(self.map.outer)?,
+        ))
     }
 }
 
@@ -285,15 +335,23 @@ fn norm_rows(
     mode: NormMode,
     out: DType,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    if matches!(mode, NormMode::GatedRms) != gate.is_some() || matches!(mode, NormMode::L2) == weight.is_some() {
-        bail!("norm (cuda): mode {mode:?} with weight {} and gate {}", weight.is_some(), gate.is_some());
+    if matches!(mode, NormMode::GatedRms) != gate.is_some()
+        || matches!(mode, NormMode::L2) == weight.is_some()
+    {
+        bail!(
+            "norm (cuda): mode {mode:?} with weight {} and gate {}",
+            weight.is_some(),
+            gate.is_some()
+        );
     }
     let dev = cuda_device(x)?;
     let d = x.dim(candle_core::D::Minus1)?;
     let x = readable_rows(x, d)?;
     let rows = x.elem_count() / d.max(1);
     let residual = match residual {
-        Some(r) if r.dims() != x.dims() => bail!("norm residual {:?} does not fit x {:?}", r.dims(), x.dims()),
+        Some(r) if r.dims() != x.dims() => {
+            bail!("norm residual {:?} does not fit x {:?}", r.dims(), x.dims())
+        }
         Some(r) => Some(r.contiguous()?),
         None => None,
     };
@@ -304,24 +362,44 @@ fn norm_rows(
     };
     let gate = gate.map(|g| readable_rows(g, d)).transpose()?;
     let y = Output::new(&dev, out, rows * d, "norm")?;
-    let sum = residual.as_ref().map(|_| alloc::<f32>(&dev, rows * d)).transpose()?;
+    let sum = residual
+        .as_ref()
+        .map(|_| alloc::<f32>(&dev, rows * d))
+        .transpose()?;
     if rows > 0 {
         let ix = RowsInput::new(&x, d, "x")?;
-        let ig = gate.as_ref().map(|g| RowsInput::new(g, d, "gate")).transpose()?;
+        let ig = gate
+            .as_ref()
+            .map(|g| RowsInput::new(g, d, "gate"))
+            .transpose()?;
         if let Some(ig) = &ig {
             if ig.map.rows != rows {
                 bail!("norm gate has {} rows of {d}, x has {rows}", ig.map.rows);
             }
         }
-        let ir = residual.as_ref().map(|r| Input::new(r, DType::F32, "residual")).transpose()?;
-        let iw = w.as_ref().map(|w| Input::new(w, DType::F32, "norm weight")).transpose()?;
+        let ir = residual
+            .as_ref()
+            .map(|r| Input::new(r, DType::F32, "residual"))
+            .transpose()?;
+        let iw = w
+            .as_ref()
+            .map(|w| Input::new(w, DType::F32, "norm weight"))
+            .transpose()?;
         let (vx, x_str) = (ix.view()?, ix.strides()?);
         let vg = ig.as_ref().map(|g| g.view()).transpose()?;
-        let g_str = ig.as_ref().map(|g| g.strides()).transpose()?.unwrap_or((1, 0, 0));
+        let g_str = ig
+            .as_ref()
+            .map(|g| g.strides())
+            .transpose()?
+            .unwrap_or((1, 0, 0));
         let vr = ir.as_ref().map(|r| r.view::<f32>()).transpose()?;
         let vw = iw.as_ref().map(|w| w.view::<f32>()).transpose()?;
         let (name, cfg) = if d >= NORM_BLOCK_MIN_LEN {
-            let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (NORM_BLOCK_THREADS, 1, 1), shared_mem_bytes: 0 };
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (NORM_BLOCK_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
             ("norm_rows_block_f32", cfg)
         } else {
             let rows_per_block = 4u32;
@@ -333,8 +411,13 @@ fn norm_rows(
             ("norm_rows_f32", cfg)
         };
         let func = load_kernel(&dev, "prism_ops", OPS_IMAGE, name)?;
-        let (rows_i, d_i, eps_f, mode_i, bf16_i) =
-            (i32_arg(rows, "rows")?, i32_arg(d, "row length")?, eps as f32, mode as i32, y.is_bf16());
+        let (rows_i, d_i, eps_f, mode_i, bf16_i) = (
+            i32_arg(rows, "rows")?,
+            i32_arg(d, "row length")?,
+            eps as f32,
+            mode as i32,
+            y.is_bf16(),
+        );
         let mut b = func.builder();
         b.arg(&vx).arg(&x_str.0).arg(&x_str.1).arg(&x_str.2);
         match &vr {
@@ -355,13 +438,20 @@ fn norm_rows(
         };
         b.arg(&g_str.0).arg(&g_str.1).arg(&g_str.2);
         y.push(&mut b);
-        b.arg(&bf16_i).arg(&rows_i).arg(&d_i).arg(&eps_f).arg(&mode_i);
+        b.arg(&bf16_i)
+            .arg(&rows_i)
+            .arg(&d_i)
+            .arg(&eps_f)
+            .arg(&mode_i);
         // SAFETY: the views cover every row the kernel reads (row maps checked above, rows counted
         // from x); y and sum hold rows × d elements; null pointers only where the mode reads nothing.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
     let shape = x.shape().clone();
-    Ok((y.wrap(&dev, shape.clone()), sum.map(|s| wrap(s, &dev, shape))))
+    Ok((
+        y.wrap(&dev, shape.clone()),
+        sum.map(|s| wrap(s, &dev, shape)),
+    ))
 }
 
 /// CUDA twin of [`crate::ops::rms_norm`].
@@ -375,8 +465,22 @@ pub fn rms_norm_as(x: &Tensor, weight: &Tensor, eps: f64, out: DType) -> Result<
 }
 
 /// CUDA twin of [`crate::ops::add_rms_norm`]: `(x + residual, rms_norm(x + residual))` in one kernel.
-pub fn add_rms_norm(x: &Tensor, residual: &Tensor, weight: &Tensor, eps: f64, out: DType) -> Result<(Tensor, Tensor)> {
-    match norm_rows(x, Some(residual), Some(weight), None, eps, NormMode::Rms, out)? {
+pub fn add_rms_norm(
+    x: &Tensor,
+    residual: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    out: DType,
+) -> Result<(Tensor, Tensor)> {
+    match norm_rows(
+        x,
+        Some(residual),
+        Some(weight),
+        None,
+        eps,
+        NormMode::Rms,
+        out,
+    )? {
         (normed, Some(sum)) => Ok((sum, normed)),
         (_, None) => bail!("add_rms_norm (cuda): the kernel returned no sum"),
     }
@@ -387,17 +491,42 @@ pub fn gated_rms_norm(x: &Tensor, gate: &Tensor, weight: &Tensor, eps: f64) -> R
     if gate.dims() != x.dims() {
         bail!("norm gate {:?} does not fit x {:?}", gate.dims(), x.dims());
     }
-    Ok(norm_rows(x, None, Some(weight), Some(gate), eps, NormMode::GatedRms, DType::F32)?.0)
+    Ok(norm_rows(
+        x,
+        None,
+        Some(weight),
+        Some(gate),
+        eps,
+        NormMode::GatedRms,
+        DType::F32,
+    )?
+    .0)
 }
 
 /// CUDA twin of [`crate::ops::gated_rms_norm_rows`]: `x: [n, h, d]`, the gate `[n, h·d]` read in place;
 /// returns `[n, h·d]` in `out`.
-pub fn gated_rms_norm_rows(x: &Tensor, gate: &Tensor, weight: &Tensor, eps: f64, out: DType) -> Result<Tensor> {
+pub fn gated_rms_norm_rows(
+    x: &Tensor,
+    gate: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    out: DType,
+) -> Result<Tensor> {
     let (n, h, d) = x.dims3()?;
     if gate.dims() != [n, h * d] {
         bail!("norm gate {:?} does not fit x {:?}", gate.dims(), x.dims());
     }
-    norm_rows(x, None, Some(weight), Some(gate), eps, NormMode::GatedRms, out)?.0.reshape((n, h * d))
+    norm_rows(
+        x,
+        None,
+        Some(weight),
+        Some(gate),
+        eps,
+        NormMode::GatedRms,
+        out,
+    )?
+    .0
+    .reshape((n, h * d))
 }
 
 /// CUDA twin of [`crate::ops::l2_norm`].
@@ -411,7 +540,12 @@ pub fn causal_conv(x: &Tensor, window: &Tensor, taps: &Tensor) -> Result<(Tensor
     let (t_len, c) = x.dims2()?;
     let (k, c_taps) = taps.dims2()?;
     if c_taps != c || window.dims() != [k.saturating_sub(1), c] || k < 2 {
-        bail!("causal conv: x {:?}, window {:?}, taps {:?} do not fit", x.dims(), window.dims(), taps.dims());
+        bail!(
+            "causal conv: x {:?}, window {:?}, taps {:?} do not fit",
+            x.dims(),
+            window.dims(),
+            taps.dims()
+        );
     }
     let (x, window, taps) = (x.contiguous()?, window.contiguous()?, taps.contiguous()?);
     let (ix, iw, it) = (
@@ -424,15 +558,29 @@ pub fn causal_conv(x: &Tensor, window: &Tensor, taps: &Tensor) -> Result<(Tensor
     let func = load_kernel(&dev, "prism_ops", OPS_IMAGE, "causal_conv_f32")?;
     let total = (t_len + k - 1) * c;
     let cfg = LaunchConfig::for_num_elems(total as u32);
-    let (t_i, c_i, k_i) = (i32_arg(t_len, "tokens")?, i32_arg(c, "channels")?, i32_arg(k, "taps")?);
+    let (t_i, c_i, k_i) = (
+        i32_arg(t_len, "tokens")?,
+        i32_arg(c, "channels")?,
+        i32_arg(k, "taps")?,
+    );
     {
         let (vx, vw, vt) = (ix.view::<f32>()?, iw.view::<f32>()?, it.view::<f32>()?);
         let mut b = func.builder();
-        b.arg(&vx).arg(&vw).arg(&vt).arg(&out).arg(&new_window).arg(&t_i).arg(&c_i).arg(&k_i);
+        b.arg(&vx)
+            .arg(&vw)
+            .arg(&vt)
+            .arg(&out)
+            .arg(&new_window)
+            .arg(&t_i)
+            .arg(&c_i)
+            .arg(&k_i);
         // SAFETY: as above.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
-    Ok((wrap(out, &dev, (t_len, c)), wrap(new_window, &dev, (k - 1, c))))
+    Ok((
+        wrap(out, &dev, (t_len, c)),
+        wrap(new_window, &dev, (k - 1, c)),
+    ))
 }
 
 /// Output rows per thread of `causal_conv_silu_f32` (`CONV_ROWS` in ops.cu).
@@ -457,19 +605,41 @@ impl ConvSiluOutput {
     pub fn new(like: &Tensor, rows: usize, channels: usize) -> Result<Self> {
         let dev = cuda_device(like)?;
         let out = alloc::<f32>(&dev, rows * channels)?;
-        Ok(Self { dev, out, rows, channels, filled: 0 })
+        Ok(Self {
+            dev,
+            out,
+            rows,
+            channels,
+            filled: 0,
+        })
     }
 
     /// Rows `start..start + T` of the output from the segment's inputs `x: [T, C]` after `window:
     /// [K−1, C]`, with `taps: [K, C]`; returns the new window (the last K−1 inputs).
-    pub fn segment(&mut self, x: &Tensor, start: usize, window: &Tensor, taps: &Tensor) -> Result<Tensor> {
+    pub fn segment(
+        &mut self,
+        x: &Tensor,
+        start: usize,
+        window: &Tensor,
+        taps: &Tensor,
+    ) -> Result<Tensor> {
         let (t_len, c) = x.dims2()?;
         let (k, c_taps) = taps.dims2()?;
         if c != self.channels || c_taps != c || window.dims() != [k.saturating_sub(1), c] || k < 2 {
-            bail!("conv + silu: x {:?}, window {:?}, taps {:?} do not fit {} channels", x.dims(), window.dims(), taps.dims(), self.channels);
+            bail!(
+                "conv + silu: x {:?}, window {:?}, taps {:?} do not fit {} channels",
+                x.dims(),
+                window.dims(),
+                taps.dims(),
+                self.channels
+            );
         }
         if start != self.filled || start + t_len > self.rows {
-            bail!("conv + silu: segment at row {start} of {t_len} rows after {} of {} rows written", self.filled, self.rows);
+            bail!(
+                "conv + silu: segment at row {start} of {t_len} rows after {} of {} rows written",
+                self.filled,
+                self.rows
+            );
         }
         let new_window = alloc::<f32>(&self.dev, (k - 1) * c)?;
         let row_groups = t_len.div_ceil(CONV_SILU_ROWS);
@@ -480,21 +650,37 @@ impl ConvSiluOutput {
         let (window, taps) = (window.contiguous()?, taps.contiguous()?);
         {
             let ix = RowsInput::new(&x, c, "conv input")?;
-            let (iw, it) = (Input::new(&window, DType::F32, "conv window")?, Input::new(&taps, DType::F32, "conv taps")?);
+            let (iw, it) = (
+                Input::new(&window, DType::F32, "conv window")?,
+                Input::new(&taps, DType::F32, "conv taps")?,
+            );
             let func = load_kernel(&self.dev, "prism_ops", OPS_IMAGE, "causal_conv_silu_f32")?;
             let cfg = LaunchConfig {
-                grid_dim: ((c as u32).div_ceil(CONV_SILU_THREADS), (row_groups + 1) as u32, 1),
+                grid_dim: (
+                    (c as u32).div_ceil(CONV_SILU_THREADS),
+                    (row_groups + 1) as u32,
+                    1,
+                ),
                 block_dim: (CONV_SILU_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let (t_i, c_i, k_i) = (i32_arg(t_len, "tokens")?, i32_arg(c, "channels")?, i32_arg(k, "taps")?);
+            let (t_i, c_i, k_i) = (
+                i32_arg(t_len, "tokens")?,
+                i32_arg(c, "channels")?,
+                i32_arg(k, "taps")?,
+            );
             let x_stride = ix.strides()?.2;
             // A window-only launch (T = 0) reads no input row: any pointer will do.
             let vx = ix.view()?;
             let (vw, vt) = (iw.view::<f32>()?, it.view::<f32>()?);
             let mut rows_out = self.out.slice_mut(start * c..(start + t_len) * c);
             let mut b = func.builder();
-            b.arg(&vx).arg(&x_stride).arg(&vw).arg(&vt).arg(&mut rows_out).arg(&new_window);
+            b.arg(&vx)
+                .arg(&x_stride)
+                .arg(&vw)
+                .arg(&vt)
+                .arg(&mut rows_out)
+                .arg(&new_window);
             b.arg(&t_i).arg(&c_i).arg(&k_i);
             // SAFETY: x covers T rows of C at its row stride (row map), the output slice T rows of C,
             // the window K−1 rows and the taps K rows of C; the kernel reads and writes nothing else.
@@ -518,8 +704,14 @@ const ELEMENTWISE_THREADS: u32 = 256;
 
 fn elementwise_config(n: usize) -> Result<LaunchConfig> {
     let blocks = n.div_ceil(ELEMENTWISE_THREADS as usize);
-    let blocks = u32::try_from(blocks).map_err(|_| candle_core::Error::Msg(format!("{n} elements are too many for one launch")))?;
-    Ok(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (ELEMENTWISE_THREADS, 1, 1), shared_mem_bytes: 0 })
+    let blocks = u32::try_from(blocks).map_err(|_| {
+        candle_core::Error::Msg(format!("{n} elements are too many for one launch"))
+    })?;
+    Ok(LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (ELEMENTWISE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
 }
 
 /// CUDA twin of [`crate::ops::swiglu_as`]: `gate_up: [n, 2f]` read in place (any row stride), returns
@@ -551,26 +743,53 @@ pub fn swiglu(gate_up: &Tensor, f: usize, out: DType) -> Result<Tensor> {
 
 /// CUDA twin of [`crate::ops::delta_net_gates`]: `b, a: [n, h]` read in place (any row stride);
 /// returns `(β, g)`, both `[n, h]` f32.
-pub fn delta_net_gates(b: &Tensor, a: &Tensor, dt_bias: &Tensor, ssm_a: &Tensor) -> Result<(Tensor, Tensor)> {
+pub fn delta_net_gates(
+    b: &Tensor,
+    a: &Tensor,
+    dt_bias: &Tensor,
+    ssm_a: &Tensor,
+) -> Result<(Tensor, Tensor)> {
     let dev = cuda_device(b)?;
     let (n, h) = b.dims2()?;
     if a.dims() != [n, h] || dt_bias.dims() != [h] || ssm_a.dims() != [h] {
-        bail!("delta-net gates: b {:?}, a {:?}, dt_bias {:?}, ssm_a {:?} do not fit", b.dims(), a.dims(), dt_bias.dims(), ssm_a.dims());
+        bail!(
+            "delta-net gates: b {:?}, a {:?}, dt_bias {:?}, ssm_a {:?} do not fit",
+            b.dims(),
+            a.dims(),
+            dt_bias.dims(),
+            ssm_a.dims()
+        );
     }
     let beta = alloc::<f32>(&dev, n * h)?;
     let g = alloc::<f32>(&dev, n * h)?;
     if n * h > 0 {
         let (bt, at) = (readable_rows(b, h)?, readable_rows(a, h)?);
         let (dt_bias, ssm_a) = (dt_bias.contiguous()?, ssm_a.contiguous()?);
-        let (ib, ia) = (RowsInput::new(&bt, h, "beta logits")?, RowsInput::new(&at, h, "alpha")?);
-        let (idt, isa) = (Input::new(&dt_bias, DType::F32, "dt_bias")?, Input::new(&ssm_a, DType::F32, "ssm_a")?);
+        let (ib, ia) = (
+            RowsInput::new(&bt, h, "beta logits")?,
+            RowsInput::new(&at, h, "alpha")?,
+        );
+        let (idt, isa) = (
+            Input::new(&dt_bias, DType::F32, "dt_bias")?,
+            Input::new(&ssm_a, DType::F32, "ssm_a")?,
+        );
         let (b_stride, a_stride) = (ib.strides()?.2, ia.strides()?.2);
         let func = load_kernel(&dev, "prism_ops", OPS_IMAGE, "deltanet_gates_f32")?;
         let cfg = elementwise_config(n * h)?;
         let (n_i, h_i) = (i32_arg(n, "rows")?, i32_arg(h, "heads")?);
-        let (vb, va, vdt, vsa) = (ib.view()?, ia.view()?, idt.view::<f32>()?, isa.view::<f32>()?);
+        let (vb, va, vdt, vsa) = (
+            ib.view()?,
+            ia.view()?,
+            idt.view::<f32>()?,
+            isa.view::<f32>()?,
+        );
         let mut l = func.builder();
-        l.arg(&vb).arg(&b_stride).arg(&va).arg(&a_stride).arg(&vdt).arg(&vsa);
+        l.arg(&vb)
+            .arg(&b_stride)
+            .arg(&va)
+            .arg(&a_stride)
+            .arg(&vdt)
+            .arg(&vsa);
         l.arg(&beta).arg(&g).arg(&n_i).arg(&h_i);
         // SAFETY: b and a cover n rows of h at their row strides; the outputs hold n × h elements.
         unsafe { l.launch(cfg) }.map_err(launch_err)?;
@@ -584,7 +803,11 @@ pub fn sigmoid_gate(attn: &Tensor, gate: &Tensor, out: DType) -> Result<Tensor> 
     let dev = cuda_device(attn)?;
     let (n, h, d) = gate.dims3()?;
     if attn.dims() != [n, h * d] {
-        bail!("attention gate {:?} does not fit the output {:?}", gate.dims(), attn.dims());
+        bail!(
+            "attention gate {:?} does not fit the output {:?}",
+            gate.dims(),
+            attn.dims()
+        );
     }
     let y = Output::new(&dev, out, n * h * d, "attention gate")?;
     if n * h * d > 0 {
@@ -596,10 +819,20 @@ pub fn sigmoid_gate(attn: &Tensor, gate: &Tensor, out: DType) -> Result<Tensor> 
         let func = load_kernel(&dev, "prism_ops", OPS_IMAGE, "sigmoid_gate_f32")?;
         let cfg = elementwise_config(n * h * d)?;
         i32_arg(n * h, "gate rows")?;
-        let (n_i, w_i, d_i, bf16_i) = (i32_arg(n, "rows")?, i32_arg(h * d, "width")?, i32_arg(d, "head dim")?, y.is_bf16());
+        let (n_i, w_i, d_i, bf16_i) = (
+            i32_arg(n, "rows")?,
+            i32_arg(h * d, "width")?,
+            i32_arg(d, "head dim")?,
+            y.is_bf16(),
+        );
         let (va, vg) = (ia.view::<f32>()?, ig.view()?);
         let mut b = func.builder();
-        b.arg(&va).arg(&vg).arg(&g_str.0).arg(&g_str.1).arg(&g_str.2).arg(&d_i);
+        b.arg(&va)
+            .arg(&vg)
+            .arg(&g_str.0)
+            .arg(&g_str.1)
+            .arg(&g_str.2)
+            .arg(&d_i);
         y.push(&mut b);
         b.arg(&bf16_i).arg(&n_i).arg(&w_i);
         // SAFETY: attn holds n × h·d elements, the gate view n·h rows of d; y n × h·d.
@@ -615,27 +848,56 @@ const ATTENTION_KEYS: usize = 32;
 
 /// CUDA twin of [`crate::attention::CausalAttention`]: `q: [T, n_h, hd]`, `k, v: [n_kv, past + T, hd]`,
 /// returns `[T, n_h·hd]`.
-pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: f64) -> Result<Tensor> {
+pub fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    past: usize,
+    scale: f64,
+) -> Result<Tensor> {
     let dev = cuda_device(q)?;
     let (t_len, n_h, hd) = q.dims3()?;
     let (n_kv, total, hd_k) = k.dims3()?;
-    if v.dims() != k.dims() || hd_k != hd || total != past + t_len || n_kv == 0 || n_h % n_kv != 0 || hd % 32 != 0 || hd > 256 {
-        bail!("causal attention (cuda): q {:?}, k {:?}, v {:?} after {past} cached tokens do not fit", q.dims(), k.dims(), v.dims());
+    if v.dims() != k.dims()
+        || hd_k != hd
+        || total != past + t_len
+        || n_kv == 0
+        || n_h % n_kv != 0
+        || hd % 32 != 0
+        || hd > 256
+    {
+        bail!(
+            "causal attention (cuda): q {:?}, k {:?}, v {:?} after {past} cached tokens do not fit",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        );
     }
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    let (iq, ik, iv) = (Input::new(&q, DType::F32, "q")?, Input::new(&k, DType::F32, "k")?, Input::new(&v, DType::F32, "v")?);
+    let (iq, ik, iv) = (
+        Input::new(&q, DType::F32, "q")?,
+        Input::new(&k, DType::F32, "k")?,
+        Input::new(&v, DType::F32, "v")?,
+    );
     let out = alloc::<f32>(&dev, t_len * n_h * hd)?;
     let func = load_kernel(&dev, "prism_ops", OPS_IMAGE, "causal_attention_f32")?;
     // One warp per (row, head); a block takes `rows` query rows × `heads` query heads of one KV group
     // (about 12 warps: 56 registers a thread leave room for three blocks an SM) and shares its key
     // tiles among them.
     let group = n_h / n_kv;
-    let heads = (1..=group.min(ATTENTION_WARPS)).rev().find(|d| group % d == 0).unwrap_or(1);
+    let heads = (1..=group.min(ATTENTION_WARPS))
+        .rev()
+        .find(|d| group % d == 0)
+        .unwrap_or(1);
     let rows = (ATTENTION_WARPS / heads).max(1).min(t_len.max(1));
     let smem = 2 * ATTENTION_KEYS * hd * 4;
     func.allow_dynamic_shared(smem, "attention shared memory")?;
     let cfg = LaunchConfig {
-        grid_dim: (t_len.div_ceil(rows) as u32, (n_kv * (group / heads)) as u32, 1),
+        grid_dim: (
+            t_len.div_ceil(rows) as u32,
+            (n_kv * (group / heads)) as u32,
+            1,
+        ),
         block_dim: (32 * (rows * heads) as u32, 1, 1),
         shared_mem_bytes: smem as u32,
     };
@@ -646,12 +908,24 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: 
         i32_arg(hd, "head dim")?,
         i32_arg(past, "past")?,
     );
-    let (rows_i, heads_i) = (i32_arg(rows, "rows per block")?, i32_arg(heads, "heads per block")?);
+    let (rows_i, heads_i) = (
+        i32_arg(rows, "rows per block")?,
+        i32_arg(heads, "heads per block")?,
+    );
     let scale_f = scale as f32;
     {
         let (vq, vk, vv) = (iq.view::<f32>()?, ik.view::<f32>()?, iv.view::<f32>()?);
         let mut b = func.builder();
-        b.arg(&vq).arg(&vk).arg(&vv).arg(&out).arg(&t_i).arg(&nh_i).arg(&nkv_i).arg(&hd_i).arg(&past_i).arg(&scale_f);
+        b.arg(&vq)
+            .arg(&vk)
+            .arg(&vv)
+            .arg(&out)
+            .arg(&t_i)
+            .arg(&nh_i)
+            .arg(&nkv_i)
+            .arg(&hd_i)
+            .arg(&past_i)
+            .arg(&scale_f);
         b.arg(&rows_i).arg(&heads_i);
         // SAFETY: as above.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
@@ -668,14 +942,24 @@ pub fn linear_bf16(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (n, k) = x.dims2()?;
     let (out, k_w) = w.dims2()?;
     if k != k_w || w.dtype() != DType::BF16 || !matches!(x.dtype(), DType::F32 | DType::BF16) {
-        bail!("linear (cuda): x {:?} {:?} and weight {:?} {:?} do not fit", x.dims(), x.dtype(), w.dims(), w.dtype());
+        bail!(
+            "linear (cuda): x {:?} {:?} and weight {:?} {:?} do not fit",
+            x.dims(),
+            x.dtype(),
+            w.dims(),
+            w.dtype()
+        );
     }
     let xb = x.to_dtype(DType::BF16)?.contiguous()?;
     let w = w.contiguous()?;
     let ix = Input::new(&xb, DType::BF16, "x")?;
     let iw = Input::new(&w, DType::BF16, "weight")?;
     let mut y = alloc::<f32>(&dev, n * out)?;
-    let (m_i, n_i, k_i) = (i32_arg(out, "out features")?, i32_arg(n, "rows")?, i32_arg(k, "in features")?);
+    let (m_i, n_i, k_i) = (
+        i32_arg(out, "out features")?,
+        i32_arg(n, "rows")?,
+        i32_arg(k, "in features")?,
+    );
     {
         let stream = dev.cuda_stream();
         let vx = ix.view::<half::bf16>()?;
@@ -791,13 +1075,30 @@ pub fn qk_norm_rope(
 ) -> Result<(Tensor, Tensor)> {
     let dev = cuda_device(q)?;
     let (n, n_h, hd) = q.dims3()?;
-    let n_kv = if n == 0 || hd == 0 { 0 } else { k.elem_count() / (n * hd) };
+    let n_kv = if n == 0 || hd == 0 {
+        0
+    } else {
+        k.elem_count() / (n * hd)
+    };
     let half = rotary_dim / 2;
-    if hd == 0 || k.dim(0)? != n || k.elem_count() != n * n_kv * hd || rotary_dim % 2 != 0 || rotary_dim > hd {
-        bail!("q/k norm + rope (cuda): q {:?}, k {:?}, rotary dim {rotary_dim} do not fit", q.dims(), k.dims());
+    if hd == 0
+        || k.dim(0)? != n
+        || k.elem_count() != n * n_kv * hd
+        || rotary_dim % 2 != 0
+        || rotary_dim > hd
+    {
+        bail!(
+            "q/k norm + rope (cuda): q {:?}, k {:?}, rotary dim {rotary_dim} do not fit",
+            q.dims(),
+            k.dims()
+        );
     }
     if cos.dims() != [n, half] || sin.dims() != [n, half] {
-        bail!("q/k norm + rope (cuda): cos {:?} / sin {:?} are not [{n}, {half}]", cos.dims(), sin.dims());
+        bail!(
+            "q/k norm + rope (cuda): cos {:?} / sin {:?} are not [{n}, {half}]",
+            cos.dims(),
+            sin.dims()
+        );
     }
     if norms.q_weight.dims() != [hd] || norms.k_weight.dims() != [hd] {
         bail!(
@@ -813,16 +1114,35 @@ pub fn qk_norm_rope(
         let (qt, kt) = (readable_rows(q, hd)?, readable_rows(k, hd)?);
         let (iq, ik) = (RowsInput::new(&qt, hd, "q")?, RowsInput::new(&kt, hd, "k")?);
         if iq.map.rows != n * n_h || ik.map.rows != n * n_kv {
-            bail!("q/k norm + rope (cuda): {} q rows and {} k rows of {hd}, expected {} and {}", iq.map.rows, ik.map.rows, n * n_h, n * n_kv);
+            bail!(
+                "q/k norm + rope (cuda): {} q rows and {} k rows of {hd}, expected {} and {}",
+                iq.map.rows,
+                ik.map.rows,
+                n * n_h,
+                n * n_kv
+            );
         }
         let (qw, kw) = (norms.q_weight.contiguous()?, norms.k_weight.contiguous()?);
         let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
-        let (iqw, ikw) = (Input::new(&qw, DType::F32, "q norm weight")?, Input::new(&kw, DType::F32, "k norm weight")?);
-        let (ic, is) = (Input::new(&cos, DType::F32, "rope cos")?, Input::new(&sin, DType::F32, "rope sin")?);
+        let (iqw, ikw) = (
+            Input::new(&qw, DType::F32, "q norm weight")?,
+            Input::new(&kw, DType::F32, "k norm weight")?,
+        );
+        let (ic, is) = (
+            Input::new(&cos, DType::F32, "rope cos")?,
+            Input::new(&sin, DType::F32, "rope sin")?,
+        );
         let (q_str, k_str) = (iq.strides()?, ik.strides()?);
-        let blocks = u32::try_from(rows.div_ceil(QK_NORM_ROPE_ROWS as usize))
-            .map_err(|_| candle_core::Error::Msg(format!("q/k norm + rope: {rows} head rows are too many for one launch")))?;
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * QK_NORM_ROPE_ROWS, 1, 1), shared_mem_bytes: 0 };
+        let blocks = u32::try_from(rows.div_ceil(QK_NORM_ROPE_ROWS as usize)).map_err(|_| {
+            candle_core::Error::Msg(format!(
+                "q/k norm + rope: {rows} head rows are too many for one launch"
+            ))
+        })?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32 * QK_NORM_ROPE_ROWS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         i32_arg(rows, "head rows")?;
         let (n_i, nh_i, nkv_i, hd_i, rot_i) = (
             i32_arg(n, "tokens")?,
@@ -833,7 +1153,12 @@ pub fn qk_norm_rope(
         );
         let (qbf, kbf, eps_f) = (yq.is_bf16(), yk.is_bf16(), norms.eps as f32);
         let (vq, vk) = (iq.view()?, ik.view()?);
-        let (vqw, vkw, vc, vs) = (iqw.view::<f32>()?, ikw.view::<f32>()?, ic.view::<f32>()?, is.view::<f32>()?);
+        let (vqw, vkw, vc, vs) = (
+            iqw.view::<f32>()?,
+            ikw.view::<f32>()?,
+            ic.view::<f32>()?,
+            is.view::<f32>()?,
+        );
         let func = load_kernel(&dev, "prism_ops", OPS_IMAGE, "qk_norm_rope_f32")?;
         let mut b = func.builder();
         b.arg(&vq).arg(&q_str.0).arg(&q_str.1).arg(&q_str.2);
@@ -842,7 +1167,13 @@ pub fn qk_norm_rope(
         yq.push(&mut b);
         b.arg(&qbf);
         yk.push(&mut b);
-        b.arg(&kbf).arg(&n_i).arg(&nh_i).arg(&nkv_i).arg(&hd_i).arg(&rot_i).arg(&eps_f);
+        b.arg(&kbf)
+            .arg(&n_i)
+            .arg(&nh_i)
+            .arg(&nkv_i)
+            .arg(&hd_i)
+            .arg(&rot_i)
+            .arg(&eps_f);
         // SAFETY: the q and k views cover N·n_h and N·n_kv rows of hd (row maps, counted above); the
         // weights hold hd elements, cos and sin N × rotary_dim/2; the outputs N·n_h·hd and N·n_kv·hd.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;

@@ -22,9 +22,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 };
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Result, Tensor};
-use prism_quant::cuda_launch::{
-    alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input,
-};
+use prism_quant::cuda_launch::{alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input};
 
 use crate::delta_rule::{check_batch, per_segment, RuleSegment, RuleState, CHUNK};
 
@@ -444,5 +442,10 @@ pub fn delta_rule_per_segment_v1(
     states: &[RuleState],
 ) -> Result<(Tensor, Vec<RuleState>)> {
     check_batch(q, k, v, g, beta, segments, states)?;
-    per_segment([q, k, v, g, beta], segments, states, crate::cuda::delta_rule_chunked)
+    per_segment(
+        [q, k, v, g, beta],
+        segments,
+        states,
+        crate::cuda::delta_rule_chunked,
+    )
 }

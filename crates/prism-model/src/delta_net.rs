@@ -160,17 +160,26 @@ impl DeltaNet {
         let starts: Vec<delta_rule::RuleState> = states.iter().map(|s| s.rule.clone()).collect();
         // One call for the whole batch (on CUDA the independent segments share a launch); one path for
         // prefill, pieces and decode: bit-identical however a sequence is split or batched.
-        let (o, rules) =
-            delta_rule::chunked_batch(&q, &k, &v, &g, &beta, &rule_segments, &starts)?;
+        let (o, rules) = delta_rule::chunked_batch(&q, &k, &v, &g, &beta, &rule_segments, &starts)?;
         for (state, rule) in states.iter_mut().zip(rules) {
             state.rule = rule;
         }
         rule_timer.stop()?;
-        profile::time("deltanet: gated norm + output projection", dev, || -> Result<_> {
-            // Written in the dtype ssm_out reads (bf16 for a bf16 GEMM on CUDA).
-            let y = gated_rms_norm_rows(&o, &z, &self.norm, self.eps, self.out.input_dtype(o.dtype()))?;
-            Ok(self.out.forward(&y)?)
-        })
+        profile::time(
+            "deltanet: gated norm + output projection",
+            dev,
+            || -> Result<_> {
+                // Written in the dtype ssm_out reads (bf16 for a bf16 GEMM on CUDA).
+                let y = gated_rms_norm_rows(
+                    &o,
+                    &z,
+                    &self.norm,
+                    self.eps,
+                    self.out.input_dtype(o.dtype()),
+                )?;
+                Ok(self.out.forward(&y)?)
+            },
+        )
     }
 
     /// The causal conv of every segment's q|k|v rows (`mixed: [N, conv_dim]`, a column range of the

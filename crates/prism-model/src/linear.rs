@@ -113,7 +113,9 @@ impl Linear {
     /// always take the f32 activation.
     pub fn input_dtype(&self, act: DType) -> DType {
         match self {
-            Linear::Dense(w) if act == DType::F32 && w.dtype() == DType::BF16 && w.device().is_cuda() => {
+            Linear::Dense(w)
+                if act == DType::F32 && w.dtype() == DType::BF16 && w.device().is_cuda() =>
+            {
                 DType::BF16
             }
             _ => act,
@@ -171,11 +173,8 @@ impl FusedLinear {
 
     /// [`Linear::input_dtype`] of all its GEMMs: bf16 only when every one of them takes bf16.
     pub fn input_dtype(&self, act: DType) -> DType {
-        let all_bf16 = !self.gemms.is_empty()
-            && self
-                .gemms
-                .iter()
-                .all(|g| g.input_dtype(act) == DType::BF16);
+        let all_bf16 =
+            !self.gemms.is_empty() && self.gemms.iter().all(|g| g.input_dtype(act) == DType::BF16);
         if all_bf16 {
             DType::BF16
         } else {

@@ -36,7 +36,13 @@ pub fn rms_norm_as(x: &Tensor, weight: &Tensor, eps: f64, out: DType) -> Result<
 /// The residual add and the norm after it: returns `(x + residual, rms_norm(x + residual))`, the norm
 /// in `out` (see [`rms_norm_as`]). On CUDA one kernel reads both inputs once; the sum is the same f32
 /// addition as a separate add, and the norm the same as [`rms_norm`] of it, bit for bit.
-pub fn add_rms_norm(x: &Tensor, residual: &Tensor, weight: &Tensor, eps: f64, out: DType) -> Result<(Tensor, Tensor)> {
+pub fn add_rms_norm(
+    x: &Tensor,
+    residual: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    out: DType,
+) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() && x.dtype() == DType::F32 && residual.dtype() == DType::F32 {
         return crate::cuda::add_rms_norm(x, residual, weight, eps, out);
@@ -65,10 +71,20 @@ pub fn gated_rms_norm(x: &Tensor, gate: &Tensor, weight: &Tensor, eps: f64) -> R
 
 /// [`gated_rms_norm`] of `x: [n, h, d]` with the gate given as rows `[n, h·d]` (e.g. a column range of
 /// a fused projection, read in place on CUDA); returns `[n, h·d]` in `out` (see [`rms_norm_as`]).
-pub fn gated_rms_norm_rows(x: &Tensor, gate: &Tensor, weight: &Tensor, eps: f64, out: DType) -> Result<Tensor> {
+pub fn gated_rms_norm_rows(
+    x: &Tensor,
+    gate: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    out: DType,
+) -> Result<Tensor> {
     let (n, h, d) = x.dims3()?;
     if gate.dims() != [n, h * d] {
-        candle_core::bail!("gated norm: gate {:?} does not fit x {:?}", gate.dims(), x.dims());
+        candle_core::bail!(
+            "gated norm: gate {:?} does not fit x {:?}",
+            gate.dims(),
+            x.dims()
+        );
     }
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() && x.dtype() == DType::F32 {
@@ -104,7 +120,12 @@ pub fn softplus(x: &Tensor) -> Result<Tensor> {
 /// The DeltaNet gates from the projections' `b, a: [n, h]` (column ranges of the fused projection):
 /// `β = σ(b)` and `g = softplus(a + dt_bias) · ssm_a`, both `[n, h]`. On CUDA one kernel (the same
 /// operations in the same order as [`sigmoid`] and [`softplus`]) reads `b` and `a` in place.
-pub fn delta_net_gates(b: &Tensor, a: &Tensor, dt_bias: &Tensor, ssm_a: &Tensor) -> Result<(Tensor, Tensor)> {
+pub fn delta_net_gates(
+    b: &Tensor,
+    a: &Tensor,
+    dt_bias: &Tensor,
+    ssm_a: &Tensor,
+) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     if b.device().is_cuda() && b.dtype() == DType::F32 {
         return crate::cuda::delta_net_gates(b, a, dt_bias, ssm_a);
@@ -120,7 +141,11 @@ pub fn delta_net_gates(b: &Tensor, a: &Tensor, dt_bias: &Tensor, ssm_a: &Tensor)
 pub fn sigmoid_gate(attn: &Tensor, gate: &Tensor, out: DType) -> Result<Tensor> {
     let (n, h, d) = gate.dims3()?;
     if attn.dims() != [n, h * d] {
-        candle_core::bail!("attention gate {:?} does not fit the output {:?}", gate.dims(), attn.dims());
+        candle_core::bail!(
+            "attention gate {:?} does not fit the output {:?}",
+            gate.dims(),
+            attn.dims()
+        );
     }
     #[cfg(feature = "cuda")]
     if attn.device().is_cuda() && attn.dtype() == DType::F32 && gate.dtype() == DType::F32 {
@@ -209,12 +234,17 @@ pub struct RowMap {
 pub fn row_map(dims: &[usize], strides: &[usize], d: usize) -> Option<RowMap> {
     let (&last, lead) = dims.split_last()?;
     // The rows' elements must be adjacent.
-    if d == 0 || last % d != 0 || strides.len() != dims.len() || (last > 1 && strides[dims.len() - 1] != 1) {
+    if d == 0
+        || last % d != 0
+        || strides.len() != dims.len()
+        || (last > 1 && strides[dims.len() - 1] != 1)
+    {
         return None;
     }
     // Leading levels (size, stride), outermost first, size-1 levels dropped; a last dimension holding
     // several rows adds the level (last / d, d).
-    let mut levels: Vec<(usize, usize)> = lead.iter().copied().zip(strides.iter().copied()).collect();
+    let mut levels: Vec<(usize, usize)> =
+        lead.iter().copied().zip(strides.iter().copied()).collect();
     if last > d {
         levels.push((last / d, d));
     }
@@ -322,7 +352,12 @@ mod tests {
         for r in 0..map.rows {
             let at = start + (r / map.inner) * map.outer + (r % map.inner) * map.inner_stride;
             max_end = max_end.max(at + d);
-            assert_eq!(&all[at..at + d], &want[r * d..(r + 1) * d], "row {r} of {:?}", t.dims());
+            assert_eq!(
+                &all[at..at + d],
+                &want[r * d..(r + 1) * d],
+                "row {r} of {:?}",
+                t.dims()
+            );
         }
         assert_eq!(max_end, start + map.span, "span of {:?}", t.dims());
     }
@@ -330,7 +365,12 @@ mod tests {
     #[test]
     fn row_maps_address_the_rows_of_strided_views() {
         let n = 7 * 3 * 2 * 10;
-        let base = Tensor::from_vec((0..n).map(|i| i as f32).collect::<Vec<_>>(), (7, 60), &Device::Cpu).unwrap();
+        let base = Tensor::from_vec(
+            (0..n).map(|i| i as f32).collect::<Vec<_>>(),
+            (7, 60),
+            &Device::Cpu,
+        )
+        .unwrap();
         // Contiguous, a column range (a fused part), a head-strided half, a single row.
         check_row_map(&base, 60);
         check_row_map(&base, 20);
@@ -339,36 +379,70 @@ mod tests {
         let heads = base.reshape((7, 3, 20)).unwrap();
         check_row_map(&heads.narrow(2, 0, 10).unwrap(), 10);
         check_row_map(&heads.narrow(2, 10, 10).unwrap(), 10);
-        check_row_map(&heads.narrow(0, 2, 1).unwrap().narrow(2, 10, 10).unwrap(), 10);
+        check_row_map(
+            &heads.narrow(0, 2, 1).unwrap().narrow(2, 10, 10).unwrap(),
+            10,
+        );
         check_row_map(&base.narrow(0, 6, 1).unwrap().narrow(1, 3, 5).unwrap(), 5);
         // Levels that step through memory as one fold: [7, 2, 2, 5] at strides [60, 20, 10, 1] is
         // rows of 10 apart in 7 groups of 4.
-        let cube = base.reshape((7, 3, 2, 10)).unwrap().narrow(3, 0, 5).unwrap().narrow(1, 0, 2).unwrap();
+        let cube = base
+            .reshape((7, 3, 2, 10))
+            .unwrap()
+            .narrow(3, 0, 5)
+            .unwrap()
+            .narrow(1, 0, 2)
+            .unwrap();
         check_row_map(&cube, 5);
         // Three strided levels do not fold into two; a transposed row is not unit-stride.
-        let cube = base.reshape((7, 3, 4, 5)).unwrap().narrow(1, 0, 2).unwrap().narrow(2, 0, 2).unwrap();
+        let cube = base
+            .reshape((7, 3, 4, 5))
+            .unwrap()
+            .narrow(1, 0, 2)
+            .unwrap()
+            .narrow(2, 0, 2)
+            .unwrap();
         assert_eq!(row_map(cube.dims(), cube.stride(), 5), None);
         let t = base.t().unwrap();
         assert_eq!(row_map(t.dims(), t.stride(), 7), None);
-        assert_eq!(row_map(&[4, 6], &[6, 1], 4), None, "6 is not a multiple of 4");
-        assert_eq!(row_map(&[0, 6], &[6, 1], 6).map(|m| (m.rows, m.span)), Some((0, 0)));
+        assert_eq!(
+            row_map(&[4, 6], &[6, 1], 4),
+            None,
+            "6 is not a multiple of 4"
+        );
+        assert_eq!(
+            row_map(&[0, 6], &[6, 1], 6).map(|m| (m.rows, m.span)),
+            Some((0, 0))
+        );
     }
 
     #[test]
     fn fused_variants_equal_their_parts_on_the_cpu() {
         let dev = Device::Cpu;
-        let t = |n: usize, seed: f32| -> Vec<f32> { (0..n).map(|i| ((i as f32 + seed) * 0.37).sin() * 3.0).collect() };
+        let t = |n: usize, seed: f32| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i as f32 + seed) * 0.37).sin() * 3.0)
+                .collect()
+        };
         let x = Tensor::from_vec(t(40, 0.0), (5, 8), &dev).unwrap();
         let r = Tensor::from_vec(t(40, 3.0), (5, 8), &dev).unwrap();
         let w = Tensor::from_vec(t(8, 7.0), 8, &dev).unwrap();
-        let bits = |t: &Tensor| values(&t.to_dtype(DType::F32).unwrap()).iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let bits = |t: &Tensor| {
+            values(&t.to_dtype(DType::F32).unwrap())
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>()
+        };
         let (sum, normed) = add_rms_norm(&x, &r, &w, 1e-6, DType::F32).unwrap();
         let want_sum = (&x + &r).unwrap();
         assert_eq!(bits(&sum), bits(&want_sum));
         assert_eq!(bits(&normed), bits(&rms_norm(&want_sum, &w, 1e-6).unwrap()));
         let (_, normed16) = add_rms_norm(&x, &r, &w, 1e-6, DType::BF16).unwrap();
         assert_eq!(normed16.dtype(), DType::BF16);
-        assert_eq!(bits(&normed16), bits(&normed.to_dtype(DType::BF16).unwrap()));
+        assert_eq!(
+            bits(&normed16),
+            bits(&normed.to_dtype(DType::BF16).unwrap())
+        );
 
         // Gates: β = σ(b), g = softplus(a + bias)·ssm_a, from column ranges of one projection.
         let proj = Tensor::from_vec(t(5 * 6, 1.0), (5, 6), &dev).unwrap();
@@ -377,7 +451,10 @@ mod tests {
         let ssm_a = Tensor::from_vec(vec![-0.5f32, -1.0, -2.0], 3, &dev).unwrap();
         let (beta, g) = delta_net_gates(&b, &a, &bias, &ssm_a).unwrap();
         assert_eq!(bits(&beta), bits(&sigmoid(&b).unwrap()));
-        let want_g = softplus(&a.broadcast_add(&bias).unwrap()).unwrap().broadcast_mul(&ssm_a).unwrap();
+        let want_g = softplus(&a.broadcast_add(&bias).unwrap())
+            .unwrap()
+            .broadcast_mul(&ssm_a)
+            .unwrap();
         assert_eq!(bits(&g), bits(&want_g));
 
         // Attention gate from the gate halves of [query | gate] heads.
@@ -385,7 +462,9 @@ mod tests {
         let gate = qg.narrow(2, 4, 4).unwrap();
         let attn = Tensor::from_vec(t(5 * 8, 5.0), (5, 8), &dev).unwrap();
         let got = sigmoid_gate(&attn, &gate, DType::F32).unwrap();
-        let want = attn.mul(&sigmoid(&gate.contiguous().unwrap().reshape((5, 8)).unwrap()).unwrap()).unwrap();
+        let want = attn
+            .mul(&sigmoid(&gate.contiguous().unwrap().reshape((5, 8)).unwrap()).unwrap())
+            .unwrap();
         assert_eq!(bits(&got), bits(&want));
         assert!(sigmoid_gate(&attn, &qg, DType::F32).is_err());
 
@@ -393,15 +472,25 @@ mod tests {
         let o = Tensor::from_vec(t(5 * 2 * 4, 6.0), (5, 2, 4), &dev).unwrap();
         let wide = Tensor::from_vec(t(5 * 11, 9.0), (5, 11), &dev).unwrap();
         let z = wide.narrow(1, 2, 8).unwrap();
-        let got = gated_rms_norm_rows(&o, &z, &w.narrow(0, 0, 4).unwrap(), 1e-6, DType::F32).unwrap();
-        let want = gated_rms_norm(&o, &z.reshape((5, 2, 4)).unwrap(), &w.narrow(0, 0, 4).unwrap(), 1e-6).unwrap();
+        let got =
+            gated_rms_norm_rows(&o, &z, &w.narrow(0, 0, 4).unwrap(), 1e-6, DType::F32).unwrap();
+        let want = gated_rms_norm(
+            &o,
+            &z.reshape((5, 2, 4)).unwrap(),
+            &w.narrow(0, 0, 4).unwrap(),
+            1e-6,
+        )
+        .unwrap();
         assert_eq!(got.dims(), &[5, 8]);
         assert_eq!(bits(&got), bits(&want.reshape((5, 8)).unwrap()));
 
         // SwiGLU in bf16 is the f32 result rounded.
         let gu = Tensor::from_vec(t(5 * 8, 8.0), (5, 8), &dev).unwrap();
         let f32_out = swiglu(&gu, 4).unwrap();
-        assert_eq!(bits(&swiglu_as(&gu, 4, DType::BF16).unwrap()), bits(&f32_out.to_dtype(DType::BF16).unwrap()));
+        assert_eq!(
+            bits(&swiglu_as(&gu, 4, DType::BF16).unwrap()),
+            bits(&f32_out.to_dtype(DType::BF16).unwrap())
+        );
     }
 
     #[test]

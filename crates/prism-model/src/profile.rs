@@ -65,7 +65,11 @@ impl Section {
         } else {
             None
         };
-        Ok(Self { name, device: device.clone(), start })
+        Ok(Self {
+            name,
+            device: device.clone(),
+            start,
+        })
     }
 
     pub fn stop(self) -> candle_core::Result<()> {
@@ -109,10 +113,17 @@ mod tests {
             .unwrap();
         }
         let table = take();
-        let (_, total, calls) = table.iter().find(|(n, _, _)| *n == "test.section").copied().unwrap();
+        let (_, total, calls) = table
+            .iter()
+            .find(|(n, _, _)| *n == "test.section")
+            .copied()
+            .unwrap();
         assert_eq!(calls, 3);
         assert!(total >= Duration::from_millis(6), "{total:?}");
-        assert!(take().iter().all(|(n, _, _)| *n != "test.section"), "take() clears the table");
+        assert!(
+            take().iter().all(|(n, _, _)| *n != "test.section"),
+            "take() clears the table"
+        );
         STATE.store(0, Ordering::Relaxed);
     }
 }

@@ -397,8 +397,8 @@ impl Qwen35Model {
                 }
                 Some(p) => {
                     return Err(ModelError::InvalidInput(format!(
-                        "batch item {index} branches from item {p}, which is not earlier in the batch"
-                    )))
+                    "batch item {index} branches from item {p}, which is not earlier in the batch"
+                )))
                 }
                 None => {
                     self.check_state(item.state, index)?;
@@ -483,7 +483,9 @@ impl Qwen35Model {
             Some(layer) => (&layer.attn_norm, layer.mixer.input_dtype(act)),
             None => (&self.final_norm, act),
         };
-        let mut h = profile::time("norm", dev, || rms_norm_as(&x, first_norm, eps, first_dtype))?;
+        let mut h = profile::time("norm", dev, || {
+            rms_norm_as(&x, first_norm, eps, first_dtype)
+        })?;
         for (l, layer) in self.layers.iter().enumerate() {
             let mixed = match &layer.mixer {
                 Mixer::DeltaNet(net) => {
@@ -516,7 +518,13 @@ impl Qwen35Model {
                 }
             };
             let (u, h_mlp) = profile::time("norm", dev, || {
-                add_rms_norm(&x, &mixed, &layer.post_norm, eps, layer.mlp.input_dtype(act))
+                add_rms_norm(
+                    &x,
+                    &mixed,
+                    &layer.post_norm,
+                    eps,
+                    layer.mlp.input_dtype(act),
+                )
             })?;
             let mlp_out = profile::time("mlp", dev, || layer.mlp.forward(&h_mlp))?;
             let (next_norm, next_dtype) = match self.layers.get(l + 1) {

@@ -545,7 +545,8 @@ fn metadata_that_does_not_fit_the_tensors_is_refused() {
 
 #[test]
 fn mismatched_config_json_is_refused() {
-    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("prism-model-test-{}", std::process::id()));
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("prism-model-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let good: serde_json::Value = read_json("config.json");
     let gguf = GgufFile::open(fixture_dir().join("tiny-BF16.gguf")).unwrap();

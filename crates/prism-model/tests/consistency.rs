@@ -449,7 +449,9 @@ fn branches_in_the_same_pass_equal_one_by_one() {
         let (a, rest) = p1.split_at(p1.len() / 2);
         let (b, c) = rest.split_at(rest.len() / 3);
         let mut states: Vec<SequenceState> = (0..5).map(|_| model.new_state().unwrap()).collect();
-        let [s0, s1, s2, s3, s4] = &mut states[..] else { unreachable!() };
+        let [s0, s1, s2, s3, s4] = &mut states[..] else {
+            unreachable!()
+        };
         let mut items = vec![
             BatchItem::new(s0, a),
             BatchItem::new(s1, p2),
@@ -470,7 +472,12 @@ fn branches_in_the_same_pass_equal_one_by_one() {
         assert_identical(model, "unrelated item between branches", &seq(1), &alone2.0);
         assert_identical(model, "branch a|b", &seq(2), &at(a.len(), b.len()));
         assert_identical(model, "branch a|rest", &seq(3), &at(a.len(), rest.len()));
-        assert_identical(model, "branch of a branch a|b|c", &seq(4), &at(a.len() + b.len(), c.len()));
+        assert_identical(
+            model,
+            "branch of a branch a|b|c",
+            &seq(4),
+            &at(a.len() + b.len(), c.len()),
+        );
         assert_states_identical("branch a|rest state", &states[3], &full.1);
         assert_states_identical("branch a|b|c state", &states[4], &full.1);
     }

@@ -35,7 +35,9 @@ pub enum BodyError {
     TooLarge { limit: usize },
     #[error("unsupported Content-Type {0:?}: send application/json, or multipart/form-data with a `request` part")]
     UnsupportedContentType(String),
-    #[error("unsupported Content-Encoding {0:?}: send the body uncompressed or compressed with zstd")]
+    #[error(
+        "unsupported Content-Encoding {0:?}: send the body uncompressed or compressed with zstd"
+    )]
     UnsupportedEncoding(String),
     #[error("the zstd-compressed body cannot be decoded: {0}")]
     BadZstd(String),
@@ -47,9 +49,12 @@ impl BodyError {
     pub fn to_api(&self) -> ApiError {
         let message = self.to_string();
         match self {
-            BodyError::TooLarge { .. } => {
-                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, loc(["body"]), "too_large", message)
-            }
+            BodyError::TooLarge { .. } => ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                loc(["body"]),
+                "too_large",
+                message,
+            ),
             BodyError::UnsupportedContentType(_) => ApiError::new(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 loc(["header", "content-type"]),
@@ -62,10 +67,18 @@ impl BodyError {
                 "content_encoding",
                 message,
             ),
-            BodyError::BadZstd(_) => ApiError::new(StatusCode::BAD_REQUEST, loc(["body"]), "zstd_invalid", message),
-            BodyError::BadMultipart(_) => {
-                ApiError::new(StatusCode::BAD_REQUEST, loc(["body"]), "multipart_invalid", message)
-            }
+            BodyError::BadZstd(_) => ApiError::new(
+                StatusCode::BAD_REQUEST,
+                loc(["body"]),
+                "zstd_invalid",
+                message,
+            ),
+            BodyError::BadMultipart(_) => ApiError::new(
+                StatusCode::BAD_REQUEST,
+                loc(["body"]),
+                "multipart_invalid",
+                message,
+            ),
         }
     }
 }
@@ -80,7 +93,11 @@ pub enum BodyKind {
 /// Splits `type/subtype; key=value; ...` into the lower-cased media type and its parameters.
 fn media_type(value: &str) -> (String, Vec<(String, String)>) {
     let mut pieces = split_params(value).into_iter();
-    let essence = pieces.next().unwrap_or_default().trim().to_ascii_lowercase();
+    let essence = pieces
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
     let params = pieces
         .filter_map(|piece| {
             let (key, value) = piece.split_once('=')?;
@@ -136,17 +153,26 @@ fn unquote(value: &str) -> String {
 
 /// The body's framing. A missing `Content-Type` is read as JSON (what a bare client means).
 pub fn body_kind(content_type: Option<&str>) -> Result<BodyKind, BodyError> {
-    let Some(raw) = content_type else { return Ok(BodyKind::Json) };
+    let Some(raw) = content_type else {
+        return Ok(BodyKind::Json);
+    };
     let (essence, params) = media_type(raw);
     match essence.as_str() {
         "application/json" => match params.iter().find(|(k, _)| k == "charset") {
-            Some((_, charset)) if !charset.eq_ignore_ascii_case("utf-8") && !charset.eq_ignore_ascii_case("utf8") => {
+            Some((_, charset))
+                if !charset.eq_ignore_ascii_case("utf-8")
+                    && !charset.eq_ignore_ascii_case("utf8") =>
+            {
                 Err(BodyError::UnsupportedContentType(raw.to_string()))
             }
             _ => Ok(BodyKind::Json),
         },
         "multipart/form-data" => {
-            let boundary = params.into_iter().find(|(k, _)| k == "boundary").map(|(_, v)| v).unwrap_or_default();
+            let boundary = params
+                .into_iter()
+                .find(|(k, _)| k == "boundary")
+                .map(|(_, v)| v)
+                .unwrap_or_default();
             // RFC 2046: 1 to 70 characters, none of them a line break.
             if boundary.is_empty() || boundary.len() > 70 || boundary.contains(['\r', '\n']) {
                 return Err(BodyError::BadMultipart(format!(
@@ -161,9 +187,14 @@ pub fn body_kind(content_type: Option<&str>) -> Result<BodyKind, BodyError> {
 
 /// Whether the body is zstd-compressed, from its `Content-Encoding` (absent or `identity`: not).
 pub fn is_zstd(content_encoding: Option<&str>) -> Result<bool, BodyError> {
-    let Some(raw) = content_encoding else { return Ok(false) };
-    let codings: Vec<String> =
-        raw.split(',').map(|c| c.trim().to_ascii_lowercase()).filter(|c| !c.is_empty() && c != "identity").collect();
+    let Some(raw) = content_encoding else {
+        return Ok(false);
+    };
+    let codings: Vec<String> = raw
+        .split(',')
+        .map(|c| c.trim().to_ascii_lowercase())
+        .filter(|c| !c.is_empty() && c != "identity")
+        .collect();
     match codings.as_slice() {
         [] => Ok(false),
         [only] if only == "zstd" => Ok(true),
@@ -183,12 +214,15 @@ pub fn decode_zstd(compressed: &[u8], limit: usize) -> Result<Vec<u8>, BodyError
     while !input.is_empty() {
         match frame_sizes(input)? {
             Frame::Skippable { total } => {
-                input = input
-                    .get(total..)
-                    .ok_or_else(|| BodyError::BadZstd("a skippable frame runs past the end".into()))?;
+                input = input.get(total..).ok_or_else(|| {
+                    BodyError::BadZstd("a skippable frame runs past the end".into())
+                })?;
                 continue;
             }
-            Frame::Data { window, content_size } => {
+            Frame::Data {
+                window,
+                content_size,
+            } => {
                 if content_size.is_some_and(|size| size > (limit - out.len()) as u64) {
                     return Err(BodyError::TooLarge { limit });
                 }
@@ -199,11 +233,13 @@ pub fn decode_zstd(compressed: &[u8], limit: usize) -> Result<Vec<u8>, BodyError
                 }
             }
         }
-        let mut decoder =
-            ruzstd::decoding::StreamingDecoder::new(&mut input).map_err(|e| BodyError::BadZstd(e.to_string()))?;
+        let mut decoder = ruzstd::decoding::StreamingDecoder::new(&mut input)
+            .map_err(|e| BodyError::BadZstd(e.to_string()))?;
         let room = (limit - out.len()) as u64;
-        let read =
-            (&mut decoder).take(room + 1).read_to_end(&mut out).map_err(|e| BodyError::BadZstd(e.to_string()))?;
+        let read = (&mut decoder)
+            .take(room + 1)
+            .read_to_end(&mut out)
+            .map_err(|e| BodyError::BadZstd(e.to_string()))?;
         if read as u64 > room {
             return Err(BodyError::TooLarge { limit });
         }
@@ -211,7 +247,10 @@ pub fn decode_zstd(compressed: &[u8], limit: usize) -> Result<Vec<u8>, BodyError
         if !frame.is_finished() {
             return Err(BodyError::BadZstd("the frame is truncated".into()));
         }
-        if let (Some(sent), Some(computed)) = (frame.get_checksum_from_data(), frame.get_calculated_checksum()) {
+        if let (Some(sent), Some(computed)) = (
+            frame.get_checksum_from_data(),
+            frame.get_calculated_checksum(),
+        ) {
             if sent != computed {
                 return Err(BodyError::BadZstd(format!(
                     "content checksum mismatch (frame says {sent:#010x}, data gives {computed:#010x})"
@@ -223,20 +262,31 @@ pub fn decode_zstd(compressed: &[u8], limit: usize) -> Result<Vec<u8>, BodyError
 }
 
 enum Frame {
-    Skippable { total: usize },
-    Data { window: u64, content_size: Option<u64> },
+    Skippable {
+        total: usize,
+    },
+    Data {
+        window: u64,
+        content_size: Option<u64>,
+    },
 }
 
 /// Reads a frame's header far enough to know its window and declared size (RFC 8878 §3.1.1), so that a
 /// hostile header cannot make the decoder allocate a large window.
 fn frame_sizes(input: &[u8]) -> Result<Frame, BodyError> {
     let bad = |what: &str| BodyError::BadZstd(what.to_string());
-    let magic = input.get(..4).ok_or_else(|| bad("truncated frame header"))?;
+    let magic = input
+        .get(..4)
+        .ok_or_else(|| bad("truncated frame header"))?;
     let magic = u32::from_le_bytes([magic[0], magic[1], magic[2], magic[3]]);
     if magic & 0xFFFF_FFF0 == 0x184D_2A50 {
-        let size = input.get(4..8).ok_or_else(|| bad("truncated skippable frame"))?;
+        let size = input
+            .get(4..8)
+            .ok_or_else(|| bad("truncated skippable frame"))?;
         let size = u32::from_le_bytes([size[0], size[1], size[2], size[3]]) as usize;
-        return Ok(Frame::Skippable { total: 8usize.saturating_add(size) });
+        return Ok(Frame::Skippable {
+            total: 8usize.saturating_add(size),
+        });
     }
     if magic != 0xFD2F_B528 {
         return Err(bad("not a zstd frame (bad magic number)"));
@@ -254,7 +304,9 @@ fn frame_sizes(input: &[u8]) -> Result<Frame, BodyError> {
     let mut pos = 5;
     let mut window = None;
     if !single_segment {
-        let wd = *input.get(pos).ok_or_else(|| bad("truncated frame header"))?;
+        let wd = *input
+            .get(pos)
+            .ok_or_else(|| bad("truncated frame header"))?;
         let log = 10 + u64::from(wd >> 3);
         let base = 1u64 << log;
         window = Some(base + (base / 8) * u64::from(wd & 7));
@@ -264,7 +316,9 @@ fn frame_sizes(input: &[u8]) -> Result<Frame, BodyError> {
     let content_size = if fcs_bytes == 0 {
         None
     } else {
-        let field = input.get(pos..pos + fcs_bytes).ok_or_else(|| bad("truncated frame header"))?;
+        let field = input
+            .get(pos..pos + fcs_bytes)
+            .ok_or_else(|| bad("truncated frame header"))?;
         let mut bytes = [0u8; 8];
         bytes[..fcs_bytes].copy_from_slice(field);
         let value = u64::from_le_bytes(bytes);
@@ -275,7 +329,10 @@ fn frame_sizes(input: &[u8]) -> Result<Frame, BodyError> {
         (None, Some(size)) => size,
         (None, None) => return Err(bad("single-segment frame without a content size")),
     };
-    Ok(Frame::Data { window, content_size })
+    Ok(Frame::Data {
+        window,
+        content_size,
+    })
 }
 
 /// One part of a multipart body.
@@ -301,7 +358,11 @@ pub fn parse_multipart<'a>(body: &'a [u8], boundary: &str) -> Result<Vec<Part<'a
     } else {
         memchr::memmem::find(body, &next_delimiter)
             .map(|i| i + 2)
-            .ok_or_else(|| bad(format!("the boundary {boundary:?} does not occur in the body")))?
+            .ok_or_else(|| {
+                bad(format!(
+                    "the boundary {boundary:?} does not occur in the body"
+                ))
+            })?
     };
     let mut parts: Vec<Part<'a>> = Vec::new();
     loop {
@@ -311,7 +372,10 @@ pub fn parse_multipart<'a>(body: &'a [u8], boundary: &str) -> Result<Vec<Part<'a
         if rest.starts_with(b"--") {
             break;
         }
-        let padding = rest.iter().take_while(|&&b| b == b' ' || b == b'\t').count();
+        let padding = rest
+            .iter()
+            .take_while(|&&b| b == b' ' || b == b'\t')
+            .count();
         if !rest.get(padding..).unwrap_or_default().starts_with(b"\r\n") {
             return Err(bad(format!(
                 "part {}: expected a line break after the boundary (or `--` to close the body)",
@@ -323,16 +387,27 @@ pub fn parse_multipart<'a>(body: &'a [u8], boundary: &str) -> Result<Vec<Part<'a
         let (header_block, content_start) = if tail.starts_with(b"\r\n") {
             (&tail[..0], headers_start + 2)
         } else {
-            let end = memchr::memmem::find(tail, b"\r\n\r\n")
-                .ok_or_else(|| bad(format!("part {}: its headers are not ended by an empty line", parts.len())))?;
+            let end = memchr::memmem::find(tail, b"\r\n\r\n").ok_or_else(|| {
+                bad(format!(
+                    "part {}: its headers are not ended by an empty line",
+                    parts.len()
+                ))
+            })?;
             (&tail[..end], headers_start + end + 4)
         };
         if header_block.len() > MAX_PART_HEADER_BYTES {
-            return Err(bad(format!("part {}: headers longer than {MAX_PART_HEADER_BYTES} bytes", parts.len())));
+            return Err(bad(format!(
+                "part {}: headers longer than {MAX_PART_HEADER_BYTES} bytes",
+                parts.len()
+            )));
         }
         let content = body.get(content_start..).unwrap_or_default();
-        let length = memchr::memmem::find(content, &next_delimiter)
-            .ok_or_else(|| bad(format!("part {} is not closed by the boundary", parts.len())))?;
+        let length = memchr::memmem::find(content, &next_delimiter).ok_or_else(|| {
+            bad(format!(
+                "part {} is not closed by the boundary",
+                parts.len()
+            ))
+        })?;
         let part = part_headers(header_block, &content[..length], parts.len())?;
         if parts.iter().any(|p| p.name == part.name) {
             return Err(bad(format!("two parts are named {:?}", part.name)));
@@ -357,12 +432,17 @@ fn part_headers<'a>(block: &[u8], data: &'a [u8], index: usize) -> Result<Part<'
     let mut filename = None;
     let mut content_type = None;
     for line in text.split("\r\n") {
-        let (key, value) = line.split_once(':').ok_or_else(|| bad(format!("bad header line {line:?}")))?;
+        let (key, value) = line
+            .split_once(':')
+            .ok_or_else(|| bad(format!("bad header line {line:?}")))?;
         let key = key.trim().to_ascii_lowercase();
         if key == "content-disposition" {
             let (essence, params) = media_type(value);
             if essence != "form-data" {
-                return Err(bad(format!("Content-Disposition must be form-data, got {:?}", value.trim())));
+                return Err(bad(format!(
+                    "Content-Disposition must be form-data, got {:?}",
+                    value.trim()
+                )));
             }
             for (param, value) in params {
                 match param.as_str() {
@@ -375,8 +455,15 @@ fn part_headers<'a>(block: &[u8], data: &'a [u8], index: usize) -> Result<Part<'
             content_type = Some(value.trim().to_string());
         }
     }
-    let name = name.filter(|n| !n.is_empty()).ok_or_else(|| bad("no Content-Disposition name".into()))?;
-    Ok(Part { name, filename, content_type, data })
+    let name = name
+        .filter(|n| !n.is_empty())
+        .ok_or_else(|| bad("no Content-Disposition name".into()))?;
+    Ok(Part {
+        name,
+        filename,
+        content_type,
+        data,
+    })
 }
 
 /// A validated request and what the server tells the client about it.
@@ -388,10 +475,15 @@ pub struct ParsedRequest {
 }
 
 /// Reads and validates a (decoded) request body.
-pub fn parse_request(kind: &BodyKind, body: &[u8], defaults: &RequestDefaults) -> Result<ParsedRequest, ApiError> {
+pub fn parse_request(
+    kind: &BodyKind,
+    body: &[u8],
+    defaults: &RequestDefaults,
+) -> Result<ParsedRequest, ApiError> {
     match kind {
         BodyKind::Json => {
-            let value = pyjson::parse_bytes(body).map_err(|e| ApiError::from_decision(&DecisionError::Json(e)))?;
+            let value = pyjson::parse_bytes(body)
+                .map_err(|e| ApiError::from_decision(&DecisionError::Json(e)))?;
             validate(&value, None, defaults)
         }
         BodyKind::Multipart { boundary } => {
@@ -410,12 +502,14 @@ pub fn parse_request(kind: &BodyKind, body: &[u8], defaults: &RequestDefaults) -
                         StatusCode::BAD_REQUEST,
                         loc(["body", "request"]),
                         "content_type",
-                        format!("the `request` part must be application/json, got {content_type:?}"),
+                        format!(
+                            "the `request` part must be application/json, got {content_type:?}"
+                        ),
                     ));
                 }
             }
-            let value =
-                pyjson::parse_bytes(request_part.data).map_err(|e| ApiError::from_decision(&DecisionError::Json(e)))?;
+            let value = pyjson::parse_bytes(request_part.data)
+                .map_err(|e| ApiError::from_decision(&DecisionError::Json(e)))?;
             validate(&value, Some(&parts), defaults)
         }
     }
@@ -423,24 +517,41 @@ pub fn parse_request(kind: &BodyKind, body: &[u8], defaults: &RequestDefaults) -
 
 /// Validates the JSON body: `assets` here (they need the parts), everything else in `prism-decision`;
 /// all problems are reported together.
-fn validate(value: &PyValue, parts: Option<&[Part]>, defaults: &RequestDefaults) -> Result<ParsedRequest, ApiError> {
+fn validate(
+    value: &PyValue,
+    parts: Option<&[Part]>,
+    defaults: &RequestDefaults,
+) -> Result<ParsedRequest, ApiError> {
     let Some(object) = value.as_object() else {
         // prism-decision names the problem (the body must be an object).
         return match DecisionRequest::from_json(value, defaults) {
-            Ok(request) => Ok(ParsedRequest { request, notes: Vec::new() }),
+            Ok(request) => Ok(ParsedRequest {
+                request,
+                notes: Vec::new(),
+            }),
             Err(error) => Err(ApiError::from_decision(&error)),
         };
     };
     let mut errors = Vec::new();
     check_assets(object.get("assets"), parts, &mut errors);
-    let without_assets: PyObject =
-        object.iter().filter(|(key, _)| *key != "assets").map(|(k, v)| (k.to_string(), v.clone())).collect();
+    let without_assets: PyObject = object
+        .iter()
+        .filter(|(key, _)| *key != "assets")
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect();
     match DecisionRequest::from_json(&PyValue::Object(without_assets), defaults) {
-        Ok(request) if errors.is_empty() => Ok(ParsedRequest { request, notes: notes(object) }),
-        Ok(_) => Err(ApiError::from_decision(&DecisionError::Request(FieldErrors(errors)))),
+        Ok(request) if errors.is_empty() => Ok(ParsedRequest {
+            request,
+            notes: notes(object),
+        }),
+        Ok(_) => Err(ApiError::from_decision(&DecisionError::Request(
+            FieldErrors(errors),
+        ))),
         Err(DecisionError::Request(FieldErrors(more))) => {
             errors.extend(more);
-            Err(ApiError::from_decision(&DecisionError::Request(FieldErrors(errors))))
+            Err(ApiError::from_decision(&DecisionError::Request(
+                FieldErrors(errors),
+            )))
         }
         Err(other) => Err(ApiError::from_decision(&other)),
     }
@@ -567,7 +678,10 @@ fn check_assets(assets: Option<&PyValue>, parts: Option<&[Part]>, errors: &mut V
         Some(other) => errors.push(FieldError::malformed(
             path.clone(),
             "type_error",
-            format!("must be an object (placeholder -> asset), got {}", other.type_name()),
+            format!(
+                "must be an object (placeholder -> asset), got {}",
+                other.type_name()
+            ),
         )),
     }
     for part in parts.unwrap_or_default() {
@@ -575,7 +689,10 @@ fn check_assets(assets: Option<&PyValue>, parts: Option<&[Part]>, errors: &mut V
             errors.push(FieldError::malformed(
                 path.clone(),
                 "value_error",
-                format!("multipart part {:?} is not named by any asset in `assets`", part.name),
+                format!(
+                    "multipart part {:?} is not named by any asset in `assets`",
+                    part.name
+                ),
             ));
         }
     }
@@ -599,8 +716,10 @@ fn check_assets(assets: Option<&PyValue>, parts: Option<&[Part]>, errors: &mut V
 fn notes(object: &PyObject) -> Vec<String> {
     let set = |key: &str| object.get(key).is_some_and(|v| *v != PyValue::Null);
     let mut notes = Vec::new();
-    let thinking: Vec<&str> =
-        ["gate", "mix", "think_budget", "return_thought"].into_iter().filter(|key| set(key)).collect();
+    let thinking: Vec<&str> = ["gate", "mix", "think_budget", "return_thought"]
+        .into_iter()
+        .filter(|key| set(key))
+        .collect();
     if !thinking.is_empty() {
         notes.push(format!(
             "{} accepted but without effect: this engine has no AutoThink yet (one read-out per question)",
@@ -608,9 +727,14 @@ fn notes(object: &PyObject) -> Vec<String> {
         ));
     }
     if matches!(object.get("think_mode"), Some(PyValue::Str(mode)) if mode == "auto") {
-        notes.push("think_mode \"auto\" reads each question once: AutoThink is not implemented yet".into());
+        notes.push(
+            "think_mode \"auto\" reads each question once: AutoThink is not implemented yet".into(),
+        );
     }
-    let none: Vec<&str> = ["none_check", "allow_none"].into_iter().filter(|key| set(key)).collect();
+    let none: Vec<&str> = ["none_check", "allow_none"]
+        .into_iter()
+        .filter(|key| set(key))
+        .collect();
     if !none.is_empty() {
         notes.push(format!(
             "{} accepted but without effect: the none option (v1.1) is not implemented; answers carry no none_probability",
@@ -653,17 +777,28 @@ mod tests {
     #[test]
     fn content_types() {
         assert_eq!(body_kind(None), Ok(BodyKind::Json));
-        assert_eq!(body_kind(Some("application/json; charset=UTF-8")), Ok(BodyKind::Json));
+        assert_eq!(
+            body_kind(Some("application/json; charset=UTF-8")),
+            Ok(BodyKind::Json)
+        );
         assert_eq!(
             body_kind(Some("multipart/form-data; boundary=\"a;b\"")),
-            Ok(BodyKind::Multipart { boundary: "a;b".into() })
+            Ok(BodyKind::Multipart {
+                boundary: "a;b".into()
+            })
         );
-        assert!(matches!(body_kind(Some("text/plain")), Err(BodyError::UnsupportedContentType(_))));
+        assert!(matches!(
+            body_kind(Some("text/plain")),
+            Err(BodyError::UnsupportedContentType(_))
+        ));
         assert!(matches!(
             body_kind(Some("application/json; charset=latin-1")),
             Err(BodyError::UnsupportedContentType(_))
         ));
-        assert!(matches!(body_kind(Some("multipart/form-data")), Err(BodyError::BadMultipart(_))));
+        assert!(matches!(
+            body_kind(Some("multipart/form-data")),
+            Err(BodyError::BadMultipart(_))
+        ));
         assert_eq!(is_zstd(Some("zstd")), Ok(true));
         assert_eq!(is_zstd(Some("identity")), Ok(false));
         assert!(is_zstd(Some("gzip")).is_err());
@@ -673,7 +808,10 @@ mod tests {
     #[test]
     fn zstd_round_trip_limits_and_corruption() {
         let text = "{\"state\": \"x\"}".repeat(500).into_bytes();
-        let compressed = ruzstd::encoding::compress_to_vec(&text[..], ruzstd::encoding::CompressionLevel::Fastest);
+        let compressed = ruzstd::encoding::compress_to_vec(
+            &text[..],
+            ruzstd::encoding::CompressionLevel::Fastest,
+        );
         assert_eq!(decode_zstd(&compressed, 1 << 20).unwrap(), text);
         // Two frames concatenated decode to both contents.
         let mut two = compressed.clone();
@@ -683,21 +821,39 @@ mod tests {
         let mut skippable = vec![0x50, 0x2A, 0x4D, 0x18, 3, 0, 0, 0, 1, 2, 3];
         skippable.extend_from_slice(&compressed);
         assert_eq!(decode_zstd(&skippable, 1 << 20).unwrap(), text);
-        assert_eq!(decode_zstd(&compressed, 100), Err(BodyError::TooLarge { limit: 100 }));
-        assert!(matches!(decode_zstd(b"not zstd at all", 1 << 20), Err(BodyError::BadZstd(_))));
-        assert!(matches!(decode_zstd(&compressed[..compressed.len() / 2], 1 << 20), Err(BodyError::BadZstd(_))));
-        assert!(matches!(decode_zstd(&[], 1 << 20), Err(BodyError::BadZstd(_))));
+        assert_eq!(
+            decode_zstd(&compressed, 100),
+            Err(BodyError::TooLarge { limit: 100 })
+        );
+        assert!(matches!(
+            decode_zstd(b"not zstd at all", 1 << 20),
+            Err(BodyError::BadZstd(_))
+        ));
+        assert!(matches!(
+            decode_zstd(&compressed[..compressed.len() / 2], 1 << 20),
+            Err(BodyError::BadZstd(_))
+        ));
+        assert!(matches!(
+            decode_zstd(&[], 1 << 20),
+            Err(BodyError::BadZstd(_))
+        ));
         // A header asking for a 2 GiB window (window descriptor exponent 21) is refused before decoding.
         let huge_window = [0x28, 0xB5, 0x2F, 0xFD, 0x00, 21 << 3, 0, 0, 0];
         let error = decode_zstd(&huge_window, 1 << 20).unwrap_err();
-        assert!(matches!(&error, BodyError::BadZstd(m) if m.contains("window")), "{error:?}");
+        assert!(
+            matches!(&error, BodyError::BadZstd(m) if m.contains("window")),
+            "{error:?}"
+        );
     }
 
     #[test]
     fn multipart_parts_and_errors() {
         let body = multipart(
             "b0undary",
-            &[("request", "application/json", b"{}"), ("asset-0", "image/png", b"\x89PNG\r\n--b0")],
+            &[
+                ("request", "application/json", b"{}"),
+                ("asset-0", "image/png", b"\x89PNG\r\n--b0"),
+            ],
         );
         let parts = parse_multipart(&body, "b0undary").unwrap();
         assert_eq!(parts.len(), 2);
@@ -709,7 +865,10 @@ mod tests {
         // A preamble is allowed.
         let mut with_preamble = b"ignored preamble\r\n".to_vec();
         with_preamble.extend_from_slice(&body);
-        assert_eq!(parse_multipart(&with_preamble, "b0undary").unwrap().len(), 2);
+        assert_eq!(
+            parse_multipart(&with_preamble, "b0undary").unwrap().len(),
+            2
+        );
 
         let errors = [
             (b"no boundary here".to_vec(), "does not occur"),
@@ -735,14 +894,19 @@ mod tests {
         ];
         for (body, expected) in errors {
             match parse_multipart(&body, "b0undary") {
-                Err(BodyError::BadMultipart(message)) => assert!(message.contains(expected), "{message}"),
+                Err(BodyError::BadMultipart(message)) => {
+                    assert!(message.contains(expected), "{message}")
+                }
                 other => panic!("{:?}: {other:?}", String::from_utf8_lossy(&body)),
             }
         }
-        let many: Vec<(String, Vec<u8>)> =
-            (0..MAX_MULTIPART_PARTS + 1).map(|i| (format!("p{i}"), vec![b'x'])).collect();
-        let refs: Vec<(&str, &str, &[u8])> =
-            many.iter().map(|(n, d)| (n.as_str(), "text/plain", d.as_slice())).collect();
+        let many: Vec<(String, Vec<u8>)> = (0..MAX_MULTIPART_PARTS + 1)
+            .map(|i| (format!("p{i}"), vec![b'x']))
+            .collect();
+        let refs: Vec<(&str, &str, &[u8])> = many
+            .iter()
+            .map(|(n, d)| (n.as_str(), "text/plain", d.as_slice()))
+            .collect();
         assert!(parse_multipart(&multipart("b", &refs), "b").is_err());
     }
 
@@ -751,7 +915,12 @@ mod tests {
     }
 
     fn locs(error: &ApiError) -> Vec<Vec<String>> {
-        error.body.detail.iter().map(|d| loc_strings(&d.loc)).collect()
+        error
+            .body
+            .detail
+            .iter()
+            .map(|d| loc_strings(&d.loc))
+            .collect()
     }
 
     const QUESTIONS: &str = r#""questions": {"q": {"type": "noul", "instructions": "Is it?"}}"#;
@@ -761,23 +930,49 @@ mod tests {
         let json = format!(
             r#"{{"state": "<image:0>", "model": "jev-latest", {QUESTIONS}, "assets": {{"<image:0>": {{"type": "image", "part": "asset-0"}}}}}}"#
         );
-        let body =
-            multipart("xyz", &[("request", "application/json", json.as_bytes()), ("asset-0", "image/png", b"\x89PNG")]);
-        let kind = BodyKind::Multipart { boundary: "xyz".into() };
+        let body = multipart(
+            "xyz",
+            &[
+                ("request", "application/json", json.as_bytes()),
+                ("asset-0", "image/png", b"\x89PNG"),
+            ],
+        );
+        let kind = BodyKind::Multipart {
+            boundary: "xyz".into(),
+        };
         let error = refused(&kind, &body);
         assert_eq!(error.status, StatusCode::UNPROCESSABLE_ENTITY);
         assert_eq!(locs(&error), [["body", "assets"]]);
-        assert!(error.body.error.contains("vision tower"), "{}", error.body.error);
+        assert!(
+            error.body.error.contains("vision tower"),
+            "{}",
+            error.body.error
+        );
 
         // A part no asset claims, an asset naming a missing part: 400 with the asset's path.
-        let json =
-            format!(r#"{{"state": "s", {QUESTIONS}, "assets": {{"a": {{"type": "image", "part": "asset-9"}}}}}}"#);
-        let body =
-            multipart("xyz", &[("request", "application/json", json.as_bytes()), ("asset-0", "image/png", b"x")]);
+        let json = format!(
+            r#"{{"state": "s", {QUESTIONS}, "assets": {{"a": {{"type": "image", "part": "asset-9"}}}}}}"#
+        );
+        let body = multipart(
+            "xyz",
+            &[
+                ("request", "application/json", json.as_bytes()),
+                ("asset-0", "image/png", b"x"),
+            ],
+        );
         let error = refused(&kind, &body);
         assert_eq!(error.status, StatusCode::BAD_REQUEST);
-        assert!(locs(&error).contains(&vec!["body".into(), "assets".into(), "a".into(), "part".into()]));
-        assert!(error.body.detail.iter().any(|d| d.msg.contains("\"asset-0\" is not named")));
+        assert!(locs(&error).contains(&vec![
+            "body".into(),
+            "assets".into(),
+            "a".into(),
+            "part".into()
+        ]));
+        assert!(error
+            .body
+            .detail
+            .iter()
+            .any(|d| d.msg.contains("\"asset-0\" is not named")));
 
         // Without a `request` part.
         let body = multipart("xyz", &[("asset-0", "image/png", b"x")]);
@@ -793,8 +988,9 @@ mod tests {
     #[test]
     fn json_assets_and_notes() {
         // Inline base64 assets in a JSON body: validated, then refused as images.
-        let body =
-            format!(r#"{{"state": "s", {QUESTIONS}, "assets": {{"a": {{"format": "png", "data_base64": "iVBO"}}}}}}"#);
+        let body = format!(
+            r#"{{"state": "s", {QUESTIONS}, "assets": {{"a": {{"format": "png", "data_base64": "iVBO"}}}}}}"#
+        );
         let error = refused(&BodyKind::Json, body.as_bytes());
         assert_eq!(error.status, StatusCode::UNPROCESSABLE_ENTITY);
         // A part reference without multipart, and a question error alongside: 400 naming both.
@@ -802,20 +998,54 @@ mod tests {
         let error = refused(&BodyKind::Json, body.as_bytes());
         assert_eq!(error.status, StatusCode::BAD_REQUEST);
         let locs = locs(&error);
-        assert!(locs.contains(&vec!["body".into(), "assets".into(), "a".into(), "part".into()]), "{locs:?}");
-        assert!(locs.iter().any(|l| l.starts_with(&["body".into(), "questions".into(), "q".into()])), "{locs:?}");
+        assert!(
+            locs.contains(&vec![
+                "body".into(),
+                "assets".into(),
+                "a".into(),
+                "part".into()
+            ]),
+            "{locs:?}"
+        );
+        assert!(
+            locs.iter()
+                .any(|l| l.starts_with(&["body".into(), "questions".into(), "q".into()])),
+            "{locs:?}"
+        );
         // Nine images: 422 too many.
-        let assets: Vec<String> =
-            (0..9).map(|i| format!(r#""a{i}": {{"format": "png", "data_base64": "iVBO"}}"#)).collect();
-        let body = format!(r#"{{"state": "s", {QUESTIONS}, "assets": {{{}}}}}"#, assets.join(","));
+        let assets: Vec<String> = (0..9)
+            .map(|i| format!(r#""a{i}": {{"format": "png", "data_base64": "iVBO"}}"#))
+            .collect();
+        let body = format!(
+            r#"{{"state": "s", {QUESTIONS}, "assets": {{{}}}}}"#,
+            assets.join(",")
+        );
         let error = refused(&BodyKind::Json, body.as_bytes());
-        assert!(error.body.detail.iter().any(|d| d.kind == "too_many_images"));
+        assert!(error
+            .body
+            .detail
+            .iter()
+            .any(|d| d.kind == "too_many_images"));
 
-        let body = format!(r#"{{"state": "s", {QUESTIONS}, "gate": 0.9, "none_check": true, "think_mode": "auto"}}"#);
-        let parsed = parse_request(&BodyKind::Json, body.as_bytes(), &RequestDefaults::default()).unwrap();
+        let body = format!(
+            r#"{{"state": "s", {QUESTIONS}, "gate": 0.9, "none_check": true, "think_mode": "auto"}}"#
+        );
+        let parsed = parse_request(
+            &BodyKind::Json,
+            body.as_bytes(),
+            &RequestDefaults::default(),
+        )
+        .unwrap();
         assert_eq!(parsed.notes.len(), 3, "{:?}", parsed.notes);
         assert!(parsed.notes[0].contains("`gate`"));
         let body = format!(r#"{{"state": "s", {QUESTIONS}}}"#);
-        assert!(parse_request(&BodyKind::Json, body.as_bytes(), &RequestDefaults::default()).unwrap().notes.is_empty());
+        assert!(parse_request(
+            &BodyKind::Json,
+            body.as_bytes(),
+            &RequestDefaults::default()
+        )
+        .unwrap()
+        .notes
+        .is_empty());
     }
 }

@@ -24,18 +24,30 @@ pub struct ApiError {
 
 /// A `loc` path: `["body", "assets", "photo", "part"]`, `["header", "content-type"]`.
 pub fn loc<'a>(parts: impl IntoIterator<Item = &'a str>) -> Vec<LocPart> {
-    parts.into_iter().map(|p| LocPart::Key(p.to_string())).collect()
+    parts
+        .into_iter()
+        .map(|p| LocPart::Key(p.to_string()))
+        .collect()
 }
 
 impl ApiError {
     /// An error with one `detail` entry.
-    pub fn new(status: StatusCode, loc: Vec<LocPart>, kind: &str, message: impl Into<String>) -> Self {
+    pub fn new(
+        status: StatusCode,
+        loc: Vec<LocPart>,
+        kind: &str,
+        message: impl Into<String>,
+    ) -> Self {
         let message = message.into();
         ApiError {
             status,
             body: ErrorBody {
                 error: message.clone(),
-                detail: vec![ErrorDetail { loc, msg: message, kind: kind.into() }],
+                detail: vec![ErrorDetail {
+                    loc,
+                    msg: message,
+                    kind: kind.into(),
+                }],
             },
             retry_after_secs: None,
             www_authenticate: false,
@@ -44,13 +56,23 @@ impl ApiError {
 
     /// The API's answer to a refused or failed decision.
     pub fn from_decision(error: &DecisionError) -> Self {
-        let status = StatusCode::from_u16(error.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let status =
+            StatusCode::from_u16(error.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let mut body = error.body();
         if body.detail.is_empty() {
             // A model failure has no field to name: the whole request is what failed.
-            body.detail.push(ErrorDetail { loc: loc(["body"]), msg: body.error.clone(), kind: "model_error".into() });
+            body.detail.push(ErrorDetail {
+                loc: loc(["body"]),
+                msg: body.error.clone(),
+                kind: "model_error".into(),
+            });
         }
-        ApiError { status, body, retry_after_secs: None, www_authenticate: false }
+        ApiError {
+            status,
+            body,
+            retry_after_secs: None,
+            www_authenticate: false,
+        }
     }
 
     pub fn with_retry_after(mut self, secs: u64) -> Self {
@@ -59,8 +81,12 @@ impl ApiError {
     }
 
     pub fn unauthorized(message: &str) -> Self {
-        let mut error =
-            ApiError::new(StatusCode::UNAUTHORIZED, loc(["header", "authorization"]), "unauthorized", message);
+        let mut error = ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            loc(["header", "authorization"]),
+            "unauthorized",
+            message,
+        );
         error.www_authenticate = true;
         error
     }
@@ -87,17 +113,29 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         // An ErrorBody always serializes (strings, numbers and lists only).
-        let json =
-            serde_json::to_vec(&self.body).unwrap_or_else(|_| b"{\"error\":\"internal error\",\"detail\":[]}".to_vec());
-        let mut response =
-            (self.status, [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], json).into_response();
+        let json = serde_json::to_vec(&self.body)
+            .unwrap_or_else(|_| b"{\"error\":\"internal error\",\"detail\":[]}".to_vec());
+        let mut response = (
+            self.status,
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )],
+            json,
+        )
+            .into_response();
         if let Some(secs) = self.retry_after_secs {
             let headers = response.headers_mut();
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
-            headers.insert("retry-after-ms", HeaderValue::from(secs.saturating_mul(1000)));
+            headers.insert(
+                "retry-after-ms",
+                HeaderValue::from(secs.saturating_mul(1000)),
+            );
         }
         if self.www_authenticate {
-            response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         response
     }

@@ -18,8 +18,8 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use prism_decision::{
-    decide, DecisionConfig, DecisionError, DecisionRequest, DecisionResponse, LetterLogits, LetterModel, LetterPrompt,
-    ModelError,
+    decide, DecisionConfig, DecisionError, DecisionRequest, DecisionResponse, LetterLogits,
+    LetterModel, LetterPrompt, ModelError,
 };
 use tokio::sync::oneshot;
 
@@ -90,19 +90,36 @@ impl Scheduler {
         let handle = std::thread::Builder::new()
             .name("prism-model".into())
             .spawn(move || run_worker(model, config, receiver, w, r, stats))?;
-        Ok((Scheduler { sender, capacity, waiting, running }, Worker(handle)))
+        Ok((
+            Scheduler {
+                sender,
+                capacity,
+                waiting,
+                running,
+            },
+            Worker(handle),
+        ))
     }
 
     /// Queues a request; the receiver gets its answer.
-    pub fn submit(&self, request: DecisionRequest) -> Result<oneshot::Receiver<JobResult>, SubmitError> {
+    pub fn submit(
+        &self,
+        request: DecisionRequest,
+    ) -> Result<oneshot::Receiver<JobResult>, SubmitError> {
         let (reply, answer) = oneshot::channel();
         self.waiting.fetch_add(1, Ordering::SeqCst);
-        match self.sender.try_send(Job { request, reply, enqueued: Instant::now() }) {
+        match self.sender.try_send(Job {
+            request,
+            reply,
+            enqueued: Instant::now(),
+        }) {
             Ok(()) => Ok(answer),
             Err(error) => {
                 self.waiting.fetch_sub(1, Ordering::SeqCst);
                 Err(match error {
-                    TrySendError::Full(_) => SubmitError::QueueFull { capacity: self.capacity },
+                    TrySendError::Full(_) => SubmitError::QueueFull {
+                        capacity: self.capacity,
+                    },
                     TrySendError::Disconnected(_) => SubmitError::ShuttingDown,
                 })
             }
@@ -152,22 +169,33 @@ fn run_worker(
         running.store(1, Ordering::SeqCst);
         let started = Instant::now();
         let queue_ms = started.duration_since(job.enqueued).as_secs_f64() * 1e3;
-        let mut counting = CountingModel { inner: &mut *model, calls: Vec::new() };
-        let result =
-            catch_unwind(AssertUnwindSafe(|| decide(&job.request, &config, &mut counting))).unwrap_or_else(|panic| {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "unknown panic".into());
-                tracing::error!("the model panicked on a request: {what}");
-                Err(DecisionError::Model(ModelError::Backend(format!("internal error in the engine: {what}"))))
-            });
+        let mut counting = CountingModel {
+            inner: &mut *model,
+            calls: Vec::new(),
+        };
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            decide(&job.request, &config, &mut counting)
+        }))
+        .unwrap_or_else(|panic| {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            tracing::error!("the model panicked on a request: {what}");
+            Err(DecisionError::Model(ModelError::Backend(format!(
+                "internal error in the engine: {what}"
+            ))))
+        });
         let compute_ms = started.elapsed().as_secs_f64() * 1e3;
         stats.record_run(queue_ms, compute_ms, &counting.calls);
         running.store(0, Ordering::SeqCst);
         // The client may have gone meanwhile; then nobody reads the answer.
-        let _ = job.reply.send(result.map(|response| JobOutput { response, queue_ms, compute_ms }));
+        let _ = job.reply.send(result.map(|response| JobOutput {
+            response,
+            queue_ms,
+            compute_ms,
+        }));
     }
 }
 
@@ -190,9 +218,17 @@ mod tests {
             }
             let logits = prompts
                 .iter()
-                .map(|p| (0..p.option_ids.len()).map(|i| ((p.user.len() * 7 + i * 13) % 17) as f64 / 4.0).collect())
+                .map(|p| {
+                    (0..p.option_ids.len())
+                        .map(|i| ((p.user.len() * 7 + i * 13) % 17) as f64 / 4.0)
+                        .collect()
+                })
                 .collect();
-            Ok(LetterLogits { logits, input_tokens: prompts.len() as u64 * 10, output_tokens: 0 })
+            Ok(LetterLogits {
+                logits,
+                input_tokens: prompts.len() as u64 * 10,
+                output_tokens: 0,
+            })
         }
     }
 
@@ -206,20 +242,48 @@ mod tests {
     #[tokio::test]
     async fn answers_like_decide_and_survives_a_panic() {
         let stats = Arc::new(Stats::default());
-        let (scheduler, worker) =
-            Scheduler::start(Box::new(TextModel), DecisionConfig::default(), 4, stats.clone()).unwrap();
-        let expected = decide(&request("hello"), &DecisionConfig::default(), &mut TextModel).unwrap();
-        let answer = scheduler.submit(request("hello")).unwrap().await.unwrap().unwrap();
+        let (scheduler, worker) = Scheduler::start(
+            Box::new(TextModel),
+            DecisionConfig::default(),
+            4,
+            stats.clone(),
+        )
+        .unwrap();
+        let expected = decide(
+            &request("hello"),
+            &DecisionConfig::default(),
+            &mut TextModel,
+        )
+        .unwrap();
+        let answer = scheduler
+            .submit(request("hello"))
+            .unwrap()
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(answer.response.answers, expected.answers);
         assert_eq!(answer.response.usage, expected.usage);
         // Both questions' prompts went to the model in one call.
-        assert_eq!(stats.snapshot("m", scheduler.queue_state())["batches"]["prompts_per_call"]["2"], 1);
+        assert_eq!(
+            stats.snapshot("m", scheduler.queue_state())["batches"]["prompts_per_call"]["2"],
+            1
+        );
 
-        let error = scheduler.submit(request("PANIC")).unwrap().await.unwrap().unwrap_err();
+        let error = scheduler
+            .submit(request("PANIC"))
+            .unwrap()
+            .await
+            .unwrap()
+            .unwrap_err();
         assert_eq!(error.status(), 500);
         assert!(error.to_string().contains("asked to panic"), "{error}");
         // Still serving.
-        let again = scheduler.submit(request("hello")).unwrap().await.unwrap().unwrap();
+        let again = scheduler
+            .submit(request("hello"))
+            .unwrap()
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(again.response.answers, expected.answers);
         drop(scheduler);
         worker.join();
@@ -236,7 +300,10 @@ mod tests {
         fn letter_logits(&mut self, prompts: &[LetterPrompt]) -> Result<LetterLogits, ModelError> {
             let _ = self.0.recv();
             Ok(LetterLogits {
-                logits: prompts.iter().map(|p| vec![0.0; p.option_ids.len()]).collect(),
+                logits: prompts
+                    .iter()
+                    .map(|p| vec![0.0; p.option_ids.len()])
+                    .collect(),
                 ..Default::default()
             })
         }
@@ -246,8 +313,13 @@ mod tests {
     async fn a_full_queue_is_refused_and_abandoned_requests_are_skipped() {
         let (go, gate) = std::sync::mpsc::channel();
         let stats = Arc::new(Stats::default());
-        let (scheduler, worker) =
-            Scheduler::start(Box::new(GatedModel(gate)), DecisionConfig::default(), 2, stats.clone()).unwrap();
+        let (scheduler, worker) = Scheduler::start(
+            Box::new(GatedModel(gate)),
+            DecisionConfig::default(),
+            2,
+            stats.clone(),
+        )
+        .unwrap();
         let first = scheduler.submit(request("one")).unwrap();
         // Wait until the worker holds the first request (it blocks inside the model).
         while scheduler.queue_state().running == 0 {
@@ -255,7 +327,10 @@ mod tests {
         }
         let second = scheduler.submit(request("two")).unwrap();
         let third = scheduler.submit(request("three")).unwrap();
-        assert_eq!(scheduler.submit(request("four")).unwrap_err(), SubmitError::QueueFull { capacity: 2 });
+        assert_eq!(
+            scheduler.submit(request("four")).unwrap_err(),
+            SubmitError::QueueFull { capacity: 2 }
+        );
         assert_eq!(scheduler.queue_state().depth, 2);
         drop(second); // its client went away: the worker skips it
         for _ in 0..3 {

@@ -85,7 +85,10 @@ pub fn router(config: ServerConfig, scheduler: Scheduler, stats: Arc<Stats>) -> 
         .route("/health", get(health).fallback(method_not_allowed))
         .route("/stats", get(stats_page).fallback(method_not_allowed))
         .fallback(not_found)
-        .layer(middleware::from_fn_with_state(state.clone(), around_every_request))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            around_every_request,
+        ))
         .with_state(state)
 }
 
@@ -95,7 +98,9 @@ pub async fn serve(
     app: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
 }
 
 /// A per-process random seed for request ids (std's hasher keys come from the OS's randomness).
@@ -103,7 +108,10 @@ fn random_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
     hasher.write_u128(
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
     );
     hasher.finish()
 }
@@ -120,7 +128,11 @@ impl Shared {
     fn new_request_id(&self) -> String {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         // Each half is a bijection of the counter: ids never repeat within a process.
-        format!("req_{:016x}{:016x}", mix(self.id_seeds[0] ^ n), mix(self.id_seeds[1] ^ n))
+        format!(
+            "req_{:016x}{:016x}",
+            mix(self.id_seeds[0] ^ n),
+            mix(self.id_seeds[1] ^ n)
+        )
     }
 }
 
@@ -131,7 +143,9 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
 
 fn authorized(headers: &HeaderMap, key: &str) -> Result<(), ApiError> {
     let Some(value) = headers.get(header::AUTHORIZATION) else {
-        return Err(ApiError::unauthorized("an API key is required: send `Authorization: Bearer KEY`"));
+        return Err(ApiError::unauthorized(
+            "an API key is required: send `Authorization: Bearer KEY`",
+        ));
     };
     let value = value.as_bytes();
     let token = value
@@ -142,12 +156,18 @@ fn authorized(headers: &HeaderMap, key: &str) -> Result<(), ApiError> {
     match token {
         Some(token) if same_secret(token, key.as_bytes()) => Ok(()),
         Some(_) => Err(ApiError::unauthorized("the API key is not valid")),
-        None => Err(ApiError::unauthorized("the Authorization header must be `Bearer KEY`")),
+        None => Err(ApiError::unauthorized(
+            "the Authorization header must be `Bearer KEY`",
+        )),
     }
 }
 
 /// Request id, API key, counting and logging around every request.
-async fn around_every_request(State(state): State<AppState>, request: Request, next: Next) -> Response {
+async fn around_every_request(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
     let started = Instant::now();
     let id = state.new_request_id();
     let method = request.method().clone();
@@ -219,11 +239,16 @@ struct DecideBody<'a> {
     notes: &'a [String],
 }
 
-async fn decide(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+async fn decide(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let config = &state.config;
     let limit = config.max_body_bytes;
-    let declared = header_text(&headers, header::CONTENT_LENGTH)?.and_then(|v| v.trim().parse::<u64>().ok());
+    let declared =
+        header_text(&headers, header::CONTENT_LENGTH)?.and_then(|v| v.trim().parse::<u64>().ok());
     if declared.is_some_and(|length| length > limit as u64) {
         return Err(BodyError::TooLarge { limit }.to_api());
     }
@@ -238,7 +263,10 @@ async fn decide(State(state): State<AppState>, headers: HeaderMap, body: Body) -
                 StatusCode::REQUEST_TIMEOUT,
                 loc(["body"]),
                 "timeout",
-                format!("the request body did not arrive within {} s", config.request_timeout.as_secs_f64()),
+                format!(
+                    "the request body did not arrive within {} s",
+                    config.request_timeout.as_secs_f64()
+                ),
             ));
         }
     };
@@ -246,29 +274,39 @@ async fn decide(State(state): State<AppState>, headers: HeaderMap, body: Body) -
     // Decompression, multipart and JSON parsing are CPU work on untrusted input: off the async threads.
     let defaults = config.defaults.clone();
     let parsed: ParsedRequest = tokio::task::spawn_blocking(move || {
-        let decoded = if zstd { decode_zstd(&bytes, limit).map_err(|e| e.to_api())? } else { bytes };
+        let decoded = if zstd {
+            decode_zstd(&bytes, limit).map_err(|e| e.to_api())?
+        } else {
+            bytes
+        };
         parse_request(&kind, &decoded, &defaults)
     })
     .await
     .map_err(|e| internal(format!("the request parser failed: {e}")))??;
 
     let questions = parsed.request.questions.len();
-    let answer = state.scheduler.submit(parsed.request).map_err(|error| match error {
-        SubmitError::QueueFull { .. } => {
-            state.stats.record_queue_full();
-            ApiError::new(
+    let answer = state
+        .scheduler
+        .submit(parsed.request)
+        .map_err(|error| match error {
+            SubmitError::QueueFull { .. } => {
+                state.stats.record_queue_full();
+                ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    loc(["body"]),
+                    "overloaded",
+                    format!("{error}; retry shortly"),
+                )
+                .with_retry_after(1)
+            }
+            SubmitError::ShuttingDown => ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 loc(["body"]),
-                "overloaded",
-                format!("{error}; retry shortly"),
+                "shutting_down",
+                error.to_string(),
             )
-            .with_retry_after(1)
-        }
-        SubmitError::ShuttingDown => {
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, loc(["body"]), "shutting_down", error.to_string())
-                .with_retry_after(1)
-        }
-    })?;
+            .with_retry_after(1),
+        })?;
     let remaining = config.request_timeout.saturating_sub(arrived.elapsed());
     let output = match tokio::time::timeout(remaining, answer).await {
         Ok(Ok(Ok(output))) => output,
@@ -280,7 +318,10 @@ async fn decide(State(state): State<AppState>, headers: HeaderMap, body: Body) -
                 StatusCode::GATEWAY_TIMEOUT,
                 loc(["body"]),
                 "timeout",
-                format!("the request was not answered within {} s", config.request_timeout.as_secs_f64()),
+                format!(
+                    "the request was not answered within {} s",
+                    config.request_timeout.as_secs_f64()
+                ),
             ));
         }
     };
@@ -293,19 +334,41 @@ async fn decide(State(state): State<AppState>, headers: HeaderMap, body: Body) -
         response.usage.output_tokens,
         response.latency_ms,
     );
-    let json = serde_json::to_vec(&DecideBody { response: &response, notes: &parsed.notes })
-        .map_err(|e| internal(format!("the response could not be serialized: {e}")))?;
-    Ok(([(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], json).into_response())
+    let json = serde_json::to_vec(&DecideBody {
+        response: &response,
+        notes: &parsed.notes,
+    })
+    .map_err(|e| internal(format!("the response could not be serialized: {e}")))?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        json,
+    )
+        .into_response())
 }
 
 fn internal(message: String) -> ApiError {
     tracing::error!("{message}");
-    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, loc(["body"]), "internal", message)
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        loc(["body"]),
+        "internal",
+        message,
+    )
 }
 
 fn json_response(value: serde_json::Value) -> Response {
     let json = serde_json::to_vec(&value).unwrap_or_default();
-    ([(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], json).into_response()
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        json,
+    )
+        .into_response()
 }
 
 async fn models(State(state): State<AppState>) -> Response {
@@ -349,7 +412,11 @@ async fn health(State(state): State<AppState>) -> Response {
 }
 
 async fn stats_page(State(state): State<AppState>) -> Response {
-    json_response(state.stats.snapshot(&state.config.model.name, state.scheduler.queue_state()))
+    json_response(
+        state
+            .stats
+            .snapshot(&state.config.model.name, state.scheduler.queue_state()),
+    )
 }
 
 #[cfg(test)]
@@ -366,10 +433,19 @@ mod tests {
     #[test]
     fn bearer_keys() {
         let mut headers = HeaderMap::new();
-        assert_eq!(authorized(&headers, "k3y").unwrap_err().status, StatusCode::UNAUTHORIZED);
-        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k3y"));
+        assert_eq!(
+            authorized(&headers, "k3y").unwrap_err().status,
+            StatusCode::UNAUTHORIZED
+        );
+        headers.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer k3y"),
+        );
         assert!(authorized(&headers, "k3y").is_ok());
-        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("bearer k3y"));
+        headers.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("bearer k3y"),
+        );
         assert!(authorized(&headers, "k3y").is_ok());
         for wrong in ["Bearer k3", "Bearer k3yy", "Basic k3y", "k3y", "Bearer"] {
             headers.insert(header::AUTHORIZATION, HeaderValue::from_static(wrong));

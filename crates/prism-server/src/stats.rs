@@ -29,7 +29,8 @@ impl Window {
         }
         let mut sorted: Vec<f64> = self.0.iter().copied().collect();
         sorted.sort_by(f64::total_cmp);
-        let rank = |q: f64| sorted[((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1];
+        let rank =
+            |q: f64| sorted[((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1];
         json!({
             "count": sorted.len(),
             "mean": sorted.iter().sum::<f64>() / sorted.len() as f64,
@@ -69,7 +70,10 @@ pub struct Stats {
 
 impl Default for Stats {
     fn default() -> Self {
-        Stats { started: Instant::now(), counters: Mutex::new(Counters::default()) }
+        Stats {
+            started: Instant::now(),
+            counters: Mutex::new(Counters::default()),
+        }
     }
 }
 
@@ -84,7 +88,10 @@ pub struct QueueState {
 impl Stats {
     fn with<R>(&self, f: impl FnOnce(&mut Counters) -> R) -> R {
         // A panic while holding this lock cannot leave the counters inconsistent in a way that matters.
-        let mut guard = self.counters.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut guard = self
+            .counters
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         f(&mut guard)
     }
 
@@ -97,7 +104,13 @@ impl Stats {
     }
 
     /// An answered decision request.
-    pub fn record_decision(&self, questions: usize, input_tokens: u64, output_tokens: u64, latency_ms: f64) {
+    pub fn record_decision(
+        &self,
+        questions: usize,
+        input_tokens: u64,
+        output_tokens: u64,
+        latency_ms: f64,
+    ) {
         self.with(|c| {
             c.decisions += 1;
             c.questions += questions as u64;
@@ -201,6 +214,9 @@ mod tests {
             window.push(1000.0 + v as f64);
         }
         assert_eq!(window.summary()["count"], LATENCY_WINDOW);
-        assert_eq!(window.summary()["p50"], 1000.0 + (LATENCY_WINDOW / 2 - 1) as f64);
+        assert_eq!(
+            window.summary()["p50"],
+            1000.0 + (LATENCY_WINDOW / 2 - 1) as f64
+        );
     }
 }

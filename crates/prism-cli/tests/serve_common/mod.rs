@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 pub fn repo_path(relative: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").join(relative)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(relative)
 }
 
 /// A running `prism serve`, killed when dropped.
@@ -65,13 +67,29 @@ impl Server {
         loop {
             let text = stdout.lock().unwrap().clone();
             if let Some(rest) = text.split("Ready on http://").nth(1) {
-                let addr = rest.split_whitespace().next().expect("address").parse().expect("socket address");
-                return Server { child, addr, stdout, stderr };
+                let addr = rest
+                    .split_whitespace()
+                    .next()
+                    .expect("address")
+                    .parse()
+                    .expect("socket address");
+                return Server {
+                    child,
+                    addr,
+                    stdout,
+                    stderr,
+                };
             }
             if let Ok(Some(status)) = child.try_wait() {
-                panic!("prism serve exited with {status} before Ready:\n{text}\n{}", stderr.lock().unwrap());
+                panic!(
+                    "prism serve exited with {status} before Ready:\n{text}\n{}",
+                    stderr.lock().unwrap()
+                );
             }
-            assert!(started.elapsed() < Duration::from_secs(60), "no Ready line after 60 s:\n{text}");
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "no Ready line after 60 s:\n{text}"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -82,7 +100,10 @@ impl Server {
 
     /// Sends SIGTERM (graceful shutdown).
     pub fn sigterm(&self) {
-        let status = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().expect("run kill");
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
         assert!(status.success());
     }
 
@@ -93,13 +114,22 @@ impl Server {
             if let Some(status) = self.child.try_wait().expect("try_wait") {
                 return status;
             }
-            assert!(started.elapsed() < within, "prism serve still running after {within:?}");
+            assert!(
+                started.elapsed() < within,
+                "prism serve still running after {within:?}"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
 
     pub fn post_json(&self, path: &str, body: &[u8]) -> Reply {
-        send(self.addr, "POST", path, &[("Content-Type", "application/json")], body)
+        send(
+            self.addr,
+            "POST",
+            path,
+            &[("Content-Type", "application/json")],
+            body,
+        )
     }
 
     pub fn get(&self, path: &str) -> Reply {
@@ -107,7 +137,11 @@ impl Server {
     }
 
     pub fn output(&self) -> String {
-        format!("stdout:\n{}\nstderr:\n{}", self.stdout.lock().unwrap(), self.stderr.lock().unwrap())
+        format!(
+            "stdout:\n{}\nstderr:\n{}",
+            self.stdout.lock().unwrap(),
+            self.stderr.lock().unwrap()
+        )
     }
 }
 
@@ -129,7 +163,10 @@ pub struct Reply {
 
 impl Reply {
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
     }
 
     pub fn json(&self) -> Value {
@@ -141,7 +178,11 @@ impl Reply {
     /// between two runs of the same request.
     pub fn answer_bytes(&self) -> &[u8] {
         let marker = b",\"latency_ms\"";
-        let end = self.body.windows(marker.len()).position(|w| w == marker).expect("a latency_ms field");
+        let end = self
+            .body
+            .windows(marker.len())
+            .position(|w| w == marker)
+            .expect("a latency_ms field");
         &self.body[..end]
     }
 
@@ -167,15 +208,29 @@ impl Reply {
 /// One request on a fresh connection (`Connection: close`). The body is sent with a Content-Length unless
 /// the headers say `Transfer-Encoding: chunked` (then it is sent as one chunk per 64 KiB). A write error
 /// (the server answered early and closed) does not stop the response from being read.
-pub fn send(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Reply {
+pub fn send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Reply {
     let mut stream = TcpStream::connect(addr).expect("connect");
-    stream.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    let chunked = headers.iter().any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+    stream
+        .set_read_timeout(Some(Duration::from_secs(120)))
+        .unwrap();
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
     for (key, value) in headers {
         head.push_str(&format!("{key}: {value}\r\n"));
     }
-    if !chunked && !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("content-length")) {
+    if !chunked
+        && !headers
+            .iter()
+            .any(|(k, _)| k.eq_ignore_ascii_case("content-length"))
+    {
         head.push_str(&format!("Content-Length: {}\r\n", body.len()));
     }
     head.push_str("\r\n");
@@ -204,26 +259,45 @@ pub fn send(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)]
 }
 
 fn parse_reply(raw: &[u8]) -> Reply {
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("end of headers");
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("end of headers");
     let head = std::str::from_utf8(&raw[..split]).expect("ASCII headers");
     let mut lines = head.split("\r\n");
-    let status = lines.next().and_then(|l| l.split(' ').nth(1)).and_then(|s| s.parse().ok()).expect("status line");
+    let status = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|s| s.parse().ok())
+        .expect("status line");
     let headers: Vec<(String, String)> = lines
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
         .collect();
     let mut body = raw[split + 4..].to_vec();
-    if headers.iter().any(|(k, v)| k == "transfer-encoding" && v.contains("chunked")) {
+    if headers
+        .iter()
+        .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"))
+    {
         body = unchunk(&body);
     }
-    Reply { status, headers, body }
+    Reply {
+        status,
+        headers,
+        body,
+    }
 }
 
 fn unchunk(mut data: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
     loop {
-        let line_end = data.windows(2).position(|w| w == b"\r\n").expect("chunk size line");
-        let size = usize::from_str_radix(std::str::from_utf8(&data[..line_end]).unwrap().trim(), 16).expect("hex size");
+        let line_end = data
+            .windows(2)
+            .position(|w| w == b"\r\n")
+            .expect("chunk size line");
+        let size =
+            usize::from_str_radix(std::str::from_utf8(&data[..line_end]).unwrap().trim(), 16)
+                .expect("hex size");
         if size == 0 {
             return out;
         }

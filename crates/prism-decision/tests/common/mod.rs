@@ -7,7 +7,9 @@ use prism_decision::pyjson::{self, PyValue};
 use prism_decision::{LetterLogits, LetterModel, LetterPrompt, ModelError};
 
 pub fn fixture_path(relative: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(relative)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(relative)
 }
 
 /// `golden.json`, read with our Python-compatible parser so its number forms survive.
@@ -18,7 +20,10 @@ pub fn golden() -> PyValue {
 }
 
 pub fn get<'a>(value: &'a PyValue, key: &str) -> &'a PyValue {
-    value.as_object().and_then(|o| o.get(key)).unwrap_or_else(|| panic!("no key {key:?} in {value}"))
+    value
+        .as_object()
+        .and_then(|o| o.get(key))
+        .unwrap_or_else(|| panic!("no key {key:?} in {value}"))
 }
 
 pub fn list(value: &PyValue) -> &[PyValue] {
@@ -51,7 +56,10 @@ impl LetterModel for ShaModel {
     fn letter_logits(&mut self, prompts: &[LetterPrompt]) -> Result<LetterLogits, ModelError> {
         self.calls.push(prompts.to_vec());
         Ok(LetterLogits {
-            logits: prompts.iter().map(|p| p.option_ids.iter().map(|id| sha_logit(id)).collect()).collect(),
+            logits: prompts
+                .iter()
+                .map(|p| p.option_ids.iter().map(|id| sha_logit(id)).collect())
+                .collect(),
             input_tokens: self.tokens_per_prompt * prompts.len() as u64,
             output_tokens: 0,
         })
@@ -72,7 +80,10 @@ impl LetterModel for FixedModel {
     fn letter_logits(&mut self, prompts: &[LetterPrompt]) -> Result<LetterLogits, ModelError> {
         self.calls += 1;
         Ok(LetterLogits {
-            logits: prompts.iter().map(|p| self.logits[..p.option_ids.len()].to_vec()).collect(),
+            logits: prompts
+                .iter()
+                .map(|p| self.logits[..p.option_ids.len()].to_vec())
+                .collect(),
             input_tokens: 10 * prompts.len() as u64,
             output_tokens: 0,
         })

@@ -365,7 +365,8 @@ pub fn wrap_multimodal(tensors: &[HfTensor]) -> Vec<HfTensor> {
 
 /// A fresh, empty directory under cargo's temp dir for integration tests (`target/tmp`).
 pub fn temp_dir(tag: &str) -> std::path::PathBuf {
-    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("prism-hf-{tag}-{}", std::process::id()));
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("prism-hf-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
