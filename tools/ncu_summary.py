@@ -3,17 +3,20 @@
 
 The bench opens one profiler range per scenario (short, shared, long), each around one warm pass.
 A pass starts with the embedding lookup (`is_u32_*` kernels); the read-out adds a few small kernels
-after it. Usage: ncu_summary.py LOG.csv [N_TOP]
+after it. Usage: ncu_summary.py LOG.csv[.gz] [N_TOP]
 """
 import collections
 import csv
+import gzip
 import sys
 
 UNIT = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0}
 
 
 def kernels(path):
-    lines = [l for l in open(path) if not l.startswith("==")]
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        lines = [l for l in f if not l.startswith("==")]
     rows = list(csv.reader(lines))
     hdr, rows = rows[0], rows[1:]
     k, v, u, g, b = (hdr.index(x) for x in ("Kernel Name", "Metric Value", "Metric Unit", "Grid Size", "Block Size"))
@@ -37,6 +40,8 @@ def passes(ks):
 
 
 def family(name, grid, block):
+    if name.startswith("qgemm"):  # the integer GEMMs (kernels/quant_gemm.cu): keep their tile names
+        return f"{name} grid {grid}"
     if any(s in name for s in ("nvjet", "gemm", "cublas", "cutlass", "xmma")):
         return f"GEMM (cuBLAS) grid {grid}"
     return f"{name[:40]} grid {grid} block {block}"

@@ -33,6 +33,16 @@ __device__ __forceinline__ void mma_k32(int (&d)[4], const unsigned (&a)[4], uns
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c0), "r"(c1), "r"(c2), "r"(c3));
 }
 
+// The same with unsigned B bytes (s8 × u8).
+__device__ __forceinline__ void mma_k32_u8(int (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1,
+                                           int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c0), "r"(c1), "r"(c2), "r"(c3));
+}
+
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -53,6 +63,7 @@ __device__ __forceinline__ void mma_k16(int (&d)[4], unsigned a0, unsigned a1, u
 // MODE 1: the Q8_0 block: MMA from the magic constant, FADD, FFMA into a float accumulator.
 // MODE 2: MODE 1 plus the fragments of every block from shared memory by ldmatrix (and the scales
 //         by LDS), as the v2 kernel does.
+// MODE 4: MODE 0 with unsigned B bytes (mma .s8.u8). (Added 2026-11-30, fourth session.)
 // MODE 3: the Q4_K / Q5_K slice (W4A8): each MMA from zero, its i32 sums times the sub-block's integer
 //         scale into an i32 block sum (one IMAD per output), and every 8 slices (a 256-element block)
 //         the block end: two k16 MMAs for the min term, two I2F and two FFMA per output. Fragments
@@ -156,9 +167,13 @@ __global__ void imma_kernel(int blocks, float* out, int seed) {
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
                 int c[4];
-                if (MODE == 0) {
-                    mma_k32(c, af[i], bf[j][0], bf[j][1], iacc[i][j][0], iacc[i][j][1], iacc[i][j][2],
-                            iacc[i][j][3]);
+                if (MODE == 0 || MODE == 4) {
+                    if (MODE == 0)
+                        mma_k32(c, af[i], bf[j][0], bf[j][1], iacc[i][j][0], iacc[i][j][1], iacc[i][j][2],
+                                iacc[i][j][3]);
+                    else
+                        mma_k32_u8(c, af[i], bf[j][0], bf[j][1], iacc[i][j][0], iacc[i][j][1], iacc[i][j][2],
+                                   iacc[i][j][3]);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) iacc[i][j][e] = c[e];
                 } else {
@@ -224,6 +239,8 @@ int main() {
     rc |= run<0, 4, 4>("mma only, warp tile 64x32", 8, 2, sms);
     rc |= run<0, 4, 4>("mma only, warp tile 64x32", 16, 1, sms);
     rc |= run<0, 2, 4>("mma only, warp tile 32x32", 8, 4, sms);
+    rc |= run<4, 4, 4>("mma s8 x u8 only, warp tile 64x32", 8, 1, sms);
+    rc |= run<4, 2, 4>("mma s8 x u8 only, warp tile 32x32", 8, 4, sms);
     rc |= run<1, 4, 4>("mma + FADD/FFMA, warp tile 64x32", 8, 1, sms);
     rc |= run<1, 4, 4>("mma + FADD/FFMA, warp tile 64x32", 8, 2, sms);
     rc |= run<1, 2, 4>("mma + FADD/FFMA, warp tile 32x32", 16, 1, sms);
