@@ -595,6 +595,17 @@ extern "C" __global__ void qgemm_combine(const float* __restrict__ ws, float* __
     y[i] = __fmul_rn(t, scale);
 }
 
+// Folds the tail of a tail-split launch (see qgemm_tc2): the [4, M − r0, N − c0] workspace into the
+// outputs (r0.., c0..) of y, with qgemm_combine's G = 4 tree.
+extern "C" __global__ void qgemm_combine_tail(const float* __restrict__ ws, float* __restrict__ y, int M, int N,
+                                              int r0, int c0, float scale) {
+    const long long cols = N - c0, count = (long long)(M - r0) * cols;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    const float t = __fadd_rn(__fadd_rn(ws[i], ws[count + i]), __fadd_rn(ws[2 * count + i], ws[3 * count + i]));
+    y[(size_t)(r0 + i / cols) * N + (c0 + i % cols)] = __fmul_rn(t, scale);
+}
+
 // Device checks: how many of n f32 elements of a and b differ in their bits (NaNs and signed zeros
 // included), added to *count.
 extern "C" __global__ void count_bit_differences(const float* __restrict__ a, const float* __restrict__ b,
@@ -658,7 +669,8 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                                           const int8_t* __restrict__ wmin, const float* __restrict__ wd,
                                           const float* __restrict__ wdmin, float* __restrict__ out,
                                           int M, int N, int K, float scale, float* __restrict__ scratch,
-                                          int group_m, const TmaDesc* tmap_a = nullptr,
+                                          int group_m, int tail_base, float* __restrict__ tail_ws,
+                                          const TmaDesc* tmap_a = nullptr,
                                           const TmaDesc* tmap_b = nullptr) {
     using L = Layout<FMT>;
     constexpr int BM = WARPS_M * MT * 16, BN = WARPS_N * NT * 8, THREADS = WARPS_M * WARPS_N * 32;
@@ -685,12 +697,40 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
     // Rasterized tile coordinates (see the header): group_m tile rows × all tile columns per group.
     const int m_tiles = (M + BM - 1) / BM, n_tiles = (N + BN - 1) / BN;
     const int gm = max(1, min(group_m, m_tiles));
-    const int pid = blockIdx.x, per_group = gm * n_tiles;
-    const int grp = pid / per_group, first_m = grp * gm;
-    const int gsize = min(m_tiles - first_m, gm), in_grp = pid - grp * per_group;
-    const int m0 = (first_m + in_grp % gsize) * BM, n0 = (in_grp / gsize) * BN;
+    const int per_group = gm * n_tiles;
+    auto tile_origin = [&](int t, int& tm0, int& tn0) {
+        const int grp = t / per_group, first_m = grp * gm;
+        const int gsize = min(m_tiles - first_m, gm), in_grp = t - grp * per_group;
+        tm0 = (first_m + in_grp % gsize) * BM;
+        tn0 = (in_grp / gsize) * BN;
+    };
+    // The tail split (G = 1 launches only): tiles from `tail_base` on (in raster order: the last
+    // columns of the last group, a rectangle of whole tiles from the first tail tile's origin to
+    // (M, N)) each run as four CTAs, one per part, as a G = 4 launch would, writing a [4, M − r0,
+    // N − c0] workspace that qgemm_combine_tail folds. So the grid's last wave is made of quarter-length
+    // CTAs instead of a few full ones. Without a tail, tail_base ≥ the grid.
+    int pid = blockIdx.x, G = gridDim.z, z = blockIdx.z;
+    const bool tail = pid >= tail_base;
+    if (tail) {
+        const int t = pid - tail_base;
+        pid = tail_base + t / 4;
+        z = t % 4;
+        G = 4;
+    }
+    int m0, n0;
+    tile_origin(pid, m0, n0);
+    // Where the G > 1 partial results go: part z at ws_base + z · ws_part, row r at (r − ws_r0) · ws_ld,
+    // column c at c − ws_c0.
+    int ws_r0 = 0, ws_c0 = 0, ws_ld = N;
+    float* ws_base = out;
+    size_t ws_part = (size_t)M * N;
+    if (tail) {
+        tile_origin(tail_base, ws_r0, ws_c0);
+        ws_ld = N - ws_c0;
+        ws_base = tail_ws;
+        ws_part = (size_t)(M - ws_r0) * ws_ld;
+    }
 
-    const int G = gridDim.z, z = blockIdx.z;
     const int nb = K / L::BLK, nsub = K / L::SUB, n32 = K / 32;
     const int p_begin = z * 4 / G, p_end = (z + 1) * 4 / G;
     auto part_end = [&](int p) { return (p + 1) * nb / 4; };
@@ -787,7 +827,6 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
 
     const int c_col = wn * NT * 8 + 2 * (lane & 3);  // + j·8 (+1)
     const int c_row = wm * MT * 16 + (lane >> 2);    // + i·16 (+8)
-    const size_t mn = (size_t)M * N;
 
     // Closes part p: the operation depends only on (G, p), uniform over the grid; each output is then
     // one or two memory operations by its owner thread.
@@ -801,7 +840,8 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
     auto finish_part = [&](int p) {
         const int r_base = opaque_int(m0 + c_row), c_base = opaque_int(n0 + c_col);
         const int op = G == 4 ? 0 : G == 2 ? ((p & 1) ? 2 : 1) : ((p & 1) == 0 ? 3 : p == 1 ? 4 : 5);
-        float* ws = G == 1 ? out : out + (size_t)z * mn;
+        float* ws = G == 1 ? out : ws_base + (size_t)z * ws_part;
+        const int w_r0 = G == 1 ? 0 : ws_r0, w_c0 = G == 1 ? 0 : ws_c0, w_ld = G == 1 ? N : ws_ld;
         const bool full = m0 + BM <= M && n0 + BN <= N && (N & 1) == 0;
         if (full) {
             auto rows = [&](auto op_c) {
@@ -810,9 +850,9 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                 for (int i = 0; i < MT; ++i)
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
-                        const size_t off = (size_t)(r_base + i * 16 + h * 8) * N + c_base;
-                        float2* wr = reinterpret_cast<float2*>(ws + off);
-                        float2* sr = reinterpret_cast<float2*>(scratch + off);
+                        const int r = r_base + i * 16 + h * 8;
+                        float2* wr = reinterpret_cast<float2*>(ws + (size_t)(r - w_r0) * w_ld + (c_base - w_c0));
+                        float2* sr = reinterpret_cast<float2*>(scratch + (size_t)r * N + c_base);
                         float2 xw[NT], xs[NT];
 #pragma unroll
                         for (int j = 0; j < NT; ++j) {
@@ -848,7 +888,8 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int r = r_base + i * 16 + h * 8;
-                    float* ws_row = ws + (size_t)r * N;
+                    // Row r of the target, indexed by c − w_c0 (rows past M are never touched).
+                    float* ws_row = ws + (size_t)(r < M ? r - w_r0 : 0) * w_ld;
                     float* sc_row = scratch + (size_t)r * N;
                     float xw[NT][2], xs[NT][2];
 #pragma unroll
@@ -857,7 +898,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                         for (int e1 = 0; e1 < 2; ++e1) {
                             const int c = c_base + j * 8 + e1;
                             const bool ok = r < M && c < N;
-                            xw[j][e1] = ok && read_ws ? __ldcg(ws_row + c) : 0.f;
+                            xw[j][e1] = ok && read_ws ? __ldcg(ws_row + (c - w_c0)) : 0.f;
                             xs[j][e1] = ok && read_sc ? __ldcg(sc_row + c) : 0.f;
                         }
                     if (r >= M) continue;
@@ -870,13 +911,13 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                             const float a = acc[i][j][2 * h + e1];
                             const float w = xw[j][e1], s = xs[j][e1];
                             switch (op) {
-                                case 0: ws_row[c] = a; break;                                  // G=4: p
-                                case 1: ws_row[c] = a; break;                                  // G=2: lo
-                                case 2: ws_row[c] = __fadd_rn(w, a); break;                    // lo + acc
-                                case 3: sc_row[c] = a; break;                                  // G=1: lo
-                                case 4: ws_row[c] = __fadd_rn(s, a); break;                    // s = lo + acc
-                                default:                                                       // (s + pair)·scale
-                                    ws_row[c] = __fmul_rn(__fadd_rn(w, __fadd_rn(s, a)), scale);
+                                case 0: ws_row[c - w_c0] = a; break;                                // G=4: p
+                                case 1: ws_row[c - w_c0] = a; break;                                // G=2: lo
+                                case 2: ws_row[c - w_c0] = __fadd_rn(w, a); break;                  // lo + acc
+                                case 3: sc_row[c] = a; break;                                       // G=1: lo
+                                case 4: ws_row[c - w_c0] = __fadd_rn(s, a); break;                  // s = lo + acc
+                                default:                                                            // (s + pair)·scale
+                                    ws_row[c - w_c0] = __fmul_rn(__fadd_rn(w, __fadd_rn(s, a)), scale);
                             }
                         }
                 }
@@ -1331,8 +1372,8 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
     cp_async_wait<0>();
 }
 
-#define QGEMM2_ARGS QGEMM_ARGS, float *__restrict__ scratch, int group_m
-#define QGEMM2_PASS QGEMM_PASS, scratch, group_m
+#define QGEMM2_ARGS QGEMM_ARGS, float *__restrict__ scratch, int group_m, int tail_base, float *__restrict__ tail_ws
+#define QGEMM2_PASS QGEMM_PASS, scratch, group_m, tail_base, tail_ws
 
 // The v2 instantiations (names and shapes mirrored in crates/prism-quant/src/cuda_plan.rs, `V2Tile`).
 // 2 × 4 warps each; the second __launch_bounds__ argument is the CTAs per SM the tile is sized for.

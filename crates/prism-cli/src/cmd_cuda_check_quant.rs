@@ -154,7 +154,8 @@ fn checked_rows(m: usize) -> Vec<usize> {
     rows
 }
 
-/// Every fixed kernel choice: v1 and each v2 tile, with 1, 2 and 4 part groups.
+/// Every fixed kernel choice: v1 and each v2 tile, with 1, 2 and 4 part groups, and each v2 tile with
+/// one part group and a tail split of 1 and 3 tile columns.
 fn fixed_variants() -> Vec<(String, GemmKernel)> {
     let mut v = Vec::new();
     for g in [1u32, 2, 4] {
@@ -170,6 +171,17 @@ fn fixed_variants() -> Vec<(String, GemmKernel)> {
                 GemmKernel::V2 {
                     tile,
                     part_groups: g,
+                    tail_cols: 0,
+                },
+            ));
+        }
+        for tail_cols in [1u32, 3] {
+            v.push((
+                format!("v2 {tile:?} G=1 tail {tail_cols}"),
+                GemmKernel::V2 {
+                    tile,
+                    part_groups: 1,
+                    tail_cols,
                 },
             ));
         }
@@ -185,9 +197,13 @@ fn plan_name(
     dev: &candle_core::CudaDevice,
 ) -> Result<String> {
     let p = qcuda::launch_plan(kernel, w.format(), m, w.rows(), w.cols(), dev)?;
-    Ok(match p.tile {
-        Some(t) => format!("{} G={}", t.kernel, p.part_groups),
-        None => "qgemm_simt".to_string(),
+    Ok(match (p.tile, p.tail(m, w.rows())) {
+        (Some(t), Some(tail)) => format!(
+            "{} G=1, tail of {} tiles from column {}",
+            t.kernel, tail.tiles, tail.c0
+        ),
+        (Some(t), None) => format!("{} G={}", t.kernel, p.part_groups),
+        (None, _) => "qgemm_simt".to_string(),
     })
 }
 
@@ -655,6 +671,7 @@ fn timings(r: &mut Report, gpu: &Device, dev: &candle_core::CudaDevice) -> Resul
                                     GemmKernel::V2 {
                                         tile,
                                         part_groups: g,
+                                        tail_cols: 0,
                                     },
                                     dev,
                                 )?;
@@ -693,7 +710,8 @@ fn timings(r: &mut Report, gpu: &Device, dev: &candle_core::CudaDevice) -> Resul
 }
 
 /// `--gemm FORMAT,K,N,M,TILE,G`: one GEMM on random weights and activations, one warm-up call and
-/// `runs` timed calls (each synchronized), for a profiler to look at one launch shape alone.
+/// `runs` timed calls (each synchronized), for a profiler to look at one launch shape alone. G is 1, 2
+/// or 4, or `1tC` for one part group with a tail split of C tile columns (v2 tiles).
 pub fn time_one(spec: &str, runs: usize) -> Result<()> {
     let fields: Vec<&str> = spec.split(',').map(str::trim).collect();
     let [fmt, k, n, m, tile, g] = fields[..] else {
@@ -713,12 +731,23 @@ pub fn time_one(spec: &str, runs: usize) -> Result<()> {
             .with_context(|| format!("--gemm: {name} = {v:?} is not a positive integer"))
     };
     let (k, n, m) = (num("K", k)?, num("N", n)?, num("M", m)?);
-    let g = match g {
-        "1" => 1u32,
-        "2" => 2,
-        "4" => 4,
-        other => bail!("--gemm: G = {other:?}: expected 1, 2 or 4"),
-    };
+    let (g_field, (g, tail_cols)) = (
+        g,
+        match g {
+            "1" => (1u32, 0u32),
+            "2" => (2, 0),
+            "4" => (4, 0),
+            other => match other.strip_prefix("1t").map(str::parse::<u32>) {
+                Some(Ok(c)) if c > 0 => (1, c),
+                _ => bail!(
+                    "--gemm: G = {other:?}: expected 1, 2, 4 or 1tC (a tail of C > 0 columns)"
+                ),
+            },
+        },
+    );
+    if tail_cols > 0 && matches!(tile.to_ascii_lowercase().as_str(), "auto" | "v1") {
+        bail!("--gemm: a tail split (G = {g_field:?}) needs a v2 tile, not {tile:?}");
+    }
     let kernel = match tile.to_ascii_lowercase().as_str() {
         "auto" => GemmKernel::Auto,
         "v1" => GemmKernel::TensorCore { part_groups: g },
@@ -735,6 +764,7 @@ pub fn time_one(spec: &str, runs: usize) -> Result<()> {
             GemmKernel::V2 {
                 tile,
                 part_groups: g,
+                tail_cols,
             }
         }
     };

@@ -452,6 +452,13 @@ fn gemm_slice(
     } else {
         None
     };
+    // A tail split: the tail tiles' four parts go to a [4, m − r0, n − c0] workspace.
+    let tail = plan.tail(m, n);
+    let tail_ws = match tail {
+        Some(t) => Some(alloc::<f32>(dev, 4 * (m - t.r0) * (n - t.c0))?),
+        None => None,
+    };
+    let tail_base = i32_arg(tail.map_or((gx as usize).max(1), |t| t.base), "tail base")?;
     {
         let out = target.as_ref().unwrap_or(&y);
         let mut b = func.builder();
@@ -468,6 +475,8 @@ fn gemm_slice(
             // The scratch pointer is only used with G = 1; otherwise y, which that launch does not
             // touch (never an alias of `out`: both are restrict pointers in the kernel).
             b.arg(scratch.as_ref().unwrap_or(&y)).arg(&group_m);
+            // Without a tail the workspace pointer is never used (no CTA reaches tail_base).
+            b.arg(&tail_base).arg(tail_ws.as_ref().unwrap_or(&y));
         }
         let stream = dev.cuda_stream();
         let (qa_ptr, _qa_sync) = qx.q.device_ptr(&stream);
@@ -482,6 +491,26 @@ fn gemm_slice(
         }
         // SAFETY: as above; the workspace holds G·m·n f32, the scratch m·n; the tensor maps describe
         // the activation and weight buffers (m·k and n·k bytes), alive until the launch is queued.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    }
+    if let (Some(t), Some(ws)) = (tail, &tail_ws) {
+        let func = load_kernel(dev, MODULE, QUANT_GEMM_IMAGE, "qgemm_combine_tail")?;
+        let count = (m - t.r0) * (n - t.c0);
+        let cfg = LaunchConfig {
+            grid_dim: (count.div_ceil(SIMT_THREADS as usize) as u32, 1, 1),
+            block_dim: (SIMT_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (r0, c0) = (i32_arg(t.r0, "tail row")?, i32_arg(t.c0, "tail column")?);
+        let mut b = func.builder();
+        b.arg(ws)
+            .arg(&y)
+            .arg(&m_i)
+            .arg(&n_i)
+            .arg(&r0)
+            .arg(&c0)
+            .arg(&s);
+        // SAFETY: ws holds 4·count f32 (the tail's rows and columns), y m·n f32.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
     if let Some(ws) = &target {

@@ -94,8 +94,13 @@ pub enum GemmKernel {
     AutoFamily(Family),
     /// v1 with a fixed number of part groups (1, 2 or 4).
     TensorCore { part_groups: u32 },
-    /// v2 with a fixed tile and number of part groups.
-    V2 { tile: V2Tile, part_groups: u32 },
+    /// v2 with a fixed tile and number of part groups; with `part_groups == 1`, `tail_cols > 0` runs
+    /// the last `tail_cols` tile columns of the last raster group split in four ([`TailSplit`]).
+    V2 {
+        tile: V2Tile,
+        part_groups: u32,
+        tail_cols: u32,
+    },
     /// One thread per output, plain integer loops: the second oracle.
     Simt,
 }
@@ -326,6 +331,71 @@ pub fn model_seconds(
     Some(t)
 }
 
+/// Modelled seconds of a v2 launch with one part group and a tail split of `tail_cols` columns
+/// ([`TailSplit`]): the main tiles in whole waves, the tail's quarter-length CTAs first in the SM slots
+/// the main tiles' last wave leaves free, then in quarter waves; plus the workspace traffic and the
+/// combine kernel. `None` if the tile does not fit or the split leaves no main tiles (that is G = 4).
+pub fn model_seconds_tail(
+    plan: &TilePlan,
+    limits: &DeviceLimits,
+    m: usize,
+    n: usize,
+    k: usize,
+    tail_cols: usize,
+) -> Option<f64> {
+    let resident = limits.resident_ctas(plan);
+    if resident == 0 || limits.sm_count == 0 {
+        return None;
+    }
+    let tail = tail_split(plan, m, n, group_m(plan, m, k) as usize, tail_cols)?;
+    if tail.base == 0 {
+        return None;
+    }
+    let slots = limits.sm_count * resident;
+    let cycles = |kk: f64| {
+        (plan.bm * plan.bn) as f64 * kk * resident as f64 / plan.macs_per_sm_clock
+            + MODEL_CTA_FIXED_CYCLES
+    };
+    let (full, quarter) = (cycles(k as f64), cycles(k as f64 / 4.0));
+    let waves = tail.base.div_ceil(slots);
+    let free = waves * slots - tail.base;
+    let quarters = 4 * tail.tiles;
+    let room = free * (full / quarter).floor() as usize;
+    let mut t = waves as f64 * full;
+    if quarters > room {
+        t += (quarters - room).div_ceil(slots) as f64 * quarter;
+    }
+    let bytes = 9 * (m - tail.r0) * (n - tail.c0) * 4;
+    Some(t / MODEL_CLOCK_HZ + bytes as f64 / MODEL_DRAM_BYTES_PER_S + MODEL_LAUNCH_S)
+}
+
+/// The tail columns worth trying for a v2 tile with one part group: the fewest whose tiles take up the
+/// partial last wave. None when the tiles fill whole waves, or make fewer than two: on the H200
+/// (2026-11-30, `docs/benchmarks.md`) a tail after a single wave lost 5–21 % to the split launches
+/// (G = 2 / 4) in 3 of 4 measured shapes, the model's guess notwithstanding, while after 2–6 waves it
+/// gained 2.5–23 %.
+pub fn tail_candidate(
+    plan: &TilePlan,
+    limits: &DeviceLimits,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Option<u32> {
+    let slots = limits.sm_count * limits.resident_ctas(plan);
+    if slots == 0 || m == 0 || n == 0 {
+        return None;
+    }
+    let (m_tiles, n_tiles) = (m.div_ceil(plan.bm), n.div_ceil(plan.bn));
+    let rest = (m_tiles * n_tiles) % slots;
+    if rest == 0 || m_tiles * n_tiles < 2 * slots {
+        return None;
+    }
+    let gm = (group_m(plan, m, k) as usize).clamp(1, m_tiles);
+    let last_rows = m_tiles - (m_tiles.div_ceil(gm) - 1) * gm;
+    let cols = rest.div_ceil(last_rows);
+    (cols < n_tiles).then(|| u32::try_from(cols).unwrap_or(u32::MAX))
+}
+
 /// Tile rows per raster group of the v2 grid: all of them (tile rows fastest, every weight tile read
 /// from DRAM once) while the activations fit comfortably in L2, else groups whose activation rows take
 /// about 16 MiB, so the CTAs running at one time share their weight tiles and activation rows.
@@ -352,13 +422,75 @@ pub fn v2_tile_of(pid: usize, m_tiles: usize, n_tiles: usize, group_m: usize) ->
     (first_m + in_grp % gsize, in_grp / gsize)
 }
 
-/// A launch: the kernel, its part groups and, for v2, the raster group. `tile == None` is the plain
-/// kernel.
+/// The tail split of a v2 launch with one part group: the last `tiles` tiles of the raster order (the
+/// last `tail_cols` tile columns of the last raster group: outputs `r0..M` × `c0..N`) run as four CTAs
+/// each, one per part of the reduction, as a G = 4 launch would run them, into a `[4, M − r0, N − c0]`
+/// workspace that `qgemm_combine_tail` folds with the same tree. The grid's last wave is then made of
+/// quarter-length CTAs instead of a few full ones (27B `ffn_gate|up` at M = 275: 816 tiles on 132 SMs
+/// are 6.2 waves). Every output keeps its bits: the per-output arithmetic is the same for every G.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TailSplit {
+    /// Raster index of the first tail tile (the kernel's `tail_base`).
+    pub base: usize,
+    pub tiles: usize,
+    pub r0: usize,
+    pub c0: usize,
+}
+
+/// Where the tail of `tail_cols` tile columns starts for a v2 tile (`None`: no tail). More columns
+/// than the grid has take all of the last raster group.
+pub fn tail_split(
+    plan: &TilePlan,
+    m: usize,
+    n: usize,
+    group_m: usize,
+    tail_cols: usize,
+) -> Option<TailSplit> {
+    if tail_cols == 0 || m == 0 || n == 0 || plan.family != Family::V2 {
+        return None;
+    }
+    let (m_tiles, n_tiles) = (m.div_ceil(plan.bm), n.div_ceil(plan.bn));
+    let gm = group_m.clamp(1, m_tiles);
+    let first_m_last = (m_tiles.div_ceil(gm) - 1) * gm;
+    let cols = tail_cols.min(n_tiles);
+    let tiles = (m_tiles - first_m_last) * cols;
+    Some(TailSplit {
+        base: m_tiles * n_tiles - tiles,
+        tiles,
+        r0: first_m_last * plan.bm,
+        c0: (n_tiles - cols) * plan.bn,
+    })
+}
+
+/// The v2 kernel's CTA order with a tail (the Rust twin of its first lines): CTA `pid` of a launch with
+/// `tail_base` (no tail: the tile count) works on tile (row, column), part group `z` of `g`.
+pub fn v2_cta_of(
+    pid: usize,
+    m_tiles: usize,
+    n_tiles: usize,
+    group_m: usize,
+    tail_base: usize,
+) -> ((usize, usize), usize, usize) {
+    if pid < tail_base {
+        (v2_tile_of(pid, m_tiles, n_tiles, group_m), 0, 1)
+    } else {
+        let t = pid - tail_base;
+        (
+            v2_tile_of(tail_base + t / 4, m_tiles, n_tiles, group_m),
+            t % 4,
+            4,
+        )
+    }
+}
+
+/// A launch: the kernel, its part groups and, for v2, the raster group and the tail split's columns
+/// (0: none; only with one part group). `tile == None` is the plain kernel.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LaunchPlan {
     pub tile: Option<TilePlan>,
     pub part_groups: u32,
     pub group_m: u32,
+    pub tail_cols: u32,
 }
 
 impl LaunchPlan {
@@ -367,7 +499,17 @@ impl LaunchPlan {
             tile: None,
             part_groups: 1,
             group_m: 1,
+            tail_cols: 0,
         }
+    }
+
+    /// The tail split of this launch, if it has one.
+    pub fn tail(&self, m: usize, n: usize) -> Option<TailSplit> {
+        let t = self.tile?;
+        if self.part_groups != 1 {
+            return None;
+        }
+        tail_split(&t, m, n, self.group_m as usize, self.tail_cols as usize)
     }
 
     /// The grid: v1 (row tiles, column tiles, groups); v2 (row tiles · column tiles, 1, groups); the
@@ -380,36 +522,63 @@ impl LaunchPlan {
                 n.div_ceil(t.bn) as u32,
                 self.part_groups,
             ),
-            Some(t) => (
-                (m.div_ceil(t.bm) * n.div_ceil(t.bn)) as u32,
-                1,
-                self.part_groups,
-            ),
+            Some(t) => {
+                let tiles = m.div_ceil(t.bm) * n.div_ceil(t.bn);
+                let ctas = match self.tail(m, n) {
+                    Some(tail) => tail.base + 4 * tail.tiles,
+                    None => tiles,
+                };
+                (ctas as u32, 1, self.part_groups)
+            }
         }
     }
 }
 
-/// The best v2 (tile, part groups) for a shape by [`model_seconds`], among the tiles that fit.
+/// The best v2 (tile, part groups, tail columns) for a shape by [`model_seconds`] and
+/// [`model_seconds_tail`], among the tiles that fit.
 pub fn choose_v2(
     format: WeightFormat,
     m: usize,
     n: usize,
     k: usize,
     limits: &DeviceLimits,
-) -> Option<(TilePlan, u32)> {
-    let mut best: Option<(f64, TilePlan, u32)> = None;
+) -> Option<(TilePlan, u32, u32)> {
+    let mut best: Option<(f64, TilePlan, u32, u32)> = None;
+    let mut consider = |t: Option<f64>, plan: TilePlan, g: u32, tail: u32| {
+        if let Some(t) = t {
+            // Strictly better only: ties keep the earlier (smaller G, smaller tile, no tail).
+            if best.as_ref().is_none_or(|(bt, ..)| t < *bt) {
+                best = Some((t, plan, g, tail));
+            }
+        }
+    };
     for tile in V2Tile::ALL {
         let plan = v2_tile_plan(format, tile);
         for g in [1u32, 2, 4] {
-            if let Some(t) = model_seconds(&plan, limits, m, n, k, g) {
-                // Strictly better only: ties keep the earlier (smaller G, smaller tile).
-                if best.as_ref().is_none_or(|(bt, _, _)| t < *bt) {
-                    best = Some((t, plan, g));
-                }
-            }
+            consider(model_seconds(&plan, limits, m, n, k, g), plan, g, 0);
+        }
+        if let Some(cols) = tail_candidate(&plan, limits, m, n, k) {
+            let t = model_seconds_tail(&plan, limits, m, n, k, cols as usize);
+            consider(t, plan, 1, cols);
         }
     }
-    best.map(|(_, p, g)| (p, g))
+    best.map(|(_, p, g, tail)| (p, g, tail))
+}
+
+/// The modelled seconds of a v2 launch plan ([`model_seconds`] or [`model_seconds_tail`]).
+pub fn model_plan_seconds(
+    plan: &LaunchPlan,
+    limits: &DeviceLimits,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Option<f64> {
+    let t = plan.tile?;
+    if plan.part_groups == 1 && plan.tail_cols > 0 {
+        model_seconds_tail(&t, limits, m, n, k, plan.tail_cols as usize)
+    } else {
+        model_seconds(&t, limits, m, n, k, plan.part_groups)
+    }
 }
 
 /// The launch for `kernel` (with [`GemmKernel::Auto`] resolved to `default_family`) of `m × n` outputs
@@ -432,12 +601,13 @@ pub fn plan_launch(
                 tile: Some(p),
                 part_groups: part_groups(&p, m, n, limits.sm_count),
                 group_m: 1,
+                tail_cols: 0,
             }
         } else {
             LaunchPlan::simt()
         }
     };
-    let explicit = |p: TilePlan, g: u32| -> Result<LaunchPlan> {
+    let explicit = |p: TilePlan, g: u32, tail_cols: u32| -> Result<LaunchPlan> {
         if p.hopper_only && limits.compute_major < 9 {
             return Err(QuantError::Input(format!(
                 "{}: built for Hopper (sm_90a) only; this GPU is compute capability {}.x",
@@ -450,6 +620,12 @@ pub fn plan_launch(
                 p.kernel, p.smem_bytes, limits.smem_per_block, limits.smem_per_sm
             )));
         }
+        if tail_cols > 0 && (g != 1 || p.family != Family::V2) {
+            return Err(QuantError::Input(format!(
+                "{}: a tail split needs a v2 tile with one part group (G = {g})",
+                p.kernel
+            )));
+        }
         Ok(LaunchPlan {
             tile: Some(p),
             part_groups: g,
@@ -458,26 +634,30 @@ pub fn plan_launch(
             } else {
                 1
             },
+            tail_cols,
         })
     };
     let family = match kernel {
         GemmKernel::Auto => default_family,
         GemmKernel::AutoFamily(f) => f,
         GemmKernel::TensorCore { part_groups } => {
-            return explicit(v1_tile_plan(format), part_groups)
+            return explicit(v1_tile_plan(format), part_groups, 0)
         }
-        GemmKernel::V2 { tile, part_groups } => {
-            return explicit(v2_tile_plan(format, tile), part_groups)
-        }
+        GemmKernel::V2 {
+            tile,
+            part_groups,
+            tail_cols,
+        } => return explicit(v2_tile_plan(format, tile), part_groups, tail_cols),
         GemmKernel::Simt => return Ok(LaunchPlan::simt()),
     };
     Ok(match family {
         Family::V1 => v1_auto(),
         Family::V2 => match choose_v2(format, m, n, k, limits) {
-            Some((p, g)) => LaunchPlan {
+            Some((p, g, tail_cols)) => LaunchPlan {
                 tile: Some(p),
                 part_groups: g,
                 group_m: group_m(&p, m, k),
+                tail_cols,
             },
             None => v1_auto(),
         },
@@ -1178,6 +1358,132 @@ mod tests {
     }
 
     #[test]
+    fn a_tail_split_runs_every_part_of_every_tile_once_and_its_tail_is_a_rectangle() {
+        let p = v2_tile_plan(WeightFormat::Q8_0, V2Tile::T96x128Tma);
+        for (m, n) in [
+            (275usize, 34816usize),
+            (96, 128),
+            (1000, 1001),
+            (5000, 700),
+            (1, 300),
+        ] {
+            let (m_tiles, n_tiles) = (m.div_ceil(p.bm), n.div_ceil(p.bn));
+            for gm in [1usize, 2, 3, 7, m_tiles] {
+                for cols in [1usize, 2, 3, n_tiles, n_tiles + 4] {
+                    let tail = tail_split(&p, m, n, gm, cols).unwrap();
+                    let plan = LaunchPlan {
+                        tile: Some(p),
+                        part_groups: 1,
+                        group_m: gm as u32,
+                        tail_cols: cols as u32,
+                    };
+                    assert_eq!(plan.tail(m, n), Some(tail));
+                    let ctas = plan.grid(m, n).0 as usize;
+                    assert_eq!(ctas, tail.base + 4 * tail.tiles);
+                    // parts[tile] = bit mask of the parts its CTAs run.
+                    let mut parts = vec![0u8; m_tiles * n_tiles];
+                    for pid in 0..ctas {
+                        let ((r, c), z, g) = v2_cta_of(pid, m_tiles, n_tiles, gm, tail.base);
+                        let mask = if g == 1 { 0b1111 } else { 1u8 << z };
+                        let cell = &mut parts[r * n_tiles + c];
+                        assert_eq!(
+                            *cell & mask,
+                            0,
+                            "{m}×{n} gm={gm} cols={cols}: tile ({r},{c}) twice"
+                        );
+                        *cell |= mask;
+                        // Tail CTAs, and only they, cover the rectangle r0.. × c0.. of whole tiles.
+                        let inside = r * p.bm >= tail.r0 && c * p.bn >= tail.c0;
+                        assert_eq!(
+                            g == 4,
+                            inside,
+                            "{m}×{n} gm={gm} cols={cols}: tile ({r},{c})"
+                        );
+                    }
+                    assert!(
+                        parts.iter().all(|&b| b == 0b1111),
+                        "{m}×{n} gm={gm} cols={cols}"
+                    );
+                    assert_eq!(
+                        tail.tiles,
+                        (m_tiles - tail.r0 / p.bm) * (n_tiles - tail.c0 / p.bn)
+                    );
+                }
+            }
+        }
+        // No tail: no columns, or a plan with more than one part group.
+        assert_eq!(tail_split(&p, 275, 34816, 3, 0), None);
+        let g2 = LaunchPlan {
+            tile: Some(p),
+            part_groups: 2,
+            group_m: 3,
+            tail_cols: 8,
+        };
+        assert_eq!(g2.tail(275, 34816), None);
+        assert_eq!(g2.grid(275, 34816), (816, 1, 2));
+    }
+
+    #[test]
+    fn the_plan_splits_the_tail_where_the_last_wave_is_mostly_empty() {
+        let h200 = DeviceLimits::H200;
+        // 27B ffn_gate|up at a decision's M = 275: 3 × 272 tiles of 96 × 128, 6 waves and 24 tiles on
+        // 132 SMs. The 24 tiles (8 columns of the 3 tile rows) become 96 quarter CTAs.
+        let plan = plan_launch(
+            GemmKernel::Auto,
+            Family::V2,
+            WeightFormat::Q8_0,
+            275,
+            34816,
+            5120,
+            &h200,
+        )
+        .unwrap();
+        assert_eq!(plan.tile.unwrap().kernel, "qgemm2_q8_0_96x128tma");
+        assert_eq!((plan.part_groups, plan.tail_cols), (1, 8));
+        let tail = plan.tail(275, 34816).unwrap();
+        assert_eq!(
+            (tail.base, tail.tiles, tail.r0, tail.c0),
+            (792, 24, 0, 264 * 128)
+        );
+        assert_eq!(plan.grid(275, 34816), (792 + 96, 1, 1));
+        let p = plan.tile.unwrap();
+        let plain = model_seconds(&p, &h200, 275, 34816, 5120, 1).unwrap();
+        let split = model_plan_seconds(&plan, &h200, 275, 34816, 5120).unwrap();
+        assert!(split < 0.95 * plain, "{split} vs {plain}");
+        // Whole waves need no tail: 128 × 132 tiles of 128 × 128.
+        let p128 = v2_tile_plan(WeightFormat::Q8_0, V2Tile::T128x128Tma);
+        assert_eq!(
+            tail_candidate(&p128, &h200, 128 * 128, 132 * 128, 5120),
+            None
+        );
+        // Two waves and 8 tiles (M = 256, 2 × 136 tiles): the 8 tiles, 4 columns of 2 tile rows.
+        assert_eq!(tail_candidate(&p128, &h200, 256, 17408, 5120), Some(4));
+        // One wave and 4 tiles: no tail (measured slower than a split launch).
+        assert_eq!(tail_candidate(&p128, &h200, 128, 17408, 5120), None);
+        let small = plan_launch(
+            GemmKernel::Auto,
+            Family::V2,
+            WeightFormat::Q4K,
+            64,
+            17408,
+            5120,
+            &h200,
+        )
+        .unwrap();
+        assert_eq!(small.tail_cols, 0, "{small:?}");
+        // An explicit tail needs one part group.
+        let bad = GemmKernel::V2 {
+            tile: V2Tile::T96x128Tma,
+            part_groups: 2,
+            tail_cols: 8,
+        };
+        let err = plan_launch(bad, Family::V2, WeightFormat::Q8_0, 275, 34816, 5120, &h200)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("tail split"), "{err}");
+    }
+
+    #[test]
     fn raster_groups_bound_the_activation_rows_only_when_they_outgrow_l2() {
         let p = v2_tile_plan(WeightFormat::Q8_0, V2Tile::T128x128);
         assert_eq!(group_m(&p, 2048, 5120), 16); // 10 MiB of activations: all 16 tile rows
@@ -1216,14 +1522,22 @@ mod tests {
         ] {
             let chosen = plan_launch(GemmKernel::Auto, Family::V2, format, m, n, k, &h200).unwrap();
             let ct = chosen.tile.unwrap();
-            let best = model_seconds(&ct, &h200, m, n, k, chosen.part_groups).unwrap();
+            let best = model_plan_seconds(&chosen, &h200, m, n, k).unwrap();
             for tile in V2Tile::ALL {
+                let plan = v2_tile_plan(format, tile);
                 for g in [1, 2, 4] {
-                    let t = model_seconds(&v2_tile_plan(format, tile), &h200, m, n, k, g).unwrap();
+                    let t = model_seconds(&plan, &h200, m, n, k, g).unwrap();
                     assert!(
                         best <= t,
                         "{format:?} {m}×{n}×{k}: {ct:?} G={} vs {tile:?} G={g}",
                         chosen.part_groups
+                    );
+                }
+                if let Some(cols) = tail_candidate(&plan, &h200, m, n, k) {
+                    let t = model_seconds_tail(&plan, &h200, m, n, k, cols as usize).unwrap();
+                    assert!(
+                        best <= t,
+                        "{format:?} {m}×{n}×{k}: {chosen:?} vs {tile:?} tail {cols}"
                     );
                 }
             }
@@ -1261,6 +1575,7 @@ mod tests {
             let kernel = GemmKernel::V2 {
                 tile,
                 part_groups: 1,
+                tail_cols: 0,
             };
             plan_launch(kernel, Family::V2, Q8_0, 512, 4096, 4096, limits)
                 .unwrap_err()
