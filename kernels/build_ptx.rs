@@ -21,6 +21,15 @@ fn compile_kernels_to_ptx(names: &[&str]) {
     let nvcc = std::env::var("CUDA_HOME")
         .map(|h| PathBuf::from(h).join("bin/nvcc"))
         .unwrap_or_else(|_| PathBuf::from("nvcc"));
+    // Headers the kernels include (kernels/*.cuh).
+    if let Ok(dir) = std::fs::read_dir(&kernels) {
+        for entry in dir.flatten() {
+            let path = entry.path();
+            if path.extension().is_some_and(|e| e == "cuh") {
+                println!("cargo:rerun-if-changed={}", path.display());
+            }
+        }
+    }
     for name in names {
         let src = kernels.join(format!("{name}.cu"));
         println!("cargo:rerun-if-changed={}", src.display());

@@ -22,18 +22,17 @@
 // stages, the part tree in memory). crates/prism-quant/src/cuda_plan.rs chooses between them.
 
 #include <stdint.h>
+#include "act_quant.cuh"
 
 #define FMT_Q8_0 0
 #define FMT_K32 1  // Q4_K and Q5_K: sub-blocks of 32 with scales and mins (q in 0..15 / 0..31)
 #define FMT_Q6K 2  // sub-blocks of 16 with signed scales, q − 32 in −32..31
 
 // ---------------------------------------------------------------------------------------------------
-// Activation quantization: qa = clamp(rint(x · inv_scale), −127, 127); one thread per group of 32.
-// A non-finite input is recorded per row, never across rows: `bad_rows[r]` (zeroed by the host with a
-// memset) becomes 0xFFFFFFFF − c for the smallest column c of row r that holds a NaN or ±∞ (atomicMax of
-// the complement: 0 stays "clean" and needs no host-side initial value). The row's quantized values are
-// still written (NaN clamps to −127, ±∞ to ±127): `poison_rows` then turns the row's outputs into NaN
-// after the GEMM, or the host reads the flags and refuses the call (the CPU's error, same element).
+// Activation quantization: one thread per group of 32 (kernels/act_quant.cuh: the formula, the sums and
+// the per-row non-finite flags). A non-finite input is recorded per row, never across rows; `poison_rows`
+// (or the GEMM's last write, given the flags) then turns the row's outputs into NaN after the GEMM, or the
+// host reads the flags and refuses the call (the CPU's error, same element).
 // ---------------------------------------------------------------------------------------------------
 extern "C" __global__ void quantize_act_i8(const float* __restrict__ x, int8_t* __restrict__ qa,
                                            int* __restrict__ sums, unsigned int* __restrict__ bad_rows,
@@ -42,34 +41,25 @@ extern "C" __global__ void quantize_act_i8(const float* __restrict__ x, int8_t* 
     const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= n_groups) return;
     const float4* src = reinterpret_cast<const float4*>(x + g * 32);
-    unsigned int packed[8];
-    int sum = 0;
-    int first_bad = -1;  // column within this group of 32
+    float v[32];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         const float4 v4 = src[i];
-        const float v[4] = {v4.x, v4.y, v4.z, v4.w};
-        unsigned int word = 0;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            if (!isfinite(v[c]) && first_bad < 0) first_bad = 4 * i + c;
-            // One IEEE multiplication (never contracted), round half to even, clamp after rounding.
-            const float r = fminf(fmaxf(rintf(__fmul_rn(v[c], inv_scale)), -127.f), 127.f);
-            const int q = (int)r;
-            sum += q;
-            word |= ((unsigned int)(q & 0xff)) << (8 * c);
-        }
-        packed[i] = word;
+        v[4 * i] = v4.x;
+        v[4 * i + 1] = v4.y;
+        v[4 * i + 2] = v4.z;
+        v[4 * i + 3] = v4.w;
     }
-    uint4* dst = reinterpret_cast<uint4*>(qa + g * 32);
-    dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-    dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
-    if (want_sums) sums[g] = sum;
-    if (first_bad >= 0) {
-        const long long row = g / groups_per_row;
-        const unsigned int col = (unsigned int)((g % groups_per_row) * 32 + first_bad);
-        atomicMax(bad_rows + row, 0xFFFFFFFFu - col);
-    }
+    quantize_group32(v, reinterpret_cast<signed char*>(qa + g * 32), sums, bad_rows, g, groups_per_row,
+                     inv_scale, want_sums);
+}
+
+// The NaN of a poisoned row, and whether row r is one (bad_rows may be null: no poisoning). The v2
+// kernels and the combine kernels apply it in their last write of an output, so their launches need no
+// poison_rows after them.
+#define POISON_NAN __int_as_float(0x7fc00000)
+__device__ __forceinline__ bool row_poisoned(const unsigned int* __restrict__ bad_rows, long long r) {
+    return bad_rows != nullptr && bad_rows[r] != 0u;
 }
 
 // After the GEMM: every output of a row whose input held a non-finite value becomes NaN, so the
@@ -79,9 +69,8 @@ extern "C" __global__ void poison_rows(const unsigned int* __restrict__ bad_rows
                                        long long M, long long N) {
     const long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     if (row >= M || bad_rows[row] == 0) return;
-    const float nan = __int_as_float(0x7fc00000);
     float* out = y + row * N;
-    for (long long n = threadIdx.x & 31; n < N; n += 32) out[n] = nan;
+    for (long long n = threadIdx.x & 31; n < N; n += 32) out[n] = POISON_NAN;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -582,11 +571,17 @@ __device__ __forceinline__ void qgemm_tc(const int8_t* __restrict__ qa, const in
             }
 }
 
-// Folds the G partial results of a split launch with the fixed tree and applies the scale.
+// Folds the G partial results of a split launch with the fixed tree and applies the scale (rows of N
+// outputs; a row flagged in bad_rows, if given, becomes NaN).
 extern "C" __global__ void qgemm_combine(const float* __restrict__ ws, float* __restrict__ y, long long count,
-                                         int G, float scale) {
+                                         int G, float scale, long long N,
+                                         const unsigned int* __restrict__ bad_rows) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) return;
+    if (row_poisoned(bad_rows, i / N)) {
+        y[i] = POISON_NAN;
+        return;
+    }
     float t;
     if (G == 4)
         t = __fadd_rn(__fadd_rn(ws[i], ws[count + i]), __fadd_rn(ws[2 * count + i], ws[3 * count + i]));
@@ -598,12 +593,14 @@ extern "C" __global__ void qgemm_combine(const float* __restrict__ ws, float* __
 // Folds the tail of a tail-split launch (see qgemm_tc2): the [4, M − r0, N − c0] workspace into the
 // outputs (r0.., c0..) of y, with qgemm_combine's G = 4 tree.
 extern "C" __global__ void qgemm_combine_tail(const float* __restrict__ ws, float* __restrict__ y, int M, int N,
-                                              int r0, int c0, float scale) {
+                                              int r0, int c0, float scale,
+                                              const unsigned int* __restrict__ bad_rows) {
     const long long cols = N - c0, count = (long long)(M - r0) * cols;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) return;
+    const long long r = r0 + i / cols;
     const float t = __fadd_rn(__fadd_rn(ws[i], ws[count + i]), __fadd_rn(ws[2 * count + i], ws[3 * count + i]));
-    y[(size_t)(r0 + i / cols) * N + (c0 + i % cols)] = __fmul_rn(t, scale);
+    y[(size_t)r * N + (c0 + i % cols)] = row_poisoned(bad_rows, r) ? POISON_NAN : __fmul_rn(t, scale);
 }
 
 // Device checks: how many of n f32 elements of a and b differ in their bits (NaNs and signed zeros
@@ -670,6 +667,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                                           const float* __restrict__ wdmin, float* __restrict__ out,
                                           int M, int N, int K, float scale, float* __restrict__ scratch,
                                           int group_m, int tail_base, float* __restrict__ tail_ws,
+                                          const unsigned int* __restrict__ bad_rows,
                                           const TmaDesc* tmap_a = nullptr,
                                           const TmaDesc* tmap_b = nullptr) {
     using L = Layout<FMT>;
@@ -859,6 +857,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                             if (OP == 2 || OP == 5) xw[j] = __ldcg(wr + j * 4);
                             if (OP == 4 || OP == 5) xs[j] = __ldcg(sr + j * 4);
                         }
+                        const bool poison = OP == 5 && row_poisoned(bad_rows, r);
 #pragma unroll
                         for (int j = 0; j < NT; ++j) {
                             const float a0 = acc[i][j][2 * h], a1 = acc[i][j][2 * h + 1];
@@ -867,9 +866,9 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                             if (OP == 3) sr[j * 4] = make_float2(a0, a1);
                             if (OP == 4) wr[j * 4] = make_float2(__fadd_rn(xs[j].x, a0), __fadd_rn(xs[j].y, a1));
                             if (OP == 5)
-                                wr[j * 4] = make_float2(
-                                    __fmul_rn(__fadd_rn(xw[j].x, __fadd_rn(xs[j].x, a0)), scale),
-                                    __fmul_rn(__fadd_rn(xw[j].y, __fadd_rn(xs[j].y, a1)), scale));
+                                wr[j * 4] = poison ? make_float2(POISON_NAN, POISON_NAN)
+                                                   : make_float2(__fmul_rn(__fadd_rn(xw[j].x, __fadd_rn(xs[j].x, a0)), scale),
+                                                                 __fmul_rn(__fadd_rn(xw[j].y, __fadd_rn(xs[j].y, a1)), scale));
                         }
                     }
             };
@@ -917,7 +916,9 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                                 case 3: sc_row[c] = a; break;                                       // G=1: lo
                                 case 4: ws_row[c - w_c0] = __fadd_rn(s, a); break;                  // s = lo + acc
                                 default:                                                            // (s + pair)·scale
-                                    ws_row[c - w_c0] = __fmul_rn(__fadd_rn(w, __fadd_rn(s, a)), scale);
+                                    ws_row[c - w_c0] = row_poisoned(bad_rows, r)
+                                                           ? POISON_NAN
+                                                           : __fmul_rn(__fadd_rn(w, __fadd_rn(s, a)), scale);
                             }
                         }
                 }
@@ -1372,8 +1373,10 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
     cp_async_wait<0>();
 }
 
-#define QGEMM2_ARGS QGEMM_ARGS, float *__restrict__ scratch, int group_m, int tail_base, float *__restrict__ tail_ws
-#define QGEMM2_PASS QGEMM_PASS, scratch, group_m, tail_base, tail_ws
+#define QGEMM2_ARGS                                                                                         \
+    QGEMM_ARGS, float *__restrict__ scratch, int group_m, int tail_base, float *__restrict__ tail_ws,      \
+        const unsigned int *__restrict__ bad_rows
+#define QGEMM2_PASS QGEMM_PASS, scratch, group_m, tail_base, tail_ws, bad_rows
 
 // The v2 instantiations (names and shapes mirrored in crates/prism-quant/src/cuda_plan.rs, `V2Tile`).
 // 2 × 4 warps each; the second __launch_bounds__ argument is the CTAs per SM the tile is sized for.

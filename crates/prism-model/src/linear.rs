@@ -62,6 +62,22 @@ impl Linear {
         }
     }
 
+    /// `swiglu(gate_up) · Wᵀ` (`gate_up: [n, 2f]`): [`crate::ops::swiglu_as`] in the dtype this
+    /// projection reads, then [`Linear::forward`]. On the integer path on CUDA the SwiGLU kernel writes
+    /// the int8 activations itself (`cuda::swiglu_quantized`: the same bytes as quantizing its f32
+    /// output), which saves the f32 intermediate and one launch.
+    pub fn forward_swiglu(&self, gate_up: &Tensor, f: usize) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let (Linear::Quant(op), candle_core::Device::Cuda(dev)) = (self, gate_up.device()) {
+            if op.takes_quantized_input(gate_up.device()) && f % 32 == 0 {
+                let qx = crate::cuda::swiglu_quantized(gate_up, f, &op.scale, op.wants_sums())?;
+                return op.forward_quantized(&qx, dev);
+            }
+        }
+        let h = crate::ops::swiglu_as(gate_up, f, self.input_dtype(gate_up.dtype()))?;
+        self.forward(&h)
+    }
+
     /// The same projection restricted to output rows `rows` (e.g. the letters of a read-out). Every
     /// output depends only on its own weight row, so the results are bit-identical to those columns of
     /// the full product.

@@ -15,7 +15,7 @@ use crate::config::{hf_text_config, read_hf_config, LayerKind, Qwen35Config};
 use crate::delta_net::DeltaNet;
 use crate::error::{ModelError, Result};
 use crate::linear::{FusedLinear, Linear};
-use crate::ops::{add_rms_norm, rms_norm_as, swiglu_as};
+use crate::ops::{add_rms_norm, rms_norm_as};
 use crate::profile;
 use crate::rope::{MRope, Position3};
 use crate::state::{DeltaNetState, KvCache, LayerState, SequenceState};
@@ -84,9 +84,9 @@ impl Mlp {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let gate_up = self.gate_up.forward(x)?.parts(Self::GATE..Self::UP + 1)?;
-        // Written in the dtype ffn_down reads (bf16 for a bf16 GEMM on CUDA).
-        let h = swiglu_as(&gate_up, self.ffn, self.down.input_dtype(gate_up.dtype()))?;
-        Ok(self.down.forward(&h)?)
+        // SwiGLU written in the form ffn_down reads: bf16 for a bf16 GEMM on CUDA, int8 on the integer
+        // path on CUDA.
+        Ok(self.down.forward_swiglu(&gate_up, self.ffn)?)
     }
 
     /// The dtype [`Mlp::forward`] wants its input in when the activations are `act`.

@@ -150,6 +150,38 @@ pub fn decode_bad_row(flag: u32) -> Option<usize> {
 }
 
 impl DeviceQuantized {
+    /// Buffers for `rows × cols` activations that a producer kernel of another crate quantizes itself
+    /// (kernels/act_quant.cuh: the bytes of [`quantize_activations`]): `q`, the per-32 sums when
+    /// `with_sums`, the row flags zeroed on the device. `cols` must be a multiple of 32.
+    pub fn alloc(dev: &CudaDevice, rows: usize, cols: usize, with_sums: bool) -> Result<Self> {
+        if cols % 32 != 0 {
+            bail!("int8 quantization (cuda): rows of {cols} are not whole groups of 32");
+        }
+        Ok(Self {
+            rows,
+            cols,
+            q: alloc::<u8>(dev, rows * cols)?,
+            sums: if with_sums {
+                Some(alloc::<i32>(dev, rows * cols / 32)?)
+            } else {
+                None
+            },
+            bad_rows: dev.alloc_zeros::<u32>(rows.max(1))?,
+        })
+    }
+
+    /// The buffers a producer kernel writes: the bytes, the sums (if any) and the row flags (`[rows]`, at
+    /// least one element).
+    pub fn buffers_mut(
+        &mut self,
+    ) -> (
+        &mut CudaSlice<u8>,
+        Option<&mut CudaSlice<i32>>,
+        &mut CudaSlice<u32>,
+    ) {
+        (&mut self.q, self.sums.as_mut(), &mut self.bad_rows)
+    }
+
     /// Every row holding a non-finite input, in row order, with the column of its first one. Reads the
     /// row flags back: synchronizes with the stream.
     pub fn non_finite_rows(&self, dev: &CudaDevice) -> Result<Vec<(usize, usize)>> {
@@ -356,17 +388,20 @@ pub fn gemm_quantized(
     kernel: GemmKernel,
     dev: &CudaDevice,
 ) -> Result<Tensor> {
-    let y = gemm_slice(qx, w, scale, kernel, dev)?;
+    let y = gemm_slice(qx, w, scale, kernel, dev, false)?;
     Ok(wrap(y, dev, (qx.rows, w.rows)))
 }
 
-/// [`gemm_quantized`]'s output buffer, `M·N` f32 (at least one element).
+/// [`gemm_quantized`]'s output buffer, `M·N` f32 (at least one element). With `poison`, every output of a
+/// row flagged in `qx` (a non-finite input) is NaN: v2 launches and the combine kernels write the NaN in
+/// their last write of the output; after the other launches `poison_rows` does.
 fn gemm_slice(
     qx: &DeviceQuantized,
     w: &CudaQuantWeight,
     scale: &ActivationScale,
     kernel: GemmKernel,
     dev: &CudaDevice,
+    poison: bool,
 ) -> Result<CudaSlice<f32>> {
     let (m, n, k) = (qx.rows, w.rows, w.cols);
     if qx.cols != k || (w.format.has_mins() && qx.sums.is_none()) {
@@ -430,8 +465,16 @@ fn gemm_slice(
         b.arg(&y).arg(&m_i).arg(&n_i).arg(&k_i).arg(&s);
         // SAFETY: the buffers have the sizes the dimensions say (checked at upload and above).
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
+        let mut y = y;
+        if poison {
+            qx.poison_rows(&mut y, n, dev)?;
+        }
         return Ok(y);
     };
+    // The row flags for the kernels that poison in their last write (a null pointer: no poisoning).
+    let stream = dev.cuda_stream();
+    let (flags_ptr, _flags_sync) = qx.bad_rows.device_ptr(&stream);
+    let flags: u64 = if poison { flags_ptr } else { 0 };
 
     let func = load_kernel(dev, MODULE, QUANT_GEMM_IMAGE, tile.kernel)?;
     func.allow_dynamic_shared(tile.smem_bytes, "shared memory")?;
@@ -476,9 +519,10 @@ fn gemm_slice(
             // touch (never an alias of `out`: both are restrict pointers in the kernel).
             b.arg(scratch.as_ref().unwrap_or(&y)).arg(&group_m);
             // Without a tail the workspace pointer is never used (no CTA reaches tail_base).
-            b.arg(&tail_base).arg(tail_ws.as_ref().unwrap_or(&y));
+            b.arg(&tail_base)
+                .arg(tail_ws.as_ref().unwrap_or(&y))
+                .arg(&flags);
         }
-        let stream = dev.cuda_stream();
         let (qa_ptr, _qa_sync) = qx.q.device_ptr(&stream);
         let (wq_ptr, _wq_sync) = vq.device_ptr(&stream);
         let maps;
@@ -509,8 +553,9 @@ fn gemm_slice(
             .arg(&n_i)
             .arg(&r0)
             .arg(&c0)
-            .arg(&s);
-        // SAFETY: ws holds 4·count f32 (the tail's rows and columns), y m·n f32.
+            .arg(&s)
+            .arg(&flags);
+        // SAFETY: ws holds 4·count f32 (the tail's rows and columns), y m·n f32, the flags m u32.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
     if let Some(ws) = &target {
@@ -521,11 +566,22 @@ fn gemm_slice(
             block_dim: (SIMT_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (count_i, g_i) = (count as i64, groups as i32);
+        let (count_i, g_i, n_l) = (count as i64, groups as i32, n as i64);
         let mut b = func.builder();
-        b.arg(ws).arg(&y).arg(&count_i).arg(&g_i).arg(&s);
-        // SAFETY: ws holds G·count f32, y count f32.
+        b.arg(ws)
+            .arg(&y)
+            .arg(&count_i)
+            .arg(&g_i)
+            .arg(&s)
+            .arg(&n_l)
+            .arg(&flags);
+        // SAFETY: ws holds G·count f32, y count f32, the flags m u32.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    } else if poison && tile.family == Family::V1 {
+        // v1 with one part group writes its outputs itself, without the flags.
+        let mut y = y;
+        qx.poison_rows(&mut y, n, dev)?;
+        return Ok(y);
     }
     Ok(y)
 }
@@ -637,6 +693,27 @@ pub fn matmul_with(
     Ok(y)
 }
 
+/// The product of activations already quantized on the device by a fused producer (same bytes as
+/// [`quantize_activations`] at `scale`), with [`matmul_poisoned`]'s semantics: a row holding a non-finite
+/// input comes out as NaN, every other row has the CPU reference's bits. No synchronization.
+pub fn matmul_quantized_poisoned(
+    qx: &DeviceQuantized,
+    w: &CudaQuantWeight,
+    scale: &ActivationScale,
+    dev: &CudaDevice,
+) -> Result<Tensor> {
+    if qx.cols != w.cols {
+        return Err(quant_err(QuantError::InputWidth {
+            tensor: w.name.clone(),
+            expected: w.cols,
+            found: qx.cols,
+        }));
+    }
+    cuda_plan::check_launch(&w.name, w.format, 1, w.rows, qx.cols, 1).map_err(quant_err)?;
+    let y = gemm_slice(qx, w, scale, GemmKernel::Auto, dev, true)?;
+    Ok(wrap(y, dev, (qx.rows, w.rows)))
+}
+
 /// The no-synchronization product: [`matmul_deferred`] with the automatic kernel, the quantized
 /// activations dropped. A row of `x` holding a NaN or ±∞ comes out as a row of NaN; every other row
 /// has the CPU reference's bits.
@@ -664,7 +741,6 @@ pub fn matmul_deferred(
     }
     cuda_plan::check_launch(&w.name, w.format, 1, w.rows, k, 1).map_err(quant_err)?;
     let qx = quantize_activations(x, scale, w.format.has_mins())?;
-    let mut y = gemm_slice(&qx, w, scale, kernel, &dev)?;
-    qx.poison_rows(&mut y, w.rows, &dev)?;
+    let y = gemm_slice(&qx, w, scale, kernel, &dev, true)?;
     Ok((wrap(y, &dev, (m, w.rows)), qx))
 }

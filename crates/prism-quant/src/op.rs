@@ -92,17 +92,7 @@ impl QuantMatmul {
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let candle_core::Device::Cuda(dev) = x.device() {
-            let weight = {
-                let mut slot = self.device_weight.lock().unwrap_or_else(|e| e.into_inner());
-                match slot.as_ref() {
-                    Some(w) => w.clone(),
-                    None => {
-                        let w = Arc::new(crate::cuda::CudaQuantWeight::upload(&self.weight, dev)?);
-                        *slot = Some(w.clone());
-                        w
-                    }
-                }
-            };
+            let weight = self.device_weight(dev)?;
             let x = x.contiguous()?;
             return match nonfinite_mode().map_err(candle_core::Error::wrap)? {
                 NonFiniteMode::Poison => crate::cuda::matmul_poisoned(&x, &weight, &self.scale),
@@ -110,6 +100,49 @@ impl QuantMatmul {
             };
         }
         x.contiguous()?.apply_op1_no_bwd(self)
+    }
+
+    /// The weight on `dev`, uploaded on first use.
+    #[cfg(feature = "cuda")]
+    fn device_weight(
+        &self,
+        dev: &candle_core::CudaDevice,
+    ) -> candle_core::Result<Arc<crate::cuda::CudaQuantWeight>> {
+        let mut slot = self.device_weight.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(match slot.as_ref() {
+            Some(w) => w.clone(),
+            None => {
+                let w = Arc::new(crate::cuda::CudaQuantWeight::upload(&self.weight, dev)?);
+                *slot = Some(w.clone());
+                w
+            }
+        })
+    }
+
+    /// Whether a producer kernel on `dev` may quantize this product's input itself and hand it to
+    /// [`QuantMatmul::forward_quantized`]: on CUDA with non-finite inputs poisoning their rows (the
+    /// default). The eager-error mode needs the f32 input to name the offending value, so it keeps the
+    /// unfused path.
+    pub fn takes_quantized_input(&self, dev: &candle_core::Device) -> bool {
+        dev.is_cuda() && matches!(nonfinite_mode(), Ok(NonFiniteMode::Poison))
+    }
+
+    /// Whether this product's input needs the per-32 sums (formats with mins: Q4_K, Q5_K).
+    pub fn wants_sums(&self) -> bool {
+        self.weight.format().has_mins()
+    }
+
+    /// The product of activations a producer kernel already quantized at [`QuantMatmul::scale`] (the
+    /// bytes of `crate::cuda::quantize_activations`): a row holding a non-finite input is NaN, every
+    /// other row has the CPU reference's bits (see [`QuantMatmul::takes_quantized_input`]).
+    #[cfg(feature = "cuda")]
+    pub fn forward_quantized(
+        &self,
+        qx: &crate::cuda::DeviceQuantized,
+        dev: &candle_core::CudaDevice,
+    ) -> candle_core::Result<Tensor> {
+        let weight = self.device_weight(dev)?;
+        crate::cuda::matmul_quantized_poisoned(qx, &weight, &self.scale, dev)
     }
 
     /// Uploads the weight to `device` now (at load time) rather than on the first product.

@@ -1,0 +1,43 @@
+// Activation quantization of one group of 32 values, shared by quant_gemm.cu's `quantize_act_i8` and the
+// fused producers of ops.cu (which quantize their own outputs), so every path writes the same bytes:
+//
+//   qa = clamp(rint(x · inv_scale), −127, 127)   (one IEEE multiplication, never contracted; round half
+//                                                  to even; clamp after rounding)
+//
+// with the group's sum of qa (the K-quants' min term) and the row flag of a non-finite input:
+// `bad_rows[row]` (zeroed by the host) becomes 0xFFFFFFFF − c for the smallest column c of the row that
+// holds a NaN or ±∞ (atomicMax of the complement: 0 stays "clean"). The group's values are written
+// anyway (NaN clamps to −127, ±∞ to ±127).
+#pragma once
+
+__device__ __forceinline__ void quantize_group32(const float (&v)[32], signed char* __restrict__ qa_group,
+                                                 int* __restrict__ sums, unsigned int* __restrict__ bad_rows,
+                                                 long long g, int groups_per_row, float inv_scale,
+                                                 int want_sums) {
+    unsigned int packed[8];
+    int sum = 0;
+    int first_bad = -1;  // column within this group of 32
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        unsigned int word = 0;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const float x = v[4 * i + c];
+            if (!isfinite(x) && first_bad < 0) first_bad = 4 * i + c;
+            const float r = fminf(fmaxf(rintf(__fmul_rn(x, inv_scale)), -127.f), 127.f);
+            const int q = (int)r;
+            sum += q;
+            word |= ((unsigned int)(q & 0xff)) << (8 * c);
+        }
+        packed[i] = word;
+    }
+    uint4* dst = reinterpret_cast<uint4*>(qa_group);  // 16-byte aligned: groups start at 32·g
+    dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    if (want_sums) sums[g] = sum;
+    if (first_bad >= 0) {
+        const long long row = g / groups_per_row;
+        const unsigned int col = (unsigned int)((g % groups_per_row) * 32 + first_bad);
+        atomicMax(bad_rows + row, 0xFFFFFFFFu - col);
+    }
+}
