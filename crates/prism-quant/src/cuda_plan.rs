@@ -303,6 +303,12 @@ const MODEL_CTA_FIXED_CYCLES: f64 = 3_000.0;
 /// One extra kernel launch (the combine kernel of a split launch).
 const MODEL_LAUNCH_S: f64 = 3.0e-6;
 
+/// Modelled cycles of one CTA of `plan` over `k` inputs while `resident` CTAs share its SM.
+fn model_cta_cycles(plan: &TilePlan, resident: usize, k: f64) -> f64 {
+    (plan.bm * plan.bn) as f64 * k * resident as f64 / plan.macs_per_sm_clock
+        + MODEL_CTA_FIXED_CYCLES
+}
+
 /// Modelled seconds of a v2 launch of `m × n` outputs over `k` inputs with `g` part groups: whole waves
 /// of resident CTAs (the last wave costs as much as a full one), each CTA's share of the SM's rate,
 /// plus for `g > 1` the workspace traffic and the combine kernel. `None` if the tile does not fit.
@@ -320,8 +326,7 @@ pub fn model_seconds(
     }
     let ctas = m.div_ceil(plan.bm) * n.div_ceil(plan.bn) * g as usize;
     let waves = ctas.div_ceil(limits.sm_count * resident) as f64;
-    let macs = (plan.bm * plan.bn) as f64 * (k as f64 / f64::from(g));
-    let cta_cycles = macs * resident as f64 / plan.macs_per_sm_clock + MODEL_CTA_FIXED_CYCLES;
+    let cta_cycles = model_cta_cycles(plan, resident, k as f64 / f64::from(g));
     let mut t = waves * cta_cycles / MODEL_CLOCK_HZ;
     if g > 1 {
         // The kernel writes G partial results, the combine kernel reads them and writes y.
@@ -352,11 +357,10 @@ pub fn model_seconds_tail(
         return None;
     }
     let slots = limits.sm_count * resident;
-    let cycles = |kk: f64| {
-        (plan.bm * plan.bn) as f64 * kk * resident as f64 / plan.macs_per_sm_clock
-            + MODEL_CTA_FIXED_CYCLES
-    };
-    let (full, quarter) = (cycles(k as f64), cycles(k as f64 / 4.0));
+    let (full, quarter) = (
+        model_cta_cycles(plan, resident, k as f64),
+        model_cta_cycles(plan, resident, k as f64 / 4.0),
+    );
     let waves = tail.base.div_ceil(slots);
     let free = waves * slots - tail.base;
     let quarters = 4 * tail.tiles;
