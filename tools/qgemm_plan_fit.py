@@ -21,6 +21,10 @@ a Q8_0 tile by name (`696885d` had T96x128Ws=950; 900 since `9fdbe7a`), a K-quan
 new rate against a sweep of a binary that still had the old one. Rows of tiles this mirror does not know (ones
 measured and dropped, like T128x128W16) are left out, with a line saying so. Only Hopper-sized limits (132 SMs, 228 KiB an SM) are mirrored. Host-timed single launches vary by
 about ±10 % between runs, so regrets below that are noise.
+
+Not mirrored: the tail split (`cuda_plan::model_seconds_tail`, since `960ebb9`). The sweep times tiles
+and part groups only, so the picks compared here are the plan's best without a tail; where the real
+plan takes a tail (two or more whole waves and a partial one), the log's timing table shows it.
 """
 import collections
 import gzip

