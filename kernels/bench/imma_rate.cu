@@ -1,7 +1,7 @@
 // Micro-benchmark of the pieces of the integer GEMM's inner loop on one GPU (not part of the engine):
 // how fast mma.sync int8 runs alone, with the Q8_0 contract's per-block float epilogue (one FADD of the
 // magic-number conversion and one FFMA per output), with the fragment loads from shared memory, and
-// with the K-quants' (W4A8) integer epilogue instead.
+// with the K-quants' (W4A8) integer epilogue instead, and with warpgroup MMA (wgmma) instead of mma.sync.
 // It tells which of these bounds kernels/quant_gemm.cu. Build here, run on the device:
 //
 //   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o imma_rate kernels/bench/imma_rate.cu
@@ -226,6 +226,140 @@ int run(const char* name, int warps, int ctas_per_sm, int sms) {
     return 0;
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Warpgroup MMA (sm_90a): `wgmma.mma_async` m64n128k32 s8 × s8 → s32, both operands K-major in shared
+// memory with the 128-byte swizzle (the layout of the GEMM's TMA stages: rows of 128 bytes of K, 16-byte
+// chunk c of row r at c ^ (r & 7)). Whether it lifts the Q8_0 contract's ceiling: the mma itself costs
+// the warps one instruction per 64×128×32 and no `ldmatrix`, but the block sum comes out of a wgmma
+// without the magic-number bias that mma.sync takes as its C operand, so the epilogue is three
+// instructions per output and block (IADD of the bias, FADD, FFMA) instead of two: ~630 TOPS if issue
+// bound (three instructions per output and 32 products, no other work), against ~470 measured for
+// mma.sync with its fragment loads. (Added 2026-11-30, fourth session; compiles, not yet run.)
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
+#define HAVE_WGMMA 1
+#endif
+
+// A shared-memory matrix descriptor: start address, stride of 8-row groups 1,024 bytes, 128-byte swizzle.
+__device__ __forceinline__ unsigned long long wgmma_desc(const void* smem) {
+    const unsigned long long addr = (unsigned)__cvta_generic_to_shared(smem);
+    return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
+}
+
+// d = a·b (scale_d = 0) or d += a·b (scale_d = 1), asynchronously; the registers are the warpgroup's
+// 64×128 accumulator, 64 per thread.
+__device__ __forceinline__ void wgmma_s8(int (&d)[64], unsigned long long da, unsigned long long db, int scale_d) {
+#ifdef HAVE_WGMMA
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p;\n}\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+        : "l"(da), "l"(db), "r"(scale_d)
+        : "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef HAVE_WGMMA
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#ifdef HAVE_WGMMA
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#ifdef HAVE_WGMMA
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Tells the compiler the accumulators change here (after a wait): no read of them moves above it.
+__device__ __forceinline__ void fence_regs(int (&d)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+
+// The Q8_0 block epilogue on one accumulator set: f32(D) by the bias and one exact subtraction, one fma.
+__device__ __forceinline__ void wgmma_epilogue(const int (&d)[64], float (&acc)[64], float dv0, float dv1) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        const float db = __fsub_rn(__int_as_float(d[i] + MAGIC_I), MAGIC_F);
+        acc[i] = fmaf((i & 1) ? dv1 : dv0, db, acc[i]);
+    }
+}
+
+// EPILOGUE 0: wgmma alone, every block accumulating into the same set. 1: the Q8_0 contract, a fresh
+// sum per block, converted by its warpgroup right after it lands; the CTA's other warpgroups keep the
+// tensor cores busy meanwhile ("ping-pong": ptxas serializes a warpgroup's wgmmas if it reads one
+// accumulator set while another of its wgmmas is in flight, so one set per warpgroup). WGS warpgroups
+// a CTA, one CTA an SM, every warpgroup on the same 64×128 B and 128×128 B tiles.
+template <int EPILOGUE, int WGS>
+__global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(int blocks, float* out, int seed) {
+    __shared__ __align__(1024) unsigned char sm[64 * 128 + 128 * 128];
+    for (int i = threadIdx.x; i < (int)sizeof(sm) / 4; i += blockDim.x)
+        reinterpret_cast<unsigned*>(sm)[i] = (i + seed) * 2654435761u;
+#ifdef HAVE_WGMMA
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes → wgmma reads
+#endif
+    __syncthreads();
+    const unsigned long long da = wgmma_desc(sm), db = wgmma_desc(sm + 64 * 128);
+    int d[64];
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        d[i] = 0;
+        acc[i] = 0.f;
+    }
+    const float dv0 = 1.0f + (threadIdx.x & 7), dv1 = 0.5f + (threadIdx.x >> 7);
+    // Block b uses the 32-byte K slice b & 3 of the 128-byte rows: the descriptors advance by 32 bytes.
+    for (int b = 0; b < blocks; ++b) {
+        wgmma_fence();
+        wgmma_s8(d, da + 2 * (b & 3), db + 2 * (b & 3), EPILOGUE == 0 ? (b > 0) : 0);
+        wgmma_commit();
+        if (EPILOGUE == 1) {
+            wgmma_wait<0>();
+            fence_regs(d);
+            wgmma_epilogue(d, acc, dv0, dv1);
+        }
+    }
+    wgmma_wait<0>();
+    fence_regs(d);
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) s += acc[i] + (float)d[i];
+    out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+}
+
+template <int EPILOGUE, int WGS>
+int run_wgmma(const char* name, int sms) {
+    const int blocks = 4096, grid = sms, threads = WGS * 128;
+    float* out;
+    CHECK(cudaMalloc(&out, sizeof(float) * grid * threads));
+    cudaEvent_t t0, t1;
+    CHECK(cudaEventCreate(&t0));
+    CHECK(cudaEventCreate(&t1));
+    wgmma_kernel<EPILOGUE, WGS><<<grid, threads>>>(16, out, 1);
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+    float best = 1e30f;
+    for (int rep = 0; rep < 5; ++rep) {
+        CHECK(cudaEventRecord(t0));
+        wgmma_kernel<EPILOGUE, WGS><<<grid, threads>>>(blocks, out, rep);
+        CHECK(cudaEventRecord(t1));
+        CHECK(cudaEventSynchronize(t1));
+        float ms;
+        CHECK(cudaEventElapsedTime(&ms, t0, t1));
+        best = ms < best ? ms : best;
+    }
+    // WGS warpgroups a CTA, each 64 × 128 outputs × 32 per block.
+    const double macs = (double)grid * WGS * blocks * 64 * 128 * 32;
+    printf("%-44s warps/CTA %2d CTAs/SM 1  %8.3f ms  %7.1f TOPS\n", name, WGS * 4, best,
+           2 * macs / (best * 1e-3) / 1e12);
+    CHECK(cudaFree(out));
+    return 0;
+}
+
 int main() {
     cudaDeviceProp p;
     if (cudaGetDeviceProperties(&p, 0) != cudaSuccess) {
@@ -252,5 +386,8 @@ int main() {
     rc |= run<3, 4, 4>("Q4_K: mma + IMAD, block end, warp tile 64x32", 8, 1, sms);
     rc |= run<3, 3, 4>("Q4_K: mma + IMAD, block end, warp tile 48x32", 8, 1, sms);
     rc |= run<3, 2, 4>("Q4_K: mma + IMAD, block end, warp tile 32x32", 16, 1, sms);
+    rc |= run_wgmma<0, 2>("wgmma m64n128k32 alone", sms);
+    rc |= run_wgmma<1, 2>("wgmma + IADD/FADD/FFMA (Q8_0), ping-pong", sms);
+    rc |= run_wgmma<1, 3>("wgmma + IADD/FADD/FFMA (Q8_0), ping-pong", sms);
     return rc;
 }
