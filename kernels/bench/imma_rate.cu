@@ -290,7 +290,10 @@ __device__ __forceinline__ void wgmma_epilogue(const int (&d)[64], float (&acc)[
 }
 
 // EPILOGUE 0: wgmma alone, every block accumulating into the same set. 1: the Q8_0 contract, a fresh
-// sum per block, converted by its warpgroup right after it lands; the CTA's other warpgroups keep the
+// sum per block, converted by its warpgroup right after it lands. 2: the Q4_K contract, a fresh sum per
+// 32-slice times its column's sub-block scale into an i32 block sum (one IMAD per output), and every 8
+// slices the block end (two conversions and two FMAs per output; the min term's own products are left
+// out, 1/8 of a wgmma in the kernel); the CTA's other warpgroups keep the
 // tensor cores busy meanwhile ("ping-pong": ptxas serializes a warpgroup's wgmmas if it reads one
 // accumulator set while another of its wgmmas is in flight, so one set per warpgroup). WGS warpgroups
 // a CTA, one CTA an SM, every warpgroup on the same 64×128 B and 128×128 B tiles.
@@ -312,6 +315,12 @@ __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(int blocks, float* 
         acc[i] = 0.f;
     }
     const float dv0 = 1.0f + (threadIdx.x & 7), dv1 = 0.5f + (threadIdx.x >> 7);
+    // K-quants: the i32 block sums, and one sub-block scale per column pair (bytes 0..63 in the kernel).
+    int dsum[EPILOGUE == 2 ? 64 : 1], sc[EPILOGUE == 2 ? 16 : 1];
+#pragma unroll
+    for (int i = 0; i < (EPILOGUE == 2 ? 64 : 1); ++i) dsum[i] = 0;
+#pragma unroll
+    for (int j = 0; j < (EPILOGUE == 2 ? 16 : 1); ++j) sc[j] = (threadIdx.x + 3 * j + seed) & 63;
     // Block b uses the 32-byte K slice b & 3 of the 128-byte rows: the descriptors advance by 32 bytes.
     for (int b = 0; b < blocks; ++b) {
         wgmma_fence();
@@ -322,12 +331,27 @@ __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(int blocks, float* 
             fence_regs(d);
             wgmma_epilogue(d, acc, dv0, dv1);
         }
+        if constexpr (EPILOGUE == 2) {
+            wgmma_wait<0>();
+            fence_regs(d);
+            // Accumulator register i of a thread is column 8·(i / 4) + 2·(lane % 4) + (i & 1).
+#pragma unroll
+            for (int i = 0; i < 64; ++i) dsum[i] += sc[i / 4] * d[i];
+            if ((b & 7) == 7) {
+#pragma unroll
+                for (int i = 0; i < 64; ++i) {
+                    const float a = fmaf((i & 1) ? dv1 : dv0, __int2float_rn(dsum[i]), acc[i]);
+                    acc[i] = fmaf(-0.25f, __int2float_rn(dsum[i] >> 3), a);
+                    dsum[i] = 0;
+                }
+            }
+        }
     }
     wgmma_wait<0>();
     fence_regs(d);
     float s = 0.f;
 #pragma unroll
-    for (int i = 0; i < 64; ++i) s += acc[i] + (float)d[i];
+    for (int i = 0; i < 64; ++i) s += acc[i] + (float)d[i] + (EPILOGUE == 2 ? (float)dsum[i] : 0.f);
     out[blockIdx.x * blockDim.x + threadIdx.x] = s;
 }
 
@@ -389,5 +413,6 @@ int main() {
     rc |= run_wgmma<0, 2>("wgmma m64n128k32 alone", sms);
     rc |= run_wgmma<1, 2>("wgmma + IADD/FADD/FFMA (Q8_0), ping-pong", sms);
     rc |= run_wgmma<1, 3>("wgmma + IADD/FADD/FFMA (Q8_0), ping-pong", sms);
+    rc |= run_wgmma<2, 2>("wgmma + IMAD, block end (Q4_K), ping-pong", sms);
     return rc;
 }
