@@ -219,6 +219,36 @@ fn unpacked_weights_dequantize_like_ggml_bit_for_bit() {
 }
 
 #[test]
+fn tensors_of_several_unpack_tasks_dequantize_like_ggml_bit_for_bit() {
+    // from_gguf unpacks in tasks of about UNPACK_TASK_BYTES on the rayon pool: a tensor of 2.5 tasks
+    // (the last one partial) per format must still be ggml's bits everywhere, task edges included.
+    let mut rng = Rng(11);
+    for ty in [
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+    ] {
+        let cols = if ty == GgmlType::Q8_0 { 1024 } else { 2048 };
+        let row_bytes = cols / ty.block_size() * ty.type_size();
+        let rows = (5 * prism_quant::weight::UNPACK_TASK_BYTES / 2).div_ceil(row_bytes);
+        let (w, bytes) = synthetic(ty, rows, cols, &mut rng);
+        assert!(
+            bytes.len() > 2 * prism_quant::weight::UNPACK_TASK_BYTES,
+            "{ty:?}"
+        );
+        let want = dequantize(ty, &bytes, rows * cols).unwrap();
+        let got = w.dequantize().unwrap();
+        let differing = got
+            .iter()
+            .zip(&want)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!((differing, got.len()), (0, want.len()), "{ty:?}");
+    }
+}
+
+#[test]
 fn integer_block_sums_equal_an_i64_reference() {
     let mut rng = Rng(11);
     for ty in ALL {
