@@ -767,14 +767,12 @@ pub fn swiglu_quantized(
         let (n_i, f_i) = (i32_arg(n, "rows")?, i32_arg(f, "ffn width")?);
         let (inv, want) = (scale.inv_scale(), i32::from(with_sums));
         let vg = ig.view()?;
-        // The sums pointer is unused without sums (want = 0): any valid buffer will do.
-        let no_sums = alloc::<i32>(&dev, 1)?;
         let (q, sums, bad_rows) = qx.buffers_mut();
         let mut b = func.builder();
         b.arg(&vg).arg(&stride).arg(&*q);
         match sums {
             Some(s) => b.arg(&*s),
-            None => b.arg(&no_sums),
+            None => b.arg(&*q), // unused (want = 0)
         };
         b.arg(&*bad_rows).arg(&n_i).arg(&f_i).arg(&inv).arg(&want);
         // SAFETY: the view covers n rows of 2f at the row stride; q holds n·f bytes, the sums n·f/32

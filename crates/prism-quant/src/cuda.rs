@@ -166,6 +166,7 @@ impl DeviceQuantized {
             } else {
                 None
             },
+            // Zeroed on the device (a memset on the stream): no host copy.
             bad_rows: dev.alloc_zeros::<u32>(rows.max(1))?,
         })
     }
@@ -256,23 +257,13 @@ pub fn quantize_activations(
 ) -> Result<DeviceQuantized> {
     let dev = cuda_device(x)?;
     let (m, k) = x.dims2()?;
-    if k % 32 != 0 {
-        bail!("int8 quantization (cuda): rows of {k} are not whole groups of 32");
-    }
+    let qx = DeviceQuantized::alloc(&dev, m, k, with_sums)?;
     let mut x = x.contiguous()?;
     // The kernel reads float4s: the view must start on a 16-byte boundary.
     if x.layout().start_offset() % 4 != 0 {
         x = x.copy()?;
     }
     let ix = Input::new(&x, DType::F32, "activations")?;
-    let q = alloc::<u8>(&dev, m * k)?;
-    let sums = if with_sums {
-        Some(alloc::<i32>(&dev, m * k / 32)?)
-    } else {
-        None
-    };
-    // Zeroed on the device (a memset on the stream): no host copy.
-    let bad_rows = dev.alloc_zeros::<u32>(m.max(1))?;
     let groups = m * k / 32;
     if groups > 0 {
         let func = load_kernel(&dev, MODULE, QUANT_GEMM_IMAGE, "quantize_act_i8")?;
@@ -285,12 +276,12 @@ pub fn quantize_activations(
         let groups_per_row = i32_arg(k / 32, "groups of 32 per row")?;
         let vx = ix.view::<f32>()?;
         let mut b = func.builder();
-        b.arg(&vx).arg(&q);
-        match &sums {
+        b.arg(&vx).arg(&qx.q);
+        match &qx.sums {
             Some(s) => b.arg(s),
-            None => b.arg(&q), // unused (want_sums = 0)
+            None => b.arg(&qx.q), // unused (want_sums = 0)
         };
-        b.arg(&bad_rows)
+        b.arg(&qx.bad_rows)
             .arg(&n_groups)
             .arg(&groups_per_row)
             .arg(&inv)
@@ -299,13 +290,7 @@ pub fn quantize_activations(
         // bad_rows m u32.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
-    Ok(DeviceQuantized {
-        rows: m,
-        cols: k,
-        q,
-        sums,
-        bad_rows,
-    })
+    Ok(qx)
 }
 
 /// The GPU's multiprocessor count, shared-memory limits and compute capability, queried from the driver

@@ -148,14 +148,7 @@ impl QuantMatmul {
     /// Uploads the weight to `device` now (at load time) rather than on the first product.
     #[cfg(feature = "cuda")]
     pub fn upload_to(&self, device: &candle_core::CudaDevice) -> candle_core::Result<()> {
-        let mut slot = self.device_weight.lock().unwrap_or_else(|e| e.into_inner());
-        if slot.is_none() {
-            *slot = Some(Arc::new(crate::cuda::CudaQuantWeight::upload(
-                &self.weight,
-                device,
-            )?));
-        }
-        Ok(())
+        self.device_weight(device).map(|_| ())
     }
 }
 
