@@ -227,14 +227,15 @@ int run(const char* name, int warps, int ctas_per_sm, int sms) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Warpgroup MMA (sm_90a): `wgmma.mma_async` m64n128k32 s8 × s8 → s32, both operands K-major in shared
+// Warpgroup MMA (sm_90a): `wgmma.mma_async` m64nNk32 s8 × s8 → s32, both operands K-major in shared
 // memory with the 128-byte swizzle (the layout of the GEMM's TMA stages: rows of 128 bytes of K, 16-byte
-// chunk c of row r at c ^ (r & 7)). Whether it lifts the Q8_0 contract's ceiling: the mma itself costs
-// the warps one instruction per 64×128×32 and no `ldmatrix`, but the block sum comes out of a wgmma
-// without the magic-number bias that mma.sync takes as its C operand, so the epilogue is three
-// instructions per output and block (IADD of the bias, FADD, FFMA) instead of two: ~630 TOPS if issue
-// bound (three instructions per output and 32 products, no other work), against ~470 measured for
-// mma.sync with its fragment loads. (Added 2026-11-30, fourth session; compiles, not yet run.)
+// chunk c of row r at c ^ (r & 7)). The mma costs the warps one instruction per 64×N×32 and no
+// `ldmatrix`, but the block sum comes out of a wgmma without the magic-number bias that mma.sync takes
+// as its C operand, so the Q8_0 epilogue is three instructions per output and block (IADD of the bias,
+// FADD, FFMA) instead of two. Measured on an H200 (2026-11-30, fifth session; docs/benchmarks.md):
+// wgmma alone 1,850–1,900 TOPS; with the Q8_0 epilogue 412–472 (mma.sync with its fragment loads: 472),
+// so wgmma does not lift the Q8_0 contract's ceiling; with the Q4_K epilogue 437–575 (mma.sync, the
+// kernel's 64×32 warp tiles: 363).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
 #define HAVE_WGMMA 1
 #endif
@@ -258,6 +259,18 @@ __device__ __forceinline__ void wgmma_s8(int (&d)[64], unsigned long long da, un
 #endif
 }
 
+// The same with a 64×64 tile: 32 accumulator registers a thread.
+__device__ __forceinline__ void wgmma_s8(int (&d)[32], unsigned long long da, unsigned long long db, int scale_d) {
+#ifdef HAVE_WGMMA
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p;\n}\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+        : "l"(da), "l"(db), "r"(scale_d)
+        : "memory");
+#endif
+}
+
 __device__ __forceinline__ void wgmma_fence() {
 #ifdef HAVE_WGMMA
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -275,31 +288,72 @@ __device__ __forceinline__ void wgmma_wait() {
 #endif
 }
 // Tells the compiler the accumulators change here (after a wait): no read of them moves above it.
-__device__ __forceinline__ void fence_regs(int (&d)[64]) {
+template <int R>
+__device__ __forceinline__ void fence_regs(int (&d)[R]) {
 #pragma unroll
-    for (int i = 0; i < 64; ++i) asm volatile("" : "+r"(d[i])::"memory");
+    for (int i = 0; i < R; ++i) asm volatile("" : "+r"(d[i])::"memory");
 }
 
-// The Q8_0 block epilogue on one accumulator set: f32(D) by the bias and one exact subtraction, one fma.
-__device__ __forceinline__ void wgmma_epilogue(const int (&d)[64], float (&acc)[64], float dv0, float dv1) {
+// One block's (EPILOGUE 1) or 32-slice's (EPILOGUE 2) epilogue on one accumulator set. 1, Q8_0: f32(D)
+// by the bias and one exact subtraction, one fma. 2, Q4_K: the sum times its column's sub-block scale
+// into an i32 block sum (one IMAD per output), and every 8 slices the block end (two conversions and two
+// FMAs per output; the min term's own products are left out, 1/8 of a wgmma in the kernel). Accumulator
+// register i of a thread is column 8·(i / 4) + 2·(lane % 4) + (i & 1) of the warpgroup's tile.
+template <int EPILOGUE, int R, int S, int T>
+__device__ __forceinline__ void wgmma_consume(const int (&d)[R], float (&acc)[R], int (&dsum)[S],
+                                              const int (&sc)[T], float dv0, float dv1, int b) {
+    if constexpr (EPILOGUE == 1) {
 #pragma unroll
-    for (int i = 0; i < 64; ++i) {
-        const float db = __fsub_rn(__int_as_float(d[i] + MAGIC_I), MAGIC_F);
-        acc[i] = fmaf((i & 1) ? dv1 : dv0, db, acc[i]);
+        for (int i = 0; i < R; ++i) {
+            const float db = __fsub_rn(__int_as_float(d[i] + MAGIC_I), MAGIC_F);
+            acc[i] = fmaf((i & 1) ? dv1 : dv0, db, acc[i]);
+        }
+    }
+    if constexpr (EPILOGUE == 2) {
+#pragma unroll
+        for (int i = 0; i < R; ++i) dsum[i] += sc[i / 4] * d[i];
+        if ((b & 7) == 7) {
+#pragma unroll
+            for (int i = 0; i < R; ++i) {
+                const float a = fmaf((i & 1) ? dv1 : dv0, __int2float_rn(dsum[i]), acc[i]);
+                acc[i] = fmaf(-0.25f, __int2float_rn(dsum[i] >> 3), a);
+                dsum[i] = 0;
+            }
+        }
     }
 }
 
 // EPILOGUE 0: wgmma alone, every block accumulating into the same set. 1: the Q8_0 contract, a fresh
-// sum per block, converted by its warpgroup right after it lands. 2: the Q4_K contract, a fresh sum per
-// 32-slice times its column's sub-block scale into an i32 block sum (one IMAD per output), and every 8
-// slices the block end (two conversions and two FMAs per output; the min term's own products are left
-// out, 1/8 of a wgmma in the kernel); the CTA's other warpgroups keep the
-// tensor cores busy meanwhile ("ping-pong": ptxas serializes a warpgroup's wgmmas if it reads one
-// accumulator set while another of its wgmmas is in flight, so one set per warpgroup). WGS warpgroups
-// a CTA, one CTA an SM, every warpgroup on the same 64×128 B and 128×128 B tiles.
-template <int EPILOGUE, int WGS>
+// sum per block, converted by its warpgroup when it lands. 2: the Q4_K contract (see wgmma_consume).
+// SETS accumulator sets a warpgroup: each round issues SETS blocks' wgmmas, one commit group each, then
+// waits for them one by one and runs each one's epilogue while the later ones are still in flight. The
+// round ends with nothing in flight: ptxas serializes every wgmma of a loop whose back edge carries one
+// in flight into a read of another set (C7514, found with a rolling two-set loop), and then a warpgroup
+// overlaps nothing. Meanwhile the CTA's other warpgroups keep the tensor cores busy ("ping-pong"). WGS
+// warpgroups a CTA, one CTA an SM, tiles of 64 × N a warpgroup (N = 128 or 64), every warpgroup on the
+// same 64 × 128 B A and N × 128 B B tiles.
+template <int N>
+__device__ __forceinline__ void wgmma_wait_n() {
+    if constexpr (N == 0) wgmma_wait<0>();
+    if constexpr (N == 1) wgmma_wait<1>();
+    if constexpr (N == 2) wgmma_wait<2>();
+    if constexpr (N == 3) wgmma_wait<3>();
+}
+template <int EPILOGUE, int R, int S, int T, int SETS, int J = 0>
+__device__ __forceinline__ void wgmma_drain(int (&d)[SETS][R], float (&acc)[R], int (&dsum)[S],
+                                            const int (&sc)[T], float dv0, float dv1, int b) {
+    if constexpr (J < SETS) {
+        wgmma_wait_n<SETS - 1 - J>();
+        fence_regs(d[J]);
+        wgmma_consume<EPILOGUE>(d[J], acc, dsum, sc, dv0, dv1, b + J);
+        wgmma_drain<EPILOGUE, R, S, T, SETS, J + 1>(d, acc, dsum, sc, dv0, dv1, b);
+    }
+}
+
+template <int EPILOGUE, int WGS, int N, int SETS>
 __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(int blocks, float* out, int seed) {
-    __shared__ __align__(1024) unsigned char sm[64 * 128 + 128 * 128];
+    constexpr int R = N / 2, S = EPILOGUE == 2 ? R : 1, T = EPILOGUE == 2 ? R / 4 : 1;
+    __shared__ __align__(1024) unsigned char sm[64 * 128 + N * 128];
     for (int i = threadIdx.x; i < (int)sizeof(sm) / 4; i += blockDim.x)
         reinterpret_cast<unsigned*>(sm)[i] = (i + seed) * 2654435761u;
 #ifdef HAVE_WGMMA
@@ -307,55 +361,46 @@ __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(int blocks, float* 
 #endif
     __syncthreads();
     const unsigned long long da = wgmma_desc(sm), db = wgmma_desc(sm + 64 * 128);
-    int d[64];
-    float acc[64];
+    int d[SETS][R];
+    float acc[R];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) {
-        d[i] = 0;
+    for (int i = 0; i < R; ++i) {
+#pragma unroll
+        for (int j = 0; j < SETS; ++j) d[j][i] = 0;
         acc[i] = 0.f;
     }
     const float dv0 = 1.0f + (threadIdx.x & 7), dv1 = 0.5f + (threadIdx.x >> 7);
-    // K-quants: the i32 block sums, and one sub-block scale per column pair (bytes 0..63 in the kernel).
-    int dsum[EPILOGUE == 2 ? 64 : 1], sc[EPILOGUE == 2 ? 16 : 1];
+    int dsum[S], sc[T];
 #pragma unroll
-    for (int i = 0; i < (EPILOGUE == 2 ? 64 : 1); ++i) dsum[i] = 0;
+    for (int i = 0; i < S; ++i) dsum[i] = 0;
 #pragma unroll
-    for (int j = 0; j < (EPILOGUE == 2 ? 16 : 1); ++j) sc[j] = (threadIdx.x + 3 * j + seed) & 63;
+    for (int j = 0; j < T; ++j) sc[j] = (threadIdx.x + 3 * j + seed) & 63;
     // Block b uses the 32-byte K slice b & 3 of the 128-byte rows: the descriptors advance by 32 bytes.
-    for (int b = 0; b < blocks; ++b) {
+    for (int b = 0; b < blocks; b += SETS) {
         wgmma_fence();
-        wgmma_s8(d, da + 2 * (b & 3), db + 2 * (b & 3), EPILOGUE == 0 ? (b > 0) : 0);
-        wgmma_commit();
-        if (EPILOGUE == 1) {
-            wgmma_wait<0>();
-            fence_regs(d);
-            wgmma_epilogue(d, acc, dv0, dv1);
-        }
-        if constexpr (EPILOGUE == 2) {
-            wgmma_wait<0>();
-            fence_regs(d);
-            // Accumulator register i of a thread is column 8·(i / 4) + 2·(lane % 4) + (i & 1).
 #pragma unroll
-            for (int i = 0; i < 64; ++i) dsum[i] += sc[i / 4] * d[i];
-            if ((b & 7) == 7) {
-#pragma unroll
-                for (int i = 0; i < 64; ++i) {
-                    const float a = fmaf((i & 1) ? dv1 : dv0, __int2float_rn(dsum[i]), acc[i]);
-                    acc[i] = fmaf(-0.25f, __int2float_rn(dsum[i] >> 3), a);
-                    dsum[i] = 0;
-                }
-            }
+        for (int j = 0; j < SETS; ++j) {
+            wgmma_s8(d[j], da + 2 * ((b + j) & 3), db + 2 * ((b + j) & 3), EPILOGUE == 0 ? (b > 0) : 0);
+            wgmma_commit();
         }
+        if constexpr (EPILOGUE != 0) wgmma_drain<EPILOGUE>(d, acc, dsum, sc, dv0, dv1, b);
     }
     wgmma_wait<0>();
-    fence_regs(d);
     float s = 0.f;
 #pragma unroll
-    for (int i = 0; i < 64; ++i) s += acc[i] + (float)d[i] + (EPILOGUE == 2 ? (float)dsum[i] : 0.f);
+    for (int j = 0; j < SETS; ++j) {
+        fence_regs(d[j]);
+#pragma unroll
+        for (int i = 0; i < R; ++i) s += (float)d[j][i];
+    }
+#pragma unroll
+    for (int i = 0; i < R; ++i) s += acc[i];
+#pragma unroll
+    for (int i = 0; i < S; ++i) s += (float)dsum[i];
     out[blockIdx.x * blockDim.x + threadIdx.x] = s;
 }
 
-template <int EPILOGUE, int WGS>
+template <int EPILOGUE, int WGS, int N, int SETS>
 int run_wgmma(const char* name, int sms) {
     const int blocks = 4096, grid = sms, threads = WGS * 128;
     float* out;
@@ -363,23 +408,23 @@ int run_wgmma(const char* name, int sms) {
     cudaEvent_t t0, t1;
     CHECK(cudaEventCreate(&t0));
     CHECK(cudaEventCreate(&t1));
-    wgmma_kernel<EPILOGUE, WGS><<<grid, threads>>>(16, out, 1);
+    wgmma_kernel<EPILOGUE, WGS, N, SETS><<<grid, threads>>>(16, out, 1);
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
     float best = 1e30f;
     for (int rep = 0; rep < 5; ++rep) {
         CHECK(cudaEventRecord(t0));
-        wgmma_kernel<EPILOGUE, WGS><<<grid, threads>>>(blocks, out, rep);
+        wgmma_kernel<EPILOGUE, WGS, N, SETS><<<grid, threads>>>(blocks, out, rep);
         CHECK(cudaEventRecord(t1));
         CHECK(cudaEventSynchronize(t1));
         float ms;
         CHECK(cudaEventElapsedTime(&ms, t0, t1));
         best = ms < best ? ms : best;
     }
-    // WGS warpgroups a CTA, each 64 × 128 outputs × 32 per block.
-    const double macs = (double)grid * WGS * blocks * 64 * 128 * 32;
-    printf("%-44s warps/CTA %2d CTAs/SM 1  %8.3f ms  %7.1f TOPS\n", name, WGS * 4, best,
-           2 * macs / (best * 1e-3) / 1e12);
+    // WGS warpgroups a CTA, each 64 × N outputs × 32 per block.
+    const double macs = (double)grid * WGS * blocks * 64 * N * 32;
+    printf("%-40s 64x%-3d sets %d warps/CTA %2d  %8.3f ms  %7.1f TOPS\n", name, N, SETS,
+           WGS * 4, best, 2 * macs / (best * 1e-3) / 1e12);
     CHECK(cudaFree(out));
     return 0;
 }
@@ -410,9 +455,19 @@ int main() {
     rc |= run<3, 4, 4>("Q4_K: mma + IMAD, block end, warp tile 64x32", 8, 1, sms);
     rc |= run<3, 3, 4>("Q4_K: mma + IMAD, block end, warp tile 48x32", 8, 1, sms);
     rc |= run<3, 2, 4>("Q4_K: mma + IMAD, block end, warp tile 32x32", 16, 1, sms);
-    rc |= run_wgmma<0, 2>("wgmma m64n128k32 alone", sms);
-    rc |= run_wgmma<1, 2>("wgmma + IADD/FADD/FFMA (Q8_0), ping-pong", sms);
-    rc |= run_wgmma<1, 3>("wgmma + IADD/FADD/FFMA (Q8_0), ping-pong", sms);
-    rc |= run_wgmma<2, 2>("wgmma + IMAD, block end (Q4_K), ping-pong", sms);
+    rc |= run_wgmma<0, 2, 128, 1>("wgmma alone", sms);
+    rc |= run_wgmma<0, 2, 128, 2>("wgmma alone", sms);
+    rc |= run_wgmma<1, 2, 128, 1>("wgmma + IADD/FADD/FFMA (Q8_0)", sms);
+    rc |= run_wgmma<1, 3, 128, 1>("wgmma + IADD/FADD/FFMA (Q8_0)", sms);
+    rc |= run_wgmma<1, 2, 128, 2>("wgmma + IADD/FADD/FFMA (Q8_0)", sms);
+    rc |= run_wgmma<1, 3, 64, 2>("wgmma + IADD/FADD/FFMA (Q8_0)", sms);
+    rc |= run_wgmma<1, 4, 64, 2>("wgmma + IADD/FADD/FFMA (Q8_0)", sms);
+    rc |= run_wgmma<1, 2, 64, 4>("wgmma + IADD/FADD/FFMA (Q8_0)", sms);
+    rc |= run_wgmma<1, 3, 64, 3>("wgmma + IADD/FADD/FFMA (Q8_0)", sms);
+    rc |= run_wgmma<2, 2, 128, 1>("wgmma + IMAD, block end (Q4_K)", sms);
+    rc |= run_wgmma<2, 4, 64, 1>("wgmma + IMAD, block end (Q4_K)", sms);
+    rc |= run_wgmma<2, 2, 64, 2>("wgmma + IMAD, block end (Q4_K)", sms);
+    rc |= run_wgmma<2, 3, 64, 2>("wgmma + IMAD, block end (Q4_K)", sms);
+    rc |= run_wgmma<2, 2, 64, 4>("wgmma + IMAD, block end (Q4_K)", sms);
     return rc;
 }
