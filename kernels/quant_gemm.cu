@@ -1199,47 +1199,65 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                         issue(kc + 2, wg_d[kc & 1]);
                     }
                 }
-            } else {
-                // Weight planes (WG == 1): with sub-block scale sc = 8·hi + lo (hi, lo in 0..7), the
-                // block sum D_b = Σ_j sc_j Σ_{i∈j} q_i·a_i is 8·Σ_i (q_i·hi)·a_i + Σ_i (q_i·lo)·a_i, and
-                // q·hi, q·lo ≤ 31·7 fit a u8: the tensor cores sum the whole block, no IMAD a slice.
-                // The consumers first turn the stage's weights into the two planes: hi in place, lo
-                // into `PLO` (each thread its own 16-byte chunks; 4 packed q ≤ 31 times a factor ≤ 7
-                // never carry from byte to byte), then make them visible to the async proxy and meet
-                // at a named barrier of the 256 consumer threads.
-                unsigned char* stw = const_cast<unsigned char*>(st);
-                const unsigned char* scb = st + S::SC;
-#pragma unroll
-                for (int it = 0; it < BN * BK / 16 / THREADS; ++it) {
-                    const int o = (tid + it * THREADS) * 16;  // byte of the B tile (SPLIT halves)
-                    const int h = o / (BN * 128), r = (o % (BN * 128)) / 128;
-                    const int c = ((o % 128) / 16) ^ (r & 7);  // logical 16-byte chunk of the half row
-                    const unsigned sc = scb[r * 8 + 4 * h + (c >> 1)];
-                    const unsigned hi = sc >> 3, lo = sc & 7u;
-                    const uint4 q = *reinterpret_cast<const uint4*>(stw + S::B + o);
-                    *reinterpret_cast<uint4*>(stw + S::PLO + o) = make_uint4(q.x * lo, q.y * lo, q.z * lo, q.w * lo);
-                    *reinterpret_cast<uint4*>(stw + S::B + o) = make_uint4(q.x * hi, q.y * hi, q.z * hi, q.w * hi);
-                }
-#ifdef HAVE_WGMMA
-                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-                asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory");
-                const unsigned p_base = smem_addr(st + S::PLO);
-                wgmma_fence();
-#pragma unroll
-                for (int kc = 0; kc < 8; ++kc) {
-                    const unsigned ka = a_base + (kc >> 2) * BM * 128 + (kc & 3) * 32;
-                    const unsigned kb = (kc >> 2) * BN * 128 + (kc & 3) * 32;
-                    wgmma_m64n64k32_u8(wg_d[0], wgmma_desc(ka), wgmma_desc(b_base + kb), kc > 0);
-                    wgmma_m64n64k32_u8(wg_d[1], wgmma_desc(ka), wgmma_desc(p_base + kb), kc > 0);
-                }
-                wgmma_commit();
-                wgmma_wait<0>();
-                wgmma_fence_regs(wg_d[0]);
-                wgmma_fence_regs(wg_d[1]);
-#pragma unroll
-                for (int i = 0; i < 32; ++i) dsum[0][i >> 2][i & 3] = 8 * wg_d[0][i] + wg_d[1][i];
             }
+        }
+    };
+
+    // Weight planes (WG == 1): with sub-block scale sc = 8·hi + lo (hi, lo in 0..7), the block sum
+    // D_b = Σ_j sc_j Σ_{i∈j} q_i·a_i is 8·Σ_i (q_i·hi)·a_i + Σ_i (q_i·lo)·a_i, and q·hi, q·lo ≤ 31·7
+    // fit a u8: the tensor cores sum the whole block, no IMAD a slice. A stage goes through three
+    // steps, which the consumer loop pipelines (the next stage's planes are made while this stage's
+    // wgmmas run):
+    //   planes_make: the consumers turn the stage's weights into the two planes, hi in place and lo
+    //     into `PLO` (each thread its own 16-byte chunks; 4 packed q ≤ 31 times a factor ≤ 7 never
+    //     carry from byte to byte), make them visible to the async proxy and meet at a named barrier
+    //     of the 256 consumer threads;
+    //   planes_issue: warpgroup g = warp / 4 issues the 16 wgmmas of its 64 rows (8 slices × 2 planes,
+    //     each plane accumulating over the block), one commit group;
+    //   planes_sums: waits for them and writes dsum = 8·hi + lo.
+    auto planes_make = [&](const unsigned char* st) {
+        if constexpr (WG == 1) {
+            unsigned char* stw = const_cast<unsigned char*>(st);
+            const unsigned char* scb = st + S::SC;
+#pragma unroll
+            for (int it = 0; it < BN * BK / 16 / THREADS; ++it) {
+                const int o = (tid + it * THREADS) * 16;  // byte of the B tile (SPLIT halves)
+                const int h = o / (BN * 128), r = (o % (BN * 128)) / 128;
+                const int c = ((o % 128) / 16) ^ (r & 7);  // logical 16-byte chunk of the half row
+                const unsigned sc = scb[r * 8 + 4 * h + (c >> 1)];
+                const unsigned hi = sc >> 3, lo = sc & 7u;
+                const uint4 q = *reinterpret_cast<const uint4*>(stw + S::B + o);
+                *reinterpret_cast<uint4*>(stw + S::PLO + o) = make_uint4(q.x * lo, q.y * lo, q.z * lo, q.w * lo);
+                *reinterpret_cast<uint4*>(stw + S::B + o) = make_uint4(q.x * hi, q.y * hi, q.z * hi, q.w * hi);
+            }
+#ifdef HAVE_WGMMA
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+            asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory");
+        }
+    };
+    auto planes_issue = [&](const unsigned char* st) {
+        if constexpr (WG == 1) {
+            const unsigned a_base = smem_addr(st + S::A) + (warp >> 2) * 64 * 128;
+            const unsigned b_base = smem_addr(st + S::B), p_base = smem_addr(st + S::PLO);
+            wgmma_fence();
+#pragma unroll
+            for (int kc = 0; kc < 8; ++kc) {
+                const unsigned ka = a_base + (kc >> 2) * BM * 128 + (kc & 3) * 32;
+                const unsigned kb = (kc >> 2) * BN * 128 + (kc & 3) * 32;
+                wgmma_m64n64k32_u8(wg_d[0], wgmma_desc(ka), wgmma_desc(b_base + kb), kc > 0);
+                wgmma_m64n64k32_u8(wg_d[1], wgmma_desc(ka), wgmma_desc(p_base + kb), kc > 0);
+            }
+            wgmma_commit();
+        }
+    };
+    auto planes_sums = [&](int (&dsum)[MT][NT][4]) {
+        if constexpr (WG == 1) {
+            wgmma_wait<0>();
+            wgmma_fence_regs(wg_d[0]);
+            wgmma_fence_regs(wg_d[1]);
+#pragma unroll
+            for (int i = 0; i < 32; ++i) dsum[0][i >> 2][i & 3] = 8 * wg_d[0][i] + wg_d[1][i];
         }
     };
 
@@ -1337,7 +1355,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                 for (int j = 0; j < NT; ++j)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) dsum[i][j][e] = 0;
-            if constexpr (WG > 0) {
+            if constexpr (WG == 2) {
                 kq_stage_wgmma(st, dsum);
             } else if constexpr (WS) {
                 // The warp-specialized compute warps have 224–232 registers: the next slice's
@@ -1522,6 +1540,35 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
         else
             asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
 #endif
+        if constexpr (WG == 1) {
+            // The weight-plane tile (K-quant stages of one block): stage t's wgmmas run while the
+            // planes of stage t + 1 are made; then stage t's sums and block end.
+            const int t_end = part_end(p_end - 1) - part_begin(p_begin);  // the CTA's stages
+            if (t_end > 0) {
+                mbar_wait(full, 0);
+                planes_make(smem);
+            }
+            int t = 0;
+            for (int p = p_begin; p < p_end; ++p) {
+                for (int b = part_begin(p); b < part_end(p); ++b, ++t) {
+                    const int s = t % STAGES;
+                    const unsigned char* st = smem + s * S::STAGE;
+                    planes_issue(st);
+                    if (t + 1 < t_end) {
+                        const int s1 = (t + 1) % STAGES;
+                        mbar_wait(full + s1, ((t + 1) / STAGES) & 1);
+                        planes_make(smem + s1 * S::STAGE);
+                    }
+                    int dsum[MT][NT][4];
+                    planes_sums(dsum);
+                    kq_block_end(st, dsum);
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(empty + s);
+                }
+                finish_part(p);
+            }
+            return;
+        }
         int t = 0;
         for (int p = p_begin; p < p_end; ++p) {
             for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
