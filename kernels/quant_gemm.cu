@@ -267,18 +267,6 @@ __device__ __forceinline__ unsigned long long wgmma_desc(unsigned smem_address) 
     return (unsigned long long)((smem_address & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) |
            (1ull << 62);
 }
-// d = a·b (the accumulators' old values are not read), asynchronously; complete after wgmma_commit and
-// a wgmma_wait that covers it.
-__device__ __forceinline__ void wgmma_m64n64k32(int (&d)[32], unsigned long long da, unsigned long long db) {
-#ifdef HAVE_WGMMA
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p;\n}\n"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
-        : "l"(da), "l"(db), "r"(0)
-        : "memory");
-#endif
-}
 // d = a·b (scale_d = 0) or d += a·b (1) with b unsigned (u8): the K-quant weight planes.
 __device__ __forceinline__ void wgmma_m64n64k32_u8(int (&d)[32], unsigned long long da, unsigned long long db,
                                                    int scale_d) {
@@ -306,13 +294,6 @@ __device__ __forceinline__ void wgmma_wait() {
 #ifdef HAVE_WGMMA
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 #endif
-}
-// The same for an n known after unrolling (0..3).
-__device__ __forceinline__ void wgmma_wait_n(int n) {
-    if (n == 0) wgmma_wait<0>();
-    else if (n == 1) wgmma_wait<1>();
-    else if (n == 2) wgmma_wait<2>();
-    else wgmma_wait<3>();
 }
 // After a wait: the accumulators change here, so no read of them moves above it.
 __device__ __forceinline__ void wgmma_fence_regs(int (&d)[32]) {
@@ -354,10 +335,9 @@ struct Layout {
 };
 
 // ALIGN: the stage size's granularity (TMA stages start on 1,024-byte boundaries).
-// WG (the wgmma tiles' mode, see qgemm_tc2): 2, the stages hold the sub-block scales as i32 (`SCW`:
-// [8 slices][4 lane groups][BN / 4], see kq_stage_wgmma) instead of bytes (`SC`); 1, the stages also
-// hold the second weight plane (`PLO`, a B tile, on a 1,024-byte boundary).
-template <int FMT, int BM, int BN, int ALIGN = 128, int WG = 0>
+// WG (the weight-plane wgmma tile, see qgemm_tc2): the stages also hold the second weight plane (`PLO`, a
+// B tile, on a 1,024-byte boundary).
+template <int FMT, int BM, int BN, int ALIGN = 128, bool WG = false>
 struct Smem {
     using L = Layout<FMT>;
     static constexpr int A = 0;
@@ -365,11 +345,10 @@ struct Smem {
     static constexpr int D = B + BN * L::BK;                                      // f32 [BPS][BN]
     static constexpr int DMIN = D + 4 * L::BPS * BN;                              // f32 [BN]
     static constexpr int SC = DMIN + (FMT == FMT_K32 ? 4 * BN : 0);               // i8 [BN][SPB]
-    static constexpr int MIN = SC + (FMT == FMT_Q8_0 || WG == 2 ? 0 : BN * L::SPB); // i8 [BN][8]
+    static constexpr int MIN = SC + (FMT == FMT_Q8_0 ? 0 : BN * L::SPB);          // i8 [BN][8]
     static constexpr int ASUM = MIN + (FMT == FMT_K32 ? BN * 8 : 0);              // i32 [BM][8]
-    static constexpr int SCW = ASUM + (FMT == FMT_K32 ? 4 * BM * 8 : 0);         // i32 (WG 2 only)
-    static constexpr int PLO = (SCW + 1023) / 1024 * 1024;                        // u8 (WG 1 only)
-    static constexpr int END = WG == 2 ? SCW + 8 * 4 * (BN / 4) * 4 : WG == 1 ? PLO + BN * L::BK : SCW;
+    static constexpr int PLO = (ASUM + (FMT == FMT_K32 ? 4 * BM * 8 : 0) + 1023) / 1024 * 1024;  // u8 (WG)
+    static constexpr int END = WG ? PLO + BN * L::BK : ASUM + (FMT == FMT_K32 ? 4 * BM * 8 : 0);
     static constexpr int STAGE = (END + ALIGN - 1) / ALIGN * ALIGN;
 };
 
@@ -735,7 +714,7 @@ extern "C" __global__ void __launch_bounds__(128) qgemm_q6k_64x64(QGEMM_ARGS) {
 // ===================================================================================================
 
 template <int FMT, int WARPS_M, int WARPS_N, int MT, int NT, int STAGES, bool WS = false, bool TMA = false,
-          int WG = 0>
+          bool WG = false>
 __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const int* __restrict__ asums,
                                           const int8_t* __restrict__ wq, const int8_t* __restrict__ wsc,
                                           const int8_t* __restrict__ wmin, const float* __restrict__ wd,
@@ -752,12 +731,11 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
     static_assert(NT % 2 == 0, "B fragments are loaded two n-tiles at a time");
     static_assert(THREADS % CHUNKS == 0, "a thread copies the same 16-byte column of every row it loads");
     static_assert(!TMA || WS, "the TMA copies are the warp-specialized loop's");
-    // The wgmma tiles (WG = 1: weight planes, 2: i32 sums a slice, see kq_stage_wgmma): two consumer
-    // warpgroups of 64 rows × all 64 columns; a warp's fragments are one m16 row tile × eight n8 column
-    // tiles (so the part tree and the block end below are unchanged).
-    static_assert(WG == 0 || (TMA && FMT == FMT_K32 && WARPS_M == 8 && WARPS_N == 1 && MT == 1 && NT == 8 &&
-                              (WG == 1 || WG == 2)),
-                  "the wgmma tiles are K-quant 128×64 TMA tiles as 8 × 1 warps of 16 × 64");
+    // The weight-plane wgmma tile (WG, see planes_make): two consumer warpgroups of 64 rows × all 64
+    // columns; a warp's fragments are one m16 row tile × eight n8 column tiles (so the part tree and the
+    // block end below are unchanged).
+    static_assert(!WG || (TMA && FMT == FMT_K32 && WARPS_M == 8 && WARPS_N == 1 && MT == 1 && NT == 8),
+                  "the wgmma tile is a K-quant 128×64 TMA tile as 8 × 1 warps of 16 × 64");
     // TMA with 256-byte K-quant stages: each matrix arrives as two boxes of 128 bytes of K (the 128-byte
     // swizzle spans one box row), so 16-byte chunk c of row r sits in half c >> 3, at chunk
     // (c & 7) ^ (r & 7) of row r of that half. Otherwise rows are BK bytes with chunk c ^ (r & 7).
@@ -1049,7 +1027,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
     // run time would live in local memory.
     //
     // K-quants only: for Q8_0 the same change measured 0–3 % slower on the H200 (2026-11-30).
-    constexpr bool OFFSETS_IN_REGS = WS && FMT != FMT_Q8_0 && WG == 0;
+    constexpr bool OFFSETS_IN_REGS = WS && FMT != FMT_Q8_0 && !WG;
     constexpr int KC = BK / 32;
     constexpr int ROW_BYTES = SPLIT ? 128 : BK;
     int a_off[OFFSETS_IN_REGS ? KC : 1], b_off[OFFSETS_IN_REGS ? KC : 1];
@@ -1139,71 +1117,9 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
         }
     };
 
-    // The wgmma tiles' K-quant stage (one 256-element block, 8 slices of 32), WG slices at a time:
-    // warpgroup g = warp / 4 issues the 64 × 64 wgmmas of its 64 activation rows for WG slices (one
-    // commit group each), then waits for them one by one and takes each slice's i32 sums times their
-    // sub-block scales into dsum while the later slices are still in the tensor cores. Each round ends
-    // with nothing in flight: a wgmma left in flight across a loop's back edge into a read of another
-    // set makes ptxas serialize every wgmma (C7514, kernels/bench/imma_rate.cu). The sub-block scales
-    // come as i32 from `SCW`, written by the producers in this order: slice kc, lane group t = lane % 4,
-    // the 16 scales of t's columns 8·j + 2·t + e as 16-byte chunks c = j / 2 of 4 ints 2·(j % 2) + e,
-    // chunk c at position c ^ t (so the four groups' loads fall in distinct banks): a thread's scales of
-    // a slice are four 16-byte loads.
-    int wg_d[WG > 0 ? 2 : 1][32];
-    auto kq_stage_wgmma = [&](const unsigned char* st, int (&dsum)[MT][NT][4]) {
-        if constexpr (WG > 0) {
-            const unsigned a_base = smem_addr(st + S::A) + (warp >> 2) * 64 * 128;
-            const unsigned b_base = smem_addr(st + S::B);
-            const int t4 = lane & 3;
-            const int4* scw = reinterpret_cast<const int4*>(st + S::SCW) + t4 * 4;
-            auto issue = [&](int kc, int (&d)[32]) {
-                const unsigned ka = a_base + (kc >> 2) * BM * 128 + (kc & 3) * 32;
-                const unsigned kb = b_base + (kc >> 2) * BN * 128 + (kc & 3) * 32;
-                wgmma_m64n64k32(d, wgmma_desc(ka), wgmma_desc(kb));
-                wgmma_commit();
-            };
-            auto consume = [&](int kc, int (&d)[32]) {
-                int sc[16];
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int4 v = scw[kc * 16 + (c ^ t4)];
-                    sc[4 * c] = v.x;
-                    sc[4 * c + 1] = v.y;
-                    sc[4 * c + 2] = v.z;
-                    sc[4 * c + 3] = v.w;
-                }
-#pragma unroll
-                for (int i = 0; i < 32; ++i) dsum[0][i >> 2][i & 3] += sc[2 * (i >> 2) + (i & 1)] * d[i];
-                // The sums are taken here, before the next wgmma into d (otherwise the compiler sinks
-                // them below later waits, and nothing overlaps the MMAs).
-#pragma unroll
-                for (int i = 0; i < 32; ++i) asm volatile("" : "+r"(dsum[0][i >> 2][i & 3])::"memory");
-            };
-            if constexpr (WG == 2) {
-                // Rolling: slice kc + 2 is issued into the set slice kc leaves, so one wgmma is always
-                // in flight while a slice's sums are taken. Straight-line code (the 8 slices unrolled,
-                // nothing in flight at the stage's end), which ptxas does not serialize.
-                wgmma_fence();
-                issue(0, wg_d[0]);
-                issue(1, wg_d[1]);
-#pragma unroll
-                for (int kc = 0; kc < 8; ++kc) {
-                    if (kc < 7)
-                        wgmma_wait<1>();
-                    else
-                        wgmma_wait<0>();
-                    wgmma_fence_regs(wg_d[kc & 1]);
-                    consume(kc, wg_d[kc & 1]);
-                    if (kc + 2 < 8) {
-                        wgmma_fence();
-                        issue(kc + 2, wg_d[kc & 1]);
-                    }
-                }
-            }
-        }
-    };
+    int wg_d[WG ? 2 : 1][32];  // the weight-plane tile's accumulators: planes hi and lo
 
-    // Weight planes (WG == 1): with sub-block scale sc = 8·hi + lo (hi, lo in 0..7), the block sum
+    // Weight planes (WG): with sub-block scale sc = 8·hi + lo (hi, lo in 0..7), the block sum
     // D_b = Σ_j sc_j Σ_{i∈j} q_i·a_i is 8·Σ_i (q_i·hi)·a_i + Σ_i (q_i·lo)·a_i, and q·hi, q·lo ≤ 31·7
     // fit a u8: the tensor cores sum the whole block, no IMAD a slice. A stage goes through three
     // steps, which the consumer loop pipelines (the next stage's planes are made while this stage's
@@ -1216,7 +1132,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
     //     each plane accumulating over the block), one commit group;
     //   planes_sums: waits for them and writes dsum = 8·hi + lo.
     auto planes_make = [&](const unsigned char* st) {
-        if constexpr (WG == 1) {
+        if constexpr (WG) {
             unsigned char* stw = const_cast<unsigned char*>(st);
             const unsigned char* scb = st + S::SC;
 #pragma unroll
@@ -1237,7 +1153,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
         }
     };
     auto planes_issue = [&](const unsigned char* st) {
-        if constexpr (WG == 1) {
+        if constexpr (WG) {
             const unsigned a_base = smem_addr(st + S::A) + (warp >> 2) * 64 * 128;
             const unsigned b_base = smem_addr(st + S::B), p_base = smem_addr(st + S::PLO);
             wgmma_fence();
@@ -1252,7 +1168,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
         }
     };
     auto planes_sums = [&](int (&dsum)[MT][NT][4]) {
-        if constexpr (WG == 1) {
+        if constexpr (WG) {
             wgmma_wait<0>();
             wgmma_fence_regs(wg_d[0]);
             wgmma_fence_regs(wg_d[1]);
@@ -1355,9 +1271,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                 for (int j = 0; j < NT; ++j)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) dsum[i][j][e] = 0;
-            if constexpr (WG == 2) {
-                kq_stage_wgmma(st, dsum);
-            } else if constexpr (WS) {
+            if constexpr (WS) {
                 // The warp-specialized compute warps have 224–232 registers: the next slice's
                 // fragments load while this slice's mmas run (as for Q8_0).
                 unsigned afp[2][MT][4], bfp[2][NT][2];
@@ -1395,8 +1309,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
         unsigned long long* empty = bars + STAGES;
         if (tid == 0) {
             for (int s = 0; s < STAGES; ++s) {
-                // WG: each producer thread also arrives after its stores of the i32 scales.
-                mbar_init(full + s, PRODUCERS + (TMA ? 1 : 0) + (WG == 2 ? PRODUCERS : 0));
+                mbar_init(full + s, PRODUCERS + (TMA ? 1 : 0));
                 mbar_init(empty + s, WARPS_M * WARPS_N);
             }
         }
@@ -1459,23 +1372,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                             const size_t row = (size_t)(ok ? n0 + q : 0);
                             if (BN == PRODUCERS || q < BN) {
                                 cp_async4(st + S::DMIN + 4 * q, wdmin + row * nb + b, ok);
-                                if constexpr (WG == 2) {
-                                    // Column q's 8 sub-block scales as i32 in the consumers' order
-                                    // (kq_stage_wgmma): j = q / 8, t = (q % 8) / 2, e = q % 2, chunk
-                                    // j / 2 at position (j / 2) ^ t, int 2·(j % 2) + e of it.
-                                    const uint2 v = ok ? __ldg(reinterpret_cast<const uint2*>(
-                                                             wsc + row * nsub + (size_t)b * 8))
-                                                       : make_uint2(0u, 0u);
-                                    const int t = (q & 7) >> 1, j = q >> 3;
-                                    int* scw = reinterpret_cast<int*>(st + S::SCW) + t * (BN / 4) +
-                                               (((j >> 1) ^ t) << 2) + 2 * (j & 1) + (q & 1);
-#pragma unroll
-                                    for (int kc = 0; kc < 8; ++kc)
-                                        scw[kc * BN] =
-                                            (int)(signed char)(((kc < 4 ? v.x : v.y) >> (8 * (kc & 3))) & 0xff);
-                                } else {
-                                    cp_async8(st + S::SC + 8 * q, wsc + row * nsub + (size_t)b * 8, ok);
-                                }
+                                cp_async8(st + S::SC + 8 * q, wsc + row * nsub + (size_t)b * 8, ok);
                                 cp_async8(st + S::MIN + 8 * q, wmin + row * nsub + (size_t)b * 8, ok);
                             }
 #pragma unroll
@@ -1493,7 +1390,6 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                             cp_async16(st + S::SC + 16 * q, wsc + row * nsub + (size_t)b * 16, ok);
                         }
                         cp_async_mbar_arrive(full + s);
-                        if constexpr (WG == 2) mbar_arrive(full + s);  // after the i32 scales' stores
                     });
                 cp_async_wait<0>();
 #else
@@ -1540,7 +1436,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
         else
             asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
 #endif
-        if constexpr (WG == 1) {
+        if constexpr (WG) {
             // The weight-plane tile (K-quant stages of one block): stage t's wgmmas run while the
             // planes of stage t + 1 are made; then stage t's sums and block end.
             const int t_end = part_end(p_end - 1) - part_begin(p_begin);  // the CTA's stages
@@ -1687,9 +1583,9 @@ QGEMM2_TMA_TILE(qgemm2_q6k_128x128tma, FMT_Q6K, 4, 3)
 QGEMM2_TMA_TILE(qgemm2_k32_96x128tma, FMT_K32, 3, 3)
 QGEMM2_TMA_TILE(qgemm2_q6k_96x128tma, FMT_Q6K, 3, 3)
 
-// Q4_K / Q5_K with warpgroup MMA (sm_90a only): the TMA tiles' producers and stages, 128 activation
-// rows × 64 weight rows, two consumer warpgroups of 64 × 64 with 2 or 4 slices in flight
-// (kq_stage_wgmma), the same part tree and block end with the warps seen as 8 × 1 warp tiles of 16 × 64.
+// Q4_K / Q5_K with warpgroup MMA on weight planes (sm_90a only): the TMA tiles' producers and stages,
+// 128 activation rows × 64 weight rows, two consumer warpgroups of 64 × 64 (planes_make / planes_issue /
+// planes_sums), the same part tree and block end with the warps seen as 8 × 1 warp tiles of 16 × 64.
 #if defined(HAVE_WGMMA)
 #define QGEMM2_WG_TILE(name, mode, stages)                                           \
     extern "C" __global__ void __launch_bounds__(384, 1) name(QGEMM2_TMA_ARGS) {     \
@@ -1701,6 +1597,5 @@ QGEMM2_TMA_TILE(qgemm2_q6k_96x128tma, FMT_Q6K, 3, 3)
         __trap(); /* never launched before sm_90a (the plan's `hopper_only`) */      \
     }
 #endif
-// Stages: 4 of 56 KiB (wg2), 3 of 70 KiB (wgp: the second weight plane); cuda_plan.rs's `v2_tile_plan`.
-QGEMM2_WG_TILE(qgemm2_k32_128x64wg2, 2, 4)
-QGEMM2_WG_TILE(qgemm2_k32_128x64wgp, 1, 3)
+// 3 stages of 70 KiB (with the second weight plane); cuda_plan.rs's `v2_tile_plan`.
+QGEMM2_WG_TILE(qgemm2_k32_128x64wgp, true, 3)

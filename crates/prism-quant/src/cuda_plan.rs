@@ -71,34 +71,31 @@ pub enum V2Tile {
     T96x128Tma,
     /// Q4_K / Q5_K on Hopper (sm_90a): [`V2Tile::T128x128Tma`]'s producers and stages, 128 activation
     /// rows × 64 outputs, two consumer warpgroups of 64 × 64 on warpgroup MMA (`wgmma`) instead of
-    /// `mma.sync`, two 32-slices in flight. Other formats: T128x128Tma (Q6_K's sub-blocks of 16 are
-    /// shorter than wgmma's k = 32; Q8_0's contract measured no faster on wgmma, docs/benchmarks.md).
-    T128x64Wg2,
-    /// [`V2Tile::T128x64Wg2`] on weight planes: the consumers split each stage's weights q into
-    /// q·hi and q·lo (sub-block scale = 8·hi + lo) and the tensor cores sum whole blocks, with no
-    /// integer multiply-add per 32-slice.
+    /// `mma.sync`, on weight planes: the consumers split each stage's weights q into q·hi and q·lo
+    /// (sub-block scale = 8·hi + lo) and the tensor cores sum whole blocks, with no integer
+    /// multiply-add per 32-slice. Other formats: T128x128Tma (Q6_K's sub-blocks of 16 are shorter than
+    /// wgmma's k = 32; Q8_0's contract measured no faster on wgmma, docs/benchmarks.md).
     T128x64Wgp,
 }
 
 impl V2Tile {
     // Measured and dropped on 2026-11-30 (docs/benchmarks.md): a 16-warp 128×128 tile (warp tiles
     // 32×32, 128 registers) and Q8_0 stages of 256 bytes; neither beat T128x128.
-    pub const ALL: [V2Tile; 8] = [
+    pub const ALL: [V2Tile; 7] = [
         V2Tile::T64x128,
         V2Tile::T128x128,
         V2Tile::T128x128Ws,
         V2Tile::T96x128Ws,
         V2Tile::T128x128Tma,
         V2Tile::T96x128Tma,
-        V2Tile::T128x64Wg2,
         V2Tile::T128x64Wgp,
     ];
 
-    /// Whether the automatic plan ([`choose_v2`]) considers the tile. The wgmma tiles are explicit
-    /// only: on an H200 they measured 0.96–1.03× the K-quant TMA tiles (docs/benchmarks.md,
-    /// 2026-11-30, fifth session), so the plan has no measured reason to prefer them.
+    /// Whether the automatic plan ([`choose_v2`]) considers the tile. The wgmma tile is explicit only:
+    /// on an H200 it measured 0.99–1.05× the K-quant TMA tiles (docs/benchmarks.md, 2026-11-30, fifth
+    /// session), too close for the cost model to tell where it wins.
     pub fn automatic(self) -> bool {
-        !matches!(self, V2Tile::T128x64Wg2 | V2Tile::T128x64Wgp)
+        self != V2Tile::T128x64Wgp
     }
 }
 
@@ -175,12 +172,6 @@ fn stage_k(format: WeightFormat) -> usize {
     }
 }
 
-/// `Smem<.., WG>::SCW`'s size in quant_gemm.cu: the wgmma tiles' i32 sub-block scales of a stage
-/// ([8][4][bn / 4]), which replace the stage's byte scales ([bn][8]).
-fn wgmma_scale_bytes(bn: usize) -> usize {
-    8 * 4 * (bn / 4) * 4
-}
-
 /// The v1 instantiation for a weight format.
 pub fn v1_tile_plan(format: WeightFormat) -> TilePlan {
     let (kernel, stages) = match format {
@@ -234,19 +225,16 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         (Q4K | Q5K, V2Tile::T96x128Tma) => ("qgemm2_k32_96x128tma", 96, 128, 3, 1, 600.0),
         (Q6K, V2Tile::T128x128Tma) => ("qgemm2_q6k_128x128tma", 128, 128, 3, 1, 780.0),
         (Q6K, V2Tile::T96x128Tma) => ("qgemm2_q6k_96x128tma", 96, 128, 3, 1, 600.0),
-        // Warpgroup MMA (explicit only, see `V2Tile::automatic`): measured 0.96–1.03× the 128×128
+        // Warpgroup MMA (explicit only, see `V2Tile::automatic`): measured 0.99–1.05× the 128×128
         // TMA tile on an H200 (docs/benchmarks.md, 2026-11-30, fifth session), so the same rate.
-        (Q4K | Q5K, V2Tile::T128x64Wg2) => ("qgemm2_k32_128x64wg2", 128, 64, 4, 1, 770.0),
         (Q4K | Q5K, V2Tile::T128x64Wgp) => ("qgemm2_k32_128x64wgp", 128, 64, 3, 1, 770.0),
         (_, V2Tile::T128x128Ws | V2Tile::T96x128Ws) => {
             return v2_tile_plan(format, V2Tile::T128x128)
         }
-        (_, V2Tile::T128x64Wg2 | V2Tile::T128x64Wgp) => {
-            return v2_tile_plan(format, V2Tile::T128x128Tma)
-        }
+        (_, V2Tile::T128x64Wgp) => return v2_tile_plan(format, V2Tile::T128x128Tma),
     };
     let bk = stage_k(format);
-    let wgmma = matches!(tile, V2Tile::T128x64Wg2 | V2Tile::T128x64Wgp);
+    let wgmma = tile == V2Tile::T128x64Wgp;
     let tma = wgmma || matches!(tile, V2Tile::T128x128Tma | V2Tile::T96x128Tma);
     let warp_specialized = tma || matches!(tile, V2Tile::T128x128Ws | V2Tile::T96x128Ws);
     TilePlan {
@@ -260,17 +248,12 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         threads: TC2_THREADS + if warp_specialized { 128 } else { 0 },
         // TMA tiles: stages of whole KiB, and 1 KiB more to start them on the 1,024-byte boundary of
         // the 128-byte swizzle.
-        // The wgmma tiles' stages hold the sub-block scales as i32, not bytes (Wg2), or a second
-        // weight plane on a 1,024-byte boundary (Wgp).
+        // The wgmma tile's stages also hold a second weight plane on a 1,024-byte boundary.
         smem_bytes: stages
-            * match tile {
-                V2Tile::T128x64Wg2 => {
-                    stage_bytes(format, bm, bn, bk) + wgmma_scale_bytes(bn) - 8 * bn
-                }
-                V2Tile::T128x64Wgp => {
-                    stage_bytes(format, bm, bn, bk).next_multiple_of(1024) + bn * bk
-                }
-                _ => stage_bytes(format, bm, bn, bk),
+            * if wgmma {
+                stage_bytes(format, bm, bn, bk).next_multiple_of(1024) + bn * bk
+            } else {
+                stage_bytes(format, bm, bn, bk)
             }
             .next_multiple_of(if tma { 1024 } else { 128 })
             + if warp_specialized { 16 * stages } else { 0 }
