@@ -1038,10 +1038,76 @@ mod tests {
         }
     }
 
+    /// The weight-plane wgmma tile's block sum D_b (quant_gemm.cu, `planes_make` / `planes_issue` /
+    /// `planes_sums`): the block's q bytes four to a u32 word times hi and times lo of their sub-block's
+    /// scale sc = 8·hi + lo (no carry from byte to byte: q ≤ 31 and hi, lo ≤ 7), each plane's u8 bytes
+    /// times the activations summed over the whole block, D_b = 8·(hi plane sum) + (lo plane sum).
+    fn planes_block_sum(q: &[i8], sc: &[i8], qa: &[i8]) -> i32 {
+        let (mut hi_sum, mut lo_sum) = (0i32, 0i32);
+        for (word_index, bytes) in q[..256].chunks_exact(4).enumerate() {
+            let word = u32::from_le_bytes([
+                bytes[0] as u8,
+                bytes[1] as u8,
+                bytes[2] as u8,
+                bytes[3] as u8,
+            ]);
+            let scale = u32::from(sc[word_index / 8] as u8);
+            let (hi, lo) = (
+                (word * (scale >> 3)).to_le_bytes(),
+                (word * (scale & 7)).to_le_bytes(),
+            );
+            for e in 0..4 {
+                let a = i32::from(qa[4 * word_index + e]);
+                hi_sum += i32::from(hi[e]) * a;
+                lo_sum += i32::from(lo[e]) * a;
+            }
+        }
+        8 * hi_sum + lo_sum
+    }
+
+    #[test]
+    fn weight_planes_sum_blocks_exactly_at_the_extremes() {
+        // Q5_K's largest q (31) and the largest 6-bit sub-block scale (63 = 8·7 + 7): every product
+        // byte is 217, the most a plane byte holds; any carry between packed bytes would show here.
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        for case in 0..64 {
+            let q: Vec<i8> = (0..256)
+                .map(|i| {
+                    if case == 0 {
+                        31
+                    } else {
+                        (((rng.next_f32() + 1.0) * 15.99) as i8 + (i % 2) as i8).min(31)
+                    }
+                })
+                .collect();
+            let sc: Vec<i8> = (0..8)
+                .map(|_| {
+                    if case == 0 {
+                        63
+                    } else {
+                        ((rng.next_f32() + 1.0) * 31.99) as i8
+                    }
+                })
+                .collect();
+            let qa: Vec<i8> = (0..256)
+                .map(|i| match case {
+                    0 => 127,
+                    1 => -127,
+                    _ => (rng.next_f32() * 127.0) as i8 * if i % 3 == 0 { -1 } else { 1 },
+                })
+                .collect();
+            let want: i32 = (0..256)
+                .map(|i| i32::from(sc[i / 32]) * i32::from(q[i]) * i32::from(qa[i]))
+                .sum();
+            assert_eq!(planes_block_sum(&q, &sc, &qa), want, "case {case}");
+        }
+    }
+
     /// The v2 kernel's walk for one output, replayed on the CPU: stages that never straddle a part,
     /// parts closed between stages (empty ones included, leading ones before the first stage), the
     /// closed parts kept in "memory" (scratch / out / the group's workspace slot, NaN until written, so
-    /// a read before a write poisons the result), and for g > 1 the combine kernel's fold.
+    /// a read before a write poisons the result), and for g > 1 the combine kernel's fold (the weight-
+    /// plane tile's block sums by `planes_block_sum`).
     fn kernel_walk_v2(
         qx: &QuantizedRows,
         w: &QuantWeight,
@@ -1080,7 +1146,14 @@ mod tests {
                     closed += 1;
                 }
                 for b in b0..b0 + count {
-                    let (db, mb) = block_sums(w, n, b, qa, sums);
+                    let (mut db, mb) = block_sums(w, n, b, qa, sums);
+                    if tile == V2Tile::T128x64Wgp && w.format().has_mins() {
+                        db = planes_block_sum(
+                            &w.row_q(n)[256 * b..],
+                            &w.row_sub_scales(n)[8 * b..],
+                            &qa[256 * b..],
+                        );
+                    }
                     let dbf = if w.format() == WeightFormat::Q8_0 {
                         f32::from_bits(0x4B40_0000i32.wrapping_add(db) as u32) - 12_582_912.0
                     } else {
