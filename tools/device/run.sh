@@ -15,6 +15,10 @@
 #   ncu27       ncu kernel times of one warm pass per scenario of the 27B bf16 bench
 #   gemm        prism cuda-quant-check --gemm timings of the integer GEMM tiles at 27B shapes (M = 275,
 #               2,048, 16,384 and a one-wave steady state; docs/benchmarks.md, third session)
+#   gemm-kq     the K-quant tiles (mma.sync TMA, 96-row TMA, the wgmma weight-plane tile) at the fifth
+#               session's shapes (docs/benchmarks.md, "K-quant tiles on warpgroup MMA")
+#   imma        kernels/bench/imma_rate.cu's loops, from .device-carry/imma_rate (built here: nvcc -O3
+#               -gencode=arch=compute_90a,code=sm_90a -o .device-carry/imma_rate kernels/bench/imma_rate.cu)
 # The binary is taken from .device-carry/prism.xz (xz of a stripped `--features cuda` build; unpacked
 # by xz or Python's lzma) or .device-carry/prism.gz, unless /tmp/prism exists.
 set -u
@@ -68,6 +72,15 @@ for step in "$@"; do
                 q8_0,5120,34816,275,T96x128Tma,1t8 q8_0,5120,17408,256,auto,1; do
                 timeout 60 /tmp/prism cuda-quant-check --gemm "$spec" --runs 6 2>&1 | tail -2
             done > "$OUT/gemm-times.txt" ;;
+        gemm-kq)
+            for spec in q4_k,17408,5120,2048 q4_k,5120,17408,2048 q4_k,5120,34816,275 q4_k,5120,17408,16384 \
+                q5_k,5120,17408,2048 q4_k,65536,1408,1536; do
+                for tile in T128x128Tma T96x128Tma T128x64Wgp; do
+                    timeout 60 /tmp/prism cuda-quant-check --gemm "$spec,$tile,1" --runs 6 2>&1 | tail -1
+                done
+            done > "$OUT/gemm-kq.txt" ;;
+        imma)
+            cp .device-carry/imma_rate /tmp/imma_rate && chmod +x /tmp/imma_rate && /tmp/imma_rate > "$OUT/imma-rate.txt" 2>&1 ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
     echo "   $step rc=$?"
