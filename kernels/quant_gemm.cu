@@ -23,6 +23,7 @@
 
 #include <stdint.h>
 #include "act_quant.cuh"
+#include "wgmma.cuh"
 
 #define FMT_Q8_0 0
 #define FMT_K32 1  // Q4_K and Q5_K: sub-blocks of 32 with scales and mins (q in 0..15 / 0..31)
@@ -252,21 +253,11 @@ __device__ __forceinline__ void mma_k16(int (&d)[4], unsigned a0, unsigned a1, u
 }
 
 // Warpgroup MMA (sm_90a only; the K-quant `wg` tile): wgmma.mma_async m64n64k32 s8 × s8 → s32 with
-// both operands in shared memory, K-major with the 128-byte swizzle: the TMA stages' own layout (rows of
-// 128 bytes of K, 16-byte chunk c of row r at c ^ (r & 7), 8-row groups 1,024 bytes apart). A
-// descriptor holds the start address (its 32-byte K slice inside the 128-byte rows is an offset of the
-// address; the stage halves start on 1,024-byte boundaries, so the swizzle phase is the address's own),
-// the 8-row group stride and the swizzle mode. d is the warpgroup's 64×64 tile, 32 registers a thread:
+// both operands in shared memory, K-major with the 128-byte swizzle: the TMA stages' own layout
+// (descriptors and fences in kernels/wgmma.cuh; the stage halves start on 1,024-byte boundaries). d is the warpgroup's 64×64 tile, 32 registers a thread:
 // register i is row 16·(warp % 4) + lane / 4 + 8·((i >> 1) & 1), column 8·(i >> 2) + 2·(lane % 4) +
 // (i & 1), the layout of mma.sync's m16n8 fragments side by side. Measured in kernels/bench/imma_rate.cu
 // (2026-11-30): the K-quant loop's ceiling rises from 363 TOPS (mma.sync, 64×32 warp tiles) to 495–575.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define HAVE_WGMMA 1
-#endif
-__device__ __forceinline__ unsigned long long wgmma_desc(unsigned smem_address) {
-    return (unsigned long long)((smem_address & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) |
-           (1ull << 62);
-}
 // d = a·b (scale_d = 0) or d += a·b (1) with b unsigned (u8): the K-quant weight planes.
 __device__ __forceinline__ void wgmma_m64n64k32_u8(int (&d)[32], unsigned long long da, unsigned long long db,
                                                    int scale_d) {
@@ -278,27 +269,6 @@ __device__ __forceinline__ void wgmma_m64n64k32_u8(int (&d)[32], unsigned long l
         : "l"(da), "l"(db), "r"(scale_d)
         : "memory");
 #endif
-}
-__device__ __forceinline__ void wgmma_fence() {
-#ifdef HAVE_WGMMA
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wgmma_commit() {
-#ifdef HAVE_WGMMA
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-#ifdef HAVE_WGMMA
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-#endif
-}
-// After a wait: the accumulators change here, so no read of them moves above it.
-__device__ __forceinline__ void wgmma_fence_regs(int (&d)[32]) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) asm volatile("" : "+r"(d[i])::"memory");
 }
 
 // The i32 accumulator's bits 0x4B400000 + D are the float 1.5·2^23 + D (exact for |D| < 2^22).

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdint>
 #include <cuda_runtime.h>
+#include "../wgmma.cuh"  // descriptors, fences (shared with kernels/quant_gemm.cu)
 
 #define CHECK(x)                                                                              \
     do {                                                                                      \
@@ -236,16 +237,6 @@ int run(const char* name, int warps, int ctas_per_sm, int sms) {
 // wgmma alone 1,850–1,900 TOPS; with the Q8_0 epilogue 412–472 (mma.sync with its fragment loads: 472),
 // so wgmma does not lift the Q8_0 contract's ceiling; with the Q4_K epilogue 437–575 (mma.sync, the
 // kernel's 64×32 warp tiles: 363).
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
-#define HAVE_WGMMA 1
-#endif
-
-// A shared-memory matrix descriptor: start address, stride of 8-row groups 1,024 bytes, 128-byte swizzle.
-__device__ __forceinline__ unsigned long long wgmma_desc(const void* smem) {
-    const unsigned long long addr = (unsigned)__cvta_generic_to_shared(smem);
-    return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
-}
-
 // d = a·b (scale_d = 0) or d += a·b (scale_d = 1), asynchronously; the registers are the warpgroup's
 // 64×128 accumulator, 64 per thread.
 __device__ __forceinline__ void wgmma_s8(int (&d)[64], unsigned long long da, unsigned long long db, int scale_d) {
@@ -269,29 +260,6 @@ __device__ __forceinline__ void wgmma_s8(int (&d)[32], unsigned long long da, un
         : "l"(da), "l"(db), "r"(scale_d)
         : "memory");
 #endif
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-#ifdef HAVE_WGMMA
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wgmma_commit() {
-#ifdef HAVE_WGMMA
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-#ifdef HAVE_WGMMA
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-#endif
-}
-// Tells the compiler the accumulators change here (after a wait): no read of them moves above it.
-template <int R>
-__device__ __forceinline__ void fence_regs(int (&d)[R]) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) asm volatile("" : "+r"(d[i])::"memory");
 }
 
 // One block's (EPILOGUE 1) or 32-slice's (EPILOGUE 2) epilogue on one accumulator set. 1, Q8_0: f32(D)
@@ -344,7 +312,7 @@ __device__ __forceinline__ void wgmma_drain(int (&d)[SETS][R], float (&acc)[R], 
                                             const int (&sc)[T], float dv0, float dv1, int b) {
     if constexpr (J < SETS) {
         wgmma_wait_n<SETS - 1 - J>();
-        fence_regs(d[J]);
+        wgmma_fence_regs(d[J]);
         wgmma_consume<EPILOGUE>(d[J], acc, dsum, sc, dv0, dv1, b + J);
         wgmma_drain<EPILOGUE, R, S, T, SETS, J + 1>(d, acc, dsum, sc, dv0, dv1, b);
     }
@@ -360,7 +328,8 @@ __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(int blocks, float* 
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes → wgmma reads
 #endif
     __syncthreads();
-    const unsigned long long da = wgmma_desc(sm), db = wgmma_desc(sm + 64 * 128);
+    const unsigned long long da = wgmma_desc((unsigned)__cvta_generic_to_shared(sm)),
+                             db = wgmma_desc((unsigned)__cvta_generic_to_shared(sm + 64 * 128));
     int d[SETS][R];
     float acc[R];
 #pragma unroll
@@ -389,7 +358,7 @@ __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(int blocks, float* 
     float s = 0.f;
 #pragma unroll
     for (int j = 0; j < SETS; ++j) {
-        fence_regs(d[j]);
+        wgmma_fence_regs(d[j]);
 #pragma unroll
         for (int i = 0; i < R; ++i) s += (float)d[j][i];
     }
