@@ -252,11 +252,12 @@ __device__ __forceinline__ void mma_k16(int (&d)[4], unsigned a0, unsigned a1, u
         : "r"(a0), "r"(a1), "r"(b0), "r"(0));
 }
 
-// Warpgroup MMA (sm_90a only; the K-quant `wg` tile): wgmma.mma_async m64n64k32 s8 × s8 → s32 with
-// both operands in shared memory, K-major with the 128-byte swizzle: the TMA stages' own layout
-// (descriptors and fences in kernels/wgmma.cuh; the stage halves start on 1,024-byte boundaries). d is the warpgroup's 64×64 tile, 32 registers a thread:
-// register i is row 16·(warp % 4) + lane / 4 + 8·((i >> 1) & 1), column 8·(i >> 2) + 2·(lane % 4) +
-// (i & 1), the layout of mma.sync's m16n8 fragments side by side. Measured in kernels/bench/imma_rate.cu
+// Warpgroup MMA (sm_90a only; the K-quant weight-plane tile): wgmma.mma_async m64n64k32 s8 × u8 → s32
+// with both operands in shared memory, K-major with the 128-byte swizzle: the TMA stages' own layout
+// (descriptors and fences in kernels/wgmma.cuh; the stage halves start on 1,024-byte boundaries). d is
+// the warpgroup's 64×64 tile, 32 registers a thread: register i is row 16·(warp % 4) + lane / 4 +
+// 8·((i >> 1) & 1), column 8·(i >> 2) + 2·(lane % 4) + (i & 1), the layout of mma.sync's m16n8
+// fragments side by side. Measured in kernels/bench/imma_rate.cu
 // (2026-11-30): the K-quant loop's ceiling rises from 363 TOPS (mma.sync, 64×32 warp tiles) to 495–575.
 // d = a·b (scale_d = 0) or d += a·b (1) with b unsigned (u8): the K-quant weight planes.
 __device__ __forceinline__ void wgmma_m64n64k32_u8(int (&d)[32], unsigned long long da, unsigned long long db,
@@ -317,8 +318,9 @@ struct Smem {
     static constexpr int SC = DMIN + (FMT == FMT_K32 ? 4 * BN : 0);               // i8 [BN][SPB]
     static constexpr int MIN = SC + (FMT == FMT_Q8_0 ? 0 : BN * L::SPB);          // i8 [BN][8]
     static constexpr int ASUM = MIN + (FMT == FMT_K32 ? BN * 8 : 0);              // i32 [BM][8]
-    static constexpr int PLO = (ASUM + (FMT == FMT_K32 ? 4 * BM * 8 : 0) + 1023) / 1024 * 1024;  // u8 (WG)
-    static constexpr int END = WG ? PLO + BN * L::BK : ASUM + (FMT == FMT_K32 ? 4 * BM * 8 : 0);
+    static constexpr int ASUM_END = ASUM + (FMT == FMT_K32 ? 4 * BM * 8 : 0);
+    static constexpr int PLO = (ASUM_END + 1023) / 1024 * 1024;                   // u8 [BN][BK] (WG)
+    static constexpr int END = WG ? PLO + BN * L::BK : ASUM_END;
     static constexpr int STAGE = (END + ALIGN - 1) / ALIGN * ALIGN;
 };
 
