@@ -69,6 +69,12 @@ __device__ __forceinline__ void mma_k16(int (&d)[4], unsigned a0, unsigned a1, u
 //         scale into an i32 block sum (one IMAD per output), and every 8 slices (a 256-element block)
 //         the block end: two k16 MMAs for the min term, two I2F and two FFMA per output. Fragments
 //         stay in registers, as in MODE 1. (Added 2026-11-30, third session; not yet run.)
+// MODE 5: the Q8_0 block "chained" (a candidate contract, sixth session): the MMA accumulates onto the
+//         previous block's i32 result, so the register holds 1.5·2^23 + S_b (S_b: the prefix sum of the
+//         block sums of a group of 8 blocks, |S_b| < 2^22) as float bits; one FFMA by a coefficient
+//         per column and block (c_b = d_b − d_{b+1}, c_last = d_last: Σ c_b·S_b = Σ d_b·D_b) folds it
+//         in, and every 8 blocks one FADD removes the group's bias and one MOV resets the chain.
+// MODE 6: MODE 5 plus the fragments by ldmatrix and the coefficients by LDS, as MODE 2.
 template <int MODE, int MT, int NT>
 __global__ void imma_kernel(int blocks, float* out, int seed) {
     __shared__ __align__(128) unsigned char sm[2][(MT * 16 + NT * 8) * 128 + 512];
@@ -92,7 +98,7 @@ __global__ void imma_kernel(int blocks, float* out, int seed) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 acc[i][j][e] = 0.f;
-                iacc[i][j][e] = 0;
+                iacc[i][j][e] = (MODE == 5 || MODE == 6) ? MAGIC_I : 0;
             }
     const int warp = threadIdx.x >> 5;
     if (MODE == 3) {
@@ -141,7 +147,7 @@ __global__ void imma_kernel(int blocks, float* out, int seed) {
         }
     }
     for (int b = 0; b < (MODE == 3 ? 0 : blocks); ++b) {
-        if (MODE == 2) {
+        if (MODE == 2 || MODE == 6) {
             const unsigned char* st = sm[b & 1];
             const int kc = b & 3;
 #pragma unroll
@@ -163,7 +169,7 @@ __global__ void imma_kernel(int blocks, float* out, int seed) {
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
             float2 dv = make_float2(1.0f + j, 0.5f + warp);
-            if (MODE == 2)
+            if (MODE == 2 || MODE == 6)
                 dv = *reinterpret_cast<const float2*>(sm[b & 1] + (MT * 16 + NT * 8) * 128 + 8 * ((lane & 3) + 4 * j));
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
@@ -177,6 +183,21 @@ __global__ void imma_kernel(int blocks, float* out, int seed) {
                                    iacc[i][j][3]);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) iacc[i][j][e] = c[e];
+                } else if (MODE == 5 || MODE == 6) {
+                    mma_k32(c, af[i], bf[j][0], bf[j][1], iacc[i][j][0], iacc[i][j][1], iacc[i][j][2],
+                            iacc[i][j][3]);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        acc[i][j][e] = fmaf((e & 1) ? dv.y : dv.x, __int_as_float(c[e]), acc[i][j][e]);
+                        iacc[i][j][e] = c[e];
+                    }
+                    if ((b & 7) == 7) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            acc[i][j][e] = __fadd_rn(acc[i][j][e], (e & 1) ? -dv.x : -dv.y);
+                            iacc[i][j][e] = MAGIC_I;
+                        }
+                    }
                 } else {
                     mma_k32(c, af[i], bf[j][0], bf[j][1], MAGIC_I, MAGIC_I, MAGIC_I, MAGIC_I);
 #pragma unroll
@@ -267,9 +288,27 @@ __device__ __forceinline__ void wgmma_s8(int (&d)[32], unsigned long long da, un
 // into an i32 block sum (one IMAD per output), and every 8 slices the block end (two conversions and two
 // FMAs per output; the min term's own products are left out, 1/8 of a wgmma in the kernel). Accumulator
 // register i of a thread is column 8·(i / 4) + 2·(lane % 4) + (i & 1) of the warpgroup's tile.
+// 3, Q8_0 chained (MODE 5 of the mma.sync loop): the set accumulates over a group of 8 blocks from the
+// bias, so its registers are the floats 1.5·2^23 + S_b; one FFMA by the block's coefficient of the
+// thread's row (weights on the wgmma's M side: a thread's 64 outputs are 2 weight rows, so 2
+// coefficients a block, loaded by one LDS.64); every 8 blocks one FADD of the group's bias and one MOV
+// of the bias back into the set.
 template <int EPILOGUE, int R, int S, int T>
-__device__ __forceinline__ void wgmma_consume(const int (&d)[R], float (&acc)[R], int (&dsum)[S],
-                                              const int (&sc)[T], float dv0, float dv1, int b) {
+__device__ __forceinline__ void wgmma_consume(int (&d)[R], float (&acc)[R], int (&dsum)[S],
+                                              const int (&sc)[T], float dv0, float dv1, int b,
+                                              const float* coef) {
+    if constexpr (EPILOGUE == 3) {
+        const float2 cv = *reinterpret_cast<const float2*>(coef + 2 * ((b & 7) * 128 + (threadIdx.x & 127)));
+#pragma unroll
+        for (int i = 0; i < R; ++i) acc[i] = fmaf((i & 2) ? cv.y : cv.x, __int_as_float(d[i]), acc[i]);
+        if ((b & 7) == 7) {
+#pragma unroll
+            for (int i = 0; i < R; ++i) {
+                acc[i] = __fadd_rn(acc[i], (i & 2) ? dv1 : dv0);
+                d[i] = MAGIC_I;
+            }
+        }
+    }
     if constexpr (EPILOGUE == 1) {
 #pragma unroll
         for (int i = 0; i < R; ++i) {
@@ -309,12 +348,13 @@ __device__ __forceinline__ void wgmma_wait_n() {
 }
 template <int EPILOGUE, int R, int S, int T, int SETS, int J = 0>
 __device__ __forceinline__ void wgmma_drain(int (&d)[SETS][R], float (&acc)[R], int (&dsum)[S],
-                                            const int (&sc)[T], float dv0, float dv1, int b) {
+                                            const int (&sc)[T], float dv0, float dv1, int b,
+                                            const float* coef) {
     if constexpr (J < SETS) {
         wgmma_wait_n<SETS - 1 - J>();
         wgmma_fence_regs(d[J]);
-        wgmma_consume<EPILOGUE>(d[J], acc, dsum, sc, dv0, dv1, b + J);
-        wgmma_drain<EPILOGUE, R, S, T, SETS, J + 1>(d, acc, dsum, sc, dv0, dv1, b);
+        wgmma_consume<EPILOGUE>(d[J], acc, dsum, sc, dv0, dv1, b + J, coef);
+        wgmma_drain<EPILOGUE, R, S, T, SETS, J + 1>(d, acc, dsum, sc, dv0, dv1, b, coef);
     }
 }
 
@@ -335,7 +375,7 @@ __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(int blocks, float* 
 #pragma unroll
     for (int i = 0; i < R; ++i) {
 #pragma unroll
-        for (int j = 0; j < SETS; ++j) d[j][i] = 0;
+        for (int j = 0; j < SETS; ++j) d[j][i] = EPILOGUE == 3 ? MAGIC_I : 0;
         acc[i] = 0.f;
     }
     const float dv0 = 1.0f + (threadIdx.x & 7), dv1 = 0.5f + (threadIdx.x >> 7);
@@ -349,10 +389,12 @@ __global__ void __launch_bounds__(WGS * 128, 1) wgmma_kernel(int blocks, float* 
         wgmma_fence();
 #pragma unroll
         for (int j = 0; j < SETS; ++j) {
-            wgmma_s8(d[j], da + 2 * ((b + j) & 3), db + 2 * ((b + j) & 3), EPILOGUE == 0 ? (b > 0) : 0);
+            wgmma_s8(d[j], da + 2 * ((b + j) & 3), db + 2 * ((b + j) & 3),
+                     EPILOGUE == 0 ? (b > 0) : EPILOGUE == 3 ? 1 : 0);
             wgmma_commit();
         }
-        if constexpr (EPILOGUE != 0) wgmma_drain<EPILOGUE>(d, acc, dsum, sc, dv0, dv1, b);
+        if constexpr (EPILOGUE != 0)
+            wgmma_drain<EPILOGUE>(d, acc, dsum, sc, dv0, dv1, b, reinterpret_cast<const float*>(sm));
     }
     wgmma_wait<0>();
     float s = 0.f;
@@ -421,6 +463,13 @@ int main() {
     rc |= run<2, 4, 4>("mma + FADD/FFMA + ldmatrix, warp tile 64x32", 8, 2, sms);
     rc |= run<2, 2, 4>("mma + FADD/FFMA + ldmatrix, warp tile 32x32", 16, 1, sms);
     rc |= run<2, 2, 4>("mma + FADD/FFMA + ldmatrix, warp tile 32x32", 8, 4, sms);
+    rc |= run<5, 4, 4>("Q8_0 chained: mma + FFMA, warp tile 64x32", 8, 1, sms);
+    rc |= run<5, 4, 4>("Q8_0 chained: mma + FFMA, warp tile 64x32", 8, 2, sms);
+    rc |= run<5, 2, 4>("Q8_0 chained: mma + FFMA, warp tile 32x32", 16, 1, sms);
+    rc |= run<6, 4, 4>("Q8_0 chained + ldmatrix, warp tile 64x32", 8, 1, sms);
+    rc |= run<6, 4, 4>("Q8_0 chained + ldmatrix, warp tile 64x32", 8, 2, sms);
+    rc |= run<6, 2, 4>("Q8_0 chained + ldmatrix, warp tile 32x32", 16, 1, sms);
+    rc |= run<6, 2, 4>("Q8_0 chained + ldmatrix, warp tile 32x32", 8, 4, sms);
     rc |= run<3, 4, 4>("Q4_K: mma + IMAD, block end, warp tile 64x32", 8, 1, sms);
     rc |= run<3, 3, 4>("Q4_K: mma + IMAD, block end, warp tile 48x32", 8, 1, sms);
     rc |= run<3, 2, 4>("Q4_K: mma + IMAD, block end, warp tile 32x32", 16, 1, sms);
@@ -433,6 +482,15 @@ int main() {
     rc |= run_wgmma<1, 4, 64, 2>("wgmma + IADD/FADD/FFMA (Q8_0)", sms);
     rc |= run_wgmma<1, 2, 64, 4>("wgmma + IADD/FADD/FFMA (Q8_0)", sms);
     rc |= run_wgmma<1, 3, 64, 3>("wgmma + IADD/FADD/FFMA (Q8_0)", sms);
+    rc |= run_wgmma<3, 2, 128, 1>("wgmma + FFMA, chained (Q8_0)", sms);
+    rc |= run_wgmma<3, 3, 128, 1>("wgmma + FFMA, chained (Q8_0)", sms);
+    rc |= run_wgmma<3, 2, 128, 2>("wgmma + FFMA, chained (Q8_0)", sms);
+    rc |= run_wgmma<3, 3, 64, 2>("wgmma + FFMA, chained (Q8_0)", sms);
+    rc |= run_wgmma<3, 4, 64, 2>("wgmma + FFMA, chained (Q8_0)", sms);
+    rc |= run_wgmma<3, 2, 64, 4>("wgmma + FFMA, chained (Q8_0)", sms);
+    rc |= run_wgmma<3, 3, 64, 3>("wgmma + FFMA, chained (Q8_0)", sms);
+    rc |= run_wgmma<3, 4, 64, 1>("wgmma + FFMA, chained (Q8_0)", sms);
+    rc |= run_wgmma<3, 3, 64, 1>("wgmma + FFMA, chained (Q8_0)", sms);
     rc |= run_wgmma<2, 2, 128, 1>("wgmma + IMAD, block end (Q4_K)", sms);
     rc |= run_wgmma<2, 4, 64, 1>("wgmma + IMAD, block end (Q4_K)", sms);
     rc |= run_wgmma<2, 2, 64, 2>("wgmma + IMAD, block end (Q4_K)", sms);
