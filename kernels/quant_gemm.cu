@@ -14,8 +14,11 @@
 // fragment, one block at a time in increasing block order. Tiles only decide which thread does the work,
 // never the order of the float operations of an output.
 //
-// Weights are the unpacked arrays of `QuantWeight` (one signed byte per weight, row-major [N, K]); the
-// integer sub-block scales / mins are bytes [N, K/sub]; block scales f32 [N, K/block].
+// Weights are the unpacked arrays of `QuantWeight` (one signed byte per weight, row-major [N, K]). The
+// per-block tables are block-major (cuda_plan.rs `FlatWeight`): block scales (and min scales) f32
+// [K/block, N], integer sub-block scales / mins bytes [K/block, N, sub-blocks a block], so the scales of
+// one block for a tile's consecutive columns are consecutive in memory and the stage copies coalesce
+// (measured +9–14 % on the chained tile, 2026-11-30, sixth session).
 //
 // Two tensor-core families compute the same bits: v1 (`qgemm_*_64x64`, the first kernel, kept as the
 // comparison and fallback) and v2 (`qgemm2_*`, at the end of this file: larger tiles, part-aligned
@@ -88,7 +91,7 @@ extern "C" __global__ void qgemm_simt(int fmt, const int8_t* __restrict__ qa, co
     const int m = (int)(idx / N), n = (int)(idx % N);
     const int blk = fmt == FMT_Q8_0 ? 32 : 256;
     const int sub = fmt == FMT_Q6K ? 16 : 32;
-    const int nb = K / blk, nsub = K / sub;
+    const int nb = K / blk;
     const int8_t* a = qa + (size_t)m * K;
     const int8_t* w = wq + (size_t)n * K;
     float parts[4];
@@ -106,12 +109,13 @@ extern "C" __global__ void qgemm_simt(int fmt, const int8_t* __restrict__ qa, co
                 if (fmt == FMT_Q8_0) {
                     D += isum;
                 } else {
-                    D += (int)wsc[(size_t)n * nsub + s] * isum;
-                    if (fmt == FMT_K32) Mb += (int)wmin[(size_t)n * nsub + s] * asum;
+                    const size_t at = ((size_t)b * N + n) * (blk / sub) + j;  // block-major tables
+                    D += (int)wsc[at] * isum;
+                    if (fmt == FMT_K32) Mb += (int)wmin[at] * asum;
                 }
             }
-            acc = fmaf(wd[(size_t)n * nb + b], __int2float_rn(D), acc);
-            if (fmt == FMT_K32) acc = fmaf(-wdmin[(size_t)n * nb + b], __int2float_rn(Mb), acc);
+            acc = fmaf(wd[(size_t)b * N + n], __int2float_rn(D), acc);
+            if (fmt == FMT_K32) acc = fmaf(-wdmin[(size_t)b * N + n], __int2float_rn(Mb), acc);
         }
         parts[p] = acc;
     }
@@ -272,6 +276,32 @@ __device__ __forceinline__ void wgmma_m64n64k32_u8(int (&d)[32], unsigned long l
 #endif
 }
 
+// The chained Q8_0 tile's MMA: m64n128k32 s8 × s8 → s32, always accumulating (d += a·b): the
+// accumulators run over a chain group of up to 8 blocks from the bias 0x4B400000 (crates/prism-quant
+// src/chain.rs). 64 registers a thread, in the layout of the m64n64 tile above with 16 n8 tiles.
+__device__ __forceinline__ void wgmma_m64n128k32_s8_acc(int (&d)[64], unsigned long long da,
+                                                       unsigned long long db) {
+#ifdef HAVE_WGMMA
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 1;\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+        : "l"(da), "l"(db)
+        : "memory");
+#endif
+}
+
+// The same with 64 columns (32 registers), for the chained tile's two column halves.
+__device__ __forceinline__ void wgmma_m64n64k32_s8_acc(int (&d)[32], unsigned long long da,
+                                                      unsigned long long db) {
+#ifdef HAVE_WGMMA
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, 1;\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+        : "l"(da), "l"(db)
+        : "memory");
+#endif
+}
+
 // The i32 accumulator's bits 0x4B400000 + D are the float 1.5·2^23 + D (exact for |D| < 2^22).
 // A copy of a value the compiler cannot see through (so it cannot hoist what is derived from it out
 // of a loop).
@@ -305,9 +335,35 @@ struct Layout {
     static constexpr int SPB = BLK / SUB;                    // sub-blocks per block (Q8_0: 1)
 };
 
+// The chained Q8_0 reduction (crates/prism-quant/src/chain.rs): within each of the four parts, groups of
+// up to CHAIN blocks from the part's start. Stages of 4 blocks never straddle a part, so a group ends at
+// a stage's end. chain_group_end: the index of the group that a stage of blocks [b, b + cnt) closes, or
+// −1 (groups numbered part by part); chain_groups: the groups of a row (the corrections' row length).
+#define CHAIN 8
+__device__ __forceinline__ int chain_group_end(int nb, int b, int cnt) {
+    int base = 0;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const int s = p * nb / 4, e = (p + 1) * nb / 4;
+        if (b >= s && b < e) {
+            const int end = b + cnt;
+            return (end - s) % CHAIN == 0 || end == e ? base + (end - 1 - s) / CHAIN : -1;
+        }
+        base += (e - s + CHAIN - 1) / CHAIN;
+    }
+    return -1;
+}
+__device__ __forceinline__ int chain_groups(int nb) {
+    int n = 0;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) n += ((p + 1) * nb / 4 - p * nb / 4 + CHAIN - 1) / CHAIN;
+    return n;
+}
+
 // ALIGN: the stage size's granularity (TMA stages start on 1,024-byte boundaries).
-// WG (the weight-plane wgmma tile, see qgemm_tc2): the stages also hold the second weight plane (`PLO`, a
-// B tile, on a 1,024-byte boundary).
+// WG (the wgmma tiles, see qgemm_tc2): K-quant stages also hold the second weight plane (`PLO`, a B tile,
+// on a 1,024-byte boundary); chained Q8_0 stages the corrections of a chain group that ends there
+// (`DMIN`, f32 [BN]).
 template <int FMT, int BM, int BN, int ALIGN = 128, bool WG = false>
 struct Smem {
     using L = Layout<FMT>;
@@ -315,12 +371,13 @@ struct Smem {
     static constexpr int B = A + BM * L::BK;
     static constexpr int D = B + BN * L::BK;                                      // f32 [BPS][BN]
     static constexpr int DMIN = D + 4 * L::BPS * BN;                              // f32 [BN]
-    static constexpr int SC = DMIN + (FMT == FMT_K32 ? 4 * BN : 0);               // i8 [BN][SPB]
+    // K-quants: the block's min scales; the chained Q8_0 tile (WG): the group corrections.
+    static constexpr int SC = DMIN + (FMT == FMT_K32 || (FMT == FMT_Q8_0 && WG) ? 4 * BN : 0);  // i8 [BN][SPB]
     static constexpr int MIN = SC + (FMT == FMT_Q8_0 ? 0 : BN * L::SPB);          // i8 [BN][8]
     static constexpr int ASUM = MIN + (FMT == FMT_K32 ? BN * 8 : 0);              // i32 [BM][8]
     static constexpr int ASUM_END = ASUM + (FMT == FMT_K32 ? 4 * BM * 8 : 0);
     static constexpr int PLO = (ASUM_END + 1023) / 1024 * 1024;                   // u8 [BN][BK] (WG)
-    static constexpr int END = WG ? PLO + BN * L::BK : ASUM_END;
+    static constexpr int END = WG && FMT != FMT_Q8_0 ? PLO + BN * L::BK : ASUM_END;
     static constexpr int STAGE = (END + ALIGN - 1) / ALIGN * ALIGN;
 };
 
@@ -341,7 +398,7 @@ __device__ __forceinline__ void qgemm_tc(const int8_t* __restrict__ qa, const in
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
     const int G = gridDim.z, z = blockIdx.z;
-    const int nb = K / L::BLK, nsub = K / L::SUB, n32 = K / 32;
+    const int nb = K / L::BLK, n32 = K / 32;
     const int p_begin = z * 4 / G, p_end = (z + 1) * 4 / G;
     const int b_begin = p_begin * nb / 4, b_end = p_end * nb / 4;
     const int n_stages = (b_end - b_begin + L::BPS - 1) / L::BPS;
@@ -365,16 +422,16 @@ __device__ __forceinline__ void qgemm_tc(const int8_t* __restrict__ qa, const in
         for (int i = tid; i < L::BPS * BN; i += THREADS) {
             const int blk = i / BN, col = i % BN;
             const bool ok = n0 + col < N && bs + blk < b_end;
-            const float* src = ok ? wd + (size_t)(n0 + col) * nb + bs + blk : wd;
+            const float* src = ok ? wd + (size_t)(bs + blk) * N + n0 + col : wd;
             cp_async4(st + S::D + 4 * i, src, ok);
         }
         if constexpr (FMT == FMT_K32) {
             for (int i = tid; i < BN; i += THREADS) {
                 const bool ok = n0 + i < N;
                 const size_t row = (size_t)(ok ? n0 + i : 0);
-                cp_async4(st + S::DMIN + 4 * i, wdmin + row * nb + bs, ok);
-                cp_async8(st + S::SC + 8 * i, wsc + row * nsub + (size_t)bs * 8, ok);
-                cp_async8(st + S::MIN + 8 * i, wmin + row * nsub + (size_t)bs * 8, ok);
+                cp_async4(st + S::DMIN + 4 * i, wdmin + (size_t)bs * N + row, ok);
+                cp_async8(st + S::SC + 8 * i, wsc + ((size_t)bs * N + row) * 8, ok);
+                cp_async8(st + S::MIN + 8 * i, wmin + ((size_t)bs * N + row) * 8, ok);
             }
             for (int i = tid; i < BM * 2; i += THREADS) {
                 const int r = i / 2, half = i % 2;
@@ -387,7 +444,7 @@ __device__ __forceinline__ void qgemm_tc(const int8_t* __restrict__ qa, const in
             for (int i = tid; i < BN; i += THREADS) {
                 const bool ok = n0 + i < N;
                 const size_t row = (size_t)(ok ? n0 + i : 0);
-                cp_async16(st + S::SC + 16 * i, wsc + row * nsub + (size_t)bs * 16, ok);
+                cp_async16(st + S::SC + 16 * i, wsc + ((size_t)bs * N + row) * 16, ok);
             }
         }
     };
@@ -706,8 +763,11 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
     // The weight-plane wgmma tile (WG, see planes_make): two consumer warpgroups of 64 rows × all 64
     // columns; a warp's fragments are one m16 row tile × eight n8 column tiles (so the part tree and the
     // block end below are unchanged).
-    static_assert(!WG || (TMA && FMT == FMT_K32 && WARPS_M == 8 && WARPS_N == 1 && MT == 1 && NT == 8),
-                  "the wgmma tile is a K-quant 128×64 TMA tile as 8 × 1 warps of 16 × 64");
+    // The chained Q8_0 tile (WG with Q8_0): two consumer warpgroups of 64 rows × all 128 columns, warp
+    // tiles of 16 × 128 (one m16 row tile × sixteen n8 column tiles).
+    static_assert(!WG || (TMA && WARPS_M == 8 && WARPS_N == 1 && MT == 1 &&
+                          ((FMT == FMT_K32 && NT == 8) || (FMT == FMT_Q8_0 && NT == 16))),
+                  "the wgmma tiles: K-quant 128×64 or Q8_0 128×128 TMA tiles as 8 × 1 warps of 16 × BN");
     // TMA with 256-byte K-quant stages: each matrix arrives as two boxes of 128 bytes of K (the 128-byte
     // swizzle spans one box row), so 16-byte chunk c of row r sits in half c >> 3, at chunk
     // (c & 7) ^ (r & 7) of row r of that half. Otherwise rows are BK bytes with chunk c ^ (r & 7).
@@ -760,7 +820,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
         ws_part = (size_t)(M - ws_r0) * ws_ld;
     }
 
-    const int nb = K / L::BLK, nsub = K / L::SUB, n32 = K / 32;
+    const int nb = K / L::BLK, n32 = K / 32;
     const int p_begin = z * 4 / G, p_end = (z + 1) * 4 / G;
     auto part_end = [&](int p) { return (p + 1) * nb / 4; };
 
@@ -816,7 +876,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
             if ((BPS * BN) % THREADS == 0 || i < BPS * BN) {
                 const int blk = i / BN, col = n0o + i % BN;
                 const bool ok = col < N && blk < count;
-                const float* src = ok ? wd + (size_t)col * nb + bs + blk : wd;
+                const float* src = ok ? wd + (size_t)(bs + blk) * N + col : wd;
                 cp_async4(st + S::D + 4 * i, src, ok);
             }
         }
@@ -825,9 +885,9 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
             for (int i = tid; i < BN; i += THREADS) {
                 const bool ok = n0o + i < N;
                 const size_t row = (size_t)(ok ? n0o + i : 0);
-                cp_async4(st + S::DMIN + 4 * i, wdmin + row * nb + bs, ok);
-                cp_async8(st + S::SC + 8 * i, wsc + row * nsub + (size_t)bs * 8, ok);
-                cp_async8(st + S::MIN + 8 * i, wmin + row * nsub + (size_t)bs * 8, ok);
+                cp_async4(st + S::DMIN + 4 * i, wdmin + (size_t)bs * N + row, ok);
+                cp_async8(st + S::SC + 8 * i, wsc + ((size_t)bs * N + row) * 8, ok);
+                cp_async8(st + S::MIN + 8 * i, wmin + ((size_t)bs * N + row) * 8, ok);
             }
             for (int i = tid; i < BM * 2; i += THREADS) {
                 const int r = i / 2, half = i % 2;
@@ -840,7 +900,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
             for (int i = tid; i < BN; i += THREADS) {
                 const bool ok = n0o + i < N;
                 const size_t row = (size_t)(ok ? n0o + i : 0);
-                cp_async16(st + S::SC + 16 * i, wsc + row * nsub + (size_t)bs * 16, ok);
+                cp_async16(st + S::SC + 16 * i, wsc + ((size_t)bs * N + row) * 16, ok);
             }
         }
     };
@@ -1307,7 +1367,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                 const int i = q + PRODUCERS * j, blk = i / BN, col = n0 + i % BN;
                 const bool ok = col < N && blk < cnt;
                 if ((BPS * BN) % PRODUCERS == 0 || i < BPS * BN)
-                    cp_async4(st + S::D + 4 * i, ok ? wd + (size_t)col * nb + b + blk : wd, ok);
+                    cp_async4(st + S::D + 4 * i, ok ? wd + (size_t)(b + blk) * N + col : wd, ok);
             }
         };
         if (tid >= THREADS) {
@@ -1337,15 +1397,26 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                             }
                         }
                         copy_block_scales(q, b, cnt, st);
+                        // Chained Q8_0: the corrections of column q's group if this stage closes one
+                        // (`wd` holds the chain coefficients [nb][N], `wdmin` the corrections
+                        // [groups][N]).
+                        if constexpr (WG && FMT == FMT_Q8_0) {
+                            const int g = chain_group_end(nb, b, cnt);
+                            if (g >= 0 && (BN == PRODUCERS || q < BN)) {
+                                const bool ok = n0 + q < N;
+                                const float* src = ok ? wdmin + (size_t)g * N + n0 + q : wdmin;
+                                cp_async4(st + S::DMIN + 4 * q, src, ok);
+                            }
+                        }
                         // K-quants (one block a stage): the block's min scales, the sub-block scales
                         // and mins of column q (q < BN), the activation sums of the tile's rows.
                         if constexpr (FMT == FMT_K32) {
                             const bool ok = n0 + q < N;
                             const size_t row = (size_t)(ok ? n0 + q : 0);
                             if (BN == PRODUCERS || q < BN) {
-                                cp_async4(st + S::DMIN + 4 * q, wdmin + row * nb + b, ok);
-                                cp_async8(st + S::SC + 8 * q, wsc + row * nsub + (size_t)b * 8, ok);
-                                cp_async8(st + S::MIN + 8 * q, wmin + row * nsub + (size_t)b * 8, ok);
+                                cp_async4(st + S::DMIN + 4 * q, wdmin + (size_t)b * N + row, ok);
+                                cp_async8(st + S::SC + 8 * q, wsc + ((size_t)b * N + row) * 8, ok);
+                                cp_async8(st + S::MIN + 8 * q, wmin + ((size_t)b * N + row) * 8, ok);
                             }
 #pragma unroll
                             for (int i = q; i < BM * 2; i += PRODUCERS) {
@@ -1359,7 +1430,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                         if constexpr (FMT == FMT_Q6K) {
                             const bool ok = n0 + q < N;
                             const size_t row = (size_t)(ok ? n0 + q : 0);
-                            cp_async16(st + S::SC + 16 * q, wsc + row * nsub + (size_t)b * 16, ok);
+                            cp_async16(st + S::SC + 16 * q, wsc + ((size_t)b * N + row) * 16, ok);
                         }
                         cp_async_mbar_arrive(full + s);
                     });
@@ -1408,6 +1479,90 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
         else
             asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
 #endif
+        if constexpr (WG && FMT == FMT_Q8_0) {
+            // The chained Q8_0 tile: warpgroup g = warp / 4 owns rows 64·g .. 64·g + 63 and all 128
+            // columns, as two halves of 64 columns with their own chain registers (`cd[h]`: bias
+            // 0x4B400000 + the group's prefix sum, float bits). Each block is one wgmma a half, each
+            // accumulating onto its chain, then one FFMA an output by the block's coefficient of its
+            // column: the first half's FFMAs run while the second half's wgmma is in the tensor cores
+            // (and the other warpgroup's). A stage that closes a chain group adds the group's
+            // correction and resets the chains. Each block ends with nothing in flight (a wgmma in
+            // flight across the loop's back edge makes ptxas serialize them all, C7514).
+            int cd[2][32];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int i = 0; i < 32; ++i) cd[h][i] = MAGIC_I;
+            const unsigned a_off = (warp >> 2) * 64 * 128;
+            // The FFMAs of half h of block blk: coefficients of columns c_col + 64·h + 8·j (+1).
+            auto chain_ffma = [&](int h, const float2 (&cv)[8]) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        acc[0][8 * h + j][e] = fmaf((e & 1) ? cv[j].y : cv[j].x, __int_as_float(cd[h][4 * j + e]),
+                                                    acc[0][8 * h + j][e]);
+            };
+            auto chain_coef = [&](const float* dsm, int blk, int h, float2 (&cv)[8]) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    cv[j] = *reinterpret_cast<const float2*>(dsm + blk * BN + 64 * h + c_col + j * 8);
+            };
+            int t = 0;
+            for (int p = p_begin; p < p_end; ++p) {
+                for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
+                    const int cnt = min(BPS, part_end(p) - b), s = t % STAGES;
+                    const unsigned char* st = smem + s * S::STAGE;
+                    const unsigned sa = smem_addr(st + S::A) + a_off, sb = smem_addr(st + S::B);
+                    const float* dsm = reinterpret_cast<const float*>(st + S::D);
+                    mbar_wait(full + s, (t / STAGES) & 1);
+#pragma unroll
+                    for (int blk = 0; blk < BPS; ++blk) {
+                        if (blk < cnt) {
+                            wgmma_fence();
+                            wgmma_m64n64k32_s8_acc(cd[0], wgmma_desc(sa + blk * 32), wgmma_desc(sb + blk * 32));
+                            wgmma_commit();
+                            wgmma_m64n64k32_s8_acc(cd[1], wgmma_desc(sa + blk * 32),
+                                                   wgmma_desc(sb + 64 * 128 + blk * 32));
+                            wgmma_commit();
+                            float2 cv[8];
+                            chain_coef(dsm, blk, 0, cv);
+                            wgmma_wait<1>();
+                            wgmma_fence_regs(cd[0]);
+                            chain_ffma(0, cv);
+                            chain_coef(dsm, blk, 1, cv);
+                            wgmma_wait<0>();
+                            wgmma_fence_regs(cd[1]);
+                            chain_ffma(1, cv);
+                        }
+                    }
+                    if (chain_group_end(nb, b, cnt) >= 0) {
+                        const float* cr = reinterpret_cast<const float*>(st + S::DMIN);
+#pragma unroll
+                        for (int j = 0; j < NT; ++j) {
+                            const float2 c = *reinterpret_cast<const float2*>(cr + c_col + j * 8);
+#pragma unroll
+                            for (int e = 0; e < 4; ++e)
+                                acc[0][j][e] = __fadd_rn(acc[0][j][e], (e & 1) ? c.y : c.x);
+                        }
+#pragma unroll
+                        for (int h = 0; h < 2; ++h)
+#pragma unroll
+                            for (int i = 0; i < 32; ++i) cd[h][i] = MAGIC_I;
+                    }
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(empty + s);
+                }
+                // A part's end closes its last group: the chains are at their bias already; saying
+                // so lets the compiler keep no chain register live through finish_part.
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int i = 0; i < 32; ++i) cd[h][i] = MAGIC_I;
+                finish_part(p);
+            }
+            return;
+        }
         if constexpr (WG) {
             // The weight-plane tile (K-quant stages of one block): stage t's wgmmas run while the
             // planes of stage t + 1 are made; then stage t's sums and block end.
@@ -1571,3 +1726,18 @@ QGEMM2_TMA_TILE(qgemm2_q6k_96x128tma, FMT_Q6K, 3, 3)
 #endif
 // 3 stages of 70 KiB (with the second weight plane); cuda_plan.rs's `v2_tile_plan`.
 QGEMM2_WG_TILE(qgemm2_k32_128x64wgp, true, 3)
+
+// Q8_0 by the chained reduction on warpgroup MMA (sm_90a only; explicit, checked against
+// prism_quant::chain's reference, not the engine's contract): the TMA tiles' producers and 4 stages of
+// 4 blocks, 128 activation rows × 128 weight rows, two consumer warpgroups of 64 × 128. `wd` holds the
+// chain coefficients, `wdmin` the group corrections (prism_quant::chain::ChainTables), both block-major
+// ([block][N], [group][N]).
+#if defined(HAVE_WGMMA)
+extern "C" __global__ void __launch_bounds__(384, 1) qgemm2_q8_0_128x128wgc(QGEMM2_TMA_ARGS) {
+    qgemm_tc2<FMT_Q8_0, 8, 1, 1, 16, 4, true, true, true>(QGEMM2_TMA_PASS);
+}
+#else
+extern "C" __global__ void __launch_bounds__(384, 1) qgemm2_q8_0_128x128wgc(QGEMM2_TMA_ARGS) {
+    __trap(); /* never launched before sm_90a (the plan's `hopper_only`) */
+}
+#endif

@@ -17,6 +17,9 @@
 #               2,048, 16,384 and a one-wave steady state; docs/benchmarks.md, third session)
 #   gemm-kq     the K-quant tiles (mma.sync TMA, 96-row TMA, the wgmma weight-plane tile) at the fifth
 #               session's shapes (docs/benchmarks.md, "K-quant tiles on warpgroup MMA")
+#   gemm-q8c    the Q8_0 TMA tiles next to the chained wgmma tile (T128x128Wgc, the chained reduction of
+#               prism_quant::chain) at 27B shapes (docs/benchmarks.md, sixth session)
+#   quant       prism cuda-quant-check alone (the integer GEMM checks, the chained tile's among them)
 #   imma        kernels/bench/imma_rate.cu's loops, from .device-carry/imma_rate (built here: nvcc -O3
 #               -gencode=arch=compute_90a,code=sm_90a -o .device-carry/imma_rate kernels/bench/imma_rate.cu)
 # The binary is taken from .device-carry/prism.xz (xz of a stripped `--features cuda` build; unpacked
@@ -79,6 +82,16 @@ for step in "$@"; do
                     timeout 60 /tmp/prism cuda-quant-check --gemm "$spec,$tile,1" --runs 6 2>&1 | tail -1
                 done
             done > "$OUT/gemm-kq.txt" ;;
+        gemm-q8c)
+            for spec in q8_0,5120,17408,2048 q8_0,17408,5120,2048 q8_0,5120,34816,275 q8_0,5120,17408,16384 \
+                q8_0,65536,1408,1536 q8_0,5120,17408,128 q8_0,5120,14336,512; do
+                for tile in T128x128Tma T96x128Tma T128x128Wgc; do
+                    timeout 60 /tmp/prism cuda-quant-check --gemm "$spec,$tile,1" --runs 6 2>&1 | tail -1
+                done
+            done > "$OUT/gemm-q8c.txt" ;;
+        quant)
+            /tmp/prism cuda-quant-check --json-out "$OUT/quant.json" > "$OUT/cuda-quant-check.log" 2>&1
+            echo "cuda-quant-check rc=$?" | tee -a "$OUT/cuda-quant-check.log" ;;
         imma)
             cp .device-carry/imma_rate /tmp/imma_rate && chmod +x /tmp/imma_rate && /tmp/imma_rate > "$OUT/imma-rate.txt" 2>&1 ;;
         *) echo "unknown step $step" >&2; exit 2 ;;

@@ -19,6 +19,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::backend::BackendDevice;
 use candle_core::{DType, Device, Tensor};
 use prism_gguf::quantize::quantize;
+use prism_quant::chain::ChainTables;
 use prism_quant::cuda::{self as qcuda, CudaQuantWeight};
 use prism_quant::cuda_plan::{self, Family, GemmKernel, V2Tile};
 use prism_quant::{ActivationScale, QuantError, QuantWeight, WeightFormat};
@@ -209,12 +210,31 @@ fn plan_name(
 
 /// One weight at one batch size: every kernel choice against v1's automatic plan on the device (all
 /// outputs), v1's and v2's automatic plans against the CPU reference (the checked rows).
+/// A Q8_0 weight uploaded for the chained tiles, with its tables (the CPU reference's input).
+struct Chained {
+    weight: CudaQuantWeight,
+    tables: ChainTables,
+}
+
+/// The chained upload of `w` where the chained tiles can run (Q8_0 on sm_90).
+fn chained_upload(w: &QuantWeight, dev: &candle_core::CudaDevice) -> Result<Option<Chained>> {
+    if w.format() != WeightFormat::Q8_0 || qcuda::device_limits(dev)?.compute_major < 9 {
+        return Ok(None);
+    }
+    Ok(Some(Chained {
+        weight: CudaQuantWeight::upload_chained(w, dev)?,
+        tables: ChainTables::new(w)?,
+    }))
+}
+
+#[allow(clippy::too_many_arguments)]
 fn check_case(
     r: &mut Report,
     gpu: &Device,
     dev: &candle_core::CudaDevice,
     w: &QuantWeight,
     wg: &CudaQuantWeight,
+    chained: Option<&Chained>,
     m: usize,
     rng: &mut Rng,
 ) -> Result<()> {
@@ -297,6 +317,63 @@ fn check_case(
             );
         }
     }
+    // The chained tiles against the chained reduction's CPU reference, and every part grouping and
+    // tail against G = 1.
+    if let Some(c) = chained {
+        let want = prism_quant::chain::matmul_chained(&xr, rows.len(), w, &c.tables, &scale)?;
+        for tile in V2Tile::CHAINED {
+            let kernel = |part_groups, tail_cols| GemmKernel::V2 {
+                tile,
+                part_groups,
+                tail_cols,
+            };
+            let base = qcuda::matmul_with(&xg, &c.weight, &scale, kernel(1, 0))?;
+            r.bits(
+                &format!(
+                    "{tag}: chained {tile:?} G=1 vs the chained CPU reference, {} rows",
+                    rows.len()
+                ),
+                &to_vec(&base.index_select(&idx, 0)?)?,
+                &want,
+            );
+            for (g, tail) in [(2u32, 0u32), (4, 0), (1, 1), (1, 3)] {
+                let y = qcuda::matmul_with(&xg, &c.weight, &scale, kernel(g, tail))?;
+                r.count(
+                    &format!("{tag}: chained {tile:?} G={g} tail {tail} vs G=1"),
+                    qcuda::differing_bits(&y, &base)?,
+                    total,
+                );
+            }
+            if m > 1 {
+                let i = m - 1;
+                let alone =
+                    qcuda::matmul_with(&xg.narrow(0, i, 1)?, &c.weight, &scale, kernel(1, 0))?;
+                r.count(
+                    &format!("{tag}: chained {tile:?}, row {i} alone vs in the batch"),
+                    qcuda::differing_bits(&alone, &base.narrow(0, i, 1)?)?,
+                    n,
+                );
+            }
+        }
+        // Each weight upload runs only on its own kind of tile.
+        let refused = qcuda::matmul_with(&xg, &c.weight, &scale, v2_auto).is_err()
+            && qcuda::matmul_with(
+                &xg,
+                wg,
+                &scale,
+                GemmKernel::V2 {
+                    tile: V2Tile::T128x128Wgc,
+                    part_groups: 1,
+                    tail_cols: 0,
+                },
+            )
+            .is_err();
+        r.pass(
+            &format!("{tag}: chained and plain uploads refuse each other's kernels"),
+            refused,
+            String::new(),
+        );
+    }
     Ok(())
 }
 
@@ -315,9 +392,10 @@ fn quant_checks(r: &mut Report, gpu: &Device, dev: &candle_core::CudaDevice) -> 
             let t0 = Instant::now();
             let w = random_weight(format, n, k, 1000 + (si * 10 + fi) as u64)?;
             let wg = CudaQuantWeight::upload(&w, dev)?;
+            let chained = chained_upload(&w, dev)?;
             let quantized_s = t0.elapsed().as_secs_f64();
             for &m in &batch_sizes {
-                check_case(r, gpu, dev, &w, &wg, m, &mut rng)?;
+                check_case(r, gpu, dev, &w, &wg, chained.as_ref(), m, &mut rng)?;
             }
             println!("  ({format:?} K={k} N={n}: quantize + upload {quantized_s:.1} s)");
         }
@@ -337,8 +415,9 @@ fn quant_checks(r: &mut Report, gpu: &Device, dev: &candle_core::CudaDevice) -> 
     for (i, &(format, k, n)) in ragged.iter().enumerate() {
         let w = random_weight(format, n, k, 500 + i as u64)?;
         let wg = CudaQuantWeight::upload(&w, dev)?;
+        let chained = chained_upload(&w, dev)?;
         for m in [1usize, 7, 130, 333] {
-            check_case(r, gpu, dev, &w, &wg, m, &mut rng)?;
+            check_case(r, gpu, dev, &w, &wg, chained.as_ref(), m, &mut rng)?;
         }
     }
     // Q5_K (random block bytes: no quantizer in prism-gguf) at a real shape.
@@ -346,7 +425,7 @@ fn quant_checks(r: &mut Report, gpu: &Device, dev: &candle_core::CudaDevice) -> 
     let w = random_weight(WeightFormat::Q5K, n, k, 77)?;
     let wg = CudaQuantWeight::upload(&w, dev)?;
     for m in [1usize, 190, 1000] {
-        check_case(r, gpu, dev, &w, &wg, m, &mut rng)?;
+        check_case(r, gpu, dev, &w, &wg, None, m, &mut rng)?;
     }
     Ok(())
 }
@@ -754,11 +833,13 @@ pub fn time_one(spec: &str, runs: usize) -> Result<()> {
         name => {
             let Some(tile) = V2Tile::ALL
                 .into_iter()
+                .chain(V2Tile::CHAINED)
                 .find(|t| format!("{t:?}").eq_ignore_ascii_case(name))
             else {
                 bail!(
-                    "--gemm: unknown tile {tile:?} (one of {:?}, v1 or auto)",
-                    V2Tile::ALL
+                    "--gemm: unknown tile {tile:?} (one of {:?}, {:?}, v1 or auto)",
+                    V2Tile::ALL,
+                    V2Tile::CHAINED
                 );
             };
             GemmKernel::V2 {
@@ -774,7 +855,12 @@ pub fn time_one(spec: &str, runs: usize) -> Result<()> {
         _ => bail!("not a CUDA device"),
     };
     let w = random_weight(format, n, k, 9)?;
-    let wg = CudaQuantWeight::upload(&w, &dev)?;
+    let wg = match kernel {
+        GemmKernel::V2 { tile, .. } if tile.chained(format) => {
+            CudaQuantWeight::upload_chained(&w, &dev)?
+        }
+        _ => CudaQuantWeight::upload(&w, &dev)?,
+    };
     let x = Tensor::randn(0f32, 1.0, (m, k), &gpu)?;
     let scale = ActivationScale::from_absmax(5.0)?;
     let qx = qcuda::quantize_activations(&x, &scale, format.has_mins())?;

@@ -33,6 +33,7 @@ use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Device, Result, Tensor};
 
 use crate::activation::ActivationScale;
+use crate::chain::ChainTables;
 use crate::cuda_launch::{alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input};
 use crate::cuda_plan::{
     self, DeviceLimits, Family, FlatWeight, GemmKernel, LaunchPlan, SIMT_THREADS,
@@ -48,8 +49,9 @@ fn quant_err(e: QuantError) -> candle_core::Error {
     candle_core::Error::wrap(e)
 }
 
-/// A [`QuantWeight`] on a CUDA device: the arrays of [`FlatWeight`], row-major. Arrays the format does
-/// not have hold one unused element (the kernels take a pointer for every argument).
+/// A [`QuantWeight`] on a CUDA device: the arrays of [`FlatWeight`] (weights row-major, per-block tables
+/// block-major). Arrays the format does not have hold one unused element (the kernels take a pointer
+/// for every argument).
 #[derive(Debug, Clone)]
 pub struct CudaQuantWeight {
     name: String,
@@ -58,14 +60,18 @@ pub struct CudaQuantWeight {
     cols: usize,
     /// `[rows · cols]` U8: the signed weight bytes.
     q: Tensor,
-    /// `[rows · cols / sub_len]` U8 (signed): sub-block scales.
+    /// `[blocks, rows, sub-blocks a block]` U8 (signed): sub-block scales.
     sub_scales: Tensor,
-    /// `[rows · cols / 32]` U8: sub-block mins (Q4_K / Q5_K).
+    /// `[blocks, rows, 8]` U8: sub-block mins (Q4_K / Q5_K).
     sub_mins: Tensor,
-    /// `[rows · cols / block_len]` F32.
+    /// `[blocks, rows]` F32: block scales. Chained Q8_0: the chain coefficients.
     d: Tensor,
-    /// `[rows · cols / block_len]` F32 (Q4_K / Q5_K).
+    /// `[blocks, rows]` F32 (Q4_K / Q5_K): block min scales. Chained Q8_0: the group corrections
+    /// `[groups, rows]`.
     dmin: Tensor,
+    /// Uploaded by [`CudaQuantWeight::upload_chained`]: `d` holds the chain coefficients and `dmin`
+    /// the group corrections of [`ChainTables`], for the chained tiles only.
+    chained: bool,
 }
 
 impl CudaQuantWeight {
@@ -96,7 +102,28 @@ impl CudaQuantWeight {
             sub_mins: bytes(flat.sub_mins)?,
             d: floats(flat.d)?,
             dmin: floats(flat.dmin)?,
+            chained: false,
         })
+    }
+
+    /// A Q8_0 weight for the chained tiles ([`crate::cuda_plan::V2Tile::chained`]): the block scales
+    /// replaced by the chain coefficients and the group corrections of [`ChainTables`], block-major. Only those tiles take it;
+    /// every other kernel refuses it (and they refuse a weight from [`CudaQuantWeight::upload`]).
+    pub fn upload_chained(w: &QuantWeight, device: &CudaDevice) -> Result<Self> {
+        let tables = ChainTables::new(w).map_err(quant_err)?;
+        let mut out = Self::upload(w, device)?;
+        let dev = Device::Cuda(device.clone());
+        // Block-major on the device ([block][N], [group][N]): a stage's coefficients of a tile's
+        // columns are consecutive, so the kernel's copies coalesce.
+        let coef = cuda_plan::transpose(&tables.coef, w.rows(), tables.blocks_per_row);
+        let n = coef.len().max(1);
+        out.d = Tensor::from_vec(coef, n, &dev)?;
+        let mut corr = cuda_plan::transpose(&tables.corr, w.rows(), tables.groups_per_row);
+        let n = corr.len().max(1);
+        corr.resize(n, 0.0);
+        out.dmin = Tensor::from_vec(corr, n, &dev)?;
+        out.chained = true;
+        Ok(out)
     }
 
     pub fn name(&self) -> &str {
@@ -395,6 +422,18 @@ fn gemm_slice(
             w.name,
             qx.cols,
             if qx.sums.is_none() { " without sums" } else { "" }
+        );
+    }
+    let chained_kernel = matches!(kernel, GemmKernel::V2 { tile, .. } if tile.chained(w.format));
+    if chained_kernel != w.chained {
+        bail!(
+            "integer matmul (cuda) of {:?}: {}",
+            w.name,
+            if w.chained {
+                "a weight uploaded with chain tables runs only on a chained tile (V2Tile::CHAINED)"
+            } else {
+                "a chained tile needs the weight uploaded by CudaQuantWeight::upload_chained"
+            }
         );
     }
     let plan = launch_plan(kernel, w.format, m, n, k, dev)?;

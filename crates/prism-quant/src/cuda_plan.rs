@@ -76,6 +76,12 @@ pub enum V2Tile {
     /// multiply-add per 32-slice. Other formats: T128x128Tma (Q6_K's sub-blocks of 16 are shorter than
     /// wgmma's k = 32; Q8_0's contract measured no faster on wgmma, docs/benchmarks.md).
     T128x64Wgp,
+    /// Q8_0 on Hopper (sm_90a) by the **chained** reduction ([`crate::chain`], not the engine's
+    /// contract: its outputs are checked against [`crate::chain::matmul_chained`]): the TMA tiles'
+    /// producers and stages, 128 × 128, two consumer warpgroups of 64 × 128 on `wgmma`, one FFMA an
+    /// output and block. Needs the weight uploaded with its chain tables
+    /// (`CudaQuantWeight::upload_chained`). Other formats: T128x128Tma.
+    T128x128Wgc,
 }
 
 impl V2Tile {
@@ -91,11 +97,20 @@ impl V2Tile {
         V2Tile::T128x64Wgp,
     ];
 
+    /// The tiles whose outputs follow the chained reduction instead of the contract (not in
+    /// [`V2Tile::ALL`], which every kernel choice must agree on bit for bit).
+    pub const CHAINED: [V2Tile; 1] = [V2Tile::T128x128Wgc];
+
+    /// Whether the tile computes `format` by the chained reduction ([`crate::chain`]).
+    pub fn chained(self, format: WeightFormat) -> bool {
+        self == V2Tile::T128x128Wgc && format == WeightFormat::Q8_0
+    }
+
     /// Whether the automatic plan ([`choose_v2`]) considers the tile. The wgmma tile is explicit only:
     /// on an H200 it measured 0.99–1.05× the K-quant TMA tiles (docs/benchmarks.md, 2026-11-30, fifth
     /// session), too close for the cost model to tell where it wins.
     pub fn automatic(self) -> bool {
-        self != V2Tile::T128x64Wgp
+        !matches!(self, V2Tile::T128x64Wgp | V2Tile::T128x128Wgc)
     }
 }
 
@@ -228,15 +243,30 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         // Warpgroup MMA (explicit only, see `V2Tile::automatic`): measured 0.99–1.05× the 128×128
         // TMA tile on an H200 (docs/benchmarks.md, 2026-11-30, fifth session), so the same rate.
         (Q4K | Q5K, V2Tile::T128x64Wgp) => ("qgemm2_k32_128x64wgp", 128, 64, 3, 1, 770.0),
+        // The chained Q8_0 reduction (explicit only): its loop measured 647–738 TOPS in
+        // kernels/bench/imma_rate.cu (2026-11-30, sixth session); the tile itself not yet.
+        (Q8_0, V2Tile::T128x128Wgc) => ("qgemm2_q8_0_128x128wgc", 128, 128, 4, 1, 1100.0),
         (_, V2Tile::T128x128Ws | V2Tile::T96x128Ws) => {
             return v2_tile_plan(format, V2Tile::T128x128)
         }
-        (_, V2Tile::T128x64Wgp) => return v2_tile_plan(format, V2Tile::T128x128Tma),
+        (_, V2Tile::T128x64Wgp | V2Tile::T128x128Wgc) => {
+            return v2_tile_plan(format, V2Tile::T128x128Tma)
+        }
     };
     let bk = stage_k(format);
     let wgmma = tile == V2Tile::T128x64Wgp;
-    let tma = wgmma || matches!(tile, V2Tile::T128x128Tma | V2Tile::T96x128Tma);
+    let chained = tile == V2Tile::T128x128Wgc;
+    let tma = wgmma || chained || matches!(tile, V2Tile::T128x128Tma | V2Tile::T96x128Tma);
     let warp_specialized = tma || matches!(tile, V2Tile::T128x128Ws | V2Tile::T96x128Ws);
+    // The weight-plane tile's stages also hold a second weight plane on a 1,024-byte boundary; the
+    // chained tile's, a chain group's corrections (f32 a column).
+    let stage = if wgmma {
+        stage_bytes(format, bm, bn, bk).next_multiple_of(1024) + bn * bk
+    } else if chained {
+        stage_bytes(format, bm, bn, bk) + 4 * bn
+    } else {
+        stage_bytes(format, bm, bn, bk)
+    };
     TilePlan {
         kernel,
         family: Family::V2,
@@ -248,14 +278,7 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         threads: TC2_THREADS + if warp_specialized { 128 } else { 0 },
         // TMA tiles: stages of whole KiB, and 1 KiB more to start them on the 1,024-byte boundary of
         // the 128-byte swizzle.
-        // The wgmma tile's stages also hold a second weight plane on a 1,024-byte boundary.
-        smem_bytes: stages
-            * if wgmma {
-                stage_bytes(format, bm, bn, bk).next_multiple_of(1024) + bn * bk
-            } else {
-                stage_bytes(format, bm, bn, bk)
-            }
-            .next_multiple_of(if tma { 1024 } else { 128 })
+        smem_bytes: stages * stage.next_multiple_of(if tma { 1024 } else { 128 })
             + if warp_specialized { 16 * stages } else { 0 }
             + if tma { 1024 } else { 0 },
         ctas_per_sm,
@@ -737,9 +760,11 @@ pub fn check_launch(
     Ok(())
 }
 
-/// A [`QuantWeight`]'s arrays as the device stores them: row-major `[rows, ·]`, signed bytes as `u8`
-/// bits (candle has no i8), block scales f32. Absent arrays (Q8_0 has no sub-block scales, only
-/// Q4_K/Q5_K have mins) are empty.
+/// A [`QuantWeight`]'s arrays as the device stores them: the weights row-major `[rows, cols]`, signed
+/// bytes as `u8` bits (candle has no i8); the per-block tables **block-major**: block scales (and min
+/// scales) f32 `[blocks, rows]`, sub-block scales / mins `[blocks, rows, sub-blocks a block]`, so that
+/// a kernel stage's tables for a tile's consecutive rows are consecutive in memory (its copies
+/// coalesce). Absent arrays (Q8_0 has no sub-block scales, only Q4_K/Q5_K have mins) are empty.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FlatWeight {
     pub q: Vec<u8>,
@@ -751,23 +776,57 @@ pub struct FlatWeight {
 
 impl FlatWeight {
     pub fn new(w: &QuantWeight) -> Self {
-        let mut f = FlatWeight {
-            q: Vec::with_capacity(w.rows() * w.cols()),
-            sub_scales: Vec::new(),
-            sub_mins: Vec::new(),
-            d: Vec::new(),
-            dmin: Vec::new(),
-        };
+        let (rows, nb) = (w.rows(), w.blocks_per_row());
+        let mut q = Vec::with_capacity(rows * w.cols());
+        let (mut sub_scales, mut sub_mins, mut d, mut dmin) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let as_bytes = |v: &[i8]| v.iter().map(|&x| x as u8).collect::<Vec<u8>>();
-        for n in 0..w.rows() {
-            f.q.extend(as_bytes(w.row_q(n)));
-            f.sub_scales.extend(as_bytes(w.row_sub_scales(n)));
-            f.sub_mins.extend(as_bytes(w.row_sub_mins(n)));
-            f.d.extend_from_slice(w.row_d(n));
-            f.dmin.extend_from_slice(w.row_dmin(n));
+        for n in 0..rows {
+            q.extend(as_bytes(w.row_q(n)));
+            sub_scales.extend(as_bytes(w.row_sub_scales(n)));
+            sub_mins.extend(as_bytes(w.row_sub_mins(n)));
+            d.extend_from_slice(w.row_d(n));
+            dmin.extend_from_slice(w.row_dmin(n));
         }
-        f
+        // Block-major: [block][row] (scales), [block][row][sub-block of the block] (integer tables).
+        let block_major = |v: Vec<u8>| -> Vec<u8> {
+            if v.is_empty() {
+                return v;
+            }
+            let per_block = v.len() / (rows * nb);
+            let mut out = Vec::with_capacity(v.len());
+            for b in 0..nb {
+                for n in 0..rows {
+                    let at = (n * nb + b) * per_block;
+                    out.extend_from_slice(&v[at..at + per_block]);
+                }
+            }
+            out
+        };
+        let dmin = if dmin.is_empty() {
+            dmin
+        } else {
+            transpose(&dmin, rows, nb)
+        };
+        FlatWeight {
+            q,
+            sub_scales: block_major(sub_scales),
+            sub_mins: block_major(sub_mins),
+            d: transpose(&d, rows, nb),
+            dmin,
+        }
     }
+}
+
+/// `v` (`rows × cols`, row-major) as `cols × rows`, row-major: per-row tables made block-major for a
+/// kernel whose CTAs read a block's values of consecutive rows together.
+pub fn transpose<T: Copy>(v: &[T], rows: usize, cols: usize) -> Vec<T> {
+    assert_eq!(v.len(), rows * cols, "transpose of {rows} × {cols}");
+    let mut out = Vec::with_capacity(v.len());
+    for c in 0..cols {
+        out.extend((0..rows).map(|r| v[r * cols + c]));
+    }
+    out
 }
 
 #[cfg(test)]
@@ -969,7 +1028,7 @@ mod tests {
     }
 
     #[test]
-    fn the_flat_arrays_are_the_rows_in_order() {
+    fn the_flat_arrays_are_the_kernels_layouts() {
         let mut rng = Rng(7);
         for format in [WeightFormat::Q8_0, WeightFormat::Q4K, WeightFormat::Q6K] {
             let (rows, cols) = (3, 512);
@@ -995,20 +1054,26 @@ mod tests {
                 f.dmin.len(),
                 if format.has_mins() { rows * blocks } else { 0 }
             );
+            let per_block = subs / blocks;
             for n in 0..rows {
-                // The kernels read element k of row n at n·cols + k, and reinterpret the byte as i8.
+                // The kernels read element k of row n at n·cols + k, and reinterpret the byte as i8;
+                // sub-block j of block b at (b·rows + n)·per_block + j; block scale b at b·rows + n.
                 for (k, &q) in w.row_q(n).iter().enumerate() {
                     assert_eq!(f.q[n * cols + k] as i8, q);
                 }
-                for (j, &s) in w.row_sub_scales(n).iter().enumerate() {
-                    assert_eq!(f.sub_scales[n * subs + j] as i8, s);
+                for (s, &sc) in w.row_sub_scales(n).iter().enumerate() {
+                    let (b, j) = (s / per_block, s % per_block);
+                    assert_eq!(f.sub_scales[(b * rows + n) * per_block + j] as i8, sc);
                 }
-                for (j, &mn) in w.row_sub_mins(n).iter().enumerate() {
-                    assert_eq!(f.sub_mins[n * subs + j] as i8, mn);
+                for (s, &mn) in w.row_sub_mins(n).iter().enumerate() {
+                    let (b, j) = (s / per_block, s % per_block);
+                    assert_eq!(f.sub_mins[(b * rows + n) * per_block + j] as i8, mn);
                 }
-                assert_eq!(&f.d[n * blocks..(n + 1) * blocks], w.row_d(n));
-                if format.has_mins() {
-                    assert_eq!(&f.dmin[n * blocks..(n + 1) * blocks], w.row_dmin(n));
+                for (b, &d) in w.row_d(n).iter().enumerate() {
+                    assert_eq!(f.d[b * rows + n], d);
+                }
+                for (b, &dm) in w.row_dmin(n).iter().enumerate() {
+                    assert_eq!(f.dmin[b * rows + n], dm);
                 }
             }
         }
@@ -1432,6 +1497,40 @@ mod tests {
                 p.smem_bytes
             );
         }
+    }
+
+    /// The chained Q8_0 tile: Smem<FMT_Q8_0, 128, 128, 1024, true>::STAGE is A, B, 4 blocks of scales
+    /// and the group corrections (35,328 bytes, rounded to 35 KiB), four stages; explicit only, outside
+    /// `ALL`, and the other formats fall back to their TMA tile.
+    #[test]
+    fn the_chained_tile_plan() {
+        let p = v2_tile_plan(WeightFormat::Q8_0, V2Tile::T128x128Wgc);
+        assert_eq!(
+            (p.kernel, p.bm, p.bn, p.bk, p.stages, p.threads),
+            ("qgemm2_q8_0_128x128wgc", 128, 128, 128, 4, 384)
+        );
+        assert!(p.tma && p.hopper_only);
+        assert_eq!(p.smem_bytes, 4 * 35 * 1024 + 16 * 4 + 1024);
+        assert_eq!(DeviceLimits::H200.resident_ctas(&p), 1);
+        assert!(!V2Tile::ALL.contains(&V2Tile::T128x128Wgc));
+        assert!(!V2Tile::T128x128Wgc.automatic());
+        assert!(V2Tile::T128x128Wgc.chained(WeightFormat::Q8_0));
+        for format in [WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K] {
+            assert!(!V2Tile::T128x128Wgc.chained(format));
+            assert_eq!(
+                v2_tile_plan(format, V2Tile::T128x128Wgc),
+                v2_tile_plan(format, V2Tile::T128x128Tma)
+            );
+        }
+        assert!(V2Tile::ALL.iter().all(|t| !t.chained(WeightFormat::Q8_0)));
+    }
+
+    #[test]
+    fn transpose_swaps_rows_and_columns() {
+        let v: Vec<u32> = (0..6).collect();
+        assert_eq!(transpose(&v, 2, 3), vec![0, 3, 1, 4, 2, 5]);
+        assert_eq!(transpose(&transpose(&v, 2, 3), 3, 2), v);
+        assert!(transpose::<f32>(&[], 0, 5).is_empty());
     }
 
     #[test]

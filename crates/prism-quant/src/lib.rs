@@ -48,6 +48,7 @@
 //! - [`op`]: [`QuantMatmul`], the candle `CustomOp1` (CPU), whose `forward` runs [`cuda`] on a GPU.
 
 pub mod activation;
+pub mod chain;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "cuda")]
