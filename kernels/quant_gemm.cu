@@ -926,6 +926,19 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
     // (the common case) takes the fast path: the operation chosen once, each thread's two adjacent
     // columns as one float2, no bounds checks; on the 5120-wide 27B shapes the element-wise version
     // was a quarter of the kernel's issued instructions.
+    // Q8_0 warp-specialized tiles keep G = 1's closed part (`scratch`) in shared memory after the stages
+    // and barriers, rows of BN + 8 floats (the tile's outputs, private to their threads like the global
+    // buffer): the part tree's global traffic drops from seven accesses an output and tile to three.
+    // Same operations on the same values, so the same bits.
+    constexpr bool SLOT = WS && FMT == FMT_Q8_0;
+    constexpr int SLOT_LD = BN + 8;
+    constexpr int SLOT_OFF = (STAGES * S::STAGE + 16 * STAGES + 127) / 128 * 128;
+    float* const slot = reinterpret_cast<float*>(smem + SLOT_OFF);
+    // Row r's closed part at column n0 + c is scratch_row(r)[c].
+    auto scratch_row = [&](int r) -> float* {
+        return SLOT ? slot + (r - m0) * SLOT_LD : scratch + (size_t)r * N + n0;
+    };
+    auto scratch_ld = [](const float2* q) -> float2 { return SLOT ? *q : __ldcg(q); };
     auto finish_part = [&](int p) {
         const int r_base = opaque_int(m0 + c_row), c_base = opaque_int(n0 + c_col);
         const int op = G == 4 ? 0 : G == 2 ? ((p & 1) ? 2 : 1) : ((p & 1) == 0 ? 3 : p == 1 ? 4 : 5);
@@ -941,12 +954,12 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                     for (int h = 0; h < 2; ++h) {
                         const int r = r_base + i * 16 + h * 8;
                         float2* wr = reinterpret_cast<float2*>(ws + (size_t)(r - w_r0) * w_ld + (c_base - w_c0));
-                        float2* sr = reinterpret_cast<float2*>(scratch + (size_t)r * N + c_base);
+                        float2* sr = reinterpret_cast<float2*>(scratch_row(r) + (c_base - n0));
                         float2 xw[NT], xs[NT];
 #pragma unroll
                         for (int j = 0; j < NT; ++j) {
                             if (OP == 2 || OP == 5) xw[j] = __ldcg(wr + j * 4);
-                            if (OP == 4 || OP == 5) xs[j] = __ldcg(sr + j * 4);
+                            if (OP == 4 || OP == 5) xs[j] = scratch_ld(sr + j * 4);
                         }
                         const bool poison = OP == 5 && row_poisoned(bad_rows, r);
 #pragma unroll
@@ -980,7 +993,9 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                     const int r = r_base + i * 16 + h * 8;
                     // Row r of the target, indexed by c − w_c0 (rows past M are never touched).
                     float* ws_row = ws + (size_t)(r < M ? r - w_r0 : 0) * w_ld;
-                    float* sc_row = scratch + (size_t)r * N;
+                    // Rows past M are never read or written (their slot rows exist; the global rows
+                    // do not): the pointer is only formed.
+                    float* sc_row = scratch_row(r) - n0;
                     float xw[NT][2], xs[NT][2];
 #pragma unroll
                     for (int j = 0; j < NT; ++j)
@@ -989,7 +1004,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                             const int c = c_base + j * 8 + e1;
                             const bool ok = r < M && c < N;
                             xw[j][e1] = ok && read_ws ? __ldcg(ws_row + (c - w_c0)) : 0.f;
-                            xs[j][e1] = ok && read_sc ? __ldcg(sc_row + c) : 0.f;
+                            xs[j][e1] = ok && read_sc ? (SLOT ? sc_row[c] : __ldcg(sc_row + c)) : 0.f;
                         }
                     if (r >= M) continue;
 #pragma unroll
