@@ -926,13 +926,14 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
     // (the common case) takes the fast path: the operation chosen once, each thread's two adjacent
     // columns as one float2, no bounds checks; on the 5120-wide 27B shapes the element-wise version
     // was a quarter of the kernel's issued instructions.
-    // Q8_0 warp-specialized tiles keep G = 1's closed part (`scratch`) in shared memory after the stages
-    // and barriers, rows of BN + 8 floats (the tile's outputs, private to their threads like the global
-    // buffer): the part tree's global traffic drops from seven accesses an output and tile to three.
-    // Same operations on the same values, so the same bits.
-    constexpr bool SLOT = WS && FMT == FMT_Q8_0;
+    // Warp-specialized tiles keep G = 1's closed part (`scratch`) in shared memory after the stages and
+    // barriers when it fits (227 KiB a CTA with the TMA alignment): rows of BN + 8 floats, the tile's
+    // outputs, private to their threads like the global buffer. The part tree's global traffic drops
+    // from seven accesses an output and tile to three; same operations on the same values, so the
+    // same bits. cuda_plan.rs's `scratch_slot_bytes` makes the same choice.
     constexpr int SLOT_LD = BN + 8;
     constexpr int SLOT_OFF = (STAGES * S::STAGE + 16 * STAGES + 127) / 128 * 128;
+    constexpr bool SLOT = WS && SLOT_OFF + 4 * BM * SLOT_LD + (TMA ? 1024 : 0) <= 227 * 1024;
     float* const slot = reinterpret_cast<float*>(smem + SLOT_OFF);
     // Row r's closed part at column n0 + c is scratch_row(r)[c].
     auto scratch_row = [&](int r) -> float* {
@@ -1720,10 +1721,10 @@ QGEMM2_TMA_TILE(qgemm2_q8_0_128x128tma, FMT_Q8_0, 4, 4)
 QGEMM2_TMA_TILE(qgemm2_q8_0_96x128tma, FMT_Q8_0, 3, 4)
 // The K-quant tiles: 3 stages of one 256-element block (two boxes of 128 bytes of K per matrix), the
 // scales, mins and activation sums copied by the producer warpgroup; 96-row twins as for Q8_0.
-QGEMM2_TMA_TILE(qgemm2_k32_128x128tma, FMT_K32, 4, 3)
-QGEMM2_TMA_TILE(qgemm2_q6k_128x128tma, FMT_Q6K, 4, 3)
-QGEMM2_TMA_TILE(qgemm2_k32_96x128tma, FMT_K32, 3, 3)
-QGEMM2_TMA_TILE(qgemm2_q6k_96x128tma, FMT_Q6K, 3, 3)
+QGEMM2_TMA_TILE(qgemm2_k32_128x128tma, FMT_K32, 4, 2)
+QGEMM2_TMA_TILE(qgemm2_q6k_128x128tma, FMT_Q6K, 4, 2)
+QGEMM2_TMA_TILE(qgemm2_k32_96x128tma, FMT_K32, 3, 2)
+QGEMM2_TMA_TILE(qgemm2_q6k_96x128tma, FMT_Q6K, 3, 2)
 
 // Q4_K / Q5_K with warpgroup MMA on weight planes (sm_90a only): the TMA tiles' producers and stages,
 // 128 activation rows × 64 weight rows, two consumer warpgroups of 64 × 64 (planes_make / planes_issue /

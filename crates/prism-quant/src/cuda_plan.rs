@@ -236,10 +236,10 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         // (Q4_K) and 1.20–1.25× (Q6_K) T128x128 on an H200 (2026-11-30, third session). The 96-row
         // twins measured 1.2–1.3× the 128-row tiles at M = 275; at 600 the plan takes them there and
         // not at M ≤ 64, where they lost 19–36 % (`tools/qgemm_plan_fit.py`, the sweep of 520455f).
-        (Q4K | Q5K, V2Tile::T128x128Tma) => ("qgemm2_k32_128x128tma", 128, 128, 3, 1, 770.0),
-        (Q4K | Q5K, V2Tile::T96x128Tma) => ("qgemm2_k32_96x128tma", 96, 128, 3, 1, 600.0),
-        (Q6K, V2Tile::T128x128Tma) => ("qgemm2_q6k_128x128tma", 128, 128, 3, 1, 780.0),
-        (Q6K, V2Tile::T96x128Tma) => ("qgemm2_q6k_96x128tma", 96, 128, 3, 1, 600.0),
+        (Q4K | Q5K, V2Tile::T128x128Tma) => ("qgemm2_k32_128x128tma", 128, 128, 2, 1, 770.0),
+        (Q4K | Q5K, V2Tile::T96x128Tma) => ("qgemm2_k32_96x128tma", 96, 128, 2, 1, 600.0),
+        (Q6K, V2Tile::T128x128Tma) => ("qgemm2_q6k_128x128tma", 128, 128, 2, 1, 780.0),
+        (Q6K, V2Tile::T96x128Tma) => ("qgemm2_q6k_96x128tma", 96, 128, 2, 1, 600.0),
         // Warpgroup MMA (explicit only, see `V2Tile::automatic`): measured 0.99–1.05× the 128×128
         // TMA tile on an H200 (docs/benchmarks.md, 2026-11-30, fifth session), so the same rate.
         (Q4K | Q5K, V2Tile::T128x64Wgp) => ("qgemm2_k32_128x64wgp", 128, 64, 3, 1, 770.0),
@@ -278,11 +278,13 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         threads: TC2_THREADS + if warp_specialized { 128 } else { 0 },
         // TMA tiles: stages of whole KiB, and 1 KiB more to start them on the 1,024-byte boundary of
         // the 128-byte swizzle.
-        smem_bytes: (stages * stage.next_multiple_of(if tma { 1024 } else { 128 })
-            + if warp_specialized { 16 * stages } else { 0 })
-        .next_multiple_of(128)
-            + scratch_slot_bytes(format, bm, bn, warp_specialized)
-            + if tma { 1024 } else { 0 },
+        smem_bytes: {
+            let staged = (stages * stage.next_multiple_of(if tma { 1024 } else { 128 })
+                + if warp_specialized { 16 * stages } else { 0 })
+            .next_multiple_of(128);
+            let align = if tma { 1024 } else { 0 };
+            staged + scratch_slot_bytes(bm, bn, warp_specialized, staged + align) + align
+        },
         ctas_per_sm,
         hopper_only: warp_specialized,
         tma,
@@ -290,11 +292,13 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
     }
 }
 
-/// The shared-memory copy of G = 1's closed part that the Q8_0 warp-specialized tiles keep after their
-/// stages and barriers (`SLOT` in quant_gemm.cu's `qgemm_tc2`): `bm` rows of `bn + 8` floats.
-fn scratch_slot_bytes(format: WeightFormat, bm: usize, bn: usize, warp_specialized: bool) -> usize {
-    if warp_specialized && format == WeightFormat::Q8_0 {
-        4 * bm * (bn + 8)
+/// The shared-memory copy of G = 1's closed part that a warp-specialized tile keeps after its stages and
+/// barriers when it fits beside the `other` bytes in 227 KiB (`SLOT` in quant_gemm.cu's `qgemm_tc2`):
+/// `bm` rows of `bn + 8` floats.
+fn scratch_slot_bytes(bm: usize, bn: usize, warp_specialized: bool, other: usize) -> usize {
+    let slot = 4 * bm * (bn + 8);
+    if warp_specialized && other + slot <= 227 * 1024 {
+        slot
     } else {
         0
     }
@@ -1427,13 +1431,13 @@ mod tests {
                 4,
                 12_288 + 16_384 + 2_048,
             ),
-            // K-quant TMA tiles: 3 stages rounded up to whole KiB.
+            // K-quant TMA tiles: 2 stages rounded up to whole KiB (and the closed part's slot).
             (
                 Q4K,
                 V2Tile::T128x128Tma,
                 "qgemm2_k32_128x128tma",
                 128,
-                3,
+                2,
                 71 * 1024,
             ),
             // 96 × 256 + 128 × 256 + d, dmin 512 each + scales, mins 1,024 each + sums 96 × 32 = 62 KiB.
@@ -1442,7 +1446,7 @@ mod tests {
                 V2Tile::T96x128Tma,
                 "qgemm2_k32_96x128tma",
                 96,
-                3,
+                2,
                 62 * 1024,
             ),
             (
@@ -1450,7 +1454,7 @@ mod tests {
                 V2Tile::T96x128Tma,
                 "qgemm2_q6k_96x128tma",
                 96,
-                3,
+                2,
                 59 * 1024,
             ),
             (
@@ -1458,7 +1462,7 @@ mod tests {
                 V2Tile::T128x128Tma,
                 "qgemm2_q6k_128x128tma",
                 128,
-                3,
+                2,
                 67 * 1024,
             ),
             (
@@ -1490,17 +1494,12 @@ mod tests {
             );
             let barriers = if ws { 16 * stages } else { 0 };
             let align = if tma { 1024 } else { 0 };
-            // The Q8_0 warp-specialized tiles' copy of G = 1's closed part: bm rows of 136 floats.
-            let slot = if ws && format == Q8_0 {
-                4 * bm * 136
-            } else {
-                0
-            };
-            assert_eq!(
-                p.smem_bytes,
-                (stages * stage_bytes + barriers).next_multiple_of(128) + slot + align,
-                "{kernel}"
-            );
+            // The warp-specialized tiles' copy of G = 1's closed part where it fits: bm rows of 136
+            // floats (every warp-specialized tile of this list has it).
+            let staged = (stages * stage_bytes + barriers).next_multiple_of(128);
+            let slot = if ws { 4 * bm * 136 } else { 0 };
+            assert!(staged + slot + align <= 227 * 1024, "{kernel}");
+            assert_eq!(p.smem_bytes, staged + slot + align, "{kernel}");
             assert_eq!(p.bk % format.block_len(), 0);
             // The CTAs per SM it is built for fit an H200; every tile that can run on an A100 fits its
             // 163 KiB a CTA (the K-quant TMA tiles take 214 KiB: Hopper only).
