@@ -231,8 +231,9 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         // 2026-11-30, third session): the default Q8_0 tiles on Hopper.
         (Q8_0, V2Tile::T128x128Tma) => ("qgemm2_q8_0_128x128tma", 128, 128, 4, 1, 1100.0),
         (Q8_0, V2Tile::T96x128Tma) => ("qgemm2_q8_0_96x128tma", 96, 128, 4, 1, 990.0),
-        // K-quants, warp-specialized with TMA: 3 stages of one 256-element block, fragments of the
-        // next 32-slice loaded while the current one is in the tensor cores. Measured 1.00–1.10×
+        // K-quants, warp-specialized with TMA: 2 stages of one 256-element block and the closed
+        // part's slot (3 stages without it until the sixth session), fragments of the next 32-slice
+        // loaded while the current one is in the tensor cores. Measured 1.00–1.10×
         // (Q4_K) and 1.20–1.25× (Q6_K) T128x128 on an H200 (2026-11-30, third session). The 96-row
         // twins measured 1.2–1.3× the 128-row tiles at M = 275; at 600 the plan takes them there and
         // not at M ≤ 64, where they lost 19–36 % (`tools/qgemm_plan_fit.py`, the sweep of 520455f).

@@ -45,6 +45,8 @@
 //!   bit (embedding lookups).
 //! - [`activation`]: [`ActivationScale`], the static quantization.
 //! - [`kernel`]: the CPU reference (rayon over output strips).
+//! - [`chain`]: the chained Q8_0 reduction, a measured candidate for step 4 (one FFMA an output and
+//!   block) with its own CPU reference; only the explicit chained CUDA tile computes it.
 //! - [`op`]: [`QuantMatmul`], the candle `CustomOp1` (CPU), whose `forward` runs [`cuda`] on a GPU.
 
 pub mod activation;
