@@ -823,6 +823,13 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
     const int nb = K / L::BLK, n32 = K / 32;
     const int p_begin = z * 4 / G, p_end = (z + 1) * 4 / G;
     auto part_end = [&](int p) { return (p + 1) * nb / 4; };
+    // Persistent CTAs (the mma.sync warp-specialized tiles, G = 1 without a tail, a grid smaller than
+    // the tile count): CTA i walks tiles i, i + grid, i + 2·grid, … in raster order, its producers
+    // loading the next tile's first stages while the compute warps close the current tile's parts.
+    // Otherwise the walk is the one tile `pid`.
+    const int total_tiles = m_tiles * n_tiles;
+    const bool persistent = WS && !WG && G == 1 && tail_base >= (int)gridDim.x && (int)gridDim.x < total_tiles;
+    const int tile_step = persistent ? (int)gridDim.x : total_tiles;
 
     // ---- stage loads -------------------------------------------------------------------------------
     // A and B: thread `tid` copies 16-byte column c = tid % CHUNKS of rows tid / CHUNKS + it · ROWS_PER_IT.
@@ -1366,14 +1373,20 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
         // The producers' walk: the CTA's stages in order, part by part, BPS blocks at a time; for each,
         // wait until its slot is free, then copy_stage(b, cnt, s, st) fills slot s (shared memory st)
         // with blocks b .. b + cnt.
-        auto producer_stages = [&](auto&& copy_stage) {
+        // The stage counter runs on across a persistent CTA's tiles (the barriers' phases follow it);
+        // `tile_begin` (re)computes the per-tile state before each tile's stages.
+        auto producer_stages = [&](auto&& tile_begin, auto&& copy_stage) {
             int t = 0;
-            for (int p = p_begin; p < p_end; ++p)
-                for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
-                    const int cnt = min(BPS, part_end(p) - b), s = t % STAGES;
-                    if (t >= STAGES) mbar_wait(empty + s, ((t / STAGES) - 1) & 1);
-                    copy_stage(b, cnt, s, smem + s * S::STAGE);
-                }
+            for (int tile = pid; tile < total_tiles; tile += tile_step) {
+                if (tile != pid) tile_origin(tile, m0, n0);
+                tile_begin();
+                for (int p = p_begin; p < p_end; ++p)
+                    for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
+                        const int cnt = min(BPS, part_end(p) - b), s = t % STAGES;
+                        if (t >= STAGES) mbar_wait(empty + s, ((t / STAGES) - 1) & 1);
+                        copy_stage(b, cnt, s, smem + s * S::STAGE);
+                    }
+            }
         };
         // Producer thread q's share of a stage's block scales: elements q + 128·j of [BPS][BN] (the
         // 64-column wgmma tiles' K-quant stages have fewer than 128).
@@ -1402,7 +1415,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                     tma_prefetch_desc(tmap_a);
                     tma_prefetch_desc(tmap_b);
                 }
-                producer_stages([&](int b, int cnt, int s, unsigned char* st) {
+                producer_stages([] {}, [&](int b, int cnt, int s, unsigned char* st) {
                         if (q == 0) {
                             mbar_arrive_expect_tx(full + s, (BM + BN) * BK);
 #pragma unroll
@@ -1463,12 +1476,17 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
             asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
 #endif
             const int q = tid - THREADS, chunk = q & 7, r0 = q >> 3;
-            const int a_left = M - m0 - r0, b_left = N - n0 - r0;  // row i valid iff 16·i < left
-            const int8_t* a0 = qa + (size_t)max(0, min(m0 + r0, M - 1)) * K + chunk * 16;
-            const int8_t* b0 = wq + (size_t)max(0, min(n0 + r0, N - 1)) * K + chunk * 16;
+            int a_left, b_left;  // row i valid iff 16·i < left
+            const int8_t *a0, *b0;
             const size_t step16 = (size_t)16 * K;
             const int swz = (chunk ^ (r0 & 7)) << 4;
-            producer_stages([&](int b, int cnt, int s, unsigned char* st) {
+            auto tile_begin = [&] {
+                a_left = M - m0 - r0;
+                b_left = N - n0 - r0;
+                a0 = qa + (size_t)max(0, min(m0 + r0, M - 1)) * K + chunk * 16;
+                b0 = wq + (size_t)max(0, min(n0 + r0, N - 1)) * K + chunk * 16;
+            };
+            producer_stages(tile_begin, [&](int b, int cnt, int s, unsigned char* st) {
                     const bool chunk_ok = chunk * 16 < cnt * L::BLK;
                     const size_t k0 = (size_t)b * L::BLK;
 #pragma unroll
@@ -1609,20 +1627,23 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
             return;
         }
         int t = 0;
-        for (int p = p_begin; p < p_end; ++p) {
-            for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
-                const int cnt = min(BPS, part_end(p) - b), s = t % STAGES;
-                const unsigned char* st = smem + s * S::STAGE;
-                mbar_wait(full + s, (t / STAGES) & 1);
-                unsigned af[2][MT][4], bf[2][NT][2];
-                if constexpr (FMT == FMT_Q8_0) {
-                    if (cnt == BPS) load_frags_c(st, 0, af[0], bf[0]);
+        for (int tile = pid; tile < total_tiles; tile += tile_step) {
+            if (tile != pid) tile_origin(tile, m0, n0);
+            for (int p = p_begin; p < p_end; ++p) {
+                for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
+                    const int cnt = min(BPS, part_end(p) - b), s = t % STAGES;
+                    const unsigned char* st = smem + s * S::STAGE;
+                    mbar_wait(full + s, (t / STAGES) & 1);
+                    unsigned af[2][MT][4], bf[2][NT][2];
+                    if constexpr (FMT == FMT_Q8_0) {
+                        if (cnt == BPS) load_frags_c(st, 0, af[0], bf[0]);
+                    }
+                    compute_stage(st, cnt, af, bf);
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(empty + s);
                 }
-                compute_stage(st, cnt, af, bf);
-                __syncwarp();
-                if (lane == 0) mbar_arrive(empty + s);
+                finish_part(p);
             }
-            finish_part(p);
         }
         return;
     }

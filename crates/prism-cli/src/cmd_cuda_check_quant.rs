@@ -203,6 +203,9 @@ fn plan_name(
             "{} G=1, tail of {} tiles from column {}",
             t.kernel, tail.tiles, tail.c0
         ),
+        (Some(t), None) if p.persistent_ctas > 0 => {
+            format!("{} G=1, {} persistent CTAs", t.kernel, p.persistent_ctas)
+        }
         (Some(t), None) => format!("{} G={}", t.kernel, p.part_groups),
         (None, _) => "qgemm_simt".to_string(),
     })
@@ -290,7 +293,19 @@ fn check_case(
         qcuda::differing_bits(&y_auto, &y_v1)?,
         total,
     );
-    for (name, kernel) in fixed_variants() {
+    let mut variants = fixed_variants();
+    // Persistent CTAs: the warp-specialized mma.sync tiles of this format.
+    let mut persistent = vec![V2Tile::T128x128Tma, V2Tile::T96x128Tma];
+    if format == WeightFormat::Q8_0 {
+        persistent.extend([V2Tile::T128x128Ws, V2Tile::T96x128Ws]);
+    }
+    for tile in persistent {
+        variants.push((
+            format!("v2 {tile:?} G=1 persistent"),
+            GemmKernel::V2Persistent { tile },
+        ));
+    }
+    for (name, kernel) in variants {
         let y = qcuda::matmul_with(&xg, wg, &scale, kernel)?;
         r.count(
             &format!("{tag}: {name} vs v1 auto"),
@@ -810,16 +825,17 @@ pub fn time_one(spec: &str, runs: usize) -> Result<()> {
             .with_context(|| format!("--gemm: {name} = {v:?} is not a positive integer"))
     };
     let (k, n, m) = (num("K", k)?, num("N", n)?, num("M", m)?);
+    let persistent = g == "1p";
     let (g_field, (g, tail_cols)) = (
         g,
         match g {
-            "1" => (1u32, 0u32),
+            "1" | "1p" => (1u32, 0u32),
             "2" => (2, 0),
             "4" => (4, 0),
             other => match other.strip_prefix("1t").map(str::parse::<u32>) {
                 Some(Ok(c)) if c > 0 => (1, c),
                 _ => bail!(
-                    "--gemm: G = {other:?}: expected 1, 2, 4 or 1tC (a tail of C > 0 columns)"
+                    "--gemm: G = {other:?}: expected 1, 2, 4, 1p (persistent CTAs) or 1tC (a tail of C > 0 columns)"
                 ),
             },
         },
@@ -842,13 +858,20 @@ pub fn time_one(spec: &str, runs: usize) -> Result<()> {
                     V2Tile::CHAINED
                 );
             };
-            GemmKernel::V2 {
-                tile,
-                part_groups: g,
-                tail_cols,
+            if persistent {
+                GemmKernel::V2Persistent { tile }
+            } else {
+                GemmKernel::V2 {
+                    tile,
+                    part_groups: g,
+                    tail_cols,
+                }
             }
         }
     };
+    if persistent && !matches!(kernel, GemmKernel::V2Persistent { .. }) {
+        bail!("--gemm: persistent CTAs (G = 1p) need a v2 tile, not {tile:?}");
+    }
     let gpu = prism_quant::cuda_launch::open_device(0).context("no CUDA device")?;
     let dev = match &gpu {
         Device::Cuda(d) => d.clone(),
