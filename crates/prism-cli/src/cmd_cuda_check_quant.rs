@@ -294,11 +294,17 @@ fn check_case(
         total,
     );
     let mut variants = fixed_variants();
-    // Persistent CTAs: the warp-specialized mma.sync tiles of this format.
-    let mut persistent = vec![V2Tile::T128x128Tma, V2Tile::T96x128Tma];
-    if format == WeightFormat::Q8_0 {
-        persistent.extend([V2Tile::T128x128Ws, V2Tile::T96x128Ws]);
-    }
+    // Persistent CTAs: the Q8_0 warp-specialized mma.sync tiles.
+    let persistent = if format == WeightFormat::Q8_0 {
+        vec![
+            V2Tile::T128x128Tma,
+            V2Tile::T96x128Tma,
+            V2Tile::T128x128Ws,
+            V2Tile::T96x128Ws,
+        ]
+    } else {
+        Vec::new()
+    };
     for tile in persistent {
         variants.push((
             format!("v2 {tile:?} G=1 persistent"),

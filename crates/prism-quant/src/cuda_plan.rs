@@ -133,10 +133,11 @@ pub enum GemmKernel {
     },
     /// One thread per output, plain integer loops: the second oracle.
     Simt,
-    /// A warp-specialized `mma.sync` tile (`T128x128Ws`, `T96x128Ws`, `T128x128Tma`, `T96x128Tma`) with
-    /// one part group and **persistent CTAs**: as many CTAs as fit the GPU at once, each walking the
-    /// tiles `i, i + grid, …` in raster order, so a tile's part ends overlap the next tile's first
-    /// loads. The same bits as every other choice.
+    /// A Q8_0 warp-specialized `mma.sync` tile (`T128x128Ws`, `T96x128Ws`, `T128x128Tma`, `T96x128Tma`)
+    /// with one part group and **persistent CTAs**: as many CTAs as fit the GPU at once, each walking
+    /// the tiles `i, i + grid, …` in raster order, so a tile's part ends overlap the next tile's first
+    /// loads. The same bits as every other choice. (Not the K-quants: the tile loop made their TMA tile
+    /// spill and lose 8–11 % when not persistent, more than persistence gained.)
     V2Persistent { tile: V2Tile },
 }
 
@@ -736,9 +737,9 @@ pub fn plan_launch(
                 tile,
                 V2Tile::T128x128Ws | V2Tile::T96x128Ws | V2Tile::T128x128Tma | V2Tile::T96x128Tma
             );
-            if !(ws_mma && p.hopper_only) {
+            if !(ws_mma && p.hopper_only && format == WeightFormat::Q8_0) {
                 return Err(QuantError::Input(format!(
-                    "{}: persistent CTAs are for the warp-specialized mma.sync tiles ({tile:?} on {format:?})",
+                    "{}: persistent CTAs are for the Q8_0 warp-specialized mma.sync tiles ({tile:?} on {format:?})",
                     p.kernel
                 )));
             }
@@ -757,7 +758,7 @@ pub fn plan_launch(
                 part_groups: g,
                 group_m: group_m(&p, m, k),
                 tail_cols,
-                persistent_ctas: if g == 1 && tail_cols == 0 {
+                persistent_ctas: if g == 1 && tail_cols == 0 && format == WeightFormat::Q8_0 {
                     auto_persistent_ctas(&p, m, n, limits)
                 } else {
                     0
@@ -771,10 +772,10 @@ pub fn plan_launch(
 /// Tiles a persistent CTA must have before the automatic plan makes the CTAs persistent.
 const PERSISTENT_MIN_TILES_PER_CTA: usize = 12;
 
-/// The automatic plan's persistent CTAs for a one-group launch without a tail of `plan` (0: none). The
-/// kernel deals tiles to CTAs statically, so it pays for the last round's imbalance that the hardware's
-/// own CTA scheduling evens out: measured on an H200 (2026-11-30, sixth session) +3–5 % at 16–132 tiles
-/// a CTA, ±0 at 3.4 and −18 % at 6.2 (the 96-row tile at M = 275). So only from
+/// The automatic plan's persistent CTAs for a Q8_0 one-group launch without a tail of `plan` (0: none).
+/// The kernel deals tiles to CTAs statically, so it pays for the last round's imbalance that the
+/// hardware's own CTA scheduling evens out: measured on an H200 (2026-11-30, sixth session) +3–5 % at
+/// 16–132 tiles a CTA, ±0 at 3.4 and −18 % at 6.2 (the 96-row tile at M = 275). So only from
 /// [`PERSISTENT_MIN_TILES_PER_CTA`] tiles a CTA, on the warp-specialized `mma.sync` tiles.
 fn auto_persistent_ctas(plan: &TilePlan, m: usize, n: usize, limits: &DeviceLimits) -> u32 {
     let ws_mma = plan.hopper_only && !plan.kernel.ends_with("wgp") && !plan.kernel.ends_with("wgc");
@@ -1638,6 +1639,8 @@ mod tests {
             (V2Tile::T128x128Wgc, WeightFormat::Q8_0),
             (V2Tile::T128x128, WeightFormat::Q8_0),
             (V2Tile::T128x128Ws, WeightFormat::Q4K),
+            (V2Tile::T128x128Tma, WeightFormat::Q4K),
+            (V2Tile::T96x128Tma, WeightFormat::Q6K),
         ] {
             let e = plan_launch(
                 GemmKernel::V2Persistent { tile },
@@ -1675,6 +1678,18 @@ mod tests {
         assert_eq!(auto(8192).persistent_ctas, 132);
         assert_eq!(auto(275).persistent_ctas, 0);
         assert_eq!(auto(64).persistent_ctas, 0);
+        // The K-quants never (their kernels have no tile loop).
+        let q4 = plan_launch(
+            GemmKernel::Auto,
+            Family::V2,
+            WeightFormat::Q4K,
+            8192,
+            17408,
+            5120,
+            &h200,
+        )
+        .unwrap();
+        assert_eq!(q4.persistent_ctas, 0);
         let ampere = DeviceLimits {
             compute_major: 8,
             ..h200
