@@ -1379,18 +1379,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
         // `tile_begin` (re)computes the per-tile state before each tile's stages.
         auto producer_stages = [&](auto&& tile_begin, auto&& copy_stage) {
             int t = 0;
-            if constexpr (PERSIST) {
-                for (int tile = pid; tile < total_tiles; tile += tile_step) {
-                    if (tile != pid) tile_origin(tile, m0, n0);
-                    tile_begin();
-                    for (int p = p_begin; p < p_end; ++p)
-                        for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
-                            const int cnt = min(BPS, part_end(p) - b), s = t % STAGES;
-                            if (t >= STAGES) mbar_wait(empty + s, ((t / STAGES) - 1) & 1);
-                            copy_stage(b, cnt, s, smem + s * S::STAGE);
-                        }
-                }
-            } else {
+            auto tile_stages = [&] {
                 tile_begin();
                 for (int p = p_begin; p < p_end; ++p)
                     for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
@@ -1398,6 +1387,14 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                         if (t >= STAGES) mbar_wait(empty + s, ((t / STAGES) - 1) & 1);
                         copy_stage(b, cnt, s, smem + s * S::STAGE);
                     }
+            };
+            if constexpr (PERSIST) {
+                for (int tile = pid; tile < total_tiles; tile += tile_step) {
+                    if (tile != pid) tile_origin(tile, m0, n0);
+                    tile_stages();
+                }
+            } else {
+                tile_stages();
             }
         };
         // Producer thread q's share of a stage's block scales: elements q + 128·j of [BPS][BN] (the
@@ -1639,26 +1636,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
             return;
         }
         int t = 0;
-        if constexpr (PERSIST) {
-            for (int tile = pid; tile < total_tiles; tile += tile_step) {
-                if (tile != pid) tile_origin(tile, m0, n0);
-                for (int p = p_begin; p < p_end; ++p) {
-                    for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
-                        const int cnt = min(BPS, part_end(p) - b), s = t % STAGES;
-                        const unsigned char* st = smem + s * S::STAGE;
-                        mbar_wait(full + s, (t / STAGES) & 1);
-                        unsigned af[2][MT][4], bf[2][NT][2];
-                        if constexpr (FMT == FMT_Q8_0) {
-                            if (cnt == BPS) load_frags_c(st, 0, af[0], bf[0]);
-                        }
-                        compute_stage(st, cnt, af, bf);
-                        __syncwarp();
-                        if (lane == 0) mbar_arrive(empty + s);
-                    }
-                    finish_part(p);
-                }
-            }
-        } else {
+        auto tile_parts = [&] {
             for (int p = p_begin; p < p_end; ++p) {
                 for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
                     const int cnt = min(BPS, part_end(p) - b), s = t % STAGES;
@@ -1674,6 +1652,14 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                 }
                 finish_part(p);
             }
+        };
+        if constexpr (PERSIST) {
+            for (int tile = pid; tile < total_tiles; tile += tile_step) {
+                if (tile != pid) tile_origin(tile, m0, n0);
+                tile_parts();
+            }
+        } else {
+            tile_parts();
         }
         return;
     }
