@@ -71,7 +71,8 @@ enum Command {
         #[arg(long)]
         no_timing: bool,
         /// Only time one GEMM, for profilers: `FORMAT,K,N,M,TILE,G` (e.g. `q8_0,5120,17408,2048,T128x128,1`;
-        /// FORMAT q8_0|q4_k|q5_k|q6_k, TILE T64x128|T128x128|T128x128Ws|T96x128Ws|T128x128Tma|T96x128Tma|T128x64Wgp|v1|auto, G 1|2|4 (ignored by auto)).
+        /// FORMAT q8_0|q4_k|q5_k|q6_k, TILE T64x128|T128x128|T128x128Ws|T96x128Ws|T128x128Tma|T96x128Tma|T128x64Wgp|T128x128Wgc|v1|auto,
+        /// G 1|2|4|1tC (a tail of C columns)|1p (persistent CTAs) (ignored by auto)).
         /// Runs it once to warm up and `--runs` times, no checks.
         #[arg(long)]
         gemm: Option<String>,

@@ -76,7 +76,28 @@ pub struct CudaQuantWeight {
 
 impl CudaQuantWeight {
     pub fn upload(w: &QuantWeight, device: &CudaDevice) -> Result<Self> {
-        let flat = FlatWeight::new(w);
+        Self::upload_flat(w, FlatWeight::new(w), false, device)
+    }
+
+    /// A Q8_0 weight for the chained tiles ([`crate::cuda_plan::V2Tile::chained`]): the block scales
+    /// replaced by the chain coefficients and the group corrections of [`ChainTables`], block-major
+    /// (`[block][N]`, `[group][N]`: a stage's values for a tile's columns are consecutive, so the
+    /// kernel's copies coalesce). Only those tiles take it; every other kernel refuses it (and they
+    /// refuse a weight from [`CudaQuantWeight::upload`]).
+    pub fn upload_chained(w: &QuantWeight, device: &CudaDevice) -> Result<Self> {
+        let tables = ChainTables::new(w).map_err(quant_err)?;
+        let mut flat = FlatWeight::new(w);
+        flat.d = cuda_plan::transpose(&tables.coef, w.rows(), tables.blocks_per_row);
+        flat.dmin = cuda_plan::transpose(&tables.corr, w.rows(), tables.groups_per_row);
+        Self::upload_flat(w, flat, true, device)
+    }
+
+    fn upload_flat(
+        w: &QuantWeight,
+        flat: FlatWeight,
+        chained: bool,
+        device: &CudaDevice,
+    ) -> Result<Self> {
         let dev = Device::Cuda(device.clone());
         let bytes = |mut v: Vec<u8>| -> Result<Tensor> {
             if v.is_empty() {
@@ -102,28 +123,8 @@ impl CudaQuantWeight {
             sub_mins: bytes(flat.sub_mins)?,
             d: floats(flat.d)?,
             dmin: floats(flat.dmin)?,
-            chained: false,
+            chained,
         })
-    }
-
-    /// A Q8_0 weight for the chained tiles ([`crate::cuda_plan::V2Tile::chained`]): the block scales
-    /// replaced by the chain coefficients and the group corrections of [`ChainTables`], block-major. Only those tiles take it;
-    /// every other kernel refuses it (and they refuse a weight from [`CudaQuantWeight::upload`]).
-    pub fn upload_chained(w: &QuantWeight, device: &CudaDevice) -> Result<Self> {
-        let tables = ChainTables::new(w).map_err(quant_err)?;
-        let mut out = Self::upload(w, device)?;
-        let dev = Device::Cuda(device.clone());
-        // Block-major on the device ([block][N], [group][N]): a stage's coefficients of a tile's
-        // columns are consecutive, so the kernel's copies coalesce.
-        let coef = cuda_plan::transpose(&tables.coef, w.rows(), tables.blocks_per_row);
-        let n = coef.len().max(1);
-        out.d = Tensor::from_vec(coef, n, &dev)?;
-        let mut corr = cuda_plan::transpose(&tables.corr, w.rows(), tables.groups_per_row);
-        let n = corr.len().max(1);
-        corr.resize(n, 0.0);
-        out.dmin = Tensor::from_vec(corr, n, &dev)?;
-        out.chained = true;
-        Ok(out)
     }
 
     pub fn name(&self) -> &str {
@@ -514,7 +515,8 @@ fn gemm_slice(
     } else {
         Some(alloc::<f32>(dev, groups as usize * m * n)?)
     };
-    let scratch = if tile.family == Family::V2 && groups == 1 {
+    // (Tiles that keep it in shared memory need none: at a long prefill's M it was a gigabyte.)
+    let scratch = if tile.family == Family::V2 && groups == 1 && !tile.scratch_in_smem {
         Some(alloc::<f32>(dev, m * n)?)
     } else {
         None
@@ -539,8 +541,8 @@ fn gemm_slice(
         b.arg(out).arg(&m_i).arg(&n_i).arg(&k_i).arg(&s);
         let group_m = i32::try_from(plan.group_m).unwrap_or(i32::MAX);
         if tile.family == Family::V2 {
-            // The scratch pointer is only used with G = 1; otherwise y, which that launch does not
-            // touch (never an alias of `out`: both are restrict pointers in the kernel).
+            // The scratch pointer is only used with G = 1 by tiles without the shared-memory slot;
+            // otherwise y, which the kernel never reads or writes through it.
             b.arg(scratch.as_ref().unwrap_or(&y)).arg(&group_m);
             // Without a tail the workspace pointer is never used (no CTA reaches tail_base).
             b.arg(&tail_base)

@@ -169,6 +169,9 @@ pub struct TilePlan {
     /// Cost-model guess: multiply-adds per SM and clock when every SM is full of these CTAs (not
     /// measured on this tile yet; `prism cuda-quant-check` prints the model next to the timings).
     pub macs_per_sm_clock: f64,
+    /// The kernel keeps G = 1's closed parts in shared memory (`SLOT` in quant_gemm.cu): its launch
+    /// needs no `[M, N]` scratch buffer.
+    pub scratch_in_smem: bool,
 }
 
 /// The `Smem<FMT, BM, BN, ALIGN>::STAGE` size of quant_gemm.cu: A and B tiles, the block scales and, for
@@ -214,6 +217,7 @@ pub fn v1_tile_plan(format: WeightFormat) -> TilePlan {
         hopper_only: false,
         tma: false,
         macs_per_sm_clock: 250.0,
+        scratch_in_smem: false,
     }
 }
 
@@ -274,6 +278,13 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
     } else {
         stage_bytes(format, bm, bn, bk)
     };
+    // TMA tiles: stages of whole KiB, and 1 KiB more to start them on the 1,024-byte boundary of the
+    // 128-byte swizzle.
+    let staged = (stages * stage.next_multiple_of(if tma { 1024 } else { 128 })
+        + if warp_specialized { 16 * stages } else { 0 })
+    .next_multiple_of(128);
+    let align = if tma { 1024 } else { 0 };
+    let slot = scratch_slot_bytes(bm, bn, warp_specialized, staged + align);
     TilePlan {
         kernel,
         family: Family::V2,
@@ -283,19 +294,12 @@ pub fn v2_tile_plan(format: WeightFormat, tile: V2Tile) -> TilePlan {
         stages,
         // The producer warpgroup; the stages' full / empty mbarriers after the stages.
         threads: TC2_THREADS + if warp_specialized { 128 } else { 0 },
-        // TMA tiles: stages of whole KiB, and 1 KiB more to start them on the 1,024-byte boundary of
-        // the 128-byte swizzle.
-        smem_bytes: {
-            let staged = (stages * stage.next_multiple_of(if tma { 1024 } else { 128 })
-                + if warp_specialized { 16 * stages } else { 0 })
-            .next_multiple_of(128);
-            let align = if tma { 1024 } else { 0 };
-            staged + scratch_slot_bytes(bm, bn, warp_specialized, staged + align) + align
-        },
+        smem_bytes: staged + slot + align,
         ctas_per_sm,
         hopper_only: warp_specialized,
         tma,
         macs_per_sm_clock: rate,
+        scratch_in_smem: slot > 0,
     }
 }
 
@@ -1555,6 +1559,7 @@ mod tests {
             let slot = if ws { 4 * bm * 136 } else { 0 };
             assert!(staged + slot + align <= 227 * 1024, "{kernel}");
             assert_eq!(p.smem_bytes, staged + slot + align, "{kernel}");
+            assert_eq!(p.scratch_in_smem, ws, "{kernel}");
             assert_eq!(p.bk % format.block_len(), 0);
             // The CTAs per SM it is built for fit an H200; every tile that can run on an A100 fits its
             // 163 KiB a CTA (the K-quant TMA tiles take 214 KiB: Hopper only).
@@ -1600,6 +1605,11 @@ mod tests {
             );
         }
         assert!(V2Tile::ALL.iter().all(|t| !t.chained(WeightFormat::Q8_0)));
+        assert!(p.scratch_in_smem);
+        // The weight-plane tile has no room for the slot (3 stages of 70 KiB): its launches keep the
+        // global scratch buffer.
+        assert!(!v2_tile_plan(WeightFormat::Q4K, V2Tile::T128x64Wgp).scratch_in_smem);
+        assert!(!v2_tile_plan(WeightFormat::Q8_0, V2Tile::T128x128).scratch_in_smem);
     }
 
     #[test]
