@@ -338,7 +338,7 @@ struct Layout {
 // The chained Q8_0 reduction (crates/prism-quant/src/chain.rs): within each of the four parts, groups of
 // up to CHAIN blocks from the part's start. Stages of 4 blocks never straddle a part, so a group ends at
 // a stage's end. chain_group_end: the index of the group that a stage of blocks [b, b + cnt) closes, or
-// −1 (groups numbered part by part); chain_groups: the groups of a row (the corrections' row length).
+// −1 (groups numbered part by part, the row index of the block-major corrections [group][N]).
 #define CHAIN 8
 __device__ __forceinline__ int chain_group_end(int nb, int b, int cnt) {
     int base = 0;
@@ -352,12 +352,6 @@ __device__ __forceinline__ int chain_group_end(int nb, int b, int cnt) {
         base += (e - s + CHAIN - 1) / CHAIN;
     }
     return -1;
-}
-__device__ __forceinline__ int chain_groups(int nb) {
-    int n = 0;
-#pragma unroll
-    for (int p = 0; p < 4; ++p) n += ((p + 1) * nb / 4 - p * nb / 4 + CHAIN - 1) / CHAIN;
-    return n;
 }
 
 // ALIGN: the stage size's granularity (TMA stages start on 1,024-byte boundaries).
