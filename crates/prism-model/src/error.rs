@@ -57,6 +57,11 @@ pub enum ModelError {
         found: usize,
     },
 
+    /// A layer whose loading did not end with a result of its own (the loader panicked, or its worker
+    /// thread was lost); errors of the layer's tensors are reported as themselves.
+    #[error("decoder layer {layer} could not be loaded: {reason}")]
+    LayerLoad { layer: usize, reason: String },
+
     #[error("prompt {index} has no tokens")]
     EmptyPrompt { index: usize },
 

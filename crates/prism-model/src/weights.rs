@@ -10,8 +10,9 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use prism_gguf::{GgmlType, GgufFile};
+use prism_gguf::{GgmlType, GgufError, GgufFile, TensorInfo};
 use prism_quant::{QuantMatmul, QuantWeight, WeightFormat};
+use rayon::prelude::*;
 
 use crate::calibration::{Calibration, RangeRecorder};
 use crate::error::{ModelError, Result};
@@ -119,6 +120,39 @@ impl Precision {
     }
 }
 
+/// Elements one task of [`dequantize_parallel`] converts (rounded to whole blocks): large enough that
+/// rayon's per-task cost vanishes, small enough that a 1 GB tensor spreads over every core.
+const DEQUANT_TASK_ELEMENTS: usize = 1 << 16;
+
+/// `info`'s data as f32, exactly [`GgufFile::dequantize_info`]'s values, computed by rayon over runs of
+/// whole blocks. ggml's block formats are independent block by block (each block carries its own
+/// scales), so cutting the data at block boundaries gives the same bits; a 27B model's embedding alone
+/// is 1.27 G values, which one thread took seconds to convert. Anything the one-call path would refuse
+/// (a type without a dequantizer, a partial block, a byte length that does not match) goes through it
+/// unchanged, so the error is the same too.
+fn dequantize_parallel(gguf: &GgufFile, info: &TensorInfo) -> Result<Vec<f32>, GgufError> {
+    let ty = info.ggml_type;
+    let bytes = gguf.tensor_bytes(info);
+    let (block, block_bytes) = (ty.block_size(), ty.type_size());
+    let n = usize::try_from(info.n_elements()).ok().filter(|&n| {
+        ty.can_dequantize()
+            && block > 0
+            && n % block == 0
+            && (n / block).checked_mul(block_bytes) == Some(bytes.len())
+    });
+    let n = match n {
+        Some(n) if n > DEQUANT_TASK_ELEMENTS => n,
+        _ => return gguf.dequantize_info(info),
+    };
+    let blocks_per_task = (DEQUANT_TASK_ELEMENTS / block).max(1);
+    let mut values = vec![0f32; n];
+    values
+        .par_chunks_mut(blocks_per_task * block)
+        .zip(bytes.par_chunks(blocks_per_task * block_bytes))
+        .try_for_each(|(out, data)| prism_gguf::blocks::dequantize_into(ty, data, out))?;
+    Ok(values)
+}
+
 /// Where the tensors come from. Both give GGUF names and layouts.
 enum WeightSource<'a> {
     Gguf(&'a GgufFile),
@@ -214,12 +248,10 @@ impl<'a> WeightLoader<'a> {
                 found: info.dims.clone(),
             });
         }
-        let values = gguf
-            .dequantize(name)
-            .map_err(|source| ModelError::TensorRead {
-                name: name.to_string(),
-                source,
-            })?;
+        let values = dequantize_parallel(gguf, info).map_err(|source| ModelError::TensorRead {
+            name: name.to_string(),
+            source,
+        })?;
         let expected_len: usize = ne.iter().product();
         if values.len() != expected_len {
             return Err(ModelError::DequantizedLength {
@@ -246,8 +278,21 @@ impl<'a> WeightLoader<'a> {
     /// A linear-layer weight with `rows` outputs of `cols` inputs: GGUF `[cols, rows]`, returned as
     /// `[rows, cols]` in the precision's matrix dtype.
     pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Tensor> {
+        let dtype = self.precision.matrix_dtype();
+        if dtype == DType::BF16 && self.device.is_cpu() {
+            // candle's CPU cast is one thread; this is the same rounding (`bf16::from_f32`, which
+            // candle's cast calls) over all cores. On a GPU the cast stays on the device.
+            let values = self.f32_values(name, &[cols, rows])?;
+            let rounded: Vec<half::bf16> = values
+                .par_iter()
+                .with_min_len(DEQUANT_TASK_ELEMENTS)
+                .map(|&v| half::bf16::from_f32(v))
+                .collect();
+            drop(values);
+            return Ok(Tensor::from_vec(rounded, (rows, cols), &self.device)?);
+        }
         let t = self.f32_tensor(name, &[cols, rows])?;
-        Ok(t.to_dtype(self.precision.matrix_dtype())?)
+        Ok(t.to_dtype(dtype)?)
     }
 
     /// The matrices `parts` (name, rows), all of `cols` inputs, stacked row-wise in that order:
