@@ -452,7 +452,7 @@ impl Qwen35Model {
             tied,
             precision = ?options.precision,
             "loaded the decoder in {total_s:.2} s: embedding {embed_s:.2} s, output head {head_s:.2} s, \
-             layers {:.2} s ({threads} loader threads)",
+             layers {:.2} s on {threads} threads",
             total_s - embed_s - head_s
         );
         Ok(Self {
