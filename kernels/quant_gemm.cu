@@ -177,6 +177,25 @@ __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned coun
 __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
     asm volatile("mbarrier.arrive.shared.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
+// One lane arrives on `bar` for its (converged) warp: a compute warp's "done with this stage". On sm_90
+// `elect.sync` picks the lane without the thread index: with `lane == 0` the compiler rematerialized
+// the lane from S2R SR_TID.X at every stage (register pressure), and that S2R → LOP3 → ISETP chain
+// was ~10 % of the Q8_0 TMA tiles' compute-warp stall samples at M = 275 (ncu, 2026-11-30). Removing
+// it measured +4–6 % on the Q4_K 96-row tile at M = 275 and within ±2 % elsewhere (the other warp of
+// the scheduler covered most of that latency).
+__device__ __forceinline__ void mbar_arrive_warp(unsigned long long* bar) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile(
+        "{\n"
+        ".reg .pred leader;\n"
+        "elect.sync _|leader, 0xffffffff;\n"
+        "@leader mbarrier.arrive.shared.b64 _, [%0];\n"
+        "}\n" ::"r"(smem_addr(bar))
+        : "memory");
+#else
+    if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
+#endif
+}
 // Arrives on `bar` when all of this thread's earlier cp.async copies have landed.
 __device__ __forceinline__ void cp_async_mbar_arrive(unsigned long long* bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
@@ -1355,6 +1374,18 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
     if constexpr (WS) {
         static_assert(FMT == FMT_Q8_0 || TMA, "the cp.async warp-specialized loop is for Q8_0");
         constexpr int PRODUCERS = 128;  // one warpgroup
+        // The registers a CTA is launched with (`__launch_bounds__(THREADS + PRODUCERS, 1)`: the file
+        // divided by the threads, in steps of 8) are handed from the producers (TMA: 40, cp.async: 56)
+        // to the compute warps: 8 compute warps get 232 / 224. (With 12 or 16 compute warps of 32 × 32
+        // outputs, 152 / 104 registers each, the TMA tiles measured 0.97–1.03× on an H200: more warps a
+        // scheduler do not lift them; docs/benchmarks.md, 2026-11-30, seventh session.)
+        constexpr int LAUNCH_REGS = (65536 / (THREADS + PRODUCERS)) / 8 * 8;
+        constexpr int PRODUCER_REGS = TMA ? 40 : 56;
+        constexpr int CONSUMER_FREE =
+            (LAUNCH_REGS * (THREADS + PRODUCERS) - PRODUCER_REGS * PRODUCERS) / THREADS / 8 * 8;
+        constexpr int CONSUMER_REGS = CONSUMER_FREE < 256 ? CONSUMER_FREE : 256;
+        static_assert(LAUNCH_REGS <= 168 && CONSUMER_REGS >= LAUNCH_REGS,
+                      "setmaxnreg moves registers to the compute warps");
         unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem + STAGES * S::STAGE);
         unsigned long long* full = bars;
         unsigned long long* empty = bars + STAGES;
@@ -1411,7 +1442,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                 // barrier waits for the 128 threads' scale copies plus thread 0's arrival with the
                 // TMA byte count.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-                asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+                asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
 #endif
                 const int q = tid - THREADS;
                 if (q == 0) {
@@ -1476,7 +1507,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
             // 16·i of A and B, and scales q + 128·j of the stage's [BPS][BN] block. On sm_90a they
             // give registers back to the compute warpgroups.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-            asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
 #endif
             const int q = tid - THREADS, chunk = q & 7, r0 = q >> 3;
             int a_left, b_left;  // row i valid iff 16·i < left
@@ -1511,10 +1542,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
         }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
         // 128·56 + 256·224 = 128·40 + 256·232 = 384·168, the CTA's registers at launch.
-        if constexpr (TMA)
-            asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-        else
-            asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
 #endif
         if constexpr (WG && FMT == FMT_Q8_0) {
             // The chained Q8_0 tile: warpgroup g = warp / 4 owns rows 64·g .. 64·g + 63 and all 128
@@ -1588,7 +1616,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                             for (int i = 0; i < 32; ++i) cd[h][i] = MAGIC_I;
                     }
                     __syncwarp();
-                    if (lane == 0) mbar_arrive(empty + s);
+                    mbar_arrive_warp(empty + s);
                 }
                 // A part's end closes its last group: the chains are at their bias already; saying
                 // so lets the compiler keep no chain register live through finish_part.
@@ -1623,7 +1651,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                     planes_sums(dsum);
                     kq_block_end(st, dsum);
                     __syncwarp();
-                    if (lane == 0) mbar_arrive(empty + s);
+                    mbar_arrive_warp(empty + s);
                 }
                 finish_part(p);
             }
@@ -1642,7 +1670,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                     }
                     compute_stage(st, cnt, af, bf);
                     __syncwarp();
-                    if (lane == 0) mbar_arrive(empty + s);
+                    mbar_arrive_warp(empty + s);
                 }
                 finish_part(p);
             }

@@ -86,7 +86,9 @@ pub enum V2Tile {
 
 impl V2Tile {
     // Measured and dropped on 2026-11-30 (docs/benchmarks.md): a 16-warp 128×128 tile (warp tiles
-    // 32×32, 128 registers) and Q8_0 stages of 256 bytes; neither beat T128x128.
+    // 32×32, 128 registers) and Q8_0 stages of 256 bytes; neither beat T128x128. Seventh session:
+    // the TMA tiles with 12 / 16 compute warps of 32×32 (96 / 128 rows): 0.97–1.03× T96x128Tma /
+    // T128x128Tma.
     pub const ALL: [V2Tile; 7] = [
         V2Tile::T64x128,
         V2Tile::T128x128,
