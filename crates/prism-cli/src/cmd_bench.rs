@@ -45,9 +45,16 @@ struct Scenario {
     shared_prefix: usize,
 }
 
-/// Measured timings of a scenario, seconds.
+/// Measured timings of a scenario, seconds, and what its runs answered.
 struct Timings {
     runs: Vec<f64>,
+    /// SHA-256 (hex) of the first run's answers as JSON (shortest round-trip floats, so equal digests
+    /// mean equal bits), warm-up runs included.
+    answers_sha256: Option<String>,
+    /// Whether a later run's answers differed from the first run's.
+    answers_differ: bool,
+    /// The first run's answers.
+    answers: Value,
 }
 
 impl Timings {
@@ -560,7 +567,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let scenarios = scenarios(&model, args.long_tokens)?;
     let mut timed = Vec::new();
     for scenario in &scenarios {
-        let mut timings = Timings { runs: Vec::new() };
+        let mut timings = Timings {
+            runs: Vec::new(),
+            answers_sha256: None,
+            answers_differ: false,
+            answers: Value::Null,
+        };
         for run in 0..args.warmup + args.runs {
             let mut range = if args.profiler_range && run + 1 == args.warmup + args.runs {
                 Some(ProfilerRange::start()?)
@@ -590,6 +602,24 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                     scenario.request.questions.len()
                 );
             }
+            let digest = answers_digest(&response.answers)?;
+            match &timings.answers_sha256 {
+                None => {
+                    timings.answers_sha256 = Some(digest);
+                    timings.answers = serde_json::to_value(&response.answers)?;
+                }
+                Some(first) => timings.answers_differ |= *first != digest,
+            }
+        }
+        // The integer path promises bit-identical answers for the same request; a benchmark that saw
+        // otherwise measured something broken.
+        if timings.answers_differ && matches!(precision, Precision::Int8 | Precision::W4a8) {
+            bail!(
+                "scenario {}: the answers differed between runs of the same request at {}, which must \
+                 give the same bits every time",
+                scenario.name,
+                precision.as_str()
+            );
         }
         timed.push(timings);
     }
@@ -673,6 +703,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "floor_ms": ms(floor),
             "median_over_floor": timings.median() / floor,
             "tokens_per_s": scenario.computed_tokens as f64 / timings.median(),
+            "answers_sha256": timings.answers_sha256,
+            "answers_same_every_run": !timings.answers_differ,
+            "answers": timings.answers,
         }));
     }
     let report = json!({
@@ -713,6 +746,17 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// SHA-256 (hex) of `answers` as JSON: serde_json writes each float as its shortest round-trip
+/// decimal, so two digests are equal exactly when the answers have the same bits.
+fn answers_digest<T: serde::Serialize>(answers: &T) -> Result<String> {
+    use sha2::{Digest, Sha256};
+    let json = serde_json::to_string(answers).context("serializing the answers")?;
+    Ok(Sha256::digest(json.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
 fn print_table(report: &Value) {
     let gb = |v: &Value| {
         v.as_f64()
@@ -746,13 +790,31 @@ fn print_table(report: &Value) {
         report["runs"]
     );
     println!(
-        "{:<7} {:>7} {:>8} {:>11} {:>11} {:>12} {:>12} {:>8}  what",
-        "case", "prompts", "tokens", "median ms", "p95 ms", "bw floor ms", "fl floor ms", "x floor"
+        "{:<7} {:>7} {:>8} {:>11} {:>11} {:>12} {:>12} {:>8}  {:<13} what",
+        "case",
+        "prompts",
+        "tokens",
+        "median ms",
+        "p95 ms",
+        "bw floor ms",
+        "fl floor ms",
+        "x floor",
+        "answers"
     );
     for row in report["scenarios"].as_array().into_iter().flatten() {
         let f = |k: &str| row[k].as_f64().unwrap_or(f64::NAN);
+        // The digest's first 12 hex digits; `*`: a later run answered differently.
+        let answers = format!(
+            "{}{}",
+            row["answers_sha256"].as_str().unwrap_or("-").get(..12).unwrap_or("-"),
+            if row["answers_same_every_run"].as_bool() == Some(false) {
+                "*"
+            } else {
+                ""
+            }
+        );
         println!(
-            "{:<7} {:>7} {:>8} {:>11.1} {:>11.1} {:>12.2} {:>12.2} {:>8.1}  {}",
+            "{:<7} {:>7} {:>8} {:>11.1} {:>11.1} {:>12.2} {:>12.2} {:>8.1}  {:<13} {}",
             row["scenario"].as_str().unwrap_or("?"),
             row["prompts"].to_string(),
             row["computed_tokens"].to_string(),
@@ -761,6 +823,7 @@ fn print_table(report: &Value) {
             f("bandwidth_floor_ms"),
             f("compute_floor_ms"),
             f("median_over_floor"),
+            answers,
             row["what"].as_str().unwrap_or("")
         );
     }

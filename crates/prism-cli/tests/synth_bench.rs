@@ -271,6 +271,19 @@ fn bench_runs_the_three_scenarios_on_the_tiny_model() {
         response["usage"]["input_tokens"].as_u64().unwrap(),
         shared.iter().sum::<u64>()
     );
+    // The bench answers the shared request as `prism decide` does, and digests the answers.
+    assert_eq!(scenarios[1]["answers"], response["answers"]);
+    for s in scenarios {
+        let digest = s["answers_sha256"].as_str().unwrap();
+        assert!(
+            digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{digest}"
+        );
+    }
+    assert_ne!(
+        scenarios[0]["answers_sha256"], scenarios[1]["answers_sha256"],
+        "one question and three questions answer differently"
+    );
     // Shared evidence: the prefix is computed once.
     let computed = scenarios[1]["computed_tokens"].as_u64().unwrap();
     let prefix = scenarios[1]["shared_prefix_tokens"].as_u64().unwrap();
@@ -284,6 +297,7 @@ fn bench_runs_the_three_scenarios_on_the_tiny_model() {
     for s in scenarios {
         let name = s["scenario"].as_str().unwrap();
         assert_eq!(s["runs_ms"].as_array().unwrap().len(), 2, "{name}");
+        assert_eq!(s["answers_same_every_run"], Value::Bool(true), "{name}");
         let f = |k: &str| s[k].as_f64().unwrap_or_else(|| panic!("{name}: {k}"));
         assert!(
             f("median_ms") > 0.0 && f("p95_ms") >= f("median_ms"),
