@@ -806,7 +806,11 @@ fn print_table(report: &Value) {
         // The digest's first 12 hex digits; `*`: a later run answered differently.
         let answers = format!(
             "{}{}",
-            row["answers_sha256"].as_str().unwrap_or("-").get(..12).unwrap_or("-"),
+            row["answers_sha256"]
+                .as_str()
+                .unwrap_or("-")
+                .get(..12)
+                .unwrap_or("-"),
             if row["answers_same_every_run"].as_bool() == Some(false) {
                 "*"
             } else {
