@@ -203,6 +203,12 @@ impl<'a> WeightLoader<'a> {
         self.recorder.is_none() && !self.precision.is_integer()
     }
 
+    /// Whether loading a layer sends its projection matrices to the device (dense precisions and
+    /// calibration runs); on the integer path they stay on the host until the first forward pass.
+    pub fn uploads_matrices(&self) -> bool {
+        self.recorder.is_some() || !self.precision.is_integer()
+    }
+
     /// Reads an HF checkpoint by GGUF names ([`HfWeights`] does the conversion).
     pub fn from_hf(hf: &'a HfWeights<'a>, device: &Device, precision: Precision) -> Self {
         Self {
