@@ -1096,8 +1096,10 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
     // stage. Only for calls with a compile-time kc (fully unrolled loops): a register array indexed at
     // run time would live in local memory.
     //
-    // K-quants only: for Q8_0 the same change measured 0–3 % slower on the H200 (2026-11-30).
-    constexpr bool OFFSETS_IN_REGS = WS && FMT != FMT_Q8_0 && !WG;
+    // Q8_0: the 128-row tiles only. On an H200 (2026-11-30, seventh session) offsets in registers
+    // measured +3–9 % on the 128-row Q8_0 tiles (M = 512–16,384) and −1–4 % on the 96-row tile at
+    // M = 275 (docs/benchmarks.md); the third session had found 0–3 % slower for all Q8_0 tiles.
+    constexpr bool OFFSETS_IN_REGS = WS && !WG && (FMT != FMT_Q8_0 || MT == 4);
     constexpr int KC = BK / 32;
     constexpr int ROW_BYTES = SPLIT ? 128 : BK;
     int a_off[OFFSETS_IN_REGS ? KC : 1], b_off[OFFSETS_IN_REGS ? KC : 1];
