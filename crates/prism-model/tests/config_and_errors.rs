@@ -6,7 +6,7 @@ mod common;
 use std::collections::HashMap;
 
 use common::*;
-use prism_gguf::{GgufFile, GgufWriter, MetadataValue};
+use prism_gguf::{GgufFile, MetadataValue};
 use prism_model::{
     BatchItem, LayerKind, LoadOptions, ModelError, Precision, Qwen35Config, Qwen35Model,
 };
@@ -404,38 +404,6 @@ fn config_json_agreement_and_mismatches() {
 // ---------------------------------------------------------------------------------------------------
 // Bad files: rewrite the fixture GGUF with one thing changed
 // ---------------------------------------------------------------------------------------------------
-
-/// Copies tiny-BF16.gguf in memory, letting `edit_meta` change metadata, `added_meta` append keys and
-/// `edit_tensor` rename, reshape (same bytes) or drop (None) tensors.
-fn rewritten(
-    edit_meta: impl Fn(&str, &MetadataValue) -> Option<MetadataValue>,
-    added_meta: &[(&str, MetadataValue)],
-    edit_tensor: impl Fn(&str, &[u64]) -> Option<Vec<u64>>,
-) -> GgufFile {
-    let src = GgufFile::open(fixture_dir().join("tiny-BF16.gguf")).unwrap();
-    let mut w = GgufWriter::new();
-    for (key, value) in src.metadata() {
-        if let Some(v) = edit_meta(key, value) {
-            w.add_metadata(key.clone(), v).unwrap();
-        }
-    }
-    for (key, value) in added_meta {
-        w.add_metadata(*key, value.clone()).unwrap();
-    }
-    let mut kept = Vec::new();
-    for info in src.tensors() {
-        if let Some(dims) = edit_tensor(&info.name, &info.dims) {
-            w.add_tensor(info.name.clone(), &dims, info.ggml_type)
-                .unwrap();
-            kept.push(info.clone());
-        }
-    }
-    let mut data = w.write_header(Vec::new()).unwrap();
-    for info in &kept {
-        data.write_bytes(src.tensor_bytes(info)).unwrap();
-    }
-    GgufFile::from_bytes(data.finish().unwrap()).unwrap()
-}
 
 /// tiny-BF16.gguf with metadata `key` set to `value`.
 fn with_metadata(key: &str, value: MetadataValue) -> GgufFile {

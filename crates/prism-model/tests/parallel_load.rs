@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use candle_core::{DType, Tensor};
-use prism_gguf::{GgufFile, GgufWriter};
+use prism_gguf::GgufFile;
 use prism_model::calibration::{model_key, Calibration, CALIBRATION_VERSION};
 use prism_model::delta_net::DeltaNet;
 use prism_model::linear::{FusedLinear, Linear};
@@ -215,24 +215,7 @@ fn loaded_matrices_are_the_one_call_dequantization() {
 
 /// tiny-BF16.gguf rewritten with `edit` applied to each tensor's dims (`None` drops the tensor).
 fn rewritten(edit: impl Fn(&str, &[u64]) -> Option<Vec<u64>>) -> GgufFile {
-    let src = open("tiny-BF16.gguf");
-    let mut w = GgufWriter::new();
-    for (key, value) in src.metadata() {
-        w.add_metadata(key.clone(), value.clone()).unwrap();
-    }
-    let mut kept = Vec::new();
-    for info in src.tensors() {
-        if let Some(dims) = edit(&info.name, &info.dims) {
-            w.add_tensor(info.name.clone(), &dims, info.ggml_type)
-                .unwrap();
-            kept.push(info.clone());
-        }
-    }
-    let mut data = w.write_header(Vec::new()).unwrap();
-    for info in &kept {
-        data.write_bytes(src.tensor_bytes(info)).unwrap();
-    }
-    GgufFile::from_bytes(data.finish().unwrap()).unwrap()
+    common::rewritten(|_, value| Some(value.clone()), &[], edit)
 }
 
 fn load_error(gguf: &GgufFile, threads: &str) -> ModelError {

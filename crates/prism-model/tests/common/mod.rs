@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use candle_core::{DType, Tensor};
+use prism_gguf::{GgufFile, GgufWriter, MetadataValue};
 use prism_model::{LoadOptions, Precision, Qwen35Model};
 use serde_json::Value;
 
@@ -116,4 +117,36 @@ pub fn max_abs_diff_tensors(a: &Tensor, b: &Tensor) -> f64 {
         .unwrap()
         .to_scalar::<f64>()
         .unwrap()
+}
+
+/// Copies tiny-BF16.gguf in memory, letting `edit_meta` change metadata, `added_meta` append keys and
+/// `edit_tensor` rename, reshape (same bytes) or drop (None) tensors.
+pub fn rewritten(
+    edit_meta: impl Fn(&str, &MetadataValue) -> Option<MetadataValue>,
+    added_meta: &[(&str, MetadataValue)],
+    edit_tensor: impl Fn(&str, &[u64]) -> Option<Vec<u64>>,
+) -> GgufFile {
+    let src = GgufFile::open(fixture_dir().join("tiny-BF16.gguf")).unwrap();
+    let mut w = GgufWriter::new();
+    for (key, value) in src.metadata() {
+        if let Some(v) = edit_meta(key, value) {
+            w.add_metadata(key.clone(), v).unwrap();
+        }
+    }
+    for (key, value) in added_meta {
+        w.add_metadata(*key, value.clone()).unwrap();
+    }
+    let mut kept = Vec::new();
+    for info in src.tensors() {
+        if let Some(dims) = edit_tensor(&info.name, &info.dims) {
+            w.add_tensor(info.name.clone(), &dims, info.ggml_type)
+                .unwrap();
+            kept.push(info.clone());
+        }
+    }
+    let mut data = w.write_header(Vec::new()).unwrap();
+    for info in &kept {
+        data.write_bytes(src.tensor_bytes(info)).unwrap();
+    }
+    GgufFile::from_bytes(data.finish().unwrap()).unwrap()
 }
