@@ -613,7 +613,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         }
         // The integer path promises bit-identical answers for the same request; a benchmark that saw
         // otherwise measured something broken.
-        if timings.answers_differ && matches!(precision, Precision::Int8 | Precision::W4a8) {
+        if timings.answers_differ && precision.is_integer() {
             bail!(
                 "scenario {}: the answers differed between runs of the same request at {}, which must \
                  give the same bits every time",

@@ -156,22 +156,19 @@ pub const DEFAULT_MAX_LOAD_THREADS: usize = 8;
 
 /// The number of threads [`Qwen35Model`]'s loads use for the decoder layers ([`LOAD_THREADS_ENV`]).
 pub fn load_threads() -> Result<usize> {
-    match std::env::var(LOAD_THREADS_ENV) {
-        Ok(value) => match value.trim().parse::<usize>() {
-            Ok(n) if n >= 1 => Ok(n),
-            _ => Err(ModelError::InvalidConfig {
-                field: LOAD_THREADS_ENV.into(),
-                reason: format!("{value:?} is not a positive number of threads"),
-            }),
-        },
-        Err(std::env::VarError::NotPresent) => Ok(std::thread::available_parallelism()
+    let Some(value) = std::env::var_os(LOAD_THREADS_ENV) else {
+        return Ok(std::thread::available_parallelism()
             .map_or(1, |n| n.get())
-            .min(DEFAULT_MAX_LOAD_THREADS)),
-        Err(std::env::VarError::NotUnicode(value)) => Err(ModelError::InvalidConfig {
+            .min(DEFAULT_MAX_LOAD_THREADS));
+    };
+    value
+        .to_str()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n >= 1)
+        .ok_or_else(|| ModelError::InvalidConfig {
             field: LOAD_THREADS_ENV.into(),
             reason: format!("{value:?} is not a positive number of threads"),
-        }),
-    }
+        })
 }
 
 /// The threads that load `w`'s decoder layers onto `device`: [`load_threads`], except that on a GPU
@@ -182,8 +179,7 @@ pub fn load_threads() -> Result<usize> {
 /// took 15 s; the integer path's loads (no large uploads) ran from 8 threads with answers bit-identical
 /// to one thread's. Not understood yet, so not allowed by default.
 fn loader_threads(w: &WeightLoader<'_>, device: &Device) -> Result<usize> {
-    let explicit = std::env::var_os(LOAD_THREADS_ENV).is_some();
-    if !explicit && !device.is_cpu() && w.uploads_matrices() {
+    if std::env::var_os(LOAD_THREADS_ENV).is_none() && !device.is_cpu() && w.uploads_matrices() {
         return Ok(1);
     }
     load_threads()
