@@ -1152,6 +1152,31 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
         }
     };
 
+    // The same block in two halves, for the rotated loop below: q8_mmas issues the block's mmas into
+    // `c`; q8_fold later turns them into its fmas with the block's scales `dv`.
+    auto q8_mmas = [&](int (&c)[MT][NT][4], const unsigned (&af)[MT][4], const unsigned (&bf)[NT][2]) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int i = 0; i < MT; ++i) mma_k32(c[i][j], af[i], bf[j][0], bf[j][1], MAGIC_I);
+    };
+    auto q8_scales = [&](const unsigned char* st, int blk, float2 (&dv)[NT]) {
+        const float* dsm = reinterpret_cast<const float*>(st + S::D) + blk * BN;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) dv[j] = *reinterpret_cast<const float2*>(dsm + c_col + j * 8);
+    };
+    auto q8_fold = [&](const int (&c)[MT][NT][4], const float2 (&dv)[NT]) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float db = __fsub_rn(__int_as_float(c[i][j][e]), MAGIC_F);  // = f32(D_b), exact
+                    acc[i][j][e] = fmaf((e & 1) ? dv[j].y : dv[j].x, db, acc[i][j][e]);
+                }
+    };
+
     // K-quants: the integer sub-block sums of k=32 slice `kc` of the block, times their integer scales,
     // into dsum (exact i32).
     auto kq_slice = [&](const unsigned char* st, int kc, const unsigned (&af)[MT][4],
@@ -1660,7 +1685,82 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
             return;
         }
         int t = 0;
+        // Q8_0, 96-row tile: the loop rotated by one block. Block b's fmas run after block b + 1's
+        // mmas are issued, and a stage's last block's fmas after the next stage's first mmas, so each
+        // warp's stream mixes mmas and float work all through instead of a burst of mmas at a stage's
+        // start and ~100 float instructions at its end (when the scheduler's other compute warp, held
+        // near the same stage by the barriers, is in the same phase). The pending block lives in
+        // registers (`pc`, its scales `pd`). Each output still gets its fmas in block order, so the
+        // bits are those of the plain loop. A part starts with a pending block of D = 0 and scale 0:
+        // fma(0, +0, acc) = acc, as acc is never −0 (it starts at +0, and a sum of exact zeros of
+        // either sign is +0 unless both are −0). (128-row tiles: no registers for the second block.)
+        constexpr bool ROTATE = FMT == FMT_Q8_0 && MT == 3;
+        auto tile_parts_rotated = [&] {
+            for (int p = p_begin; p < p_end; ++p) {
+                int pc[MT][NT][4];
+                float2 pd[NT];
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    pd[j] = make_float2(0.f, 0.f);
+#pragma unroll
+                    for (int i = 0; i < MT; ++i)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) pc[i][j][e] = MAGIC_I;
+                }
+                for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
+                    const int cnt = min(BPS, part_end(p) - b), s = t % STAGES;
+                    const unsigned char* st = smem + s * S::STAGE;
+                    mbar_wait(full + s, (t / STAGES) & 1);
+                    if (cnt == BPS) {
+                        unsigned af[2][MT][4], bf[2][NT][2];
+                        load_frags_c(st, 0, af[0], bf[0]);
+#pragma unroll
+                        for (int blk = 0; blk < BPS; ++blk) {
+                            if (blk + 1 < BPS) load_frags_c(st, blk + 1, af[(blk + 1) & 1], bf[(blk + 1) & 1]);
+                            int c[MT][NT][4];
+                            q8_mmas(c, af[blk & 1], bf[blk & 1]);
+                            float2 dv[NT];
+                            q8_scales(st, blk, dv);
+                            q8_fold(pc, pd);
+#pragma unroll
+                            for (int j = 0; j < NT; ++j) {
+                                pd[j] = dv[j];
+#pragma unroll
+                                for (int i = 0; i < MT; ++i)
+#pragma unroll
+                                    for (int e = 0; e < 4; ++e) pc[i][j][e] = c[i][j][e];
+                            }
+                        }
+                    } else {
+                        // A part's short last stage: the pending block first, then the plain loop.
+                        q8_fold(pc, pd);
+#pragma unroll
+                        for (int j = 0; j < NT; ++j) {
+                            pd[j] = make_float2(0.f, 0.f);
+#pragma unroll
+                            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                                for (int e = 0; e < 4; ++e) pc[i][j][e] = MAGIC_I;
+                        }
+#pragma unroll 1
+                        for (int blk = 0; blk < cnt; ++blk) {
+                            unsigned af[MT][4], bf[NT][2];
+                            load_frags(st, blk, af, bf);
+                            q8_block(st, blk, af, bf);
+                        }
+                    }
+                    __syncwarp();
+                    mbar_arrive_warp(empty + s);
+                }
+                q8_fold(pc, pd);
+                finish_part(p);
+            }
+        };
         auto tile_parts = [&] {
+            if constexpr (ROTATE) {
+                tile_parts_rotated();
+                return;
+            }
             for (int p = p_begin; p < p_end; ++p) {
                 for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
                     const int cnt = min(BPS, part_end(p) - b), s = t % STAGES;
