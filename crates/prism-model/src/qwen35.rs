@@ -144,9 +144,9 @@ impl DecoderLayer {
 }
 
 /// Environment variable: how many threads load decoder layers at once (a positive integer). Unset:
-/// [`DEFAULT_MAX_LOAD_THREADS`] or the machine's parallelism, whichever is smaller, except one on a GPU
-/// for loads that upload dense matrices (see `loader_threads`). `1` loads the layers one after another
-/// on the calling thread.
+/// [`DEFAULT_MAX_LOAD_THREADS`] or the machine's parallelism, whichever is smaller. `1` loads the layers
+/// one after another on the calling thread. (On a GPU one loader thread at a time does device work,
+/// whatever the count: `weights::DEVICE_WORK`.)
 pub const LOAD_THREADS_ENV: &str = "PRISM_LOAD_THREADS";
 
 /// Loader threads when [`LOAD_THREADS_ENV`] is unset. Each holds one layer's host buffers at a time,
@@ -169,20 +169,6 @@ pub fn load_threads() -> Result<usize> {
             field: LOAD_THREADS_ENV.into(),
             reason: format!("{value:?} is not a positive number of threads"),
         })
-}
-
-/// The threads that load `w`'s decoder layers onto `device`: [`load_threads`], except that on a GPU
-/// layers whose projection matrices go to the device at load time ([`WeightLoader::uploads_matrices`]:
-/// bf16 / f32, and calibration runs) load one at a time unless [`LOAD_THREADS_ENV`] says otherwise.
-/// On an H200 a 9B bf16 load from 8 threads stopped making progress with the GPU idle and the
-/// threads spinning (2026-11-30, docs/device-runs/2026-11-30g), while the same load from one thread
-/// took 15 s; the integer path's loads (no large uploads) ran from 8 threads with answers bit-identical
-/// to one thread's. Not understood yet, so not allowed by default.
-fn loader_threads(w: &WeightLoader<'_>, device: &Device) -> Result<usize> {
-    if std::env::var_os(LOAD_THREADS_ENV).is_none() && !device.is_cpu() && w.uploads_matrices() {
-        return Ok(1);
-    }
-    load_threads()
 }
 
 /// `load(0)`, …, `load(n − 1)` on up to `threads` threads (the calling one included), returned in
@@ -425,7 +411,7 @@ impl Qwen35Model {
         options: &LoadOptions,
     ) -> Result<Self> {
         let d = config.hidden_size;
-        let threads = loader_threads(w, &options.device)?;
+        let threads = load_threads()?;
         let started = std::time::Instant::now();
         let embed = w.matrix("token_embd.weight", config.vocab_size, d)?;
         let embed_s = started.elapsed().as_secs_f64();

@@ -7,7 +7,7 @@
 //! the file's own blocks ([`prism_quant::QuantWeight`], no re-quantization) and give it the static
 //! activation scale of its input from a [`Calibration`]; float tensors of such a file stay dense.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 use prism_gguf::{GgmlType, GgufError, GgufFile, TensorInfo};
@@ -153,6 +153,31 @@ fn dequantize_parallel(gguf: &GgufFile, info: &TensorInfo) -> Result<Vec<f32>, G
     Ok(values)
 }
 
+/// Held by a loader thread while it works on a GPU: one thread at a time does a load's device work
+/// (copies from host memory, casts, concatenations, and the frees of their inputs), while the host
+/// work (reading and dequantizing the file, rounding to bf16, shape checks) runs on every loader
+/// thread. On an H200 (2026-11-30) bf16 loads whose loader threads each did their own device work
+/// stopped making progress near their end (GPU idle, most loader threads running in user and kernel
+/// time, one waiting on a thread it had started), from 8 threads every time; neither a lock around
+/// the copies alone nor eager CUDA module loading prevented it. With this lock (and bf16 rounded on
+/// the host) 9B and 27B bf16 loads from 8 threads complete, a 9B one from 4 threads in 10.3 s
+/// against 14.3 s from one, with the same answers (docs/benchmarks.md, eighth session). The driver's
+/// side of the stall was not seen (no stacks could be taken on the device).
+static DEVICE_WORK: Mutex<()> = Mutex::new(());
+
+/// `work` run under [`DEVICE_WORK`] when `device` is a GPU. `work` should own the tensors it
+/// consumes, so that their device memory is freed under the lock too.
+fn on_device<R>(device: &Device, work: impl FnOnce() -> Result<R>) -> Result<R> {
+    if device.is_cpu() {
+        return work();
+    }
+    // The lock guards no data, so a panic elsewhere while it was held leaves nothing inconsistent.
+    let _one_thread_on_the_device = DEVICE_WORK
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    work()
+}
+
 /// Where the tensors come from. Both give GGUF names and layouts.
 enum WeightSource<'a> {
     Gguf(&'a GgufFile),
@@ -203,12 +228,6 @@ impl<'a> WeightLoader<'a> {
         self.recorder.is_none() && !self.precision.is_integer()
     }
 
-    /// Whether loading a layer sends its projection matrices to the device (dense precisions and
-    /// calibration runs); on the integer path they stay on the host until the first forward pass.
-    pub fn uploads_matrices(&self) -> bool {
-        self.recorder.is_some() || !self.precision.is_integer()
-    }
-
     /// Reads an HF checkpoint by GGUF names ([`HfWeights`] does the conversion).
     pub fn from_hf(hf: &'a HfWeights<'a>, device: &Device, precision: Precision) -> Self {
         Self {
@@ -232,7 +251,9 @@ impl<'a> WeightLoader<'a> {
     pub fn f32_tensor(&self, name: &str, ne: &[usize]) -> Result<Tensor> {
         let values = self.f32_values(name, ne)?;
         let shape: Vec<usize> = ne.iter().rev().copied().collect();
-        Ok(Tensor::from_vec(values, shape, &self.device)?)
+        on_device(&self.device, || {
+            Ok(Tensor::from_vec(values, shape, &self.device)?)
+        })
     }
 
     /// [`Self::f32_tensor`]'s values in host memory (row-major, `Π ne` of them).
@@ -276,18 +297,20 @@ impl<'a> WeightLoader<'a> {
 
     /// [`Self::f32_tensor`] converted to the activation dtype.
     pub fn activation_tensor(&self, name: &str, ne: &[usize]) -> Result<Tensor> {
-        Ok(self
-            .f32_tensor(name, ne)?
-            .to_dtype(self.precision.activation_dtype())?)
+        let t = self.f32_tensor(name, ne)?;
+        on_device(&self.device, move || {
+            Ok(t.to_dtype(self.precision.activation_dtype())?)
+        })
     }
 
     /// A linear-layer weight with `rows` outputs of `cols` inputs: GGUF `[cols, rows]`, returned as
     /// `[rows, cols]` in the precision's matrix dtype.
     pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Tensor> {
         let dtype = self.precision.matrix_dtype();
-        if dtype == DType::BF16 && self.device.is_cpu() {
-            // candle's CPU cast is one thread; this is the same rounding (`bf16::from_f32`, which
-            // candle's cast calls) over all cores. On a GPU the cast stays on the device.
+        if dtype == DType::BF16 {
+            // Rounded on the host, over all cores (candle's CPU cast is one thread), with the
+            // rounding candle's casts use (round to nearest even, `bf16::from_f32` on the CPU,
+            // `__float2bfloat16` on a GPU): half the bytes of an f32 copy, and no cast on the device.
             let values = self.f32_values(name, &[cols, rows])?;
             let rounded: Vec<half::bf16> = values
                 .par_iter()
@@ -295,10 +318,12 @@ impl<'a> WeightLoader<'a> {
                 .map(|&v| half::bf16::from_f32(v))
                 .collect();
             drop(values);
-            return Ok(Tensor::from_vec(rounded, (rows, cols), &self.device)?);
+            return on_device(&self.device, || {
+                Ok(Tensor::from_vec(rounded, (rows, cols), &self.device)?)
+            });
         }
         let t = self.f32_tensor(name, &[cols, rows])?;
-        Ok(t.to_dtype(dtype)?)
+        on_device(&self.device, move || Ok(t.to_dtype(dtype)?))
     }
 
     /// The matrices `parts` (name, rows), all of `cols` inputs, stacked row-wise in that order:
@@ -314,7 +339,11 @@ impl<'a> WeightLoader<'a> {
         for &(name, rows) in parts {
             loaded.push(self.matrix(name, rows, cols)?);
         }
-        Ok(Tensor::cat(&loaded, 0)?)
+        on_device(&self.device, move || {
+            let stacked = Tensor::cat(&loaded, 0)?;
+            drop(loaded);
+            Ok(stacked)
+        })
     }
 
     /// The projections `parts` (GGUF name, rows), all reading the same `cols` inputs, as one

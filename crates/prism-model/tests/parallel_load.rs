@@ -288,26 +288,3 @@ fn the_thread_count_setting_is_checked() {
     })
     .unwrap();
 }
-
-/// Which loads send projection matrices to the device while loading (on a GPU those load their layers
-/// one at a time unless `PRISM_LOAD_THREADS` is set): the dense precisions and calibration runs, not
-/// the integer path, whose weights go up at the first forward pass.
-#[test]
-fn only_dense_and_recording_loads_upload_matrices() {
-    use prism_model::calibration::RangeRecorder;
-    use prism_model::weights::WeightLoader;
-    let gguf = open("tiny-Q8_0.gguf");
-    let cpu = candle_core::Device::Cpu;
-    for (precision, uploads) in [
-        (Precision::F32, true),
-        (Precision::Bf16, true),
-        (Precision::Int8, false),
-        (Precision::W4a8, false),
-    ] {
-        let w = WeightLoader::new(&gguf, &cpu, precision);
-        assert_eq!(w.uploads_matrices(), uploads, "{precision:?}");
-        let recording = WeightLoader::new(&gguf, &cpu, precision)
-            .with_recorder(std::sync::Arc::new(RangeRecorder::default()));
-        assert!(recording.uploads_matrices(), "{precision:?} recording");
-    }
-}
