@@ -1695,18 +1695,22 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
         // fma(0, +0, acc) = acc, as acc is never −0 (it starts at +0, and a sum of exact zeros of
         // either sign is +0 unless both are −0). (128-row tiles: no registers for the second block.)
         constexpr bool ROTATE = FMT == FMT_Q8_0 && MT == 3;
+        // The pending block of nothing: D = 0 (the bias alone) at scale 0.
+        auto no_pending_block = [&](int (&pc)[MT][NT][4], float2 (&pd)[NT]) {
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                pd[j] = make_float2(0.f, 0.f);
+#pragma unroll
+                for (int i = 0; i < MT; ++i)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) pc[i][j][e] = MAGIC_I;
+            }
+        };
         auto tile_parts_rotated = [&] {
             for (int p = p_begin; p < p_end; ++p) {
                 int pc[MT][NT][4];
                 float2 pd[NT];
-#pragma unroll
-                for (int j = 0; j < NT; ++j) {
-                    pd[j] = make_float2(0.f, 0.f);
-#pragma unroll
-                    for (int i = 0; i < MT; ++i)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) pc[i][j][e] = MAGIC_I;
-                }
+                no_pending_block(pc, pd);
                 for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
                     const int cnt = min(BPS, part_end(p) - b), s = t % STAGES;
                     const unsigned char* st = smem + s * S::STAGE;
@@ -1734,14 +1738,7 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                     } else {
                         // A part's short last stage: the pending block first, then the plain loop.
                         q8_fold(pc, pd);
-#pragma unroll
-                        for (int j = 0; j < NT; ++j) {
-                            pd[j] = make_float2(0.f, 0.f);
-#pragma unroll
-                            for (int i = 0; i < MT; ++i)
-#pragma unroll
-                                for (int e = 0; e < 4; ++e) pc[i][j][e] = MAGIC_I;
-                        }
+                        no_pending_block(pc, pd);
 #pragma unroll 1
                         for (int blk = 0; blk < cnt; ++blk) {
                             unsigned af[MT][4], bf[NT][2];
@@ -1761,6 +1758,8 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
                 tile_parts_rotated();
                 return;
             }
+            // (nvcc warns that this loop is unreachable in the rotated tiles' instantiation; an
+            // `else` around it renames registers in the 128-row tiles' SASS, which ran as it is.)
             for (int p = p_begin; p < p_end; ++p) {
                 for (int b = part_begin(p); b < part_end(p); b += BPS, ++t) {
                     const int cnt = min(BPS, part_end(p) - b), s = t % STAGES;
