@@ -12,6 +12,10 @@
 #   bench27-int8  27B int8 bench (calibrates once into /tmp/pc: about 100 s; a calibration file carried
 #               in .device-carry/ for the same synthetic file is used instead)
 #   bench9 / bench4   9B / 4B bf16 benches (10 runs after 2 warm-ups)
+#   loads9      9B bf16 loads from 1, 4, 8 and 16 loader threads (PRISM_LOAD_THREADS), one bench run each
+#               after no warm-up (answer digests comparable across them); each killed after 120 s
+#   calib27     27B int8 bench that calibrates (no calibration file carried) with PRISM_LOAD_THREADS=8:
+#               a calibration run's load from 8 threads on the GPU; killed after 400 s
 #   ncu27       ncu kernel times of one warm pass per scenario of the 27B bf16 bench
 #   gemm        prism cuda-quant-check --gemm timings of the integer GEMM tiles at 27B shapes (M = 275,
 #               2,048, 16,384 and a one-wave steady state; docs/benchmarks.md, third session)
@@ -59,6 +63,16 @@ for step in "$@"; do
             cp .device-carry/calibration-*.json /tmp/pc/ 2> /dev/null
             PRISM_CACHE_DIR=/tmp/pc /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --runs 3 --warmup 1 > "$OUT/bench-27b-int8.txt" 2>&1 ;;
         bench9) /tmp/prism bench --model-dir /tmp/s9 --device cuda --precision bf16 --runs 10 --warmup 2 > "$OUT/bench-9b-bf16.txt" 2>&1 ;;
+        loads9)
+            for th in 1 4 8 16; do
+                PRISM_LOAD_THREADS=$th RUST_LOG=info timeout -s KILL 120 /tmp/prism bench --model-dir /tmp/s9 \
+                    --device cuda --precision bf16 --runs 1 --warmup 0 > "$OUT/bench-9b-bf16-t$th.txt" 2>&1
+                echo "   threads $th rc=$?"
+            done ;;
+        calib27)
+            rm -rf /tmp/pc-fresh
+            PRISM_LOAD_THREADS=8 RUST_LOG=info PRISM_CACHE_DIR=/tmp/pc-fresh timeout -s KILL 400 /tmp/prism bench \
+                --model-dir /tmp/s27 --device cuda --precision int8 --runs 1 --warmup 0 > "$OUT/bench-27b-int8-calibrate-t8.txt" 2>&1 ;;
         bench4) /tmp/prism bench --model-dir /tmp/s4 --device cuda --precision bf16 --runs 10 --warmup 2 > "$OUT/bench-4b-bf16.txt" 2>&1 ;;
         ncu27)
             "$NCU" --profile-from-start off --clock-control none --cache-control none \
