@@ -15,7 +15,8 @@
 #   loads9      9B bf16 loads from 1, 4, 8 and 16 loader threads (PRISM_LOAD_THREADS), one bench run each
 #               after no warm-up (answer digests comparable across them); each killed after 120 s
 #   calib27     27B int8 bench that calibrates (no calibration file carried) with PRISM_LOAD_THREADS=8:
-#               a calibration run's load from 8 threads on the GPU; killed after 400 s
+#               a calibration run (bf16 projections wrapped in range recorders) loaded from 8 threads on
+#               the GPU; killed after 400 s
 #   ncu27       ncu kernel times of one warm pass per scenario of the 27B bf16 bench
 #   gemm        prism cuda-quant-check --gemm timings of the integer GEMM tiles at 27B shapes (M = 275,
 #               2,048, 16,384 and a one-wave steady state; docs/benchmarks.md, third session)

@@ -145,9 +145,8 @@ impl DecoderLayer {
 
 /// Environment variable: how many threads load decoder layers at once (a positive integer). Unset:
 /// [`DEFAULT_MAX_LOAD_THREADS`] or the machine's parallelism, whichever is smaller. `1` loads the layers
-/// one after another on the calling thread. On a GPU, calibration runs use one unless it is set
-/// (`loader_threads`), and one loader thread at a time does device work whatever the count
-/// (`weights::DEVICE_WORK`).
+/// one after another on the calling thread. (On a GPU one loader thread at a time does device work,
+/// whatever the count: `weights::DEVICE_WORK`.)
 pub const LOAD_THREADS_ENV: &str = "PRISM_LOAD_THREADS";
 
 /// Loader threads when [`LOAD_THREADS_ENV`] is unset. Each holds one layer's host buffers at a time,
@@ -170,19 +169,6 @@ pub fn load_threads() -> Result<usize> {
             field: LOAD_THREADS_ENV.into(),
             reason: format!("{value:?} is not a positive number of threads"),
         })
-}
-
-/// The threads that load `w`'s decoder layers onto `device`: [`load_threads`], except one for a
-/// calibration run on a GPU unless [`LOAD_THREADS_ENV`] is set. Such a load copies every projection to
-/// the device in f32; bf16 loads, whose device work is the same (copies under `weights::DEVICE_WORK`),
-/// ran from 4–16 threads on an H200, but a calibration load has not yet run from more than one there
-/// (before `weights::DEVICE_WORK`, dense loads from several threads stalled), and it happens once per
-/// model file, next to a calibration pass that takes far longer than the load.
-fn loader_threads(w: &WeightLoader<'_>, device: &Device) -> Result<usize> {
-    if w.records_ranges() && !device.is_cpu() && std::env::var_os(LOAD_THREADS_ENV).is_none() {
-        return Ok(1);
-    }
-    load_threads()
 }
 
 /// `load(0)`, …, `load(n − 1)` on up to `threads` threads (the calling one included), returned in
@@ -425,7 +411,7 @@ impl Qwen35Model {
         options: &LoadOptions,
     ) -> Result<Self> {
         let d = config.hidden_size;
-        let threads = loader_threads(w, &options.device)?;
+        let threads = load_threads()?;
         let started = std::time::Instant::now();
         let embed = w.matrix("token_embd.weight", config.vocab_size, d)?;
         let embed_s = started.elapsed().as_secs_f64();

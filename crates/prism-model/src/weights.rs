@@ -228,11 +228,6 @@ impl<'a> WeightLoader<'a> {
         self.recorder.is_none() && !self.precision.is_integer()
     }
 
-    /// Whether this is a calibration run's loader ([`Self::with_recorder`]).
-    pub fn records_ranges(&self) -> bool {
-        self.recorder.is_some()
-    }
-
     /// Reads an HF checkpoint by GGUF names ([`HfWeights`] does the conversion).
     pub fn from_hf(hf: &'a HfWeights<'a>, device: &Device, precision: Precision) -> Self {
         Self {

@@ -288,27 +288,3 @@ fn the_thread_count_setting_is_checked() {
     })
     .unwrap();
 }
-
-/// Calibration runs are the loads that take one loader thread on a GPU (prism-model's
-/// `loader_threads`): the loader says whether it records ranges, for every precision.
-#[test]
-fn only_recording_loaders_record_ranges() {
-    use prism_model::calibration::RangeRecorder;
-    use prism_model::weights::WeightLoader;
-    let gguf = open("tiny-Q8_0.gguf");
-    let cpu = candle_core::Device::Cpu;
-    for precision in [
-        Precision::F32,
-        Precision::Bf16,
-        Precision::Int8,
-        Precision::W4a8,
-    ] {
-        assert!(
-            !WeightLoader::new(&gguf, &cpu, precision).records_ranges(),
-            "{precision:?}"
-        );
-        let recording = WeightLoader::new(&gguf, &cpu, precision)
-            .with_recorder(std::sync::Arc::new(RangeRecorder::default()));
-        assert!(recording.records_ranges(), "{precision:?} recording");
-    }
-}
