@@ -18,6 +18,7 @@ mod cmd_logits;
 mod cmd_render;
 mod cmd_serve;
 mod cmd_synth;
+mod stack_dump;
 
 #[derive(Parser)]
 #[command(
@@ -237,6 +238,13 @@ fn main() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
+    if stack_dump::install_if_requested()? {
+        tracing::info!(
+            "{}: `kill -QUIT {}` writes every thread's stack to stderr",
+            stack_dump::ENV,
+            std::process::id()
+        );
+    }
     let cli = Cli::parse();
     match cli.command {
         Command::Gguf {
