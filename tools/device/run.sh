@@ -27,6 +27,13 @@
 #   quant       prism cuda-quant-check alone (the integer GEMM checks, the chained tile's among them)
 #   imma        kernels/bench/imma_rate.cu's loops, from .device-carry/imma_rate (built here: nvcc -O3
 #               -gencode=arch=compute_90a,code=sm_90a -o .device-carry/imma_rate kernels/bench/imma_rate.cu)
+#   quant-var   prism cuda-quant-check of a second binary, .device-carry/prism-var.xz (a kernel variant
+#               must pass it before its timings mean anything)
+#   gemm-ab     A/B of the binary against .device-carry/prism-var.xz: every spec of $AB_SPECS (spaces
+#               between `FORMAT,K,N,M,TILE,G` specs; default: the decision shape and the large-M Q8_0
+#               shapes), run 5 of `--gemm SPEC --runs 6` with each binary in turn, twice (gemm-ab.txt)
+# Any step: PRISM_STACKS_ON_SIGQUIT=1 in the environment and `kill -QUIT PID` on a hung prism write
+# every thread's stack to its stderr (crates/prism-cli/src/stack_dump.rs; carry an unstripped build).
 # The binary is taken from .device-carry/prism.xz (xz of a stripped `--features cuda` build; unpacked
 # by xz or Python's lzma) or .device-carry/prism.gz, unless /tmp/prism exists.
 set -u
@@ -107,6 +114,26 @@ for step in "$@"; do
         quant)
             /tmp/prism cuda-quant-check --json-out "$OUT/quant.json" > "$OUT/cuda-quant-check.log" 2>&1
             echo "cuda-quant-check rc=$?" | tee -a "$OUT/cuda-quant-check.log" ;;
+        quant-var | gemm-ab)
+            if [ ! -x /tmp/prism-var ]; then
+                xz -dc .device-carry/prism-var.xz > /tmp/prism-var 2> /dev/null ||
+                    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)' \
+                        .device-carry/prism-var.xz > /tmp/prism-var
+                chmod +x /tmp/prism-var || exit 1
+            fi
+            if [ "$step" = quant-var ]; then
+                /tmp/prism-var cuda-quant-check > "$OUT/cuda-quant-check-var.log" 2>&1
+                echo "cuda-quant-check (var) rc=$?" | tee -a "$OUT/cuda-quant-check-var.log"
+            else
+                specs=${AB_SPECS:-"q8_0,5120,34816,275,auto,1 q8_0,17408,5120,275,auto,1 q8_0,5120,17408,2048,auto,1 q8_0,17408,5120,2048,auto,1 q8_0,5120,17408,16384,auto,1 q8_0,5120,14336,512,auto,1"}
+                for spec in $specs; do
+                    for rep in 1 2; do
+                        for bin in prism prism-var; do
+                            echo "$bin $(timeout 60 /tmp/$bin cuda-quant-check --gemm "$spec" --runs 6 2>&1 | tail -1)"
+                        done
+                    done
+                done | tee "$OUT/gemm-ab.txt"
+            fi ;;
         imma)
             cp .device-carry/imma_rate /tmp/imma_rate && chmod +x /tmp/imma_rate && /tmp/imma_rate > "$OUT/imma-rate.txt" 2>&1 ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
