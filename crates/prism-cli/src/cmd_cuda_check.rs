@@ -639,8 +639,17 @@ fn integer_model_checks(
         let gpu_model = Qwen35Model::from_gguf_calibrated(&gguf, &gpu_opts, &calibration)?;
         let cpu_model = Qwen35Model::from_gguf_calibrated(&gguf, &cpu_opts, &calibration)?;
         let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
-        let batched = gpu_model.logits(&gpu_model.last_hidden(&refs)?)?;
+        let hidden = gpu_model.last_hidden(&refs)?;
+        let batched = gpu_model.logits(&hidden)?;
         let cpu = cpu_model.logits(&cpu_model.last_hidden(&refs)?)?;
+        // The read-out's rows: the output head lives on the GPU only, its rows gathered there.
+        let letters: Vec<u32> = vec![32, 33, 34, 35, 7, 32];
+        let picked = Tensor::from_slice(&letters, letters.len(), gpu)?;
+        r.identical(
+            &format!("{label} (GPU): logits of 6 selected vocabulary rows vs those columns"),
+            &gpu_model.logits_for_rows(&hidden, &letters)?,
+            &batched.index_select(&picked, 1)?,
+        )?;
         // The GPU's attention rounds q, k, v and p to bf16 (the flash kernel) where the CPU's is f32, and
         // the random tiny model turns each int8 rounding that flips into a visible change: the distance
         // between the two integer paths is bounded loosely (a wrong kernel gives ~1), and the pass/fail

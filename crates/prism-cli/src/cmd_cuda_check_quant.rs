@@ -494,6 +494,78 @@ fn activation_checks(r: &mut Report, gpu: &Device) -> Result<()> {
     Ok(())
 }
 
+/// Weights loaded straight to the GPU (what a model load for a GPU makes: the host copy dropped,
+/// `CudaQuantWeight::upload_owned` + `QuantMatmul::from_device`): the same bits as a weight kept on the
+/// host and uploaded on its first product, and as the CPU reference; rows selected on the device (the
+/// read-out's letter rows) equal those columns of the full product and the CPU's product of the same
+/// rows; the CPU forward of a GPU-only weight and rows out of range are refused.
+fn device_only_checks(r: &mut Report, gpu: &Device) -> Result<()> {
+    let dev = match gpu {
+        Device::Cuda(d) => d.clone(),
+        _ => bail!("not a CUDA device"),
+    };
+    let (m, n, k) = (37usize, 300usize, 1024usize);
+    let mut rng = Rng(0x5EED);
+    let x: Vec<f32> = (0..m * k).map(|_| rng.activation()).collect();
+    let xg = Tensor::from_slice(&x, (m, k), gpu)?;
+    let scale = ActivationScale::from_absmax(4.0)?;
+    let rows: [u32; 6] = [5, 0, 299, 17, 5, 128];
+    for format in [
+        WeightFormat::Q8_0,
+        WeightFormat::Q4K,
+        WeightFormat::Q5K,
+        WeightFormat::Q6K,
+    ] {
+        let tag = format!("GPU-only weight {format:?} [{n}, {k}], M {m}");
+        let w = random_weight(format, n, k, 0xD0 + format as u64)?;
+        let cpu = prism_quant::kernel::matmul(&x, m, &w, &scale)?;
+        let on_host = prism_quant::QuantMatmul::new(std::sync::Arc::new(w.clone()), scale);
+        let gpu_only = prism_quant::QuantMatmul::from_device(
+            CudaQuantWeight::upload_owned(w.clone(), &dev)?,
+            scale,
+        );
+        let y_host = on_host.forward(&xg)?;
+        let y_dev = gpu_only.forward(&xg)?;
+        r.bits(
+            &format!("{tag}: vs the CPU reference"),
+            &to_vec(&y_dev)?,
+            &cpu,
+        );
+        r.bits(
+            &format!("{tag}: vs a host weight uploaded on first use"),
+            &to_vec(&y_dev)?,
+            &to_vec(&y_host)?,
+        );
+        let picked = Tensor::from_slice(&rows, rows.len(), gpu)?;
+        let sel = gpu_only.select_rows(&rows)?;
+        let y_sel = sel.forward(&xg)?;
+        r.bits(
+            &format!("{tag}: rows {rows:?} selected on the device vs those columns"),
+            &to_vec(&y_sel)?,
+            &to_vec(&y_dev.index_select(&picked, 1)?)?,
+        );
+        let w_sel = w.select_rows(&rows)?;
+        r.bits(
+            &format!("{tag}: rows selected on the device vs the CPU's product of those rows"),
+            &to_vec(&y_sel)?,
+            &prism_quant::kernel::matmul(&x, m, &w_sel, &scale)?,
+        );
+        let on_cpu = gpu_only.forward(&Tensor::from_slice(&x, (m, k), &Device::Cpu)?);
+        r.pass(
+            &format!("{tag}: its CPU forward is refused"),
+            matches!(&on_cpu, Err(e) if e.to_string().contains("GPU only")),
+            format!("{:?}", on_cpu.as_ref().err().map(|e| e.to_string())),
+        );
+        let out_of_range = gpu_only.select_rows(&[3, n as u32]);
+        r.pass(
+            &format!("{tag}: row {n} is out of range"),
+            matches!(out_of_range, Err(QuantError::RowOutOfRange { row, .. }) if row == n),
+            format!("{:?}", out_of_range.as_ref().err().map(|e| e.to_string())),
+        );
+    }
+    Ok(())
+}
+
 /// Non-finite inputs. The model's path (no synchronization): every output of a row holding a NaN or
 /// ±∞ is NaN and every other row has the bits of the same call on clean inputs, for every kernel (the
 /// poisoning runs after the split combine and the v2 scratch), through `QuantMatmul::forward` too. The
@@ -923,6 +995,7 @@ pub fn run(json_out: Option<PathBuf>, time: bool) -> Result<()> {
         failed: 0,
     };
     activation_checks(&mut report, &gpu)?;
+    device_only_checks(&mut report, &gpu)?;
     non_finite_checks(&mut report, &gpu, &dev)?;
     quant_checks(&mut report, &gpu, &dev)?;
     if time {

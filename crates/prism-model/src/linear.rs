@@ -89,14 +89,13 @@ impl Linear {
         Ok(match self {
             Linear::Dense(w) => Linear::Dense(pick(w)?),
             Linear::Quant(op) => {
-                let weight =
-                    op.weight
-                        .select_rows(rows)
+                Linear::Quant(
+                    op.select_rows(rows)
                         .map_err(|source| crate::ModelError::Quant {
-                            name: op.weight.name().to_string(),
+                            name: op.name().to_string(),
                             source,
-                        })?;
-                Linear::Quant(QuantMatmul::new(Arc::new(weight), op.scale))
+                        })?,
+                )
             }
             Linear::Recording {
                 weight,
@@ -114,7 +113,7 @@ impl Linear {
     pub fn out_features(&self) -> usize {
         match self {
             Linear::Dense(w) | Linear::Recording { weight: w, .. } => w.dims()[0],
-            Linear::Quant(op) => op.weight.rows(),
+            Linear::Quant(op) => op.rows(),
         }
     }
 

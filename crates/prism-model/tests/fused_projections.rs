@@ -225,7 +225,7 @@ fn unequal_cached_ranges_of_one_group_take_the_largest() {
     match fused.gemms.as_slice() {
         [Linear::Quant(op)] => {
             assert_eq!(op.scale, ActivationScale::from_absmax(3.0).unwrap());
-            assert_eq!(op.weight.name(), format!("{gate}+{up}"));
+            assert_eq!(op.name(), format!("{gate}+{up}"));
         }
         other => panic!("one integer GEMM expected, got {other:?}"),
     }

@@ -95,7 +95,7 @@ fn assert_same_linear(a: &Linear, b: &Linear, what: &str) {
     match (a, b) {
         (Linear::Dense(a), Linear::Dense(b)) => assert_same_tensor(a, b, what),
         (Linear::Quant(a), Linear::Quant(b)) => {
-            assert_eq!(a.weight, b.weight, "{what}: quantized weight");
+            assert_eq!(a.host_weight(), b.host_weight(), "{what}: quantized weight");
             assert_eq!(a.scale, b.scale, "{what}: activation scale");
         }
         _ => panic!("{what}: different kinds of projection"),

@@ -39,7 +39,7 @@ use crate::cuda_plan::{
     self, DeviceLimits, Family, FlatWeight, GemmKernel, LaunchPlan, SIMT_THREADS,
 };
 use crate::error::QuantError;
-use crate::weight::{QuantWeight, WeightFormat};
+use crate::weight::{QuantWeight, WeightFormat, WeightInfo};
 
 /// The kernels as a fatbin (sm_80 / sm_89 / sm_90a machine code + compute_80 PTX, kernels/build_ptx.rs).
 const QUANT_GEMM_IMAGE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/quant_gemm.fatbin"));
@@ -76,7 +76,13 @@ pub struct CudaQuantWeight {
 
 impl CudaQuantWeight {
     pub fn upload(w: &QuantWeight, device: &CudaDevice) -> Result<Self> {
-        Self::upload_flat(w, FlatWeight::new(w), false, device)
+        Self::from_flat(FlatWeight::new(w), false, device)
+    }
+
+    /// [`CudaQuantWeight::upload`] of a weight the caller is done with: no host copy of its bytes is
+    /// made, and its host memory is freed once on the device (what a model load does).
+    pub fn upload_owned(w: QuantWeight, device: &CudaDevice) -> Result<Self> {
+        Self::from_flat(FlatWeight::from_owned(w), false, device)
     }
 
     /// A Q8_0 weight for the chained tiles ([`crate::cuda_plan::V2Tile::chained`]): the block scales
@@ -89,15 +95,13 @@ impl CudaQuantWeight {
         let mut flat = FlatWeight::new(w);
         flat.d = cuda_plan::transpose(&tables.coef, w.rows(), tables.blocks_per_row);
         flat.dmin = cuda_plan::transpose(&tables.corr, w.rows(), tables.groups_per_row);
-        Self::upload_flat(w, flat, true, device)
+        Self::from_flat(flat, true, device)
     }
 
-    fn upload_flat(
-        w: &QuantWeight,
-        flat: FlatWeight,
-        chained: bool,
-        device: &CudaDevice,
-    ) -> Result<Self> {
+    /// Copies `flat`'s arrays to the device (its host vectors are freed as each copy completes).
+    /// A loader prepares [`FlatWeight::from_owned`] on its own thread and makes only this call under
+    /// its device lock.
+    pub fn from_flat(flat: FlatWeight, chained: bool, device: &CudaDevice) -> Result<Self> {
         let dev = Device::Cuda(device.clone());
         let bytes = |mut v: Vec<u8>| -> Result<Tensor> {
             if v.is_empty() {
@@ -113,18 +117,89 @@ impl CudaQuantWeight {
             let n = v.len();
             Tensor::from_vec(v, n, &dev)
         };
+        let FlatWeight {
+            info,
+            q,
+            sub_scales,
+            sub_mins,
+            d,
+            dmin,
+        } = flat;
         Ok(Self {
-            name: w.name().to_string(),
-            format: w.format(),
-            rows: w.rows(),
-            cols: w.cols(),
-            q: bytes(flat.q)?,
-            sub_scales: bytes(flat.sub_scales)?,
-            sub_mins: bytes(flat.sub_mins)?,
-            d: floats(flat.d)?,
-            dmin: floats(flat.dmin)?,
+            name: info.name,
+            format: info.format,
+            rows: info.rows,
+            cols: info.cols,
+            q: bytes(q)?,
+            sub_scales: bytes(sub_scales)?,
+            sub_mins: bytes(sub_mins)?,
+            d: floats(d)?,
+            dmin: floats(dmin)?,
             chained,
         })
+    }
+
+    /// The weight made of rows `rows` of this one, in that order, gathered on the device (the read-out's
+    /// letter rows of an output head that lives on the GPU only). Each output of the product depends
+    /// only on its own row, so the results are bit-identical to those columns of the full product.
+    pub fn select_rows(&self, rows: &[u32]) -> Result<Self> {
+        if self.chained {
+            bail!(
+                "{:?}: rows of a weight uploaded with chain tables cannot be selected",
+                self.name
+            );
+        }
+        if rows.is_empty() {
+            bail!("{:?}: select_rows of no rows", self.name);
+        }
+        if let Some(&row) = rows.iter().find(|&&r| r as usize >= self.rows) {
+            return Err(quant_err(QuantError::RowOutOfRange {
+                tensor: self.name.clone(),
+                row: row as usize,
+                rows: self.rows,
+            }));
+        }
+        let device = self.q.device();
+        let ids = Tensor::from_vec(rows.to_vec(), rows.len(), device)?;
+        let nb = self.cols / self.format.block_len();
+        // `[blocks, rows, per]` tables gathered along the row axis; a table the format does not have
+        // (one unused element) stays as it is.
+        let per_block_rows = |t: &Tensor, present: bool, per: usize| -> Result<Tensor> {
+            if !present {
+                return Ok(t.clone());
+            }
+            t.reshape((nb, self.rows, per))?
+                .index_select(&ids, 1)?
+                .flatten_all()
+        };
+        let (subs, mins) = (self.format.has_sub_scales(), self.format.has_mins());
+        let per = self.format.subs_per_block();
+        Ok(Self {
+            name: self.name.clone(),
+            format: self.format,
+            rows: rows.len(),
+            cols: self.cols,
+            q: self
+                .q
+                .reshape((self.rows, self.cols))?
+                .index_select(&ids, 0)?
+                .flatten_all()?,
+            sub_scales: per_block_rows(&self.sub_scales, subs, per)?,
+            sub_mins: per_block_rows(&self.sub_mins, mins, per)?,
+            d: per_block_rows(&self.d, true, 1)?,
+            dmin: per_block_rows(&self.dmin, mins, 1)?,
+            chained: false,
+        })
+    }
+
+    /// Name, format and shape.
+    pub fn info(&self) -> WeightInfo {
+        WeightInfo {
+            name: self.name.clone(),
+            format: self.format,
+            rows: self.rows,
+            cols: self.cols,
+        }
     }
 
     pub fn name(&self) -> &str {

@@ -16,7 +16,7 @@
 //! these are only questions of filling the GPU.
 
 use crate::error::{QuantError, Result};
-use crate::weight::{QuantWeight, WeightFormat};
+use crate::weight::{QuantWeight, WeightFormat, WeightInfo};
 
 /// Threads per CTA of the v1 tensor-core kernels (4 warps, 2 × 2, each 32 × 32 outputs).
 pub const TC_THREADS: u32 = 128;
@@ -844,6 +844,7 @@ pub fn check_launch(
 /// coalesce). Absent arrays (Q8_0 has no sub-block scales, only Q4_K/Q5_K have mins) are empty.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FlatWeight {
+    pub info: WeightInfo,
     pub q: Vec<u8>,
     pub sub_scales: Vec<u8>,
     pub sub_mins: Vec<u8>,
@@ -852,19 +853,19 @@ pub struct FlatWeight {
 }
 
 impl FlatWeight {
+    /// From a borrowed weight (copies it first; a loader that is done with the weight uses
+    /// [`FlatWeight::from_owned`]).
     pub fn new(w: &QuantWeight) -> Self {
-        let (rows, nb) = (w.rows(), w.blocks_per_row());
-        let mut q = Vec::with_capacity(rows * w.cols());
-        let (mut sub_scales, mut sub_mins, mut d, mut dmin) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let as_bytes = |v: &[i8]| v.iter().map(|&x| x as u8).collect::<Vec<u8>>();
-        for n in 0..rows {
-            q.extend(as_bytes(w.row_q(n)));
-            sub_scales.extend(as_bytes(w.row_sub_scales(n)));
-            sub_mins.extend(as_bytes(w.row_sub_mins(n)));
-            d.extend_from_slice(w.row_d(n));
-            dmin.extend_from_slice(w.row_dmin(n));
-        }
+        Self::from_owned(w.clone())
+    }
+
+    /// From a weight the caller is done with: the weight bytes are reused in place (an `i8` → `u8`
+    /// reinterpretation), only the small per-block tables are reordered.
+    pub fn from_owned(w: QuantWeight) -> Self {
+        let nb = w.blocks_per_row();
+        let (info, arrays) = w.into_arrays();
+        let rows = info.rows;
+        let bits = |v: Vec<i8>| -> Vec<u8> { v.into_iter().map(|x| x as u8).collect() };
         // Block-major: [block][row] (scales), [block][row][sub-block of the block] (integer tables).
         let block_major = |v: Vec<u8>| -> Vec<u8> {
             if v.is_empty() {
@@ -880,17 +881,18 @@ impl FlatWeight {
             }
             out
         };
-        let dmin = if dmin.is_empty() {
-            dmin
+        let dmin = if arrays.dmin.is_empty() {
+            arrays.dmin
         } else {
-            transpose(&dmin, rows, nb)
+            transpose(&arrays.dmin, rows, nb)
         };
         FlatWeight {
-            q,
-            sub_scales: block_major(sub_scales),
-            sub_mins: block_major(sub_mins),
-            d: transpose(&d, rows, nb),
+            q: bits(arrays.q),
+            sub_scales: block_major(bits(arrays.sub_scales)),
+            sub_mins: block_major(bits(arrays.sub_mins)),
+            d: transpose(&arrays.d, rows, nb),
             dmin,
+            info,
         }
     }
 }
@@ -1111,6 +1113,9 @@ mod tests {
             let (rows, cols) = (3, 512);
             let w = weight(format, rows, cols, &mut rng);
             let f = FlatWeight::new(&w);
+            // A loader's owned conversion gives the same arrays.
+            assert_eq!(FlatWeight::from_owned(w.clone()), f);
+            assert_eq!(f.info, w.info());
             let subs = cols / format.sub_len();
             let blocks = cols / format.block_len();
             assert_eq!(f.q.len(), rows * cols);

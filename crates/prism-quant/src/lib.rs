@@ -65,4 +65,4 @@ pub use activation::{quantize_rows, ActivationScale, QuantizedRows, QMAX};
 pub use error::{QuantError, Result};
 pub use kernel::{matmul, part_bounds, PARTS};
 pub use op::{NonFiniteMode, QuantMatmul};
-pub use weight::{QuantWeight, WeightFormat};
+pub use weight::{QuantWeight, WeightFormat, WeightInfo};

@@ -19,7 +19,7 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
 use crate::activation::ActivationScale;
 use crate::kernel;
-use crate::weight::QuantWeight;
+use crate::weight::{QuantWeight, WeightInfo};
 
 /// The environment variable that picks [`NonFiniteMode`] on CUDA (read once per process).
 pub const NONFINITE_ENV: &str = "PRISM_QGEMM_NONFINITE";
@@ -66,11 +66,18 @@ pub fn nonfinite_mode() -> crate::Result<NonFiniteMode> {
 /// `y = x · Wᵀ` for an f32 activation `x: [m, k]` and a quantized weight `W: [n, k]` with the static
 /// activation scale of this linear input; returns f32 `[m, n]`. The CPU forward is
 /// [`kernel::matmul`], the reference. A device kernel must return the same bits.
+///
+/// The weight's numbers live on the host ([`QuantMatmul::new`]: the CPU product, and a copy uploaded
+/// to a GPU on the first product there) or on a GPU only ([`QuantMatmul::from_device`]: what a model
+/// load for a GPU makes, so that the host does not keep a second copy of the weights).
 #[derive(Debug, Clone)]
 pub struct QuantMatmul {
-    pub weight: Arc<QuantWeight>,
+    info: WeightInfo,
+    /// The weight on the host (`None` when it was loaded straight to a GPU).
+    host: Option<Arc<QuantWeight>>,
     pub scale: ActivationScale,
-    /// The weight's copy on the GPU, uploaded on the first product there and shared by clones.
+    /// The weight's copy on the GPU, uploaded at load or on the first product there and shared by
+    /// clones.
     #[cfg(feature = "cuda")]
     device_weight: Arc<std::sync::Mutex<Option<Arc<crate::cuda::CudaQuantWeight>>>>,
 }
@@ -78,11 +85,83 @@ pub struct QuantMatmul {
 impl QuantMatmul {
     pub fn new(weight: Arc<QuantWeight>, scale: ActivationScale) -> Self {
         Self {
-            weight,
+            info: weight.info(),
+            host: Some(weight),
             scale,
             #[cfg(feature = "cuda")]
             device_weight: Arc::default(),
         }
+    }
+
+    /// The product of a weight already on a GPU (no host copy: the CPU forward refuses it).
+    #[cfg(feature = "cuda")]
+    pub fn from_device(weight: crate::cuda::CudaQuantWeight, scale: ActivationScale) -> Self {
+        Self {
+            info: weight.info(),
+            host: None,
+            scale,
+            device_weight: Arc::new(std::sync::Mutex::new(Some(Arc::new(weight)))),
+        }
+    }
+
+    /// Name, format and shape of the weight.
+    pub fn info(&self) -> &WeightInfo {
+        &self.info
+    }
+
+    /// The weight's tensor name (for errors).
+    pub fn name(&self) -> &str {
+        &self.info.name
+    }
+
+    /// Outputs.
+    pub fn rows(&self) -> usize {
+        self.info.rows
+    }
+
+    /// The weight on the host, if this product keeps one ([`QuantMatmul::new`]).
+    pub fn host_weight(&self) -> Option<&Arc<QuantWeight>> {
+        self.host.as_ref()
+    }
+
+    /// The same product restricted to the weight rows `rows`, in that order (e.g. the letters of a
+    /// read-out): on the host when the weight is there, else gathered on its GPU. Every output
+    /// depends only on its own row, so the results are bit-identical to those columns of the full
+    /// product.
+    pub fn select_rows(&self, rows: &[u32]) -> crate::Result<Self> {
+        if let Some(host) = &self.host {
+            return Ok(Self::new(Arc::new(host.select_rows(rows)?), self.scale));
+        }
+        #[cfg(feature = "cuda")]
+        {
+            let on_device = self
+                .device_weight
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            if let Some(w) = on_device {
+                if let Some(&row) = rows.iter().find(|&&r| r as usize >= self.info.rows) {
+                    return Err(crate::QuantError::RowOutOfRange {
+                        tensor: self.info.name.clone(),
+                        row: row as usize,
+                        rows: self.info.rows,
+                    });
+                }
+                let selected = w.select_rows(rows).map_err(|e| {
+                    crate::QuantError::Input(format!("{:?}: rows on the GPU: {e}", self.info.name))
+                })?;
+                return Ok(Self::from_device(selected, self.scale));
+            }
+        }
+        Err(self.no_host_weight())
+    }
+
+    fn no_host_weight(&self) -> crate::QuantError {
+        crate::QuantError::Input(format!(
+            "integer matmul of {:?}: the weight was loaded onto a GPU only and has no host copy \
+             (load the model for the CPU to run it there)",
+            self.info.name
+        ))
     }
 
     /// Applies the op to `x: [m, k]` (made contiguous first). On a CUDA device this runs
@@ -102,21 +181,23 @@ impl QuantMatmul {
         x.contiguous()?.apply_op1_no_bwd(self)
     }
 
-    /// The weight on `dev`, uploaded on first use.
+    /// The weight on `dev`: uploaded at load, or now from the host copy on first use.
     #[cfg(feature = "cuda")]
     fn device_weight(
         &self,
         dev: &candle_core::CudaDevice,
     ) -> candle_core::Result<Arc<crate::cuda::CudaQuantWeight>> {
         let mut slot = self.device_weight.lock().unwrap_or_else(|e| e.into_inner());
-        Ok(match slot.as_ref() {
-            Some(w) => w.clone(),
-            None => {
-                let w = Arc::new(crate::cuda::CudaQuantWeight::upload(&self.weight, dev)?);
-                *slot = Some(w.clone());
-                w
-            }
-        })
+        if let Some(w) = slot.as_ref() {
+            return Ok(w.clone());
+        }
+        let host = self
+            .host
+            .as_ref()
+            .ok_or_else(|| candle_core::Error::wrap(self.no_host_weight()))?;
+        let w = Arc::new(crate::cuda::CudaQuantWeight::upload(host, dev)?);
+        *slot = Some(w.clone());
+        Ok(w)
     }
 
     /// Whether a producer kernel on `dev` may quantize this product's input itself and hand it to
@@ -129,7 +210,7 @@ impl QuantMatmul {
 
     /// Whether this product's input needs the per-32 sums (formats with mins: Q4_K, Q5_K).
     pub fn wants_sums(&self) -> bool {
-        self.weight.format().has_mins()
+        self.info.format.has_mins()
     }
 
     /// The product of activations a producer kernel already quantized at [`QuantMatmul::scale`] (the
@@ -144,12 +225,6 @@ impl QuantMatmul {
         let weight = self.device_weight(dev)?;
         crate::cuda::matmul_quantized_poisoned(qx, &weight, &self.scale, dev)
     }
-
-    /// Uploads the weight to `device` now (at load time) rather than on the first product.
-    #[cfg(feature = "cuda")]
-    pub fn upload_to(&self, device: &candle_core::CudaDevice) -> candle_core::Result<()> {
-        self.device_weight(device).map(|_| ())
-    }
 }
 
 impl CustomOp1 for QuantMatmul {
@@ -163,7 +238,10 @@ impl CustomOp1 for QuantMatmul {
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (m, k) = layout.shape().dims2()?;
-        let w = &self.weight;
+        let w = match &self.host {
+            Some(w) => w,
+            None => return Err(candle_core::Error::wrap(self.no_host_weight())),
+        };
         if k != w.cols() {
             candle_core::bail!(
                 "integer matmul: x is [{m}, {k}] but {:?} takes {} inputs",
@@ -193,8 +271,8 @@ impl CustomOp1 for QuantMatmul {
         _layout: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         Err(candle_core::Error::Msg(format!(
-            "integer matmul of {:?}: the CUDA kernel is not written yet (the CPU op is the reference)",
-            self.weight.name()
+            "integer matmul of {:?}: on CUDA it runs through QuantMatmul::forward, not as a candle op",
+            self.info.name
         )))
     }
 }

@@ -83,6 +83,27 @@ impl WeightFormat {
     }
 }
 
+/// What a quantized weight is, apart from its numbers: enough to plan a product, check an input or name
+/// the tensor in an error, also once the numbers live on a GPU only.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WeightInfo {
+    pub name: String,
+    pub format: WeightFormat,
+    /// Outputs.
+    pub rows: usize,
+    /// Inputs (the reduction length).
+    pub cols: usize,
+}
+
+/// A [`QuantWeight`]'s arrays moved out of it, in its layout (row-major).
+pub(crate) struct WeightArrays {
+    pub q: Vec<i8>,
+    pub sub_scales: Vec<i8>,
+    pub sub_mins: Vec<i8>,
+    pub d: Vec<f32>,
+    pub dmin: Vec<f32>,
+}
+
 /// A weight matrix of `rows` outputs × `cols` inputs (GGUF `[cols, rows]`, PyTorch `(rows, cols)`) in one
 /// of the integer formats.
 ///
@@ -299,6 +320,34 @@ impl QuantWeight {
             .collect();
         tasks.into_par_iter().for_each(|run| run.unpack(format));
         Ok(w)
+    }
+
+    /// Name, format and shape.
+    pub fn info(&self) -> WeightInfo {
+        WeightInfo {
+            name: self.name.clone(),
+            format: self.format,
+            rows: self.rows,
+            cols: self.cols,
+        }
+    }
+
+    /// The arrays, moved out (no copy).
+    pub(crate) fn into_arrays(self) -> (WeightInfo, WeightArrays) {
+        let info = WeightInfo {
+            name: self.name,
+            format: self.format,
+            rows: self.rows,
+            cols: self.cols,
+        };
+        let arrays = WeightArrays {
+            q: self.q,
+            sub_scales: self.sub_scales,
+            sub_mins: self.sub_mins,
+            d: self.d,
+            dmin: self.dmin,
+        };
+        (info, arrays)
     }
 
     /// The tensor's name (for error messages).
