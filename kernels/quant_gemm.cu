@@ -1695,7 +1695,8 @@ __device__ __forceinline__ void qgemm_tc2(const int8_t* __restrict__ qa, const i
         // fma(0, +0, acc) = acc, as acc is never −0: it starts each part at +0, every exact sum is a
         // multiple of 2^-24 (the scales are f16), so a nonzero one never rounds to a zero, and an
         // exact zero is +0 unless both terms are −0. (A NaN stays the GPU's one NaN.) The 128-row
-        // TMA tile compiles rotated without spills too, but has not been measured rotated yet.
+        // TMA tile compiles rotated without spills too, but ran 2–5 % slower that way on an H200
+        // (docs/benchmarks.md, ninth session), so it keeps the plain loop.
         constexpr bool ROTATE = FMT == FMT_Q8_0 && MT == 3;
         // The pending block of nothing: D = 0 (the bias alone) at scale 0.
         auto no_pending_block = [&](int (&pc)[MT][NT][4], float2 (&pd)[NT]) {
