@@ -7,10 +7,14 @@
 # Steps (in the order given):
 #   checks      prism cuda-check and prism cuda-quant-check (exit status kept in the logs)
 #   synth27     a synthetic 27B Q8_0 model directory in /tmp/s27 (about 30 GB of disk)
+#   synth27q4   a synthetic 27B Q4_K_M model directory in /tmp/s27q4 (about 17 GB; llama-quantize's
+#               Q4_K / Q6_K mix, quantized by prism-gguf: about 2 minutes on 16 cores)
 #   synth9 / synth4   synthetic 9B / 4B BF16 model directories in /tmp/s9, /tmp/s4
 #   bench27     27B bf16 bench (5 runs after 1 warm-up)
 #   bench27-int8  27B int8 bench (calibrates once into /tmp/pc: about 100 s; a calibration file carried
 #               in .device-carry/ for the same synthetic file is used instead)
+#   bench27-w4a8  27B w4a8 bench on /tmp/s27q4 (calibrates once into /tmp/pc, or uses a carried file; 3 runs
+#               after 1 warm-up), then the same model at bf16 for comparison (5 runs after 1 warm-up)
 #   bench9 / bench4   9B / 4B bf16 benches (10 runs after 2 warm-ups)
 #   loads9      9B bf16 loads from 1, 4, 8 and 16 loader threads (PRISM_LOAD_THREADS), one bench run each
 #               after no warm-up (answer digests comparable across them); each killed after 120 s
@@ -63,6 +67,7 @@ for step in "$@"; do
             /tmp/prism cuda-quant-check --json-out "$OUT/quant.json" > "$OUT/cuda-quant-check.log" 2>&1
             echo "cuda-quant-check rc=$?" | tee -a "$OUT/cuda-quant-check.log" ;;
         synth27) /tmp/prism synth --shape 27b --type q8_0 --out /tmp/s27 $R > "$OUT/synth27.log" 2>&1 ;;
+        synth27q4) /tmp/prism synth --shape 27b --type q4_k_m --out /tmp/s27q4 $R > "$OUT/synth27q4.log" 2>&1 ;;
         synth9) /tmp/prism synth --shape 9b --type bf16 --out /tmp/s9 $R > "$OUT/synth9.log" 2>&1 ;;
         synth4) /tmp/prism synth --shape 4b --type bf16 --out /tmp/s4 $R > "$OUT/synth4.log" 2>&1 ;;
         bench27) /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision bf16 --runs 5 --warmup 1 > "$OUT/bench-27b-bf16.txt" 2>&1 ;;
@@ -70,6 +75,12 @@ for step in "$@"; do
             mkdir -p /tmp/pc
             cp .device-carry/calibration-*.json /tmp/pc/ 2> /dev/null
             PRISM_CACHE_DIR=/tmp/pc /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --runs 3 --warmup 1 > "$OUT/bench-27b-int8.txt" 2>&1 ;;
+        bench27-w4a8)
+            mkdir -p /tmp/pc
+            cp .device-carry/calibration-*.json /tmp/pc/ 2> /dev/null
+            RUST_LOG=info PRISM_CACHE_DIR=/tmp/pc /tmp/prism bench --model-dir /tmp/s27q4 --device cuda --precision w4a8 --runs 3 --warmup 1 > "$OUT/bench-27b-w4a8.txt" 2>&1
+            echo "   w4a8 rc=$?"
+            RUST_LOG=info /tmp/prism bench --model-dir /tmp/s27q4 --device cuda --precision bf16 --runs 5 --warmup 1 > "$OUT/bench-27b-q4km-bf16.txt" 2>&1 ;;
         bench9) /tmp/prism bench --model-dir /tmp/s9 --device cuda --precision bf16 --runs 10 --warmup 2 > "$OUT/bench-9b-bf16.txt" 2>&1 ;;
         loads9)
             for th in 1 4 8 16; do
