@@ -438,6 +438,12 @@ pub fn calibrate(
         model.logits_for_rows(&out.hidden, &[0])?;
         n_tokens += prompt.len();
     }
+    // The bf16 model's device memory back to the driver before the integer model is loaded.
+    drop(model);
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(dev) = &options.device {
+        crate::cuda::release_cached_memory(dev)?;
+    }
     Ok(Calibration {
         version: CALIBRATION_VERSION,
         model_key: model_key(gguf),

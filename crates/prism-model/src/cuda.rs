@@ -28,6 +28,28 @@ const DELTA_RULE_THREADS: u32 = 256;
 /// them exactly as across calls, so the split changes no bits.
 const DELTA_RULE_CHUNKS_PER_LAUNCH: usize = 32;
 
+/// Gives the device memory that the stream-ordered allocator keeps after frees back to the driver
+/// (synchronizes the device first). candle allocates with `cuMemAllocAsync` from the device's memory
+/// pool, which keeps freed memory for reuse: on an H200 (2026-11-30) a process that had calibrated a
+/// 27B model on the GPU (a bf16 model loaded, run and dropped) still held 56 GB of device memory while
+/// its int8 / w4a8 model needed 30–35 GB, and nothing else on the GPU could use the difference.
+pub fn release_cached_memory(dev: &CudaDevice) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let stream = dev.cuda_stream();
+    stream.synchronize().map_err(launch_err)?;
+    let ctx = stream.context();
+    ctx.bind_to_thread().map_err(launch_err)?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: plain driver calls on the device's current pool; `pool` is written by the first call.
+    unsafe {
+        sys::cuDeviceGetMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .map_err(launch_err)?;
+        sys::cuMemPoolTrimTo(pool, 0).result().map_err(launch_err)?;
+    }
+    Ok(())
+}
+
 /// The CUDA twin of [`crate::delta_rule::chunked`]: same inputs, same state layout, same chunk
 /// boundaries. f32 only.
 ///
