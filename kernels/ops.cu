@@ -77,7 +77,9 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.f / (expf(-x) + 1.f
 
 // mode 0: y = x / sqrt(mean(x²) + eps) · w                 (RMSNorm)
 // mode 1: y = x / sqrt(mean(x²) + eps) · w · silu(gate)    (the DeltaNet output norm)
-// mode 2: y = x / sqrt(Σx² + eps)                           (l2norm of q and k)
+// mode 2: y = x / sqrt(Σx² + eps)                           (l2norm of k)
+// mode 3: y = (x / sqrt(Σx² + eps)) · scale + 0              (l2norm of q, then candle's affine by
+//         1/√dk: one product rounded, then + 0, which turns a −0 into +0, as `q * s` did)
 // With `res`, the row is x + res (res and sum_out contiguous [rows, D]); the sum is also written to
 // sum_out (the residual stream), the same f32 additions as a separate add.
 // y: contiguous [rows, D], f32 or (y_bf16) bf16.
@@ -91,7 +93,7 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.f / (expf(-x) + 1.f
     const float* __restrict__ x, long long x_inner, long long x_istride, long long x_outer,        \
         const float* __restrict__ res, float* __restrict__ sum_out, const float* __restrict__ w,   \
         const float* __restrict__ gate, long long g_inner, long long g_istride, long long g_outer, \
-        void* __restrict__ y, int y_bf16, int rows, int D, float eps, int mode
+        void* __restrict__ y, int y_bf16, int rows, int D, float eps, int mode, float scale
 
 extern "C" __global__ void norm_rows_f32(NORM_ARGS) {
     const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
@@ -110,15 +112,16 @@ extern "C" __global__ void norm_rows_f32(NORM_ARGS) {
         ss = fmaf(v, v, ss);
     }
     ss = warp_sum(ss);
-    const float denom = mode == 2 ? ss : ss / (float)D;
+    const float denom = mode >= 2 ? ss : ss / (float)D;
     const float inv = 1.f / sqrtf(denom + eps);
     const float* gr = mode == 1 ? gate + row_offset(row, g_inner, g_istride, g_outer) : nullptr;
     for (int i = lane; i < D; i += WARP) {
         float v = xr[i];
         if (rr) v += rr[i];
         float val = v * inv;
-        if (mode != 2) val = val * w[i];
+        if (mode < 2) val = val * w[i];
         if (mode == 1) val = val * silu(gr[i]);
+        if (mode == 3) val = __fadd_rn(__fmul_rn(val, scale), 0.f);
         put(y, (size_t)row * D + i, val, y_bf16);
     }
 }
@@ -136,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) norm_rows_block_f32(N
     // Thread t takes the groups of 4 elements t, t + NORM_THREADS, … in this order, vector loads or
     // not (alignment decides only how the same values are loaded).
     const bool vec = D % 4 == 0 && aligned16(xr) && (!rr || aligned16(rr)) && (!sr || aligned16(sr)) &&
-                     (mode == 2 || aligned16(w)) && (!gr || aligned16(gr)) &&
+                     (mode >= 2 || aligned16(w)) && (!gr || aligned16(gr)) &&
                      aligned16(reinterpret_cast<const char*>(y) + (size_t)row * D * (y_bf16 ? 2 : 4));
     float ss = 0.f;
     for (int i0 = 4 * threadIdx.x; i0 < D; i0 += 4 * NORM_THREADS) {
@@ -159,7 +162,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) norm_rows_block_f32(N
     float total = 0.f;
 #pragma unroll
     for (int k = 0; k < NORM_THREADS / WARP; ++k) total += partial[k];
-    const float denom = mode == 2 ? total : total / (float)D;
+    const float denom = mode >= 2 ? total : total / (float)D;
     const float inv = 1.f / sqrtf(denom + eps);
     for (int i0 = 4 * threadIdx.x; i0 < D; i0 += 4 * NORM_THREADS) {
         float4 v = load4(xr, i0, D, vec);
@@ -168,13 +171,19 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) norm_rows_block_f32(N
             v.x += r.x; v.y += r.y; v.z += r.z; v.w += r.w;
         }
         v.x = v.x * inv; v.y = v.y * inv; v.z = v.z * inv; v.w = v.w * inv;
-        if (mode != 2) {
+        if (mode < 2) {
             const float4 wv = load4(w, i0, D, vec);
             v.x = v.x * wv.x; v.y = v.y * wv.y; v.z = v.z * wv.z; v.w = v.w * wv.w;
         }
         if (mode == 1) {
             const float4 g = load4(gr, i0, D, vec);
             v.x = v.x * silu(g.x); v.y = v.y * silu(g.y); v.z = v.z * silu(g.z); v.w = v.w * silu(g.w);
+        }
+        if (mode == 3) {
+            v.x = __fadd_rn(__fmul_rn(v.x, scale), 0.f);
+            v.y = __fadd_rn(__fmul_rn(v.y, scale), 0.f);
+            v.z = __fadd_rn(__fmul_rn(v.z, scale), 0.f);
+            v.w = __fadd_rn(__fmul_rn(v.w, scale), 0.f);
         }
         store4(y, (size_t)row * D, i0, D, v, vec, y_bf16);
     }

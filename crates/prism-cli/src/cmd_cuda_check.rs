@@ -311,6 +311,26 @@ fn norm_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
     let want = prism_model::ops::l2_norm(&x, 1e-6)?;
     let got = prism_model::ops::l2_norm(&x.to_device(gpu)?, 1e-6)?;
     r.compare("l2_norm [190, 48, 128]", &got, &want, 1e-6)?;
+
+    // The delta rule's query norm: one kernel for the L2 norm and the 1/√dk scale, read in place from
+    // the conv output's head view, with the bits of the norm of a copy followed by candle's affine.
+    let conv_out = rng.tensor(&[190, 80, 128], 1.0)?.to_device(gpu)?;
+    let q_view = conv_out.narrow(1, 0, 16)?;
+    let scale = 1.0 / 128f64.sqrt();
+    let fused = prism_model::ops::l2_norm_scaled(&q_view, 1e-6, scale)?;
+    let separate = (prism_model::ops::l2_norm(&q_view.contiguous()?, 1e-6)? * scale)?;
+    r.identical(
+        "l2_norm_scaled (GPU) of a head view vs l2_norm of a copy, then × 1/√128",
+        &fused,
+        &separate,
+    )?;
+    let cpu = prism_model::ops::l2_norm_scaled(&q_view.to_device(&Device::Cpu)?, 1e-6, scale)?;
+    r.compare(
+        "l2_norm_scaled [190, 16, 128] of a view (GPU vs CPU)",
+        &fused,
+        &cpu,
+        1e-6,
+    )?;
     Ok(())
 }
 

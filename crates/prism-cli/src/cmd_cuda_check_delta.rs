@@ -265,6 +265,24 @@ fn bitwise_and_accuracy_checks(r: &mut Report, gpu: &Device) -> Result<()> {
         &batched,
         &old,
     )?;
+    // v as the model passes it: a head range of the conv output's rows, read through the row stride.
+    let (vn, vh, vd) = v.dims3()?;
+    let wide = Tensor::cat(
+        &[
+            &Tensor::zeros((vn, 2, vd), DType::F32, gpu)?,
+            v,
+            &Tensor::ones((vn, 1, vd), DType::F32, gpu)?,
+        ],
+        1,
+    )?;
+    let v_in_place = wide.narrow(1, 2, vh)?;
+    let strided = chunked_batch(q, k, &v_in_place, g, beta, &segments, &gpu_states)?;
+    same_results(
+        r,
+        "delta rule batched: v read through a row stride (head range of wider rows) vs contiguous",
+        &batched,
+        &strided,
+    )?;
     let t = tiled(&gpu_x)?;
     let expanded = chunked_batch(&t[0], &t[1], &t[2], &t[3], &t[4], &segments, &gpu_states)?;
     same_results(

@@ -230,12 +230,32 @@ fn delta_rule_launch(
     })
 }
 
-/// Which normalisation [`norm_rows`] applies (`mode` in ops.cu).
+/// Which normalisation [`norm_rows`] applies (`mode` and `scale` in ops.cu).
 #[derive(Debug, Clone, Copy)]
 enum NormMode {
-    Rms = 0,
-    GatedRms = 1,
-    L2 = 2,
+    Rms,
+    GatedRms,
+    L2,
+    /// L2, then times the factor (the delta rule's query scale 1/√dk), as candle's `x * f` does it.
+    L2Scaled(f32),
+}
+
+impl NormMode {
+    fn code(self) -> i32 {
+        match self {
+            NormMode::Rms => 0,
+            NormMode::GatedRms => 1,
+            NormMode::L2 => 2,
+            NormMode::L2Scaled(_) => 3,
+        }
+    }
+
+    fn scale(self) -> f32 {
+        match self {
+            NormMode::L2Scaled(f) => f,
+            _ => 1.0,
+        }
+    }
 }
 
 /// Rows at least this long are normalised by one block each (`norm_rows_block_f32`), shorter ones by
@@ -358,7 +378,7 @@ fn norm_rows(
     out: DType,
 ) -> Result<(Tensor, Option<Tensor>)> {
     if matches!(mode, NormMode::GatedRms) != gate.is_some()
-        || matches!(mode, NormMode::L2) == weight.is_some()
+        || matches!(mode, NormMode::L2 | NormMode::L2Scaled(_)) == weight.is_some()
     {
         bail!(
             "norm (cuda): mode {mode:?} with weight {} and gate {}",
@@ -437,9 +457,10 @@ fn norm_rows(
             i32_arg(rows, "rows")?,
             i32_arg(d, "row length")?,
             eps as f32,
-            mode as i32,
+            mode.code(),
             y.is_bf16(),
         );
+        let scale_f = mode.scale();
         let mut b = func.builder();
         b.arg(&vx).arg(&x_str.0).arg(&x_str.1).arg(&x_str.2);
         match &vr {
@@ -464,7 +485,8 @@ fn norm_rows(
             .arg(&rows_i)
             .arg(&d_i)
             .arg(&eps_f)
-            .arg(&mode_i);
+            .arg(&mode_i)
+            .arg(&scale_f);
         // SAFETY: the views cover every row the kernel reads (row maps checked above, rows counted
         // from x); y and sum hold rows × d elements; null pointers only where the mode reads nothing.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
@@ -554,6 +576,12 @@ pub fn gated_rms_norm_rows(
 /// CUDA twin of [`crate::ops::l2_norm`].
 pub fn l2_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(norm_rows(x, None, None, None, eps, NormMode::L2, DType::F32)?.0)
+}
+
+/// CUDA twin of [`crate::ops::l2_norm_scaled`]: one kernel instead of the norm and candle's affine.
+pub fn l2_norm_scaled(x: &Tensor, eps: f64, scale: f64) -> Result<Tensor> {
+    let mode = NormMode::L2Scaled(scale as f32);
+    Ok(norm_rows(x, None, None, None, eps, mode, DType::F32)?.0)
 }
 
 /// CUDA twin of [`crate::delta_net::causal_conv`] (bitwise equal: same products and sums in order).

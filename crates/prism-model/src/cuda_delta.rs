@@ -87,6 +87,25 @@ fn aligned(t: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// `v: [N, H, dv]` as the scan kernel reads it: token rows of `H·dv` contiguous values, `stride`
+/// elements apart, at 16-byte aligned addresses (its copies are 16 bytes). A column range of the conv
+/// output (`DeltaNet::qkv_heads`) is read in place; any other layout is copied first.
+fn value_rows(v: &Tensor) -> Result<(Tensor, usize)> {
+    let (n, h, dv) = v.dims3()?;
+    let row = h * dv;
+    let strides = v.stride();
+    let rows_in_place = strides[2] == 1
+        && (h == 1 || strides[1] == dv)
+        && (n == 1 || (strides[0] >= row && strides[0] % 4 == 0))
+        && v.layout().start_offset() % 4 == 0;
+    if rows_in_place && n > 0 {
+        let stride = if n == 1 { row } else { strides[0] };
+        Ok((v.clone(), stride))
+    } else {
+        Ok((aligned(v)?, row))
+    }
+}
+
 /// The CUDA [`crate::delta_rule::chunked_batch`] (same arguments and result).
 pub fn delta_rule_batch(
     q: &Tensor,
@@ -109,12 +128,18 @@ pub fn delta_rule_batch(
         return delta_rule_per_segment_v1(q, k, v, g, beta, segments, states);
     }
     let dev = cuda_device(q)?;
-    let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
+    let (q, k) = (aligned(q)?, aligned(k)?);
+    let (v, v_stride) = value_rows(v)?;
     let (g, beta) = (g.contiguous()?, beta.contiguous()?);
     let (iq, ik, iv) = (
         Input::new(&q, DType::F32, "q")?,
         Input::new(&k, DType::F32, "k")?,
-        Input::new(&v, DType::F32, "v")?,
+        Input::spanning(
+            &v,
+            DType::F32,
+            "v",
+            (tokens.max(1) - 1) * v_stride + heads * dv,
+        )?,
     );
     let (ig, ib) = (
         Input::new(&g, DType::F32, "g")?,
@@ -130,7 +155,7 @@ pub fn delta_rule_batch(
         key_heads: dims.key_heads,
         dk,
         dv,
-        v_stride: heads * dv,
+        v_stride,
     };
     let out = alloc::<f32>(&dev, tokens * heads * dv)?;
 

@@ -9,7 +9,7 @@ use crate::config::Qwen35Config;
 use crate::delta_rule;
 use crate::error::{ModelError, Result};
 use crate::linear::{FusedLinear, Linear};
-use crate::ops::{delta_net_gates, gated_rms_norm_rows, l2_norm};
+use crate::ops::{delta_net_gates, gated_rms_norm_rows, l2_norm, l2_norm_scaled};
 use crate::profile;
 use crate::qwen35::Segment;
 use crate::state::DeltaNetState;
@@ -97,7 +97,6 @@ impl DeltaNet {
             )));
         }
         let n_tokens = x.dim(0)?;
-        let key_dim = self.n_k * self.dk;
         let dev = x.device();
         // Parts of the fused projection stay column ranges of its output (views): the conv, the gates
         // and the gated norm read them in place on CUDA.
@@ -119,16 +118,8 @@ impl DeltaNet {
             self.conv_silu(&mixed, segments, states)
         })?;
 
-        let q = conv_out
-            .narrow(1, 0, key_dim)?
-            .reshape((n_tokens, self.n_k, self.dk))?;
-        let k = conv_out
-            .narrow(1, key_dim, key_dim)?
-            .reshape((n_tokens, self.n_k, self.dk))?;
-        let v = conv_out
-            .narrow(1, 2 * key_dim, self.n_v * self.dv)?
-            .reshape((n_tokens, self.n_v, self.dv))?;
-        let q = (l2_norm(&q, 1e-6)? * (1.0 / (self.dk as f64).sqrt()))?;
+        let (q, k, v) = self.qkv_heads(&conv_out, n_tokens)?;
+        let q = l2_norm_scaled(&q, 1e-6, 1.0 / (self.dk as f64).sqrt())?;
         let k = l2_norm(&k, 1e-6)?;
         // GGUF value heads are tiled: value head h reads key head h mod n_k. The delta rule reads q and
         // k that way (on CUDA in place, on the CPU through a tiled copy).
@@ -180,6 +171,33 @@ impl DeltaNet {
                 Ok(self.out.forward(&y)?)
             },
         )
+    }
+
+    /// q, k and v of the conv output `conv_out: [N, q | k | v]` as `[N, heads, d]`. When the head sizes
+    /// divide the row (every Qwen3.5 shape) they are views of it: the norms read q and k in place and
+    /// the CUDA delta rule reads v through its row stride, where reshaping column ranges cost three
+    /// copies a layer. Otherwise, reshaped copies.
+    fn qkv_heads(&self, conv_out: &Tensor, n_tokens: usize) -> Result<(Tensor, Tensor, Tensor)> {
+        let key_dim = self.n_k * self.dk;
+        let width = conv_out.dim(1)?;
+        if self.dk == self.dv && width % self.dk == 0 && conv_out.is_contiguous() {
+            let heads = conv_out.reshape((n_tokens, width / self.dk, self.dk))?;
+            return Ok((
+                heads.narrow(1, 0, self.n_k)?,
+                heads.narrow(1, self.n_k, self.n_k)?,
+                heads.narrow(1, 2 * self.n_k, self.n_v)?,
+            ));
+        }
+        let part = |start: usize, heads: usize, d: usize| -> Result<Tensor> {
+            Ok(conv_out
+                .narrow(1, start, heads * d)?
+                .reshape((n_tokens, heads, d))?)
+        };
+        Ok((
+            part(0, self.n_k, self.dk)?,
+            part(key_dim, self.n_k, self.dk)?,
+            part(2 * key_dim, self.n_v, self.dv)?,
+        ))
     }
 
     /// The causal conv of every segment's q|k|v rows (`mixed: [N, conv_dim]`, a column range of the

@@ -105,6 +105,16 @@ pub fn l2_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
     x.broadcast_mul(&inv_norm)
 }
 
+/// [`l2_norm`] of `x`, then times `scale` (candle's `x * scale`: f32 multiply, then + 0). On CUDA one
+/// kernel with the same operations.
+pub fn l2_norm_scaled(x: &Tensor, eps: f64, scale: f64) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && x.dtype() == DType::F32 {
+        return crate::cuda::l2_norm_scaled(x, eps, scale);
+    }
+    l2_norm(x, eps)? * scale
+}
+
 /// The logistic function `1 / (1 + e^{-x})`; saturates to exactly 0 and 1 instead of producing NaN.
 pub fn sigmoid(x: &Tensor) -> Result<Tensor> {
     (x.neg()?.exp()? + 1.0)?.recip()

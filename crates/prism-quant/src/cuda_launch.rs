@@ -59,9 +59,37 @@ impl<'a> Input<'a> {
         })
     }
 
+    /// A strided tensor's `span` elements from its start offset (its first element to one past its
+    /// last), for a kernel that is given the strides itself.
+    pub fn spanning(t: &'a Tensor, dtype: DType, name: &'static str, span: usize) -> Result<Self> {
+        if t.dtype() != dtype {
+            bail!("{name}: expected {dtype:?}, found {:?}", t.dtype());
+        }
+        let (guard, layout) = t.storage_and_layout();
+        let start = layout.start_offset();
+        Ok(Self {
+            guard,
+            start,
+            end: start + span,
+            name,
+        })
+    }
+
     pub fn view<T: CudaDType>(&self) -> Result<CudaView<'_, T>> {
         match &*self.guard {
-            Storage::Cuda(cs) => Ok(cs.as_cuda_slice::<T>()?.slice(self.start..self.end)),
+            Storage::Cuda(cs) => {
+                let slice = cs.as_cuda_slice::<T>()?;
+                match slice.try_slice(self.start..self.end) {
+                    Some(view) => Ok(view),
+                    None => bail!(
+                        "{}: elements {}..{} are outside its buffer of {}",
+                        self.name,
+                        self.start,
+                        self.end,
+                        slice.len()
+                    ),
+                }
+            }
             _ => bail!("{} is not on a CUDA device", self.name),
         }
     }
