@@ -80,7 +80,9 @@ impl Attention {
         let n_tokens = x.dim(0)?;
         let (n_h, n_kv, hd) = (self.n_h, self.n_kv, self.hd);
         let proj = self.qkv.forward(x)?;
-        let qg = proj.part(Self::Q)?.reshape((n_tokens, n_h, 2 * hd))?;
+        // [n, n_h, query | gate]: a view of the projection's output (reshaping its column range
+        // would copy it; 27B, 8,201 tokens: 0.7 ms a layer).
+        let qg = proj.part_heads(Self::Q, n_h, 2 * hd)?;
         // The gate halves stay where the projection wrote them; the output gate reads them there.
         let gate = qg.narrow(2, hd, hd)?;
         let norms = HeadNorms {

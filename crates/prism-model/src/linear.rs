@@ -217,6 +217,27 @@ impl FusedOutput<'_> {
         self.gemm_output(p)?.narrow(1, p.offset, p.len)
     }
 
+    /// Part `i` as `[n, heads, d]` heads of `d` columns: a view of its GEMM's output when the part
+    /// starts on a multiple of `d` of a contiguous output whose width is one too (so the kernels that
+    /// take row maps read it in place); otherwise a reshaped copy.
+    pub fn part_heads(&self, i: usize, heads: usize, d: usize) -> Result<Tensor> {
+        let p = self.fused.parts.get(i).ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "fused projection: no part {i} (it has {})",
+                self.fused.parts.len()
+            ))
+        })?;
+        let out = self.gemm_output(p)?;
+        let (n, width) = out.dims2()?;
+        if d > 0 && p.len == heads * d && p.offset % d == 0 && width % d == 0 && out.is_contiguous()
+        {
+            return out
+                .reshape((n, width / d, d))?
+                .narrow(1, p.offset / d, heads);
+        }
+        self.part(i)?.reshape((n, heads, d))
+    }
+
     fn gemm_output(&self, p: &FusedPart) -> Result<&Tensor> {
         self.outs.get(p.gemm).ok_or_else(|| {
             candle_core::Error::Msg(format!(
