@@ -33,7 +33,7 @@
 #define FMT_Q6K 2  // sub-blocks of 16 with signed scales, q − 32 in −32..31
 
 // ---------------------------------------------------------------------------------------------------
-// Activation quantization: one thread per group of 32 (kernels/act_quant.cuh: the formula, the sums and
+// Activation quantization: 8 lanes per group of 32 (kernels/act_quant.cuh: the formula, the sums and
 // the per-row non-finite flags). A non-finite input is recorded per row, never across rows; `poison_rows`
 // (or the GEMM's last write, given the flags) then turns the row's outputs into NaN after the GEMM, or the
 // host reads the flags and refuses the call (the CPU's error, same element).
@@ -42,20 +42,22 @@ extern "C" __global__ void quantize_act_i8(const float* __restrict__ x, int8_t* 
                                            int* __restrict__ sums, unsigned int* __restrict__ bad_rows,
                                            long long n_groups, int groups_per_row, float inv_scale,
                                            int want_sums) {
-    const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (g >= n_groups) return;
-    const float4* src = reinterpret_cast<const float4*>(x + g * 32);
-    float v[32];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const float4 v4 = src[i];
-        v[4 * i] = v4.x;
-        v[4 * i + 1] = v4.y;
-        v[4 * i + 2] = v4.z;
-        v[4 * i + 3] = v4.w;
+    // 8 lanes a group (act_quant.cuh, quantize_group32_lanes); the grid covers 8 · n_groups threads in
+    // whole warps.
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long g = t / 8;
+    const int j = (int)(t % 8);
+    const bool active = g < n_groups;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (active) {
+        const float4 v4 = reinterpret_cast<const float4*>(x + g * 32)[j];
+        v[0] = v4.x;
+        v[1] = v4.y;
+        v[2] = v4.z;
+        v[3] = v4.w;
     }
-    quantize_group32(v, reinterpret_cast<signed char*>(qa + g * 32), sums, bad_rows, g, groups_per_row,
-                     inv_scale, want_sums);
+    quantize_group32_lanes(v, j, active, reinterpret_cast<signed char*>(qa + (active ? g : 0) * 32), sums,
+                           bad_rows, g, groups_per_row, inv_scale, want_sums);
 }
 
 // The NaN of a poisoned row, and whether row r is one (bad_rows may be null: no poisoning). The v2

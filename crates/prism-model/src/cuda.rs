@@ -813,7 +813,8 @@ pub fn swiglu_quantized(
         let ig = RowsInput::new(&gu, width, "gate | up")?;
         let stride = ig.strides()?.2;
         let func = load_kernel(&dev, "prism_ops", OPS_IMAGE, "swiglu_quant_i8")?;
-        let cfg = elementwise_config(groups)?;
+        // 8 threads a group of 32 (whole warps: the block size is a multiple of 32).
+        let cfg = elementwise_config(8 * groups)?;
         let (n_i, f_i) = (i32_arg(n, "rows")?, i32_arg(f, "ffn width")?);
         let (inv, want) = (scale.inv_scale(), i32::from(with_sums));
         let vg = ig.view()?;

@@ -370,8 +370,9 @@ pub fn quantize_activations(
     let groups = m * k / 32;
     if groups > 0 {
         let func = load_kernel(&dev, MODULE, QUANT_GEMM_IMAGE, "quantize_act_i8")?;
+        // 8 threads a group of 32 (whole warps: SIMT_THREADS is a multiple of 32).
         let cfg = LaunchConfig {
-            grid_dim: (groups.div_ceil(SIMT_THREADS as usize) as u32, 1, 1),
+            grid_dim: ((8 * groups).div_ceil(SIMT_THREADS as usize) as u32, 1, 1),
             block_dim: (SIMT_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
