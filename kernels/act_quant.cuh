@@ -10,44 +10,12 @@
 // anyway (NaN clamps to −127, ±∞ to ±127).
 #pragma once
 
-__device__ __forceinline__ void quantize_group32(const float (&v)[32], signed char* __restrict__ qa_group,
-                                                 int* __restrict__ sums, unsigned int* __restrict__ bad_rows,
-                                                 long long g, int groups_per_row, float inv_scale,
-                                                 int want_sums) {
-    unsigned int packed[8];
-    int sum = 0;
-    int first_bad = -1;  // column within this group of 32
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        unsigned int word = 0;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const float x = v[4 * i + c];
-            if (!isfinite(x) && first_bad < 0) first_bad = 4 * i + c;
-            const float r = fminf(fmaxf(rintf(__fmul_rn(x, inv_scale)), -127.f), 127.f);
-            const int q = (int)r;
-            sum += q;
-            word |= ((unsigned int)(q & 0xff)) << (8 * c);
-        }
-        packed[i] = word;
-    }
-    uint4* dst = reinterpret_cast<uint4*>(qa_group);  // 16-byte aligned: groups start at 32·g
-    dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-    dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
-    if (want_sums) sums[g] = sum;
-    if (first_bad >= 0) {
-        const long long row = g / groups_per_row;
-        const unsigned int col = (unsigned int)((g % groups_per_row) * 32 + first_bad);
-        atomicMax(bad_rows + row, 0xFFFFFFFFu - col);
-    }
-}
-
-// The same group quantized by 8 consecutive lanes of a warp, 4 values each (lane j of the group holds
+// A group is quantized by 8 consecutive lanes of a warp, 4 values each (lane j of the group holds
 // values 4j..4j+3): loads and stores of a warp's 4 groups are then contiguous, where one thread per
-// group made every access of a warp touch 32 places 128 bytes apart. Each value gets the formula
-// above; the sum of the group's 32 integers and the smallest bad column do not depend on how the lanes
-// combine them, so the bytes, sums and flags are those of quantize_group32. All 32 lanes of the warp
-// must call it (`active` false for lanes past the last group, whose 8 lanes are then all inactive).
+// group (until fe90185) made every access of a warp touch 32 places 128 bytes apart. Each value gets
+// the formula above; the sum of the group's 32 integers and the smallest bad column do not depend on
+// how the lanes combine them, so the bytes, sums and flags are the same either way. All 32 lanes of the
+// warp must call it (`active` false for lanes past the last group, whose 8 lanes are then all inactive).
 __device__ __forceinline__ void quantize_group32_lanes(const float (&v)[4], int j, bool active,
                                                        signed char* __restrict__ qa_group,
                                                        int* __restrict__ sums,
