@@ -54,10 +54,8 @@ fn quant_err(e: QuantError) -> candle_core::Error {
 /// for every argument).
 #[derive(Debug, Clone)]
 pub struct CudaQuantWeight {
-    name: String,
-    format: WeightFormat,
-    rows: usize,
-    cols: usize,
+    /// Name, format, outputs (`rows`) and inputs (`cols`).
+    info: WeightInfo,
     /// `[rows · cols]` U8: the signed weight bytes.
     q: Tensor,
     /// `[blocks, rows, sub-blocks a block]` U8 (signed): sub-block scales.
@@ -126,10 +124,7 @@ impl CudaQuantWeight {
             dmin,
         } = flat;
         Ok(Self {
-            name: info.name,
-            format: info.format,
-            rows: info.rows,
-            cols: info.cols,
+            info,
             q: bytes(q)?,
             sub_scales: bytes(sub_scales)?,
             sub_mins: bytes(sub_mins)?,
@@ -146,42 +141,45 @@ impl CudaQuantWeight {
         if self.chained {
             bail!(
                 "{:?}: rows of a weight uploaded with chain tables cannot be selected",
-                self.name
+                self.info.name
             );
         }
         if rows.is_empty() {
-            bail!("{:?}: select_rows of no rows", self.name);
+            bail!("{:?}: select_rows of no rows", self.info.name);
         }
-        if let Some(&row) = rows.iter().find(|&&r| r as usize >= self.rows) {
+        if let Some(&row) = rows.iter().find(|&&r| r as usize >= self.info.rows) {
             return Err(quant_err(QuantError::RowOutOfRange {
-                tensor: self.name.clone(),
+                tensor: self.info.name.clone(),
                 row: row as usize,
-                rows: self.rows,
+                rows: self.info.rows,
             }));
         }
         let device = self.q.device();
         let ids = Tensor::from_vec(rows.to_vec(), rows.len(), device)?;
-        let nb = self.cols / self.format.block_len();
+        let nb = self.info.cols / self.info.format.block_len();
         // `[blocks, rows, per]` tables gathered along the row axis; a table the format does not have
         // (one unused element) stays as it is.
         let per_block_rows = |t: &Tensor, present: bool, per: usize| -> Result<Tensor> {
             if !present {
                 return Ok(t.clone());
             }
-            t.reshape((nb, self.rows, per))?
+            t.reshape((nb, self.info.rows, per))?
                 .index_select(&ids, 1)?
                 .flatten_all()
         };
-        let (subs, mins) = (self.format.has_sub_scales(), self.format.has_mins());
-        let per = self.format.subs_per_block();
+        let (subs, mins) = (
+            self.info.format.has_sub_scales(),
+            self.info.format.has_mins(),
+        );
+        let per = self.info.format.subs_per_block();
         Ok(Self {
-            name: self.name.clone(),
-            format: self.format,
-            rows: rows.len(),
-            cols: self.cols,
+            info: WeightInfo {
+                rows: rows.len(),
+                ..self.info.clone()
+            },
             q: self
                 .q
-                .reshape((self.rows, self.cols))?
+                .reshape((self.info.rows, self.info.cols))?
                 .index_select(&ids, 0)?
                 .flatten_all()?,
             sub_scales: per_block_rows(&self.sub_scales, subs, per)?,
@@ -194,30 +192,25 @@ impl CudaQuantWeight {
 
     /// Name, format and shape.
     pub fn info(&self) -> WeightInfo {
-        WeightInfo {
-            name: self.name.clone(),
-            format: self.format,
-            rows: self.rows,
-            cols: self.cols,
-        }
+        self.info.clone()
     }
 
     pub fn name(&self) -> &str {
-        &self.name
+        &self.info.name
     }
 
     pub fn format(&self) -> WeightFormat {
-        self.format
+        self.info.format
     }
 
     /// Outputs.
     pub fn rows(&self) -> usize {
-        self.rows
+        self.info.rows
     }
 
     /// Inputs (the reduction length).
     pub fn cols(&self) -> usize {
-        self.cols
+        self.info.cols
     }
 
     /// Device bytes held.
@@ -478,7 +471,7 @@ pub fn gemm_quantized(
     dev: &CudaDevice,
 ) -> Result<Tensor> {
     let y = gemm_slice(qx, w, scale, kernel, dev, false)?;
-    Ok(wrap(y, dev, (qx.rows, w.rows)))
+    Ok(wrap(y, dev, (qx.rows, w.info.rows)))
 }
 
 /// [`gemm_quantized`]'s output buffer, `M·N` f32 (at least one element). With `poison`, every output of a
@@ -492,20 +485,21 @@ fn gemm_slice(
     dev: &CudaDevice,
     poison: bool,
 ) -> Result<CudaSlice<f32>> {
-    let (m, n, k) = (qx.rows, w.rows, w.cols);
-    if qx.cols != k || (w.format.has_mins() && qx.sums.is_none()) {
+    let (m, n, k) = (qx.rows, w.info.rows, w.info.cols);
+    if qx.cols != k || (w.info.format.has_mins() && qx.sums.is_none()) {
         bail!(
             "integer matmul (cuda) of {:?}: activations [{m}, {}]{} do not fit a weight of {k} inputs",
-            w.name,
+            w.info.name,
             qx.cols,
             if qx.sums.is_none() { " without sums" } else { "" }
         );
     }
-    let chained_kernel = matches!(kernel, GemmKernel::V2 { tile, .. } if tile.chained(w.format));
+    let chained_kernel =
+        matches!(kernel, GemmKernel::V2 { tile, .. } if tile.chained(w.info.format));
     if chained_kernel != w.chained {
         bail!(
             "integer matmul (cuda) of {:?}: {}",
-            w.name,
+            w.info.name,
             if w.chained {
                 "a weight uploaded with chain tables runs only on a chained tile (V2Tile::CHAINED)"
             } else {
@@ -513,9 +507,9 @@ fn gemm_slice(
             }
         );
     }
-    let plan = launch_plan(kernel, w.format, m, n, k, dev)?;
+    let plan = launch_plan(kernel, w.info.format, m, n, k, dev)?;
     let groups = plan.part_groups;
-    cuda_plan::check_launch(&w.name, w.format, m, n, k, groups).map_err(quant_err)?;
+    cuda_plan::check_launch(&w.info.name, w.info.format, m, n, k, groups).map_err(quant_err)?;
     let y = alloc::<f32>(dev, m * n)?;
     if m == 0 || n == 0 {
         return Ok(y);
@@ -553,7 +547,7 @@ fn gemm_slice(
             block_dim: (SIMT_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let fmt = cuda_plan::simt_format_code(w.format);
+        let fmt = cuda_plan::simt_format_code(w.info.format);
         let mut b = func.builder();
         b.arg(&fmt)
             .arg(&qx.q)
@@ -804,16 +798,17 @@ pub fn matmul_quantized_poisoned(
     scale: &ActivationScale,
     dev: &CudaDevice,
 ) -> Result<Tensor> {
-    if qx.cols != w.cols {
+    if qx.cols != w.info.cols {
         return Err(quant_err(QuantError::InputWidth {
-            tensor: w.name.clone(),
-            expected: w.cols,
+            tensor: w.info.name.clone(),
+            expected: w.info.cols,
             found: qx.cols,
         }));
     }
-    cuda_plan::check_launch(&w.name, w.format, 1, w.rows, qx.cols, 1).map_err(quant_err)?;
+    cuda_plan::check_launch(&w.info.name, w.info.format, 1, w.info.rows, qx.cols, 1)
+        .map_err(quant_err)?;
     let y = gemm_slice(qx, w, scale, GemmKernel::Auto, dev, true)?;
-    Ok(wrap(y, dev, (qx.rows, w.rows)))
+    Ok(wrap(y, dev, (qx.rows, w.info.rows)))
 }
 
 /// The no-synchronization product: [`matmul_deferred`] with the automatic kernel, the quantized
@@ -834,15 +829,16 @@ pub fn matmul_deferred(
 ) -> Result<(Tensor, DeviceQuantized)> {
     let dev = cuda_device(x)?;
     let (m, k) = x.dims2()?;
-    if k != w.cols {
+    if k != w.info.cols {
         return Err(quant_err(QuantError::InputWidth {
-            tensor: w.name.clone(),
-            expected: w.cols,
+            tensor: w.info.name.clone(),
+            expected: w.info.cols,
             found: k,
         }));
     }
-    cuda_plan::check_launch(&w.name, w.format, 1, w.rows, k, 1).map_err(quant_err)?;
-    let qx = quantize_activations(x, scale, w.format.has_mins())?;
+    cuda_plan::check_launch(&w.info.name, w.info.format, 1, w.info.rows, k, 1)
+        .map_err(quant_err)?;
+    let qx = quantize_activations(x, scale, w.info.format.has_mins())?;
     let y = gemm_slice(&qx, w, scale, kernel, &dev, true)?;
-    Ok((wrap(y, &dev, (m, w.rows)), qx))
+    Ok((wrap(y, &dev, (m, w.info.rows)), qx))
 }
