@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use crate::config::DecisionConfig;
 use crate::error::{DecisionError, FieldError, FieldPath, ModelError};
-use crate::model::{LetterModel, LetterPrompt};
+use crate::model::{LetterLogits, LetterModel, LetterPrompt};
 use crate::readout::{
     argmax, choice_confidence, expected_score, score_confidence, softmax, WideChoice,
 };
@@ -83,8 +83,9 @@ pub fn render_request(
     Ok(request
         .questions
         .iter()
-        .map(|question| {
-            let task = Task::new(question, config);
+        .enumerate()
+        .map(|(index, question)| {
+            let task = Task::new(index, question, config);
             let mode = match &task.wide {
                 None => ReadMode::SelfAnswered,
                 Some(wide) if wide.groups().len() == 1 => ReadMode::Single,
@@ -94,15 +95,16 @@ pub fn render_request(
                 name: question.name.clone(),
                 kind: question.kind,
                 mode,
-                prompts: task.prompts(&state),
+                prompts: task.prompts(question, &state),
             }
         })
         .collect())
 }
 
 /// One question in flight.
-struct Task<'a> {
-    question: &'a Question,
+struct Task {
+    /// Index of the question in the request.
+    question: usize,
     labels: Vec<String>,
     temperature: f64,
     /// `None` for a self-answered question.
@@ -111,12 +113,12 @@ struct Task<'a> {
     prompts_read: usize,
 }
 
-impl<'a> Task<'a> {
-    fn new(question: &'a Question, config: &DecisionConfig) -> Self {
+impl Task {
+    fn new(index: usize, question: &Question, config: &DecisionConfig) -> Self {
         let n = question.options.len();
         let self_answered = question.kind == QuestionType::Choice && n == 1;
         Task {
-            question,
+            question: index,
             labels: option_labels(question),
             temperature: config.temperature(question.kind),
             wide: (!self_answered).then(|| WideChoice::new(n, &config.wide_choice)),
@@ -125,84 +127,128 @@ impl<'a> Task<'a> {
         }
     }
 
-    fn prompts(&self, state: &str) -> Vec<LetterPrompt> {
+    fn prompts(&self, question: &Question, state: &str) -> Vec<LetterPrompt> {
         match (&self.wide, &self.probabilities) {
             (Some(wide), None) => wide
                 .groups()
                 .iter()
-                .map(|group| render_options(state, self.question, &self.labels, group))
+                .map(|group| render_options(state, question, &self.labels, group))
                 .collect(),
             _ => Vec::new(),
         }
     }
 }
 
-/// Answers a request with `model`.
-pub fn decide(
-    request: &DecisionRequest,
-    config: &DecisionConfig,
-    model: &mut dyn LetterModel,
-) -> Result<DecisionResponse, DecisionError> {
-    let start = Instant::now();
-    config.validate()?;
-    check_supported(request, true)?;
-    let state = state_text(&request.state);
-    let mut tasks: Vec<Task> = request
-        .questions
-        .iter()
-        .map(|q| Task::new(q, config))
-        .collect();
-    let mut usage = Usage::default();
+/// The decision procedure for one request as a resumable task: it says which prompts it needs read
+/// ([`DecisionTask::next_prompts`]), takes their letter logits back ([`DecisionTask::feed`]) and, when
+/// nothing is left to read, gives the response ([`DecisionTask::finish`]).
+///
+/// It never calls a model itself, so whoever drives it decides how prompts are computed: [`decide`]
+/// reads them with a [`LetterModel`] one step at a time; the engine (`crate::engine`) packs the ready
+/// prompts of many requests into shared forward passes. The answers depend only on the logits fed
+/// back, so both give the same response for the same logits.
+pub struct DecisionTask {
+    request: DecisionRequest,
+    state: String,
+    tasks: Vec<Task>,
+    usage: Usage,
+    /// Per prompt handed out by the last `next_prompts` and not yet fed back: the task it belongs to.
+    pending: Vec<usize>,
+    started: Instant,
+}
 
-    // One model call per step: all questions' prompts first, then each further wide-choice round.
-    loop {
+impl DecisionTask {
+    /// Validates what this engine supports and renders the first prompts. Fails with the same errors
+    /// [`decide`] gives (422 for what the engine cannot answer).
+    pub fn new(request: DecisionRequest, config: &DecisionConfig) -> Result<Self, DecisionError> {
+        let started = Instant::now();
+        config.validate()?;
+        check_supported(&request, true)?;
+        let state = state_text(&request.state);
+        let tasks = request
+            .questions
+            .iter()
+            .enumerate()
+            .map(|(i, q)| Task::new(i, q, config))
+            .collect();
+        Ok(DecisionTask {
+            request,
+            state,
+            tasks,
+            usage: Usage::default(),
+            pending: Vec::new(),
+            started,
+        })
+    }
+
+    /// The request this task answers.
+    pub fn request(&self) -> &DecisionRequest {
+        &self.request
+    }
+
+    /// Every prompt that is ready now (all questions' prompts first, then each further wide-choice
+    /// round), in a fixed order. Empty when the task is done. The prompts stay pending until
+    /// [`Self::feed`] gets their logits; asking again before that returns the same prompts.
+    pub fn next_prompts(&mut self) -> Vec<LetterPrompt> {
         let mut prompts = Vec::new();
         let mut owners = Vec::new();
-        for (t, task) in tasks.iter().enumerate() {
-            for prompt in task.prompts(&state) {
+        for (t, task) in self.tasks.iter().enumerate() {
+            for prompt in task.prompts(&self.request.questions[task.question], &self.state) {
                 prompts.push(prompt);
                 owners.push(t);
             }
         }
-        if prompts.is_empty() {
-            break;
-        }
-        let read = model
-            .letter_logits(&prompts)
-            .map_err(|error| model_error(error, &owners, &tasks))?;
-        if read.logits.len() != prompts.len() {
+        self.pending = owners;
+        prompts
+    }
+
+    /// True when every question has its probabilities.
+    pub fn is_done(&self) -> bool {
+        self.tasks.iter().all(|t| t.probabilities.is_some())
+    }
+
+    /// The read-outs of the prompts last returned by [`Self::next_prompts`], in their order.
+    pub fn feed(&mut self, read: LetterLogits) -> Result<(), DecisionError> {
+        let owners = std::mem::take(&mut self.pending);
+        if read.logits.len() != owners.len() {
             return Err(DecisionError::ModelOutput(format!(
                 "{} read-outs for {} prompts",
                 read.logits.len(),
-                prompts.len()
+                owners.len()
             )));
         }
-        usage.input_tokens += read.input_tokens;
-        usage.output_tokens += read.output_tokens;
+        self.usage.input_tokens += read.input_tokens;
+        self.usage.output_tokens += read.output_tokens;
 
-        let mut per_task: Vec<Vec<Vec<f64>>> = vec![Vec::new(); tasks.len()];
-        for (index, ((prompt, logits), &t)) in
-            prompts.iter().zip(&read.logits).zip(&owners).enumerate()
-        {
-            let task = &tasks[t];
-            if logits.len() != prompt.option_ids.len() {
+        let mut per_task: Vec<Vec<Vec<f64>>> = vec![Vec::new(); self.tasks.len()];
+        // The expected letter count of each prompt: its group's size in the current round.
+        let mut seen = vec![0usize; self.tasks.len()];
+        for (index, (logits, &t)) in read.logits.iter().zip(&owners).enumerate() {
+            let task = &self.tasks[t];
+            let question = &self.request.questions[task.question];
+            let expected = task
+                .wide
+                .as_ref()
+                .and_then(|w| w.groups().get(seen[t]))
+                .map(Vec::len)
+                .unwrap_or(0);
+            seen[t] += 1;
+            if logits.len() != expected {
                 return Err(DecisionError::ModelOutput(format!(
-                    "question {:?}: expected {} letter logits, got {:?}",
-                    task.question.name,
-                    prompt.option_ids.len(),
-                    logits
+                    "question {:?}: expected {expected} letter logits, got {logits:?}",
+                    question.name
                 )));
             }
             if logits.iter().any(|l| !l.is_finite()) {
                 return Err(DecisionError::NonFiniteLogits {
-                    question: task.question.name.clone(),
+                    question: question.name.clone(),
                     prompt: index,
                     logits: logits.clone(),
                 });
             }
             per_task[t].push(softmax(logits, task.temperature));
         }
-        for (task, read_outs) in tasks.iter_mut().zip(per_task) {
+        for (task, read_outs) in self.tasks.iter_mut().zip(per_task) {
             if read_outs.is_empty() {
                 continue;
             }
@@ -210,7 +256,7 @@ pub fn decide(
             let Some(wide) = task.wide.as_mut() else {
                 continue;
             };
-            let name = &task.question.name;
+            let name = &self.request.questions[task.question].name;
             if let Some(final_probabilities) = wide
                 .feed(&read_outs)
                 .map_err(|e| DecisionError::ModelOutput(format!("question {name:?}: {e}")))?
@@ -218,50 +264,87 @@ pub fn decide(
                 task.probabilities = Some(final_probabilities);
             }
         }
+        Ok(())
     }
 
-    let answers = tasks
-        .iter()
-        .map(|task| {
-            let probabilities = task.probabilities.clone().unwrap_or_default();
-            (
-                task.question.name.clone(),
-                answer(task, &probabilities, request.return_details),
-            )
-        })
-        .collect();
-    Ok(DecisionResponse {
-        answers: OrderedMap(answers),
-        usage,
-        model: model.model_name().to_string(),
-        latency_ms: start.elapsed().as_secs_f64() * 1e3,
-    })
-}
+    /// A model error for the prompts last handed out: a prompt the model cannot take becomes a 422
+    /// naming its question; anything else is internal.
+    pub fn model_error(&self, error: ModelError) -> DecisionError {
+        if let ModelError::PromptTooLong {
+            prompt,
+            tokens,
+            limit,
+        } = error
+        {
+            if let Some(&t) = self.pending.get(prompt) {
+                return prompt_too_long(
+                    &self.request.questions[self.tasks[t].question].name,
+                    tokens,
+                    limit,
+                );
+            }
+        }
+        DecisionError::Model(error)
+    }
 
-/// A prompt the model cannot take becomes a 422 naming its question; anything else is internal.
-fn model_error(error: ModelError, owners: &[usize], tasks: &[Task]) -> DecisionError {
-    if let ModelError::PromptTooLong {
-        prompt,
-        tokens,
-        limit,
-    } = error
-    {
-        if let Some(&t) = owners.get(prompt) {
-            return FieldError::unanswerable(
-                FieldPath::root()
-                    .key("questions")
-                    .key(&tasks[t].question.name),
-                "prompt_too_long",
-                format!("the prompt has {tokens} tokens, more than this server's limit of {limit}"),
-            )
-            .into();
+    /// The response (answers in the request's question order). `latency_ms` is the time since the task
+    /// was made.
+    pub fn finish(self, model_name: &str) -> DecisionResponse {
+        let return_details = self.request.return_details;
+        let answers = self
+            .tasks
+            .iter()
+            .map(|task| {
+                let question = &self.request.questions[task.question];
+                let probabilities = task.probabilities.clone().unwrap_or_default();
+                (
+                    question.name.clone(),
+                    answer(task, question, &probabilities, return_details),
+                )
+            })
+            .collect();
+        DecisionResponse {
+            answers: OrderedMap(answers),
+            usage: self.usage,
+            model: model_name.to_string(),
+            latency_ms: self.started.elapsed().as_secs_f64() * 1e3,
         }
     }
-    DecisionError::Model(error)
 }
 
-fn answer(task: &Task, probabilities: &[f64], return_details: bool) -> Answer {
-    let question = task.question;
+/// The 422 for a question whose prompt is longer than the server takes.
+pub fn prompt_too_long(question: &str, tokens: usize, limit: usize) -> DecisionError {
+    FieldError::unanswerable(
+        FieldPath::root().key("questions").key(question),
+        "prompt_too_long",
+        format!("the prompt has {tokens} tokens, more than this server's limit of {limit}"),
+    )
+    .into()
+}
+
+/// Answers a request with `model`: a [`DecisionTask`] driven one model call per step (all questions'
+/// prompts in one call, so the model can share their evidence prefix, then one call per further
+/// wide-choice round).
+pub fn decide(
+    request: &DecisionRequest,
+    config: &DecisionConfig,
+    model: &mut dyn LetterModel,
+) -> Result<DecisionResponse, DecisionError> {
+    let mut task = DecisionTask::new(request.clone(), config)?;
+    loop {
+        let prompts = task.next_prompts();
+        if prompts.is_empty() {
+            break;
+        }
+        let read = model
+            .letter_logits(&prompts)
+            .map_err(|error| task.model_error(error))?;
+        task.feed(read)?;
+    }
+    Ok(task.finish(model.model_name()))
+}
+
+fn answer(task: &Task, question: &Question, probabilities: &[f64], return_details: bool) -> Answer {
     let by_id = || -> OrderedMap<f64> {
         OrderedMap(
             question
