@@ -1,9 +1,10 @@
-//! `prism serve`: the `/v1/systemone` HTTP server on this machine's CPU.
+//! `prism serve`: the `/v1/systemone` HTTP server, on a GPU when there is one, else on the CPU.
 //!
-//! Loads the model (the bundled random-weight demo model when no `--gguf` is given), runs one warm-up
-//! read-out through the whole path, binds, prints `Ready` with the endpoints and a curl line, and serves
-//! until SIGTERM or Ctrl-C, after which the requests in flight are finished before the process exits.
-//! Progress goes to stdout (the tests read the `Ready on http://ADDR` line); logs go to stderr.
+//! Loads the model (the bundled random-weight demo model when no `--gguf` is given), starts the engine,
+//! runs one warm-up read-out through the whole path, binds, prints `Ready` with the endpoints and a curl
+//! line, and serves until SIGTERM or Ctrl-C, after which the requests in flight are finished before the
+//! process exits. Progress goes to stdout (the tests read the `Ready on http://ADDR` line); logs go to
+//! stderr.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -11,12 +12,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use candle_core::Device;
 use clap::{ArgAction, Args};
+use prism_decision::engine::{Engine, EngineObserver, EngineOptions, PrefixCacheLimits};
 use prism_decision::{
-    decide, DecisionRequest, DecoderLetterModel, LetterModel, ModelSource, RequestDefaults,
+    DecisionRequest, DecoderLetterModel, LetterModel, ModelSource, RequestDefaults,
 };
 use prism_model::{LoadOptions, Precision};
-use prism_server::{router, serve, ModelInfo, Scheduler, ServerConfig, Stats};
+use prism_server::{router, serve, Metrics, ModelInfo, ServerConfig, Stats};
 
 /// Arguments of `prism serve`.
 #[derive(Args)]
@@ -34,9 +37,28 @@ pub struct ServeArgs {
     /// Port to bind (0: any free port; the Ready line says which).
     #[arg(long, default_value_t = 8092)]
     pub port: u16,
-    /// Arithmetic of the forward pass (as `prism decide`).
-    #[arg(long, default_value = "f32")]
-    pub precision: String,
+    /// Where the model runs: `auto` (a CUDA GPU when this binary has the `cuda` feature and one is
+    /// visible, else the CPU), `cpu` or `cuda`.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// Which GPU (`--gpus 0`). One GPU per server for now; several (data parallel replicas) are not
+    /// implemented yet.
+    #[arg(long, value_delimiter = ',')]
+    pub gpus: Vec<usize>,
+    /// Arithmetic of the forward pass (as `prism decide`). Default: f32 on the CPU, bf16 on a GPU.
+    #[arg(long)]
+    pub precision: Option<String>,
+    /// Most tokens computed in one forward pass; requests are packed into passes up to it, and longer
+    /// evidence is computed in chunks. Default: 8192 on the CPU, 16384 on a GPU.
+    #[arg(long)]
+    pub max_batch_tokens: Option<usize>,
+    /// Most tokens the prefix cache of evidence states keeps (0: no cache).
+    #[arg(long, default_value_t = 65536)]
+    pub prefix_cache_tokens: usize,
+    /// Most bytes the prefix cache keeps. Default: 2 GiB on the CPU; on a GPU a quarter of the device
+    /// memory free after loading.
+    #[arg(long)]
+    pub prefix_cache_bytes: Option<u64>,
     /// The longest prompt accepted, in tokens; a longer question is refused (HTTP 422).
     #[arg(long, default_value_t = 32768)]
     pub max_tokens: usize,
@@ -119,10 +141,21 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             bail!("the API key must be printable ASCII without spaces");
         }
     }
-    let precision = Precision::parse(&args.precision)?;
+    let device = open_device(&args.device, &args.gpus)?;
+    let on_gpu = !device.is_cpu();
+    let precision_name = args
+        .precision
+        .clone()
+        .unwrap_or_else(|| if on_gpu { "bf16" } else { "f32" }.to_string());
+    let precision = Precision::parse(&precision_name)?;
+    let device_name = if on_gpu {
+        format!("CUDA GPU {}", args.gpus.first().copied().unwrap_or(0))
+    } else {
+        "CPU".to_string()
+    };
 
     say!(
-        "Prism {} — /v1/systemone server (CPU)",
+        "Prism {} — /v1/systemone server ({device_name}, {precision_name})",
         env!("CARGO_PKG_VERSION")
     );
     let (source, demo) = match (&args.gguf, &args.model_dir) {
@@ -167,16 +200,17 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         "[1/3] Loading {} ({:.1} MB): GGUF, tokenizer, chat template, decision config, decoder weights ({}) ...",
         source.gguf.display(),
         size as f64 / 1e6,
-        args.precision
+        precision_name
     );
     let started = Instant::now();
     let options = LoadOptions {
+        device: device.clone(),
         precision,
         ..LoadOptions::default()
     };
     let loaded = DecoderLetterModel::load(&source, &options, args.max_tokens)
         .with_context(|| format!("loading the decision model {}", source.gguf.display()))?;
-    let mut model = loaded.model;
+    let model = loaded.model;
     let config = loaded.config;
     let name = model.model_name().to_string();
     let layers = model.decoder().config().n_layers;
@@ -184,22 +218,51 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         "      done in {:.2} s: {name}, {layers} layers",
         started.elapsed().as_secs_f64()
     );
+    let free_memory = device_free_memory(&device);
+    if let Some((free, total)) = free_memory {
+        say!(
+            "      device memory: {:.1} GB free of {:.1} GB",
+            free as f64 / 1e9,
+            total as f64 / 1e9
+        );
+    }
+
+    let engine_options = EngineOptions {
+        max_batch_tokens: args
+            .max_batch_tokens
+            .unwrap_or(if on_gpu { 16384 } else { 8192 }),
+        queue_size: args.queue_size,
+        max_prompt_tokens: args.max_tokens,
+        prefix_cache: PrefixCacheLimits {
+            max_tokens: args.prefix_cache_tokens,
+            max_bytes: args.prefix_cache_bytes.unwrap_or(match free_memory {
+                Some((free, _)) => free / 4,
+                None => 2 << 30,
+            }),
+        },
+    };
+    if engine_options.max_batch_tokens == 0 {
+        bail!("--max-batch-tokens must be at least 1");
+    }
+    let encoder = model.encoder();
+    let metrics = Arc::new(Metrics::default());
+    let observer: Arc<dyn EngineObserver> = metrics.clone();
+    let (engine, worker) = Engine::start(model, encoder, config, engine_options, Some(observer))
+        .context("cannot start the engine")?;
 
     say!("[2/3] Warm-up: one question through the whole path ...");
     let started = Instant::now();
     let warm_up = DecisionRequest::parse(WARM_UP.as_bytes(), &RequestDefaults::default())
-        .and_then(|request| decide(&request, &config, &mut model))
+        .map_err(anyhow::Error::from)
+        .and_then(|request| Ok(engine.decide(request, None)?))
         .context("the warm-up request failed")?;
     say!(
         "      done in {:.0} ms ({} prompt tokens)",
         started.elapsed().as_secs_f64() * 1e3,
-        warm_up.usage.input_tokens
+        warm_up.response.usage.input_tokens
     );
 
     let stats = Arc::new(Stats::default());
-    let (scheduler, worker) =
-        Scheduler::start(Box::new(model), config, args.queue_size, stats.clone())
-            .context("cannot start the model worker thread")?;
     let timeout = Duration::from_secs_f64(args.timeout);
     let server_config = ServerConfig {
         api_key: api_key.clone(),
@@ -215,16 +278,16 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             description: if demo {
                 "The bundled demo model: a tiny Qwen3.5 with random weights. Its answers are meaningless.".into()
             } else {
-                format!("StartLux-Decision model {name}, served by Prism on the CPU")
+                format!("StartLux-Decision model {name}, served by Prism on the {device_name}")
             },
             name,
             release_date: "unknown".into(),
-            precision: args.precision.clone(),
+            precision: precision_name.clone(),
             max_prompt_tokens: args.max_tokens,
             demo,
         },
     };
-    let app = router(server_config, scheduler, stats);
+    let app = router(server_config, engine, stats, metrics);
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -248,7 +311,10 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         say!("  WARNING: listening on {address}, reachable from other machines, without an API key (--api-key).");
     }
     say!(
-        "Ready on {base}  (queue {}, timeout {} s, body limit {} bytes, API key {})",
+        "Ready on {base}  ({device_name}, {precision_name}, {} tokens a pass, prefix cache {} tokens / {:.2} GB, queue {}, timeout {} s, body limit {} bytes, API key {})",
+        engine_options.max_batch_tokens,
+        engine_options.prefix_cache.max_tokens,
+        engine_options.prefix_cache.max_bytes as f64 / 1e9,
         args.queue_size,
         args.timeout,
         args.max_body_bytes,
@@ -258,6 +324,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     say!("  GET  {base}/v1/models");
     say!("  GET  {base}/health");
     say!("  GET  {base}/stats");
+    say!("  GET  {base}/metrics");
     say!("Try:");
     let auth = if api_key.is_some() {
         " -H \"Authorization: Bearer $PRISM_API_KEY\""
@@ -290,7 +357,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     runtime.shutdown_timeout(Duration::from_secs(1));
     match outcome.context("the server failed")? {
         true => {
-            // Every handle to the scheduler is gone with the router: the worker ends after its last job.
+            // Every handle to the engine is gone with the router: its loop ends after its last request.
             worker.join();
             say!("Stopped.");
         }
@@ -321,4 +388,50 @@ async fn wait_for_signal() {
         () = ctrl_c => {},
         () = terminate => {},
     }
+}
+
+/// The device `--device` and `--gpus` name.
+fn open_device(name: &str, gpus: &[usize]) -> Result<Device> {
+    if gpus.len() > 1 {
+        bail!(
+            "--gpus {gpus:?}: one GPU per server for now (data parallel replicas are not implemented yet); \
+             run one server per GPU"
+        );
+    }
+    let ordinal = gpus.first().copied().unwrap_or(0);
+    match name {
+        "cpu" => {
+            if !gpus.is_empty() {
+                bail!("--gpus needs --device cuda or auto");
+            }
+            Ok(Device::Cpu)
+        }
+        "cuda" | "auto" => {
+            #[cfg(feature = "cuda")]
+            {
+                match prism_quant::cuda_launch::open_device(ordinal) {
+                    Ok(device) => Ok(device),
+                    Err(error) if name == "auto" && gpus.is_empty() => {
+                        say!("  (no usable CUDA GPU: {error}; serving on the CPU)");
+                        Ok(Device::Cpu)
+                    }
+                    Err(error) => Err(error).context(format!("opening CUDA device {ordinal}")),
+                }
+            }
+            #[cfg(not(feature = "cuda"))]
+            {
+                let _ = ordinal;
+                if name == "cuda" || !gpus.is_empty() {
+                    bail!("--device cuda / --gpus: this prism was built without the `cuda` feature (cargo build --features cuda)");
+                }
+                Ok(Device::Cpu)
+            }
+        }
+        other => bail!("--device {other:?}: expected auto, cpu or cuda"),
+    }
+}
+
+/// Free and total device memory in bytes; `None` on the CPU.
+fn device_free_memory(device: &Device) -> Option<(u64, u64)> {
+    crate::cmd_bench::device_memory(device).map(|(used, total)| (total - used, total))
 }

@@ -78,9 +78,9 @@ fn sigquit_writes_every_threads_stack_and_the_server_carries_on() {
         assert!(tids.contains(tid), "no line for thread {tid}:\n{stacks}");
     }
     assert!(tids.len() >= 3, "{stacks}");
-    // The HTTP workers and the model thread are among them.
+    // The HTTP workers and the engine's step loop are among them.
     assert!(names.contains("prism-http"), "{names:?}");
-    assert!(names.contains("prism-model"), "{names:?}");
+    assert!(names.contains("prism-engine"), "{names:?}");
     // The map names the binary, whose mappings the addresses are read against.
     assert!(maps.contains("r-xp"), "{maps}");
     let exe = std::path::Path::new(env!("CARGO_BIN_EXE_prism"));

@@ -15,8 +15,12 @@ pub mod synth_files;
 pub mod tokenizer;
 
 pub use config::{DecisionConfig, WideChoiceConfig};
-pub use decide::{decide, render_request, ReadMode, RenderedQuestion};
-pub use engine::{DecoderLetterModel, EngineError, LoadedDecisionModel, ModelSource};
+pub use decide::{decide, render_request, DecisionTask, ReadMode, RenderedQuestion};
+pub use engine::{
+    CancelToken, DecoderLetterModel, Engine, EngineError, EngineOptions, EngineStats, EngineWorker,
+    JobError, JobOutput, LoadedDecisionModel, ModelSource, PassModel, PrefixCacheLimits, Prepared,
+    SubmitError,
+};
 pub use error::{DecisionError, ErrorBody, FieldError, FieldErrors, ModelError};
 pub use model::{LetterLogits, LetterModel, LetterPrompt};
 pub use request::{DecisionRequest, Question, QuestionType, RequestDefaults};

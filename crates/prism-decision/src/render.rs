@@ -217,6 +217,17 @@ pub fn render_options(
     }
 }
 
+/// A prompt with the given evidence and a question no request asks (its text starts with a control
+/// character): its tokens share with every real prompt about this evidence exactly the part before the
+/// question. The engine branches there and keys its prefix cache on those tokens.
+pub fn evidence_probe(state_text: &str) -> LetterPrompt {
+    LetterPrompt {
+        system: SYSTEM_PROMPT.to_string(),
+        user: user_text(state_text, "\u{1}", &["\u{1}", "\u{1}"]),
+        option_ids: vec!["\u{1}".into(), "\u{1}".into()],
+    }
+}
+
 /// Renders a question as one prompt, as the reference renderer does: it refuses fewer than 2 or more than
 /// 26 options (the engine answers a single option without the model and reads wider choices in rounds,
 /// see [`crate::decide`]).

@@ -105,6 +105,29 @@ impl SequenceState {
         self.next_position
     }
 
+    /// Device or host memory the state's tensors take, in bytes (shared tensors counted once per
+    /// state: a cache that keeps clones of one state counts it each time, an overestimate).
+    pub fn bytes(&self) -> usize {
+        fn size(t: &Tensor) -> usize {
+            t.elem_count() * t.dtype().size_in_bytes()
+        }
+        self.layers
+            .iter()
+            .map(|layer| match layer {
+                LayerState::DeltaNet(d) => {
+                    size(&d.conv)
+                        + size(&d.rule.chunk_start)
+                        + size(&d.rule.pending_k)
+                        + size(&d.rule.pending_u)
+                        + size(&d.rule.pending_gamma)
+                }
+                LayerState::Attention(kv) => {
+                    kv.k.as_ref().map_or(0, size) + kv.v.as_ref().map_or(0, size)
+                }
+            })
+            .sum()
+    }
+
     /// Per-layer state, in layer order (for inspection and tests).
     pub fn layers(&self) -> &[LayerState] {
         &self.layers

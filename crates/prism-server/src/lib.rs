@@ -1,18 +1,17 @@
-//! The `/v1/systemone` HTTP server: axum on tokio in front of a bounded queue and one model worker.
+//! The `/v1/systemone` HTTP server: axum on tokio in front of `prism-decision`'s engine.
 //!
 //! - [`server`] — routes, API key, request ids, limits, timeouts, graceful shutdown;
 //! - [`body`] — content type, zstd, multipart and `assets`, then `prism-decision`'s validation;
-//! - [`scheduler`] — the bounded queue and the worker thread that owns the model;
-//! - [`stats`] — the counters behind `GET /stats`;
+//! - [`stats`] — the counters behind `GET /stats`; [`metrics`] — `GET /metrics` (OpenMetrics text);
 //! - [`error`] — every refusal as the API's error body and status.
 
 pub mod body;
 pub mod error;
-pub mod scheduler;
+pub mod metrics;
 pub mod server;
 pub mod stats;
 
 pub use error::ApiError;
-pub use scheduler::{Scheduler, SubmitError, Worker};
+pub use metrics::Metrics;
 pub use server::{router, serve, ModelInfo, ServerConfig, REQUEST_ID_HEADER};
 pub use stats::Stats;

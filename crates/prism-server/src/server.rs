@@ -1,7 +1,9 @@
 //! The HTTP layer: routes, the API key, request ids, body limits, timeouts and graceful shutdown.
 //!
 //! Kept thin and typed: each handler turns HTTP into a validated `DecisionRequest` (see [`crate::body`]),
-//! hands it to the [`Scheduler`] and turns the answer (or the typed refusal) back into HTTP.
+//! prepares it for the [`Engine`] (rendering and tokenization, off the async threads), submits it and
+//! turns the answer (or the typed refusal) back into HTTP. A client that goes away cancels its request:
+//! the engine stops its work at the next step.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,13 +18,14 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, MethodRouter};
 use axum::Router;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use prism_decision::engine::{CancelToken, Engine, JobError, Prepared, SubmitError};
 use prism_decision::{DecisionResponse, RequestDefaults};
 use serde::Serialize;
 use serde_json::json;
 
 use crate::body::{body_kind, decode_zstd, is_zstd, parse_request, BodyError, ParsedRequest};
 use crate::error::{loc, ApiError};
-use crate::scheduler::{Scheduler, SubmitError};
+use crate::metrics::{Metrics, CONTENT_TYPE as METRICS_CONTENT_TYPE};
 use crate::stats::Stats;
 
 /// The response header that carries each request's id (the TypeSafe SDK reads it).
@@ -60,20 +63,28 @@ pub struct ServerConfig {
 
 struct Shared {
     config: ServerConfig,
-    scheduler: Scheduler,
+    engine: Engine,
     stats: Arc<Stats>,
+    metrics: Arc<Metrics>,
     next_id: AtomicU64,
     id_seeds: [u64; 2],
 }
 
 type AppState = Arc<Shared>;
 
-/// The server's router over a running [`Scheduler`].
-pub fn router(config: ServerConfig, scheduler: Scheduler, stats: Arc<Stats>) -> Router {
+/// The server's router over a running [`Engine`]. `metrics` should be the engine's observer, so
+/// `/metrics` sees its passes.
+pub fn router(
+    config: ServerConfig,
+    engine: Engine,
+    stats: Arc<Stats>,
+    metrics: Arc<Metrics>,
+) -> Router {
     let state: AppState = Arc::new(Shared {
         config,
-        scheduler,
+        engine,
         stats,
+        metrics,
         next_id: AtomicU64::new(0),
         id_seeds: [random_seed(), random_seed()],
     });
@@ -84,6 +95,7 @@ pub fn router(config: ServerConfig, scheduler: Scheduler, stats: Arc<Stats>) -> 
         .route("/v1/models", get(models).fallback(method_not_allowed))
         .route("/health", get(health).fallback(method_not_allowed))
         .route("/stats", get(stats_page).fallback(method_not_allowed))
+        .route("/metrics", get(metrics_page).fallback(method_not_allowed))
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(
             state.clone(),
@@ -98,9 +110,68 @@ pub async fn serve(
     app: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<ClientSocket>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
+}
+
+/// The socket a request came on, so a handler can notice its client leaving: hyper does not drop a
+/// pending HTTP/1 handler when the client closes, so the handler looks at the socket itself.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientSocket(Option<i32>);
+
+impl
+    axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, tokio::net::TcpListener>>
+    for ClientSocket
+{
+    fn connect_info(stream: axum::serve::IncomingStream<'_, tokio::net::TcpListener>) -> Self {
+        #[cfg(unix)]
+        {
+            use std::os::fd::AsRawFd;
+            ClientSocket(Some(stream.io().as_raw_fd()))
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = stream;
+            ClientSocket(None)
+        }
+    }
+}
+
+/// Resolves once the client has closed its side of the connection (a peek reads end of file) or the
+/// connection failed; never without a socket. Bytes waiting (a pipelined request) count as present.
+/// Safe to peek by descriptor: the connection, and so the descriptor, lives while its handler runs.
+async fn client_gone(socket: ClientSocket) {
+    #[cfg(unix)]
+    if let Some(fd) = socket.0 {
+        loop {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let mut byte = 0u8;
+            // SAFETY: `byte` is a valid one-byte buffer for the call; MSG_PEEK leaves the data to hyper.
+            let n = unsafe {
+                libc::recv(
+                    fd,
+                    (&mut byte as *mut u8).cast(),
+                    1,
+                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                )
+            };
+            if n == 0 {
+                return;
+            }
+            if n < 0 {
+                match std::io::Error::last_os_error().kind() {
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted => {}
+                    _ => return,
+                }
+            }
+        }
+    }
+    let _ = socket;
+    std::future::pending::<()>().await
 }
 
 /// A per-process random seed for request ids (std's hasher keys come from the OS's randomness).
@@ -184,6 +255,7 @@ async fn around_every_request(
     }
     let status = response.status().as_u16();
     state.stats.record_http(status);
+    state.metrics.record_http(status);
     let ms = started.elapsed().as_secs_f64() * 1e3;
     if status >= 500 {
         tracing::warn!(request_id = %id, "{method} {path} -> {status} in {ms:.1} ms");
@@ -241,9 +313,11 @@ struct DecideBody<'a> {
 
 async fn decide(
     State(state): State<AppState>,
+    socket: Option<axum::Extension<axum::extract::ConnectInfo<ClientSocket>>>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
+    let socket = socket.map_or(ClientSocket(None), |s| s.0 .0);
     let arrived = Instant::now();
     let config = &state.config;
     let limit = config.max_body_bytes;
@@ -271,23 +345,42 @@ async fn decide(
         }
     };
 
-    // Decompression, multipart and JSON parsing are CPU work on untrusted input: off the async threads.
+    // Decompression, multipart, JSON parsing, rendering and tokenization are CPU work on untrusted
+    // input: off the async threads, and off the engine's.
     let defaults = config.defaults.clone();
-    let parsed: ParsedRequest = tokio::task::spawn_blocking(move || {
-        let decoded = if zstd {
-            decode_zstd(&bytes, limit).map_err(|e| e.to_api())?
-        } else {
-            bytes
-        };
-        parse_request(&kind, &decoded, &defaults)
-    })
-    .await
-    .map_err(|e| internal(format!("the request parser failed: {e}")))??;
+    let engine = state.engine.clone();
+    let (prepared, notes, questions): (Prepared, Vec<String>, usize) =
+        tokio::task::spawn_blocking(move || -> Result<_, ApiError> {
+            let decoded = if zstd {
+                decode_zstd(&bytes, limit).map_err(|e| e.to_api())?
+            } else {
+                bytes
+            };
+            let parsed: ParsedRequest = parse_request(&kind, &decoded, &defaults)?;
+            let questions = parsed.request.questions.len();
+            let prepared = engine
+                .prepare(parsed.request)
+                .map_err(|e| ApiError::from_decision(&e))?;
+            Ok((prepared, parsed.notes, questions))
+        })
+        .await
+        .map_err(|e| internal(format!("the request parser failed: {e}")))??;
 
-    let questions = parsed.request.questions.len();
-    let answer = state
-        .scheduler
-        .submit(parsed.request)
+    let (sender, answer) = tokio::sync::oneshot::channel();
+    let cancel = CancelToken::default();
+    // Dropped with this handler: when the client goes away before the answer, the engine stops the
+    // request's work at its next step.
+    let _cancel_on_drop = CancelOnDrop(cancel.clone());
+    state
+        .engine
+        .submit(
+            prepared,
+            Box::new(move |result| {
+                let _ = sender.send(result);
+            }),
+            Some(arrived + config.request_timeout),
+            cancel,
+        )
         .map_err(|error| match error {
             SubmitError::QueueFull { .. } => {
                 state.stats.record_queue_full();
@@ -307,24 +400,46 @@ async fn decide(
             )
             .with_retry_after(1),
         })?;
-    let remaining = config.request_timeout.saturating_sub(arrived.elapsed());
-    let output = match tokio::time::timeout(remaining, answer).await {
-        Ok(Ok(Ok(output))) => output,
-        Ok(Ok(Err(refused))) => return Err(ApiError::from_decision(&refused)),
-        Ok(Err(_)) => return Err(internal("the model worker stopped before answering".into())),
-        Err(_) => {
-            state.stats.record_timeout();
+    let timed_out = || {
+        state.stats.record_timeout();
+        ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            loc(["body"]),
+            "timeout",
+            format!(
+                "the request was not answered within {} s",
+                config.request_timeout.as_secs_f64()
+            ),
+        )
+    };
+    // The engine drops the request at its deadline; the extra second only covers the step in flight.
+    let remaining =
+        config.request_timeout.saturating_sub(arrived.elapsed()) + Duration::from_secs(1);
+    let waited = tokio::select! {
+        waited = tokio::time::timeout(remaining, answer) => waited,
+        () = client_gone(socket) => {
+            // Nobody reads this answer; dropping the handler cancels the request in the engine.
+            state.stats.record_client_gone();
             return Err(ApiError::new(
-                StatusCode::GATEWAY_TIMEOUT,
+                StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
                 loc(["body"]),
-                "timeout",
-                format!(
-                    "the request was not answered within {} s",
-                    config.request_timeout.as_secs_f64()
-                ),
+                "client_closed_request",
+                "the client closed the connection before the answer".to_string(),
             ));
         }
     };
+    let output = match waited {
+        Ok(Ok(Ok(output))) => output,
+        Ok(Ok(Err(JobError::Decision(refused)))) => return Err(ApiError::from_decision(&refused)),
+        Ok(Ok(Err(JobError::DeadlineExceeded))) | Err(_) => return Err(timed_out()),
+        Ok(Ok(Err(JobError::Cancelled))) => {
+            return Err(internal("the request was cancelled".into()))
+        }
+        Ok(Err(_)) => return Err(internal("the engine stopped before answering".into())),
+    };
+    state
+        .stats
+        .record_run(output.queue_ms, output.compute_ms, output.cached_tokens);
     let mut response = output.response;
     // The client's latency as the server sees it: arrival to answer, queue wait included.
     response.latency_ms = arrived.elapsed().as_secs_f64() * 1e3;
@@ -334,9 +449,15 @@ async fn decide(
         response.usage.output_tokens,
         response.latency_ms,
     );
+    state.metrics.record_decision(
+        response.latency_ms / 1e3,
+        output.queue_ms / 1e3,
+        response.usage.input_tokens,
+        response.usage.output_tokens,
+    );
     let json = serde_json::to_vec(&DecideBody {
         response: &response,
-        notes: &parsed.notes,
+        notes: &notes,
     })
     .map_err(|e| internal(format!("the response could not be serialized: {e}")))?;
     Ok((
@@ -347,6 +468,15 @@ async fn decide(
         json,
     )
         .into_response())
+}
+
+/// Cancels a submitted request when dropped (the handler's future is dropped when its client goes).
+struct CancelOnDrop(CancelToken);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
 }
 
 fn internal(message: String) -> ApiError {
@@ -402,7 +532,7 @@ async fn models(State(state): State<AppState>) -> Response {
 }
 
 async fn health(State(state): State<AppState>) -> Response {
-    let queue = state.scheduler.queue_state();
+    let queue = state.engine.queue_state();
     json_response(json!({
         "status": "ok",
         "model": state.config.model.name,
@@ -412,11 +542,26 @@ async fn health(State(state): State<AppState>) -> Response {
 }
 
 async fn stats_page(State(state): State<AppState>) -> Response {
-    json_response(
-        state
-            .stats
-            .snapshot(&state.config.model.name, state.scheduler.queue_state()),
+    json_response(state.stats.snapshot(
+        &state.config.model.name,
+        state.engine.queue_state(),
+        &state.engine.stats(),
+    ))
+}
+
+async fn metrics_page(State(state): State<AppState>) -> Result<Response, ApiError> {
+    let text = state
+        .metrics
+        .render(state.engine.queue_state(), &state.engine.stats())
+        .map_err(|e| internal(format!("the metrics could not be encoded: {e}")))?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static(METRICS_CONTENT_TYPE),
+        )],
+        text,
     )
+        .into_response())
 }
 
 #[cfg(test)]

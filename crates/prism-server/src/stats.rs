@@ -1,10 +1,11 @@
 //! Counters behind `GET /stats`: requests by status, tokens, latency percentiles over a recent window,
-//! the size of each model call (prompts per forward batch) and the queue.
+//! and the engine's own counters (passes, prompts and requests per pass, the prefix cache, the queue).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Mutex;
 use std::time::Instant;
 
+use prism_decision::engine::{EngineStats, QueueState};
 use serde_json::{json, Value};
 
 /// Latencies are summarised over this many most recent requests.
@@ -53,12 +54,10 @@ struct Counters {
     latency_ms: Window,
     queue_ms: Window,
     compute_ms: Window,
-    model_calls: u64,
-    prompts: u64,
-    batch_sizes: BTreeMap<usize, u64>,
+    cached_tokens: u64,
     queue_full: u64,
     timed_out: u64,
-    abandoned: u64,
+    client_gone: u64,
 }
 
 /// The server's counters (one lock, taken briefly per request).
@@ -75,14 +74,6 @@ impl Default for Stats {
             counters: Mutex::new(Counters::default()),
         }
     }
-}
-
-/// What the queue looks like right now (owned by the scheduler).
-#[derive(Debug, Clone, Copy)]
-pub struct QueueState {
-    pub depth: usize,
-    pub capacity: usize,
-    pub running: usize,
 }
 
 impl Stats {
@@ -120,17 +111,13 @@ impl Stats {
         });
     }
 
-    /// One request's run on the worker: its wait in the queue, its compute time and its model calls
-    /// (prompts per call).
-    pub fn record_run(&self, queue_ms: f64, compute_ms: f64, calls: &[usize]) {
+    /// One request's run in the engine: its wait for the first pass, its compute time, and the prompt
+    /// tokens its evidence took from the prefix cache.
+    pub fn record_run(&self, queue_ms: f64, compute_ms: f64, cached_tokens: u64) {
         self.with(|c| {
             c.queue_ms.push(queue_ms);
             c.compute_ms.push(compute_ms);
-            for &prompts in calls {
-                c.model_calls += 1;
-                c.prompts += prompts as u64;
-                *c.batch_sizes.entry(prompts).or_default() += 1;
-            }
+            c.cached_tokens += cached_tokens;
         });
     }
 
@@ -138,23 +125,26 @@ impl Stats {
         self.with(|c| c.queue_full += 1);
     }
 
+    /// A client that closed its connection before its answer (its request was cancelled).
+    pub fn record_client_gone(&self) {
+        self.with(|c| c.client_gone += 1);
+    }
+
     pub fn record_timeout(&self) {
         self.with(|c| c.timed_out += 1);
     }
 
-    /// A queued request whose client was gone (timed out) before its turn: skipped, not computed.
-    pub fn record_abandoned(&self) {
-        self.with(|c| c.abandoned += 1);
-    }
-
     /// The `/stats` body.
-    pub fn snapshot(&self, model: &str, queue: QueueState) -> Value {
+    pub fn snapshot(&self, model: &str, queue: QueueState, engine: &EngineStats) -> Value {
         let uptime = self.started.elapsed().as_secs_f64();
+        let histogram = |map: &BTreeMap<usize, u64>| -> serde_json::Map<String, Value> {
+            map.iter().map(|(k, n)| (k.to_string(), json!(n))).collect()
+        };
+        let cache = &engine.prefix_cache;
+        let lookups = cache.hits + cache.misses;
         self.with(|c| {
             let by_status: serde_json::Map<String, Value> =
                 c.by_status.iter().map(|(status, n)| (status.to_string(), json!(n))).collect();
-            let sizes: serde_json::Map<String, Value> =
-                c.batch_sizes.iter().map(|(size, n)| (size.to_string(), json!(n))).collect();
             json!({
                 "model": model,
                 "uptime_s": uptime,
@@ -165,28 +155,51 @@ impl Stats {
                     "questions": c.questions,
                     "rejected_queue_full": c.queue_full,
                     "timed_out": c.timed_out,
-                    "abandoned_before_run": c.abandoned,
+                    "client_closed": c.client_gone,
                 },
-                "tokens": {"input": c.input_tokens, "output": c.output_tokens},
+                "tokens": {"input": c.input_tokens, "output": c.output_tokens, "from_prefix_cache": c.cached_tokens},
                 "latency_ms": c.latency_ms.summary(),
                 "queue_wait_ms": c.queue_ms.summary(),
                 "compute_ms": c.compute_ms.summary(),
-                "batches": {
-                    "model_calls": c.model_calls,
-                    "prompts": c.prompts,
-                    "prompts_per_call": sizes,
+                "engine": {
+                    "passes": engine.passes,
+                    "prompts": engine.prompts,
+                    "tokens_computed": engine.tokens_computed,
+                    "requests_per_pass": histogram(&engine.requests_per_pass),
+                    "prompts_per_pass": histogram(&engine.prompts_per_pass),
+                    "max_requests_per_pass": engine.max_requests_per_pass,
+                    "max_prompts_per_pass": engine.max_prompts_per_pass,
+                    "max_tokens_per_pass": engine.max_tokens_per_pass,
+                    "max_batch_tokens": engine.max_batch_tokens,
+                    "evidence_chunks": engine.evidence_chunks,
+                    "answered": engine.answered,
+                    "failed": engine.failed,
+                    "cancelled": engine.cancelled,
+                    "deadline_exceeded": engine.deadline_exceeded,
+                    "passes_split_after_error": engine.passes_split_after_error,
+                },
+                "prefix_cache": {
+                    "hits": cache.hits,
+                    "misses": cache.misses,
+                    "hit_rate": if lookups == 0 { Value::Null } else { json!(cache.hits as f64 / lookups as f64) },
+                    "cached_tokens": cache.cached_tokens,
+                    "bytes": cache.bytes,
+                    "entries": cache.entries,
+                    "evictions": cache.evictions,
+                    "tokens_saved": cache.tokens_saved,
+                    "too_large": cache.too_large,
+                    "max_tokens": engine.prefix_cache_max_tokens,
+                    "max_bytes": engine.prefix_cache_max_bytes,
                 },
                 "queue": {"depth": queue.depth, "capacity": queue.capacity, "running": queue.running},
-                "cache_hit_rate": null,
+                "cache_hit_rate": if lookups == 0 { Value::Null } else { json!(cache.hits as f64 / lookups as f64) },
                 "thoughts": null,
                 "gpu_memory_bytes": null,
                 "notes": [
                     format!("latency percentiles are over the last {LATENCY_WINDOW} answered requests"),
-                    "prompts_per_call: prompts in each forward batch (the questions of one request share one call; \
-                     requests are not batched together yet)",
-                    "cache_hit_rate is null: there is no prefix cache across requests yet",
+                    "engine.requests_per_pass / prompts_per_pass: forward passes by how many requests / prompts they held",
                     "thoughts is null: AutoThink is not implemented yet",
-                    "gpu_memory_bytes is null: this engine runs on the CPU",
+                    "gpu_memory_bytes is null: not measured yet",
                 ],
             })
         })

@@ -1,16 +1,18 @@
-//! The real model behind [`LetterModel`]: the release's chat template and tokenizer in front of the
-//! Qwen3.5 decoder of `prism-model`.
+//! The real model: the release's chat template and tokenizer in front of the Qwen3.5 decoder of
+//! `prism-model`, as a [`PassModel`] for the engine and as a [`LetterModel`] for [`crate::decide`].
 //!
-//! One call of [`LetterModel::letter_logits`] gets every prompt of a request that is ready at that step.
-//! They are chat-templated with thinking off, tokenized, and run as one batch whose common evidence prefix
-//! is computed once (the decoder branches its states there). Only the output-head rows of the letters
-//! `A`..`Z` are computed: the read-out needs 26 rows, not the whole vocabulary.
+//! Prompts are chat-templated with thinking off and tokenized; a pass's groups run as one batch of
+//! the decoder (each group's prefix once, its branches continuing from the prefix's state in the same
+//! pass). Only the output-head rows of the letters `A`..`Z` are computed: the read-out needs 26 rows,
+//! not the whole vocabulary.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use prism_gguf::{GgufError, GgufFile};
-use prism_model::{LoadOptions, Qwen35Model};
+use prism_model::{BatchItem, LoadOptions, Qwen35Model, SequenceState};
 
+use super::pass::{GroupInput, GroupOutput, PassModel, PromptEncoder};
 use crate::chat_template::{ChatMessage, PromptFormat, PromptFormatError};
 use crate::config::{ConfigError, DecisionConfig};
 use crate::model::{LetterLogits, LetterModel, LetterPrompt, ModelError};
@@ -61,7 +63,7 @@ pub struct LoadedDecisionModel {
 pub struct DecoderLetterModel {
     name: String,
     decoder: Qwen35Model,
-    format: PromptFormat,
+    format: Arc<PromptFormat>,
     max_prompt_tokens: usize,
 }
 
@@ -124,7 +126,7 @@ impl DecoderLetterModel {
             model: DecoderLetterModel {
                 name,
                 decoder,
-                format,
+                format: Arc::new(format),
                 max_prompt_tokens,
             },
             config,
@@ -134,6 +136,11 @@ impl DecoderLetterModel {
     /// The tokenizer, chat template and letter ids in use.
     pub fn prompt_format(&self) -> &PromptFormat {
         &self.format
+    }
+
+    /// The prompt encoder the engine uses off its step loop (shares this model's prompt format).
+    pub fn encoder(&self) -> Arc<dyn PromptEncoder> {
+        Arc::new(FormatEncoder(self.format.clone()))
     }
 
     /// The decoder.
@@ -149,11 +156,134 @@ impl DecoderLetterModel {
     /// A prompt's token ids: system and user message through the chat template with thinking off, so the
     /// text ends in the assistant prefix `<think>\n\n</think>\n\n` where the letter is read.
     pub fn prompt_tokens(&self, prompt: &LetterPrompt) -> Result<Vec<u32>, PromptFormatError> {
-        let messages = [
-            ChatMessage::system(prompt.system.as_str()),
-            ChatMessage::user(prompt.user.as_str()),
-        ];
-        Ok(self.format.render_and_encode(&messages, false)?.ids)
+        prompt_tokens(&self.format, prompt)
+    }
+}
+
+fn prompt_tokens(
+    format: &PromptFormat,
+    prompt: &LetterPrompt,
+) -> Result<Vec<u32>, PromptFormatError> {
+    let messages = [
+        ChatMessage::system(prompt.system.as_str()),
+        ChatMessage::user(prompt.user.as_str()),
+    ];
+    Ok(format.render_and_encode(&messages, false)?.ids)
+}
+
+/// [`PromptEncoder`] over a prompt format.
+struct FormatEncoder(Arc<PromptFormat>);
+
+impl PromptEncoder for FormatEncoder {
+    fn encode(&self, prompt: &LetterPrompt) -> Result<Vec<u32>, ModelError> {
+        prompt_tokens(&self.0, prompt).map_err(|e| ModelError::Backend(format!("tokenizer: {e}")))
+    }
+}
+
+fn backend(error: impl std::fmt::Display) -> ModelError {
+    ModelError::Backend(error.to_string())
+}
+
+impl PassModel for DecoderLetterModel {
+    type State = SequenceState;
+
+    fn model_name(&self) -> &str {
+        &self.name
+    }
+
+    fn run_pass(
+        &mut self,
+        groups: &[GroupInput<'_, SequenceState>],
+    ) -> Result<Vec<GroupOutput<SequenceState>>, ModelError> {
+        // One decoder batch: per group its prefix item (when it has prefix tokens), then its branches,
+        // which continue the prefix item in the same pass or, without one, start from the group's state.
+        let fresh = self.decoder.new_state().map_err(backend)?;
+        let mut states: Vec<SequenceState> = Vec::new();
+        let mut tokens: Vec<&[u32]> = Vec::new();
+        let mut parents: Vec<Option<usize>> = Vec::new();
+        let mut roots: Vec<Option<usize>> = Vec::with_capacity(groups.len());
+        let mut branch_items: Vec<(usize, usize)> = Vec::new(); // (item, letters)
+        for group in groups {
+            let start = || group.start.cloned().unwrap_or_else(|| fresh.clone());
+            let root = (!group.prefix.is_empty()).then(|| {
+                states.push(start());
+                tokens.push(group.prefix);
+                parents.push(None);
+                states.len() - 1
+            });
+            roots.push(root);
+            for branch in &group.branches {
+                if branch.letters == 0 || branch.letters > 26 {
+                    return Err(ModelError::Backend(format!(
+                        "a branch reads {} letters; the read-out takes 1 to 26",
+                        branch.letters
+                    )));
+                }
+                states.push(if root.is_some() {
+                    fresh.clone()
+                } else {
+                    start()
+                });
+                tokens.push(branch.tokens);
+                parents.push(root);
+                branch_items.push((states.len() - 1, branch.letters));
+            }
+        }
+        let mut logits_rows: Vec<Vec<f32>> = Vec::new();
+        {
+            let mut items: Vec<BatchItem<'_>> = states
+                .iter_mut()
+                .zip(&tokens)
+                .zip(&parents)
+                .map(|((state, t), parent)| {
+                    let mut item = BatchItem::new(state, t);
+                    item.parent = *parent;
+                    item
+                })
+                .collect();
+            if !items.is_empty() {
+                let out = self.decoder.forward(&mut items).map_err(backend)?;
+                if !branch_items.is_empty() {
+                    let rows: Vec<u32> = branch_items
+                        .iter()
+                        .map(|&(item, _)| {
+                            let segment = &out.segments[item];
+                            (segment.start + segment.len - 1) as u32
+                        })
+                        .collect();
+                    let n = rows.len();
+                    let index = candle_core::Tensor::from_vec(rows, n, out.hidden.device())
+                        .map_err(backend)?;
+                    let hidden = out.hidden.index_select(&index, 0).map_err(backend)?;
+                    logits_rows = self
+                        .decoder
+                        .logits_for_rows(&hidden, self.format.letter_ids())
+                        .and_then(|t| Ok(t.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?))
+                        .map_err(backend)?;
+                }
+            }
+        }
+        let mut rows = logits_rows
+            .into_iter()
+            .zip(branch_items.iter().map(|&(_, n)| n));
+        let mut outputs = Vec::with_capacity(groups.len());
+        for (group, root) in groups.iter().zip(roots) {
+            let state = match (group.want_state, root) {
+                (true, Some(item)) => Some(states[item].clone()),
+                _ => None,
+            };
+            let logits = rows
+                .by_ref()
+                .take(group.branches.len())
+                .map(|(row, letters)| row.into_iter().take(letters).map(f64::from).collect())
+                .collect();
+            outputs.push(GroupOutput { state, logits });
+        }
+        Ok(outputs)
+    }
+
+    fn state_bytes(&self, state: &SequenceState) -> usize {
+        state.bytes()
     }
 }
 

@@ -1,0 +1,299 @@
+//! The engine behind `prism serve`, over real sockets on the bundled model: many clients at once get
+//! the very bytes they get alone, passes hold several requests, a repeated evidence comes from the
+//! prefix cache with identical bytes, a tiny cache evicts, a client that leaves is cancelled without
+//! touching the others, and `/metrics` is OpenMetrics text that Prometheus' own Python parser reads.
+
+mod serve_common;
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use serve_common::{repo_path, Server};
+
+/// Sixteen distinct requests: eight evidences, two question sets each (one with a wide choice).
+fn requests() -> Vec<Vec<u8>> {
+    let mut out = Vec::new();
+    for e in 0..8 {
+        let state = format!(
+            "Ticket {e}: the parcel arrived {} days late and the box was crushed. {}",
+            e + 1,
+            "The customer asks for a refund. ".repeat(e % 3 + 1)
+        );
+        let wide: serde_json::Map<String, Value> = (0..30)
+            .map(|i| (format!("team_{i}"), Value::Null))
+            .collect();
+        out.push(
+            serde_json::to_vec(&json!({
+                "state": state,
+                "questions": {
+                    "late": {"type": "noul", "instructions": "Was the delivery late?"},
+                    "team": {"type": "choice", "instructions": "Which team?", "criteria": {"shipping": null, "billing": null, "sales": null}},
+                }
+            }))
+            .unwrap(),
+        );
+        out.push(
+            serde_json::to_vec(&json!({
+                "state": {"ticket": e, "text": state},
+                "questions": {
+                    "mood": {"type": "score", "instructions": "How upset?", "criteria": ["calm", "annoyed", "angry"]},
+                    "many": {"type": "choice", "instructions": "Which of many teams?", "criteria": wide},
+                }
+            }))
+            .unwrap(),
+        );
+    }
+    out
+}
+
+fn alone_bodies(requests: &[Vec<u8>]) -> Vec<Vec<u8>> {
+    // One at a time, no prefix cache: the reference bytes.
+    let server = Server::start(&["--prefix-cache-tokens", "0"]);
+    requests
+        .iter()
+        .map(|body| {
+            let reply = server.post_json("/v1/systemone", body);
+            assert_eq!(
+                reply.status,
+                200,
+                "{}",
+                String::from_utf8_lossy(&reply.body)
+            );
+            reply.answer_bytes().to_vec()
+        })
+        .collect()
+}
+
+#[test]
+fn sixty_four_clients_get_their_alone_bytes_and_share_passes() {
+    let requests = requests();
+    let expected = alone_bodies(&requests);
+    let server = Server::start(&[]);
+    let addr = server.addr;
+    let clients: Vec<_> = (0..64)
+        .map(|c| {
+            let body = requests[c % requests.len()].clone();
+            std::thread::spawn(move || {
+                let reply = serve_common::send(
+                    addr,
+                    "POST",
+                    "/v1/systemone",
+                    &[("Content-Type", "application/json")],
+                    &body,
+                );
+                (c, reply)
+            })
+        })
+        .collect();
+    for client in clients {
+        let (c, reply) = client.join().unwrap();
+        assert_eq!(
+            reply.status,
+            200,
+            "{}",
+            String::from_utf8_lossy(&reply.body)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(reply.answer_bytes()),
+            String::from_utf8_lossy(&expected[c % requests.len()]),
+            "client {c}"
+        );
+    }
+    let stats = server.get("/stats").json();
+    let engine = &stats["engine"];
+    assert!(
+        engine["max_requests_per_pass"].as_u64().unwrap() >= 2,
+        "no pass held prompts of several requests: {engine}"
+    );
+    let multi: u64 = engine["requests_per_pass"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| k.parse::<usize>().unwrap() >= 2)
+        .map(|(_, v)| v.as_u64().unwrap())
+        .sum();
+    assert!(multi >= 1, "{engine}");
+    assert_eq!(engine["answered"], 64 + 1, "64 clients and the warm-up");
+    // Every evidence was asked four times: later ones found it in the cache or in a pass computing it.
+    assert!(
+        stats["prefix_cache"]["hits"].as_u64().unwrap() >= 1,
+        "{stats}"
+    );
+    assert_eq!(stats["requests"]["by_status"]["200"], 64);
+
+    // A repeated evidence afterwards is a cache hit with the same bytes.
+    let hits_before = server.get("/stats").json()["prefix_cache"]["hits"]
+        .as_u64()
+        .unwrap();
+    let again = server.post_json("/v1/systemone", &requests[3]);
+    assert_eq!(again.answer_bytes(), expected[3].as_slice());
+    let after = server.get("/stats").json();
+    assert_eq!(
+        after["prefix_cache"]["hits"].as_u64().unwrap(),
+        hits_before + 1
+    );
+}
+
+#[test]
+fn a_tiny_prefix_cache_evicts_and_keeps_the_bytes() {
+    let requests = requests();
+    let expected = alone_bodies(&requests[..6]);
+    let server = Server::start(&["--prefix-cache-tokens", "300"]);
+    for _ in 0..2 {
+        for (body, want) in requests[..6].iter().zip(&expected) {
+            let reply = server.post_json("/v1/systemone", body);
+            assert_eq!(reply.answer_bytes(), want.as_slice());
+        }
+    }
+    let cache = &server.get("/stats").json()["prefix_cache"];
+    assert!(cache["evictions"].as_u64().unwrap() >= 1, "{cache}");
+    assert!(cache["cached_tokens"].as_u64().unwrap() <= 300, "{cache}");
+}
+
+#[test]
+fn a_client_that_leaves_is_cancelled_and_the_others_keep_their_bytes() {
+    let requests = requests();
+    let expected = alone_bodies(&requests[..4]);
+    // Small passes, so the long request takes many steps and its cancellation is seen between them.
+    let server = Server::start(&["--max-batch-tokens", "128"]);
+    let long = serde_json::to_vec(&json!({
+        "state": "A very long complaint. ".repeat(3000),
+        "questions": {"late": {"type": "noul", "instructions": "Was it late?"}},
+    }))
+    .unwrap();
+    for _ in 0..2 {
+        let mut stream = TcpStream::connect(server.addr).unwrap();
+        let head = format!(
+            "POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            long.len()
+        );
+        stream.write_all(head.as_bytes()).unwrap();
+        stream.write_all(&long).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        drop(stream); // the client leaves before its answer
+    }
+    let addr = server.addr;
+    let others: Vec<_> = requests[..4]
+        .iter()
+        .cloned()
+        .map(|body| {
+            std::thread::spawn(move || {
+                serve_common::send(
+                    addr,
+                    "POST",
+                    "/v1/systemone",
+                    &[("Content-Type", "application/json")],
+                    &body,
+                )
+            })
+        })
+        .collect();
+    for (other, want) in others.into_iter().zip(&expected) {
+        let reply = other.join().unwrap();
+        assert_eq!(reply.status, 200);
+        assert_eq!(reply.answer_bytes(), want.as_slice());
+    }
+    let started = Instant::now();
+    loop {
+        let engine = server.get("/stats").json()["engine"].clone();
+        if engine["cancelled"].as_u64().unwrap() >= 1 {
+            // Cancelled requests were not answered: only the warm-up and the four others were.
+            assert_eq!(engine["answered"], 5, "{engine}");
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the requests of the clients that left were never cancelled: {engine}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Prometheus' own parser (the `prometheus_client` Python package, installed by `.ci/run` in the SDK's
+/// virtualenv): `None` when it is not there.
+fn prometheus_python() -> Option<PathBuf> {
+    let python = std::env::var_os("PRISM_SDK_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_path("target/typesafe-sdk-venv/bin/python"));
+    let ok = python.is_file()
+        && Command::new(&python)
+            .args(["-c", "import prometheus_client.openmetrics.parser"])
+            .status()
+            .is_ok_and(|s| s.success());
+    ok.then_some(python)
+}
+
+#[test]
+fn metrics_are_openmetrics_text_that_prometheus_parses() {
+    let server = Server::start(&[]);
+    let body = &requests()[0];
+    for _ in 0..3 {
+        assert_eq!(server.post_json("/v1/systemone", body).status, 200);
+    }
+    assert_eq!(server.get("/nope").status, 404);
+    let reply = server.get("/metrics");
+    assert_eq!(reply.status, 200);
+    assert!(reply
+        .header("content-type")
+        .unwrap()
+        .starts_with("application/openmetrics-text"));
+    let text = String::from_utf8(reply.body.clone()).unwrap();
+    assert!(text.ends_with("# EOF\n"), "{text}");
+    for needle in [
+        "prism_requests_total{status=\"200\"} 3",
+        "prism_requests_total{status=\"404\"} 1",
+        "prism_request_latency_seconds_count 3",
+        "prism_pass_requests_bucket",
+        "prism_prefix_cache_hits_total 2",
+        "prism_queue_depth 0",
+    ] {
+        assert!(text.contains(needle), "no {needle:?} in:\n{text}");
+    }
+    let Some(python) = prometheus_python() else {
+        let message = "the prometheus_client Python package (installed by .ci/run in target/typesafe-sdk-venv) is missing";
+        if std::env::var("CI").is_ok_and(|v| v == "true") {
+            panic!("{message}: CI must parse /metrics with it");
+        }
+        eprintln!("SKIPPED the Prometheus parser check: {message}");
+        return;
+    };
+    let script = r#"
+import json, sys
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+families = {}
+for family in text_string_to_metric_families(sys.stdin.read()):
+    families[family.name] = {"type": family.type, "samples": len(family.samples)}
+print(json.dumps(families))
+"#;
+    let mut child = Command::new(python)
+        .args(["-c", script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let output = child.wait_with_output().unwrap();
+    assert!(
+        output.status.success(),
+        "Prometheus' parser refused /metrics: {}\n{text}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let families: BTreeMap<String, Value> = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(families["prism_requests"]["type"], "counter");
+    assert_eq!(
+        families["prism_request_latency_seconds"]["type"],
+        "histogram"
+    );
+    assert_eq!(families["prism_queue_depth"]["type"], "gauge");
+}

@@ -1,0 +1,478 @@
+//! The serving engine: one step loop owns the model and answers many requests at once.
+//!
+//! - [`Engine`] — the handle a service holds (clone it freely): [`Engine::prepare`] renders and
+//!   tokenizes a request on the caller's thread, [`Engine::submit`] queues it (bounded: a full queue is
+//!   refused at once), [`Engine::decide`] does both and waits. The loop stops when the last handle is
+//!   dropped, after answering what it holds.
+//! - [`step`] — the step loop: each step packs the ready prompts of *all* requests in flight into one
+//!   forward pass, first come first served, up to a token budget; each request's questions branch
+//!   from their evidence, which is computed once (and in chunks when long); requests with the same
+//!   evidence share it; a request whose client went away or whose deadline passed stops at the next
+//!   step.
+//! - [`prefix_cache`] — evidence states kept across requests, LRU within a token and a byte budget.
+//! - [`pass`] — the [`PassModel`] trait a model implements to run passes; [`decoder`] — the Qwen3.5
+//!   decoder behind it.
+//!
+//! On the exact paths (the CPU, and the integer path on a GPU) a request's answer is bit-identical
+//! whatever else runs in its pass and whether its evidence came from the cache: every branch's logits
+//! depend only on its own tokens ([`PassModel`]'s promise), and the decision procedure
+//! ([`crate::decide::DecisionTask`]) depends only on those logits.
+
+pub mod decoder;
+pub mod pass;
+pub mod prefix_cache;
+pub mod step;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+pub use decoder::{DecoderLetterModel, EngineError, LoadedDecisionModel, ModelSource};
+pub use pass::{Branch, GroupInput, GroupOutput, PassModel, PromptEncoder};
+pub use prefix_cache::{PrefixCache, PrefixCacheLimits, PrefixCacheStats};
+
+use crate::config::DecisionConfig;
+use crate::decide::DecisionTask;
+use crate::error::{DecisionError, ModelError};
+use crate::model::LetterPrompt;
+use crate::render::evidence_probe;
+use crate::request::DecisionRequest;
+use crate::response::DecisionResponse;
+
+/// Settings of an engine (the server's flags).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// Most tokens computed in one forward pass (`--max-batch-tokens`). A request's evidence longer
+    /// than this is computed in chunks over several passes; a single question longer than this still
+    /// runs, alone.
+    pub max_batch_tokens: usize,
+    /// Requests that may wait to be admitted (`--queue-size`); beyond, [`SubmitError::QueueFull`].
+    pub queue_size: usize,
+    /// Longest prompt accepted, in tokens (`--max-tokens`); longer ones are refused with a 422.
+    pub max_prompt_tokens: usize,
+    /// The prefix cache's budgets (`--prefix-cache-tokens`, `--prefix-cache-bytes`).
+    pub prefix_cache: PrefixCacheLimits,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            max_batch_tokens: 8192,
+            queue_size: 64,
+            max_prompt_tokens: 32768,
+            prefix_cache: PrefixCacheLimits {
+                max_tokens: 65536,
+                max_bytes: 2 << 30,
+            },
+        }
+    }
+}
+
+/// Why a request was not queued.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the server is busy: {capacity} requests are already waiting")]
+    QueueFull { capacity: usize },
+    #[error("the engine is shutting down")]
+    ShuttingDown,
+}
+
+/// Why a queued request got no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// The decision procedure refused or the model failed.
+    #[error(transparent)]
+    Decision(#[from] DecisionError),
+    /// The request's deadline passed before it was answered; its work stopped at the next step.
+    #[error("the request was not answered before its deadline")]
+    DeadlineExceeded,
+    /// The submitter cancelled it (its client went away); its work stopped at the next step.
+    #[error("the request was cancelled")]
+    Cancelled,
+}
+
+/// A finished request.
+#[derive(Debug)]
+pub struct JobOutput {
+    pub response: DecisionResponse,
+    /// From submission to the first pass that computed any of it.
+    pub queue_ms: f64,
+    /// From that first pass to the answer.
+    pub compute_ms: f64,
+    /// Passes that computed some of it.
+    pub passes: usize,
+    /// Prompt tokens taken from the prefix cache instead of computed.
+    pub cached_tokens: u64,
+}
+
+pub type JobResult = Result<JobOutput, JobError>;
+
+/// Cancels a submitted request: the engine drops it at its next step and answers
+/// [`JobError::Cancelled`]. Clones share the flag.
+#[derive(Debug, Clone, Default)]
+pub struct CancelToken(Arc<AtomicBool>);
+
+impl CancelToken {
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// A request rendered and tokenized, ready to queue ([`Engine::prepare`]).
+pub struct Prepared {
+    task: DecisionTask,
+    prompts: Vec<LetterPrompt>,
+    tokens: Vec<Vec<u32>>,
+    /// The evidence: the tokens every prompt of the request starts with, up to the question.
+    key: Arc<[u32]>,
+}
+
+impl Prepared {
+    /// Number of questions.
+    pub fn questions(&self) -> usize {
+        self.task.request().questions.len()
+    }
+
+    /// Tokens of the first-round prompts (what `usage.input_tokens` will count for them).
+    pub fn prompt_tokens(&self) -> u64 {
+        self.tokens.iter().map(|t| t.len() as u64).sum()
+    }
+
+    /// Tokens of the shared evidence prefix.
+    pub fn evidence_tokens(&self) -> usize {
+        self.key.len()
+    }
+}
+
+/// What a reply goes to: called exactly once, from the engine's thread.
+pub type Reply = Box<dyn FnOnce(JobResult) + Send>;
+
+pub(crate) struct Job {
+    pub(crate) prepared: Prepared,
+    pub(crate) reply: Reply,
+    pub(crate) deadline: Option<Instant>,
+    pub(crate) cancel: CancelToken,
+    pub(crate) enqueued: Instant,
+}
+
+/// One pass as the engine ran it, for observers (metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PassRecord {
+    /// Distinct requests with prompts or evidence chunks in the pass.
+    pub requests: usize,
+    /// Prompts read out.
+    pub prompts: usize,
+    /// Evidence groups (shared prefixes) in the pass.
+    pub groups: usize,
+    /// Tokens computed (prefixes, chunks and branches).
+    pub tokens: usize,
+    /// Prefix-cache lookups of the pass that hit / missed.
+    pub cache_hits: usize,
+    pub cache_misses: usize,
+}
+
+/// Receives every pass (for metrics); called on the engine's thread, so keep it cheap.
+pub trait EngineObserver: Send + Sync {
+    fn pass(&self, record: &PassRecord, seconds: f64);
+}
+
+/// The engine's counters (`/stats`'s `engine` and `prefix_cache` objects).
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct EngineStats {
+    pub passes: u64,
+    pub prompts: u64,
+    pub tokens_computed: u64,
+    /// Passes by the number of requests they held.
+    pub requests_per_pass: std::collections::BTreeMap<usize, u64>,
+    /// Passes by the number of prompts they read out.
+    pub prompts_per_pass: std::collections::BTreeMap<usize, u64>,
+    pub max_requests_per_pass: usize,
+    pub max_prompts_per_pass: usize,
+    pub max_tokens_per_pass: usize,
+    /// Evidence chunks computed without read-outs (long evidence split over passes).
+    pub evidence_chunks: u64,
+    pub answered: u64,
+    pub failed: u64,
+    pub cancelled: u64,
+    pub deadline_exceeded: u64,
+    /// Passes that failed with several requests and were retried one request at a time.
+    pub passes_split_after_error: u64,
+    pub prefix_cache: PrefixCacheStats,
+    pub prefix_cache_max_tokens: usize,
+    pub prefix_cache_max_bytes: u64,
+    pub max_batch_tokens: usize,
+}
+
+/// Requests waiting and in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct QueueState {
+    /// Submitted and not yet taken by the step loop.
+    pub depth: usize,
+    pub capacity: usize,
+    /// Taken by the step loop and not yet answered.
+    pub running: usize,
+}
+
+pub(crate) struct Shared {
+    pub(crate) waiting: AtomicUsize,
+    pub(crate) running: AtomicUsize,
+    pub(crate) stats: Mutex<EngineStats>,
+}
+
+impl Shared {
+    pub(crate) fn stats<R>(&self, f: impl FnOnce(&mut EngineStats) -> R) -> R {
+        let mut guard = self
+            .stats
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        f(&mut guard)
+    }
+}
+
+/// A handle on a running engine.
+#[derive(Clone)]
+pub struct Engine {
+    sender: SyncSender<Job>,
+    shared: Arc<Shared>,
+    encoder: Arc<dyn PromptEncoder>,
+    config: Arc<DecisionConfig>,
+    options: EngineOptions,
+    model_name: Arc<str>,
+}
+
+/// The step loop's thread; [`EngineWorker::join`] waits for it once every [`Engine`] is dropped.
+pub struct EngineWorker(JoinHandle<()>);
+
+impl EngineWorker {
+    pub fn join(self) {
+        if self.0.join().is_err() {
+            tracing::error!("the engine's step loop panicked outside a pass");
+        }
+    }
+}
+
+impl Engine {
+    /// Starts the step loop on its own thread, owning `model`.
+    pub fn start<M: PassModel + 'static>(
+        model: M,
+        encoder: Arc<dyn PromptEncoder>,
+        config: DecisionConfig,
+        options: EngineOptions,
+        observer: Option<Arc<dyn EngineObserver>>,
+    ) -> Result<(Engine, EngineWorker), DecisionError> {
+        config.validate()?;
+        let options = EngineOptions {
+            max_batch_tokens: options.max_batch_tokens.max(1),
+            queue_size: options.queue_size.max(1),
+            ..options
+        };
+        let (sender, receiver) = sync_channel(options.queue_size);
+        let shared = Arc::new(Shared {
+            waiting: AtomicUsize::new(0),
+            running: AtomicUsize::new(0),
+            stats: Mutex::new(EngineStats {
+                prefix_cache_max_tokens: options.prefix_cache.max_tokens,
+                prefix_cache_max_bytes: options.prefix_cache.max_bytes,
+                max_batch_tokens: options.max_batch_tokens,
+                ..EngineStats::default()
+            }),
+        });
+        let model_name: Arc<str> = model.model_name().into();
+        let loop_shared = shared.clone();
+        let loop_encoder = encoder.clone();
+        let handle = std::thread::Builder::new()
+            .name("prism-engine".into())
+            .spawn(move || {
+                step::StepLoop::new(model, loop_encoder, options, loop_shared, observer)
+                    .run(receiver)
+            })
+            .map_err(|e| {
+                DecisionError::Model(ModelError::Backend(format!(
+                    "cannot start the engine's thread: {e}"
+                )))
+            })?;
+        Ok((
+            Engine {
+                sender,
+                shared,
+                encoder,
+                config: Arc::new(config),
+                options,
+                model_name,
+            },
+            EngineWorker(handle),
+        ))
+    }
+
+    pub fn model_name(&self) -> &str {
+        &self.model_name
+    }
+
+    pub fn options(&self) -> &EngineOptions {
+        &self.options
+    }
+
+    pub fn decision_config(&self) -> &DecisionConfig {
+        &self.config
+    }
+
+    /// Renders and tokenizes a request (CPU work: call it off any latency-critical thread). Refuses what
+    /// [`crate::decide`] refuses, and prompts longer than `max_prompt_tokens` (422 naming the
+    /// question).
+    pub fn prepare(&self, request: DecisionRequest) -> Result<Prepared, DecisionError> {
+        let mut task = DecisionTask::new(request, &self.config)?;
+        let prompts = task.next_prompts();
+        let tokens = encode_all(
+            &*self.encoder,
+            &task,
+            &prompts,
+            self.options.max_prompt_tokens,
+        )?;
+        let key = evidence_key(&*self.encoder, &task, &tokens)?;
+        Ok(Prepared {
+            task,
+            prompts,
+            tokens,
+            key,
+        })
+    }
+
+    /// Queues a prepared request; `reply` is called once with its answer. `deadline`: the request is
+    /// dropped (with [`JobError::DeadlineExceeded`]) at the first step after it; `cancel` drops it
+    /// likewise with [`JobError::Cancelled`].
+    pub fn submit(
+        &self,
+        prepared: Prepared,
+        reply: Reply,
+        deadline: Option<Instant>,
+        cancel: CancelToken,
+    ) -> Result<(), SubmitError> {
+        self.shared.waiting.fetch_add(1, Ordering::SeqCst);
+        let job = Job {
+            prepared,
+            reply,
+            deadline,
+            cancel,
+            enqueued: Instant::now(),
+        };
+        match self.sender.try_send(job) {
+            Ok(()) => Ok(()),
+            Err(error) => {
+                self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+                Err(match error {
+                    TrySendError::Full(_) => SubmitError::QueueFull {
+                        capacity: self.options.queue_size,
+                    },
+                    TrySendError::Disconnected(_) => SubmitError::ShuttingDown,
+                })
+            }
+        }
+    }
+
+    /// Prepares, submits and waits (for embedding without an async runtime). `timeout` bounds the wait
+    /// and the work alike.
+    pub fn decide(
+        &self,
+        request: DecisionRequest,
+        timeout: Option<Duration>,
+    ) -> Result<JobOutput, EngineDecideError> {
+        let prepared = self.prepare(request)?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.submit(
+            prepared,
+            Box::new(move |result| {
+                let _ = tx.send(result);
+            }),
+            timeout.map(|t| Instant::now() + t),
+            CancelToken::default(),
+        )?;
+        match rx.recv() {
+            Ok(result) => Ok(result?),
+            Err(_) => Err(EngineDecideError::Submit(SubmitError::ShuttingDown)),
+        }
+    }
+
+    /// The queue right now.
+    pub fn queue_state(&self) -> QueueState {
+        QueueState {
+            depth: self.shared.waiting.load(Ordering::SeqCst),
+            capacity: self.options.queue_size,
+            running: self.shared.running.load(Ordering::SeqCst),
+        }
+    }
+
+    /// The engine's counters right now.
+    pub fn stats(&self) -> EngineStats {
+        self.shared.stats(|s| s.clone())
+    }
+}
+
+/// Why [`Engine::decide`] got no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineDecideError {
+    #[error(transparent)]
+    Decision(#[from] DecisionError),
+    #[error(transparent)]
+    Submit(#[from] SubmitError),
+    #[error(transparent)]
+    Job(#[from] JobError),
+}
+
+/// Tokenizes prompts, refusing one longer than `limit` with the 422 naming its question.
+pub(crate) fn encode_all(
+    encoder: &dyn PromptEncoder,
+    task: &DecisionTask,
+    prompts: &[LetterPrompt],
+    limit: usize,
+) -> Result<Vec<Vec<u32>>, DecisionError> {
+    let mut all = Vec::with_capacity(prompts.len());
+    for (index, prompt) in prompts.iter().enumerate() {
+        let ids = encoder.encode(prompt).map_err(|e| task.model_error(e))?;
+        if ids.len() > limit {
+            return Err(task.model_error(ModelError::PromptTooLong {
+                prompt: index,
+                tokens: ids.len(),
+                limit,
+            }));
+        }
+        if ids.is_empty() {
+            return Err(DecisionError::ModelOutput(format!(
+                "prompt {index} encodes to no tokens"
+            )));
+        }
+        all.push(ids);
+    }
+    Ok(all)
+}
+
+/// The request's evidence prefix: the tokens its prompts share with a probe prompt that has the same
+/// evidence and a question nobody asks, so the branch point sits at the end of the evidence whatever
+/// the questions are (a later request with other questions about the same evidence finds the same key).
+/// Capped so every prompt keeps at least one token of its own.
+fn evidence_key(
+    encoder: &dyn PromptEncoder,
+    task: &DecisionTask,
+    tokens: &[Vec<u32>],
+) -> Result<Arc<[u32]>, DecisionError> {
+    let Some(first) = tokens.first() else {
+        return Ok(Arc::from(Vec::new()));
+    };
+    let probe = encoder
+        .encode(&evidence_probe(&crate::render::state_text(
+            &task.request().state,
+        )))
+        .map_err(DecisionError::Model)?;
+    let mut common = first.iter().zip(&probe).take_while(|(a, b)| a == b).count();
+    for t in &tokens[1..] {
+        common = common.min(first.iter().zip(t).take_while(|(a, b)| a == b).count());
+    }
+    let shortest = tokens.iter().map(Vec::len).min().unwrap_or(0);
+    let common = common.min(shortest.saturating_sub(1));
+    Ok(Arc::from(&first[..common]))
+}

@@ -1,0 +1,73 @@
+//! The model side of the engine: one forward pass over groups of prompts that share an evidence prefix.
+//!
+//! The step loop ([`super::step`]) decides *what* runs in a pass; a [`PassModel`] only runs it. A pass is
+//! a list of [`GroupInput`]s: each starts from a saved state (a prefix-cache entry, or the request's own
+//! evidence state) or from an empty sequence, runs its `prefix` tokens, and then continues every
+//! [`Branch`] from the state right after the prefix. A group with no branches is a chunk of a long
+//! evidence prefix, computed over several passes so that it never holds the others back.
+
+use crate::model::{LetterPrompt, ModelError};
+
+/// One question's tokens on top of its group's prefix, and how many letters (`A`..) to read at its end.
+#[derive(Debug, Clone, Copy)]
+pub struct Branch<'a> {
+    /// The branch's own tokens (at least one).
+    pub tokens: &'a [u32],
+    /// Letters to read at the last token: the logits of `A`.. for this many options (1 to 26).
+    pub letters: usize,
+}
+
+/// One evidence group of a pass.
+#[derive(Debug)]
+pub struct GroupInput<'a, S> {
+    /// The saved state the group continues (`start_tokens` tokens already in it), or `None` for a new
+    /// sequence.
+    pub start: Option<&'a S>,
+    /// Tokens to run from the start before branching; may be empty when `start` is set.
+    pub prefix: &'a [u32],
+    /// The continuations that branch after the prefix.
+    pub branches: Vec<Branch<'a>>,
+    /// Whether the state after the prefix is wanted back ([`GroupOutput::state`]).
+    pub want_state: bool,
+}
+
+/// What a pass returns for one group.
+#[derive(Debug)]
+pub struct GroupOutput<S> {
+    /// The state after the prefix, when it was asked for.
+    pub state: Option<S>,
+    /// Per branch, in order, the letter logits (`letters` of them).
+    pub logits: Vec<Vec<f64>>,
+}
+
+/// A model that runs passes for the engine.
+///
+/// The promise the engine builds on (and tests): a branch's logits depend only on the tokens of its
+/// whole sequence (start state's tokens, prefix, branch), not on the other groups of the pass, on where
+/// the sequence was split into prefix and branch, or on whether the start state came from a cache. The
+/// decoder of `prism-model` keeps it bit for bit on the CPU and on the integer path on a GPU; the bf16
+/// GPU path keeps it only approximately (cuBLAS chooses its reduction by shape).
+pub trait PassModel: Send {
+    /// A sequence's saved state after some tokens (cheap to clone: reference-counted tensors).
+    type State: Clone + Send + 'static;
+
+    /// The model's name, reported in every response's `model`.
+    fn model_name(&self) -> &str;
+
+    /// Runs one pass. On error no state handed in is changed, and the engine retries the pass's
+    /// requests one at a time so that one bad request cannot fail the others.
+    fn run_pass(
+        &mut self,
+        groups: &[GroupInput<'_, Self::State>],
+    ) -> Result<Vec<GroupOutput<Self::State>>, ModelError>;
+
+    /// Memory a saved state holds, in bytes (what the prefix cache's byte budget counts).
+    fn state_bytes(&self, state: &Self::State) -> usize;
+}
+
+/// Turns a prompt into the token ids the model reads (chat template with thinking off, tokenizer). The
+/// engine calls it on the submitting thread, never on the step loop's, so a huge prompt cannot stall
+/// the passes of others.
+pub trait PromptEncoder: Send + Sync {
+    fn encode(&self, prompt: &LetterPrompt) -> Result<Vec<u32>, ModelError>;
+}

@@ -1,0 +1,463 @@
+//! The engine's step loop against a fake model whose state is its token history, so every branch's
+//! logits are a function of the whole sequence it was computed on: if the engine stitched a prefix, a
+//! cached state, a chunk or a shared group wrongly, the logits (and so the answers) would change.
+//! Every answer is compared with `decide` on the same function of the prompt's tokens.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use prism_decision::engine::{
+    Branch, CancelToken, Engine, EngineOptions, GroupInput, GroupOutput, JobError, JobResult,
+    PassModel, PrefixCacheLimits, PromptEncoder, SubmitError,
+};
+use prism_decision::{
+    decide, DecisionConfig, DecisionRequest, DecisionResponse, LetterLogits, LetterModel,
+    LetterPrompt, ModelError, RequestDefaults,
+};
+
+/// One token per byte of `system \n user`.
+struct ByteEncoder;
+
+impl PromptEncoder for ByteEncoder {
+    fn encode(&self, prompt: &LetterPrompt) -> Result<Vec<u32>, ModelError> {
+        Ok(format!("{}\n{}", prompt.system, prompt.user)
+            .bytes()
+            .map(u32::from)
+            .collect())
+    }
+}
+
+/// The letter logits of a whole token sequence.
+fn letter_logits(tokens: &[u32], letters: usize) -> Vec<f64> {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &t in tokens {
+        h = (h ^ u64::from(t)).wrapping_mul(0x100_0000_01b3);
+    }
+    (0..letters as u64)
+        .map(|i| {
+            let x = (h ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            ((x >> 11) as f64 / (1u64 << 53) as f64) * 8.0 - 4.0
+        })
+        .collect()
+}
+
+/// `decide`'s model: the same function of each prompt's tokens, one prompt at a time.
+struct Reference;
+
+impl LetterModel for Reference {
+    fn model_name(&self) -> &str {
+        "fake"
+    }
+
+    fn letter_logits(&mut self, prompts: &[LetterPrompt]) -> Result<LetterLogits, ModelError> {
+        let mut logits = Vec::new();
+        let mut input_tokens = 0;
+        for p in prompts {
+            let tokens = ByteEncoder.encode(p)?;
+            input_tokens += tokens.len() as u64;
+            logits.push(letter_logits(&tokens, p.option_ids.len()));
+        }
+        Ok(LetterLogits {
+            logits,
+            input_tokens,
+            output_tokens: 0,
+        })
+    }
+}
+
+/// What the fake saw of one pass.
+#[derive(Debug, Clone)]
+struct PassLog {
+    groups: usize,
+    branches: usize,
+    tokens: usize,
+}
+
+/// The engine's model: the state is the token history.
+struct Fake {
+    log: Arc<Mutex<Vec<PassLog>>>,
+    /// The first pass waits for a message (so requests pile up behind it).
+    hold_first: Option<mpsc::Receiver<()>>,
+    /// A pass holding this byte sequence anywhere fails.
+    poison: Option<Vec<u32>>,
+}
+
+impl PassModel for Fake {
+    type State = Vec<u32>;
+
+    fn model_name(&self) -> &str {
+        "fake"
+    }
+
+    fn run_pass(
+        &mut self,
+        groups: &[GroupInput<'_, Vec<u32>>],
+    ) -> Result<Vec<GroupOutput<Vec<u32>>>, ModelError> {
+        if let Some(gate) = self.hold_first.take() {
+            let _ = gate.recv_timeout(Duration::from_secs(20));
+        }
+        let mut outputs = Vec::new();
+        let mut log = PassLog {
+            groups: groups.len(),
+            branches: 0,
+            tokens: 0,
+        };
+        for group in groups {
+            let mut history = group.start.cloned().unwrap_or_default();
+            history.extend_from_slice(group.prefix);
+            log.tokens += group.prefix.len();
+            let mut logits = Vec::new();
+            for &Branch { tokens, letters } in &group.branches {
+                assert!(!tokens.is_empty(), "a branch without tokens");
+                let mut full = history.clone();
+                full.extend_from_slice(tokens);
+                if let Some(poison) = &self.poison {
+                    if full.windows(poison.len()).any(|w| w == poison.as_slice()) {
+                        return Err(ModelError::Backend("poisoned prompt".into()));
+                    }
+                }
+                logits.push(letter_logits(&full, letters));
+                log.tokens += tokens.len();
+                log.branches += 1;
+            }
+            outputs.push(GroupOutput {
+                state: group.want_state.then(|| history.clone()),
+                logits,
+            });
+        }
+        self.log.lock().unwrap().push(log);
+        Ok(outputs)
+    }
+
+    fn state_bytes(&self, state: &Vec<u32>) -> usize {
+        state.len() * 4
+    }
+}
+
+fn start(
+    options: EngineOptions,
+    hold_first: Option<mpsc::Receiver<()>>,
+    poison: Option<&str>,
+) -> (
+    Engine,
+    prism_decision::EngineWorker,
+    Arc<Mutex<Vec<PassLog>>>,
+) {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let fake = Fake {
+        log: log.clone(),
+        hold_first,
+        poison: poison.map(|p| p.bytes().map(u32::from).collect()),
+    };
+    let (engine, worker) = Engine::start(
+        fake,
+        Arc::new(ByteEncoder),
+        DecisionConfig::default(),
+        options,
+        None,
+    )
+    .unwrap();
+    (engine, worker, log)
+}
+
+fn request(state: &str, questions: &[(&str, &str)]) -> DecisionRequest {
+    let mut body = format!("{{\"state\": {state:?}, \"questions\": {{");
+    for (i, (name, q)) in questions.iter().enumerate() {
+        if i > 0 {
+            body.push_str(", ");
+        }
+        body.push_str(&format!("{name:?}: {q}"));
+    }
+    body.push_str("}}");
+    DecisionRequest::parse(body.as_bytes(), &RequestDefaults::default()).unwrap()
+}
+
+const NOUL: &str = r#"{"type": "noul", "instructions": "Is it late?"}"#;
+const CHOICE: &str = r#"{"type": "choice", "instructions": "Which team?", "criteria": ["billing", "tech", "sales"]}"#;
+const SCORE: &str =
+    r#"{"type": "score", "instructions": "How upset?", "criteria": ["calm", "annoyed", "angry"]}"#;
+const ONE: &str = r#"{"type": "choice", "instructions": "Which?", "criteria": ["only"]}"#;
+
+fn wide() -> String {
+    let ids: Vec<String> = (0..40).map(|i| format!("\"team_{i}\"")).collect();
+    format!(
+        r#"{{"type": "choice", "instructions": "Which of many teams?", "criteria": [{}]}}"#,
+        ids.join(", ")
+    )
+}
+
+fn alone(request: &DecisionRequest) -> DecisionResponse {
+    decide(request, &DecisionConfig::default(), &mut Reference).unwrap()
+}
+
+fn same_answer(got: &DecisionResponse, want: &DecisionResponse) {
+    assert_eq!(got.answers, want.answers);
+    assert_eq!(got.usage, want.usage);
+    assert_eq!(got.model, want.model);
+}
+
+fn submit(engine: &Engine, request: DecisionRequest) -> mpsc::Receiver<JobResult> {
+    let (tx, rx) = mpsc::channel();
+    let prepared = engine.prepare(request).unwrap();
+    engine
+        .submit(
+            prepared,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+            None,
+            CancelToken::default(),
+        )
+        .unwrap();
+    rx
+}
+
+#[test]
+fn requests_share_passes_and_answer_as_alone() {
+    let (go, gate) = mpsc::channel();
+    let (engine, worker, log) = start(EngineOptions::default(), Some(gate), None);
+    let wide = wide();
+    let mut requests = Vec::new();
+    for i in 0..24 {
+        // Eight distinct evidences, each asked three times with other questions.
+        let state = format!("Ticket {}: the parcel arrived late and crushed.", i % 8);
+        let questions: Vec<(&str, &str)> = match i % 4 {
+            0 => vec![("late", NOUL), ("team", CHOICE), ("mood", SCORE)],
+            1 => vec![("team", CHOICE)],
+            2 => vec![("many", wide.as_str()), ("one", ONE)],
+            _ => vec![("late", NOUL), ("one", ONE)],
+        };
+        requests.push(request(&state, &questions));
+    }
+    let receivers: Vec<_> = requests
+        .iter()
+        .map(|r| submit(&engine, r.clone()))
+        .collect();
+    go.send(()).unwrap();
+    for (request, rx) in requests.iter().zip(receivers) {
+        let output = rx.recv().unwrap().unwrap();
+        same_answer(&output.response, &alone(request));
+    }
+    let stats = engine.stats();
+    assert!(
+        stats.max_requests_per_pass >= 8,
+        "passes held at most {} requests",
+        stats.max_requests_per_pass
+    );
+    assert_eq!(stats.answered, 24);
+    // Requests with the same evidence in one pass share its computation: the busiest pass computed
+    // fewer groups than it held requests.
+    let passes = log.lock().unwrap().clone();
+    assert!(passes.iter().any(|p| p.groups < p.branches));
+    drop(engine);
+    worker.join();
+}
+
+#[test]
+fn a_repeated_evidence_comes_from_the_prefix_cache_with_the_same_answer() {
+    let (engine, worker, log) = start(EngineOptions::default(), None, None);
+    let state = "A long complaint about a crushed parcel that arrived two days late.";
+    let first = request(state, &[("late", NOUL), ("team", CHOICE)]);
+    let follow_up = request(state, &[("mood", SCORE)]);
+    let a = engine.decide(first.clone(), None).unwrap();
+    same_answer(&a.response, &alone(&first));
+    assert_eq!(a.cached_tokens, 0);
+    let computed_before = log.lock().unwrap().iter().map(|p| p.tokens).sum::<usize>();
+    let b = engine.decide(follow_up.clone(), None).unwrap();
+    same_answer(&b.response, &alone(&follow_up));
+    assert!(b.cached_tokens > 0);
+    // The follow-up computed only its question's tail.
+    let follow_up_tokens =
+        log.lock().unwrap().iter().map(|p| p.tokens).sum::<usize>() - computed_before;
+    assert_eq!(
+        follow_up_tokens as u64 + b.cached_tokens,
+        b.response.usage.input_tokens
+    );
+    let stats = engine.stats().prefix_cache;
+    assert_eq!((stats.hits, stats.misses), (1, 1));
+    assert_eq!(stats.tokens_saved, b.cached_tokens);
+    // The same request again: identical answer from the cache.
+    let again = engine.decide(first.clone(), None).unwrap();
+    same_answer(&again.response, &a.response);
+    drop(engine);
+    worker.join();
+}
+
+#[test]
+fn a_tiny_cache_evicts_and_answers_stay_the_same() {
+    let options = EngineOptions {
+        prefix_cache: PrefixCacheLimits {
+            max_tokens: 400,
+            max_bytes: 1 << 20,
+        },
+        ..EngineOptions::default()
+    };
+    let (engine, worker, _) = start(options, None, None);
+    for round in 0..2 {
+        for i in 0..6 {
+            let r = request(
+                &format!("Evidence number {i} with enough text to take a good number of tokens."),
+                &[("late", NOUL)],
+            );
+            let out = engine.decide(r.clone(), None).unwrap();
+            same_answer(&out.response, &alone(&r));
+            let _ = round;
+        }
+    }
+    let stats = engine.stats().prefix_cache;
+    assert!(stats.evictions > 0, "{stats:?}");
+    assert!(stats.cached_tokens <= 400);
+    drop(engine);
+    worker.join();
+}
+
+#[test]
+fn long_evidence_is_computed_in_chunks_and_others_are_not_held_back() {
+    let options = EngineOptions {
+        max_batch_tokens: 256,
+        ..EngineOptions::default()
+    };
+    let (go, gate) = mpsc::channel();
+    let (engine, worker, log) = start(options, Some(gate), None);
+    let long_state = "The customer wrote at length. ".repeat(60); // ~1,800 tokens
+    let long = request(&long_state, &[("late", NOUL), ("team", CHOICE)]);
+    let short = request("Short note.", &[("late", NOUL)]);
+    let rx_long = submit(&engine, long.clone());
+    let rx_short = submit(&engine, short.clone());
+    go.send(()).unwrap();
+    let short_out = rx_short.recv().unwrap().unwrap();
+    let long_out = rx_long.recv().unwrap().unwrap();
+    same_answer(&short_out.response, &alone(&short));
+    same_answer(&long_out.response, &alone(&long));
+    // The short request finished in fewer passes than the long one needed.
+    assert!(short_out.passes < long_out.passes);
+    let stats = engine.stats();
+    assert!(stats.evidence_chunks >= 5, "{stats:?}");
+    assert!(log.lock().unwrap().iter().all(|p| p.tokens <= 256 + 200));
+    drop(engine);
+    worker.join();
+}
+
+#[test]
+fn cancelled_and_expired_requests_stop_and_leave_the_others_unchanged() {
+    let (go, gate) = mpsc::channel();
+    let (engine, worker, _) = start(EngineOptions::default(), Some(gate), None);
+    let first = request("The first one holds the pass.", &[("late", NOUL)]);
+    let rx_first = submit(&engine, first.clone());
+    // Queued behind the held pass: one cancelled, one already past its deadline, one normal.
+    let cancel = CancelToken::default();
+    let (tx_c, rx_c) = mpsc::channel();
+    engine
+        .submit(
+            engine
+                .prepare(request("To cancel.", &[("late", NOUL)]))
+                .unwrap(),
+            Box::new(move |r| {
+                let _ = tx_c.send(r);
+            }),
+            None,
+            cancel.clone(),
+        )
+        .unwrap();
+    let (tx_d, rx_d) = mpsc::channel();
+    engine
+        .submit(
+            engine
+                .prepare(request("Too late.", &[("late", NOUL)]))
+                .unwrap(),
+            Box::new(move |r| {
+                let _ = tx_d.send(r);
+            }),
+            Some(Instant::now()),
+            CancelToken::default(),
+        )
+        .unwrap();
+    let normal = request("A normal one.", &[("team", CHOICE)]);
+    let rx_normal = submit(&engine, normal.clone());
+    cancel.cancel();
+    go.send(()).unwrap();
+    same_answer(&rx_first.recv().unwrap().unwrap().response, &alone(&first));
+    assert!(matches!(rx_c.recv().unwrap(), Err(JobError::Cancelled)));
+    assert!(matches!(
+        rx_d.recv().unwrap(),
+        Err(JobError::DeadlineExceeded)
+    ));
+    same_answer(
+        &rx_normal.recv().unwrap().unwrap().response,
+        &alone(&normal),
+    );
+    let stats = engine.stats();
+    assert_eq!((stats.cancelled, stats.deadline_exceeded), (1, 1));
+    drop(engine);
+    worker.join();
+}
+
+#[test]
+fn a_failing_pass_is_retried_one_request_at_a_time() {
+    let (go, gate) = mpsc::channel();
+    let (engine, worker, _) = start(EngineOptions::default(), Some(gate), Some("POISON"));
+    let good: Vec<DecisionRequest> = (0..3)
+        .map(|i| request(&format!("Fine evidence {i}."), &[("late", NOUL)]))
+        .collect();
+    let bad = request("POISON in the evidence.", &[("late", NOUL)]);
+    let mut receivers: Vec<_> = good.iter().map(|r| submit(&engine, r.clone())).collect();
+    let rx_bad = submit(&engine, bad);
+    receivers.push(submit(&engine, good[0].clone()));
+    go.send(()).unwrap();
+    let error = rx_bad.recv().unwrap().unwrap_err();
+    assert!(error.to_string().contains("poisoned prompt"), "{error}");
+    for (rx, r) in receivers.into_iter().zip(good.iter().chain([&good[0]])) {
+        same_answer(&rx.recv().unwrap().unwrap().response, &alone(r));
+    }
+    assert!(engine.stats().passes_split_after_error >= 1);
+    drop(engine);
+    worker.join();
+}
+
+#[test]
+fn a_full_queue_is_refused_and_long_prompts_get_a_422() {
+    let (go, gate) = mpsc::channel();
+    let options = EngineOptions {
+        queue_size: 2,
+        max_prompt_tokens: 300,
+        ..EngineOptions::default()
+    };
+    let (engine, worker, log) = start(options, Some(gate), None);
+    let r = request("Queue.", &[("late", NOUL)]);
+    let first = submit(&engine, r.clone());
+    // Wait until the loop holds the first request inside its pass.
+    let waited = Instant::now();
+    while engine.queue_state().running == 0 && waited.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let counted = Arc::new(AtomicUsize::new(0));
+    let mut queued = Vec::new();
+    for _ in 0..2 {
+        queued.push(submit(&engine, r.clone()));
+    }
+    let refused = engine.submit(
+        engine.prepare(r.clone()).unwrap(),
+        Box::new(move |_| {
+            counted.fetch_add(1, Ordering::SeqCst);
+        }),
+        None,
+        CancelToken::default(),
+    );
+    assert_eq!(refused.unwrap_err(), SubmitError::QueueFull { capacity: 2 });
+    let too_long = engine
+        .prepare(request(&"word ".repeat(100), &[("late", NOUL)]))
+        .err()
+        .unwrap();
+    assert_eq!(too_long.status(), 422);
+    assert!(too_long.to_string().contains("300"), "{too_long}");
+    go.send(()).unwrap();
+    assert!(first.recv().unwrap().is_ok());
+    for rx in queued {
+        assert!(rx.recv().unwrap().is_ok());
+    }
+    assert!(!log.lock().unwrap().is_empty());
+    drop(engine);
+    worker.join();
+}
