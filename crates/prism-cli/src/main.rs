@@ -14,6 +14,7 @@ mod cmd_cuda_check;
 mod cmd_cuda_check_quant;
 mod cmd_decide;
 mod cmd_gguf;
+mod cmd_loadgen;
 mod cmd_logits;
 mod cmd_render;
 mod cmd_serve;
@@ -46,6 +47,9 @@ enum Command {
     Decide(DecideArgs),
     /// Serve the /v1/systemone HTTP API (default: the bundled demo model, random weights).
     Serve(cmd_serve::ServeArgs),
+    /// Load a /v1/systemone server with many clients; report throughput and latency, and check every
+    /// answer under load against the same request alone.
+    Loadgen(cmd_loadgen::LoadgenArgs),
     /// Write a random-weight model directory with the real Qwen3.5 shapes of a size (GGUF + small files).
     Synth(SynthArgs),
     /// Latency of the decision path (short question, shared evidence, long question) against its floors.
@@ -254,6 +258,7 @@ fn main() -> Result<()> {
         Command::Logits(args) => cmd_logits::run(&args),
         Command::Decide(args) => cmd_decide::run(&args),
         Command::Serve(args) => cmd_serve::run(&args),
+        Command::Loadgen(args) => cmd_loadgen::run(&args),
         Command::Synth(args) => cmd_synth::run(&args),
         Command::Bench(args) => cmd_bench::run(&args),
         #[cfg(feature = "cuda")]

@@ -297,3 +297,40 @@ print(json.dumps(families))
     );
     assert_eq!(families["prism_queue_depth"]["type"], "gauge");
 }
+
+#[test]
+fn loadgen_checks_every_answer_under_load_and_reports() {
+    let server = Server::start(&[]);
+    let out = std::env::temp_dir().join(format!("prism-loadgen-{}.json", std::process::id()));
+    let run = Command::new(env!("CARGO_BIN_EXE_prism"))
+        .args(["loadgen", "--url", &format!("http://{}", server.addr)])
+        .args(["--sweep", "1,4", "--duration", "2", "--mix-size", "8"])
+        .arg("--expect-identical")
+        .arg("--json-out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let report: Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&out);
+    assert_eq!(report["distinct_requests"], 8);
+    let levels = report["levels"].as_array().unwrap();
+    assert_eq!(levels.len(), 2);
+    for (level, clients) in levels.iter().zip([1, 4]) {
+        assert_eq!(level["clients"], clients);
+        assert!(level["answered"].as_u64().unwrap() >= 1, "{level}");
+        assert_eq!(level["answer_mismatches"], 0);
+        assert_eq!(level["transport_errors"], 0);
+        assert!(level["latency_ms"]["p50"].as_f64().unwrap() > 0.0);
+        assert!(level["requests_per_s"].as_f64().unwrap() > 0.0);
+    }
+    // The server saw the load: the alone pass plus both levels.
+    let stats = server.get("/stats").json();
+    let answered: u64 = levels.iter().map(|l| l["answered"].as_u64().unwrap()).sum();
+    assert!(stats["requests"]["decisions"].as_u64().unwrap() >= answered + 8);
+}

@@ -1,0 +1,445 @@
+//! `prism loadgen`: load a `/v1/systemone` server the way many users would, and check its answers.
+//!
+//! N clients (one thread and one keep-alive connection each) send requests back to back for a duration;
+//! the requests come from `--requests FILE` (one JSON request a line) or from a built-in mix (1–5
+//! questions of every type, evidence of ~100–2,000 tokens, a quarter of the requests asking about an
+//! evidence seen before). Before the load, every distinct request is sent once alone; under load every
+//! answer is compared with that one (SHA-256 of the body before `latency_ms`), so an engine that
+//! answered differently when batched is caught. Reports requests/s, input tokens/s, latency
+//! percentiles and status counts, as text and optionally as JSON.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+/// Arguments of `prism loadgen`.
+#[derive(Args)]
+pub struct LoadgenArgs {
+    /// The server's base URL, e.g. http://127.0.0.1:8092.
+    #[arg(long)]
+    pub url: String,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 16)]
+    pub clients: usize,
+    /// Seconds of load per client count.
+    #[arg(long, default_value_t = 30.0)]
+    pub duration: f64,
+    /// Measure each of these client counts in turn (e.g. `1,4,16,64`) instead of `--clients`.
+    #[arg(long, value_delimiter = ',')]
+    pub sweep: Vec<usize>,
+    /// Requests to send, one JSON /v1/systemone request a line. Default: the built-in mix.
+    #[arg(long)]
+    pub requests: Option<PathBuf>,
+    /// Distinct requests in the built-in mix.
+    #[arg(long, default_value_t = 64)]
+    pub mix_size: usize,
+    /// Seed of the built-in mix.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Sent as `Authorization: Bearer KEY`.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Also write the results as JSON.
+    #[arg(long)]
+    pub json_out: Option<PathBuf>,
+    /// Do not compare answers under load with the answers alone.
+    #[arg(long)]
+    pub no_check: bool,
+    /// Fail (exit 1) when an answer under load differs from the same request alone (what the exact
+    /// precisions promise; bf16 on a GPU does not).
+    #[arg(long)]
+    pub expect_identical: bool,
+}
+
+/// A deterministic generator (SplitMix64).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+const WORDS: &[&str] = &[
+    "the",
+    "customer",
+    "parcel",
+    "arrived",
+    "late",
+    "and",
+    "box",
+    "was",
+    "crushed",
+    "invoice",
+    "charged",
+    "twice",
+    "refund",
+    "support",
+    "ticket",
+    "order",
+    "delivery",
+    "driver",
+    "warehouse",
+    "account",
+    "password",
+    "login",
+    "error",
+    "page",
+    "payment",
+    "card",
+    "declined",
+    "subscription",
+    "cancel",
+    "renewal",
+    "discount",
+    "price",
+    "shipping",
+    "address",
+    "wrong",
+    "item",
+    "missing",
+    "broken",
+    "replacement",
+    "urgent",
+    "today",
+    "manager",
+    "angry",
+    "polite",
+    "thanks",
+    "again",
+];
+
+/// The built-in mix: `n` requests, a quarter of them about an evidence asked before.
+fn builtin_mix(n: usize, seed: u64) -> Vec<Vec<u8>> {
+    let mut rng = Rng(seed);
+    let mut evidences: Vec<String> = Vec::new();
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let state = if !evidences.is_empty() && rng.below(4) == 0 {
+            evidences[rng.below(evidences.len())].clone()
+        } else {
+            // ~1.3 tokens a word: 75 to 1,500 words.
+            let words = 75 + rng.below(1426);
+            let mut text = format!("Ticket {i}:");
+            for w in 0..words {
+                text.push(' ');
+                text.push_str(WORDS[rng.below(WORDS.len())]);
+                if w % 17 == 16 {
+                    text.push('.');
+                }
+            }
+            evidences.push(text.clone());
+            text
+        };
+        let mut questions = serde_json::Map::new();
+        for q in 0..1 + rng.below(5) {
+            let question = match rng.below(3) {
+                0 => {
+                    json!({"type": "noul", "instructions": format!("Does the ticket mention a {}?", WORDS[rng.below(WORDS.len())])})
+                }
+                1 => {
+                    json!({"type": "choice", "instructions": "Which team should handle this?", "criteria": {"shipping": "Deliveries and parcels", "billing": "Payments, invoices and refunds", "technical": "Logins, errors and pages", "sales": null}})
+                }
+                _ => {
+                    json!({"type": "score", "instructions": "How upset is the customer?", "criteria": ["calm", "annoyed", "angry", "furious"]})
+                }
+            };
+            questions.insert(format!("q{q}"), question);
+        }
+        let request = json!({"state": state, "questions": questions});
+        out.push(serde_json::to_vec(&request).unwrap_or_default());
+    }
+    out
+}
+
+fn read_requests(path: &PathBuf) -> Result<Vec<Vec<u8>>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let value: Value = serde_json::from_str(line)
+            .with_context(|| format!("{}: line {} is not JSON", path.display(), i + 1))?;
+        if !value.is_object() {
+            bail!("{}: line {} is not a JSON object", path.display(), i + 1);
+        }
+        out.push(line.as_bytes().to_vec());
+    }
+    if out.is_empty() {
+        bail!("{}: no requests", path.display());
+    }
+    Ok(out)
+}
+
+/// One HTTP exchange's outcome.
+struct Sent {
+    status: u16,
+    body: Vec<u8>,
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(600)))
+        .build()
+        .into()
+}
+
+fn send(agent: &ureq::Agent, url: &str, key: Option<&str>, body: &[u8]) -> Result<Sent> {
+    let mut request = agent.post(url).header("Content-Type", "application/json");
+    if let Some(key) = key {
+        request = request.header("Authorization", &format!("Bearer {key}"));
+    }
+    let mut response = request.send(body)?;
+    let status = response.status().as_u16();
+    let body = response
+        .body_mut()
+        .with_config()
+        .limit(64 << 20)
+        .read_to_vec()?;
+    Ok(Sent { status, body })
+}
+
+/// SHA-256 of the answer: the body up to `,"latency_ms"` (timings excluded).
+fn answer_digest(body: &[u8]) -> String {
+    let marker = b",\"latency_ms\"";
+    let end = body
+        .windows(marker.len())
+        .position(|w| w == marker)
+        .unwrap_or(body.len());
+    let digest = Sha256::digest(&body[..end]);
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[derive(Default)]
+struct Tally {
+    latencies_ms: Vec<f64>,
+    statuses: BTreeMap<u16, u64>,
+    input_tokens: u64,
+    mismatches: u64,
+    transport_errors: u64,
+    first_mismatch: Option<String>,
+}
+
+fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    Some(sorted[rank - 1])
+}
+
+fn run_level(
+    url: &str,
+    key: Option<&str>,
+    requests: &Arc<Vec<Vec<u8>>>,
+    expected: &Arc<Vec<Option<String>>>,
+    clients: usize,
+    duration: Duration,
+) -> Value {
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let done = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let started = Instant::now();
+    let threads: Vec<_> = (0..clients)
+        .map(|c| {
+            let (url, key) = (url.to_string(), key.map(str::to_string));
+            let (requests, expected, tally, done, stop) = (
+                requests.clone(),
+                expected.clone(),
+                tally.clone(),
+                done.clone(),
+                stop.clone(),
+            );
+            std::thread::spawn(move || {
+                let agent = agent();
+                let mut i = c * 7919;
+                while !stop.load(Ordering::Relaxed) {
+                    let r = i % requests.len();
+                    i += 1;
+                    let sent_at = Instant::now();
+                    let result = send(&agent, &url, key.as_deref(), &requests[r]);
+                    let ms = sent_at.elapsed().as_secs_f64() * 1e3;
+                    let mut t = tally.lock().unwrap_or_else(|p| p.into_inner());
+                    match result {
+                        Ok(sent) => {
+                            *t.statuses.entry(sent.status).or_default() += 1;
+                            if sent.status == 200 {
+                                t.latencies_ms.push(ms);
+                                if let Ok(v) = serde_json::from_slice::<Value>(&sent.body) {
+                                    t.input_tokens +=
+                                        v["usage"]["input_tokens"].as_u64().unwrap_or(0);
+                                }
+                                if let Some(want) = &expected[r] {
+                                    if &answer_digest(&sent.body) != want {
+                                        t.mismatches += 1;
+                                        t.first_mismatch.get_or_insert_with(|| {
+                                            String::from_utf8_lossy(&sent.body).into_owned()
+                                        });
+                                    }
+                                }
+                            }
+                        }
+                        Err(_) => t.transport_errors += 1,
+                    }
+                    drop(t);
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    // Progress once a second.
+    while started.elapsed() < duration {
+        std::thread::sleep(
+            Duration::from_millis(1000).min(duration.saturating_sub(started.elapsed())),
+        );
+        let n = done.load(Ordering::Relaxed);
+        let s = started.elapsed().as_secs_f64();
+        eprint!(
+            "\r  {clients} clients: {s:5.1} s, {n} requests, {:.1} req/s   ",
+            n as f64 / s.max(1e-9)
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        let _ = t.join();
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    eprintln!();
+    let t = tally.lock().unwrap_or_else(|p| p.into_inner());
+    let mut sorted = t.latencies_ms.clone();
+    sorted.sort_by(f64::total_cmp);
+    let ok = sorted.len() as f64;
+    json!({
+        "clients": clients,
+        "seconds": elapsed,
+        "answered": sorted.len(),
+        "requests_per_s": ok / elapsed,
+        "input_tokens_per_s": t.input_tokens as f64 / elapsed,
+        "latency_ms": {
+            "mean": if sorted.is_empty() { Value::Null } else { json!(sorted.iter().sum::<f64>() / ok) },
+            "p50": percentile(&sorted, 0.50),
+            "p95": percentile(&sorted, 0.95),
+            "p99": percentile(&sorted, 0.99),
+            "max": sorted.last(),
+        },
+        "statuses": t.statuses.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+        "transport_errors": t.transport_errors,
+        "answer_mismatches": t.mismatches,
+        "first_mismatch": t.first_mismatch,
+    })
+}
+
+pub fn run(args: &LoadgenArgs) -> Result<()> {
+    if args.clients == 0 || args.sweep.contains(&0) {
+        bail!("client counts must be at least 1");
+    }
+    if !(args.duration.is_finite() && args.duration > 0.0) {
+        bail!("--duration must be a positive number of seconds");
+    }
+    let base = args.url.trim_end_matches('/');
+    let url = format!("{base}/v1/systemone");
+    let requests = Arc::new(match &args.requests {
+        Some(path) => read_requests(path)?,
+        None => builtin_mix(args.mix_size.max(1), args.seed),
+    });
+    let key = args.api_key.as_deref();
+
+    // Every distinct request alone first: the answers to compare with, and a warm server.
+    let agent = agent();
+    let mut expected = Vec::with_capacity(requests.len());
+    let mut alone_ms = Vec::with_capacity(requests.len());
+    eprintln!(
+        "prism loadgen: {} distinct requests against {url}; sending each alone first ...",
+        requests.len()
+    );
+    for (i, body) in requests.iter().enumerate() {
+        let started = Instant::now();
+        let sent = send(&agent, &url, key, body)
+            .with_context(|| format!("request {i} alone: the server did not answer"))?;
+        alone_ms.push(started.elapsed().as_secs_f64() * 1e3);
+        if sent.status != 200 {
+            bail!(
+                "request {i} alone got HTTP {}: {}",
+                sent.status,
+                String::from_utf8_lossy(&sent.body)
+            );
+        }
+        expected.push((!args.no_check).then(|| answer_digest(&sent.body)));
+    }
+    let expected = Arc::new(expected);
+    let levels = if args.sweep.is_empty() {
+        vec![args.clients]
+    } else {
+        args.sweep.clone()
+    };
+    let duration = Duration::from_secs_f64(args.duration);
+    let mut results = Vec::new();
+    for &clients in &levels {
+        results.push(run_level(
+            &url, key, &requests, &expected, clients, duration,
+        ));
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "{:>8} {:>10} {:>12} {:>9} {:>9} {:>9}  statuses  mismatches",
+        "clients", "req/s", "in tok/s", "p50 ms", "p95 ms", "p99 ms"
+    )?;
+    let mut mismatches = 0;
+    for r in &results {
+        let ms = |k: &str| r["latency_ms"][k].as_f64().unwrap_or(f64::NAN);
+        writeln!(
+            out,
+            "{:>8} {:>10.2} {:>12.0} {:>9.1} {:>9.1} {:>9.1}  {}  {}",
+            r["clients"].as_u64().unwrap_or(0),
+            r["requests_per_s"].as_f64().unwrap_or(0.0),
+            r["input_tokens_per_s"].as_f64().unwrap_or(0.0),
+            ms("p50"),
+            ms("p95"),
+            ms("p99"),
+            r["statuses"],
+            r["answer_mismatches"]
+        )?;
+        mismatches += r["answer_mismatches"].as_u64().unwrap_or(0);
+    }
+    if let Some(path) = &args.json_out {
+        let report = json!({
+            "url": url,
+            "distinct_requests": requests.len(),
+            "mix": if args.requests.is_some() { json!("file") } else { json!({"builtin": true, "size": args.mix_size, "seed": args.seed}) },
+            "alone_ms": {"mean": alone_ms.iter().sum::<f64>() / alone_ms.len().max(1) as f64},
+            "levels": results,
+        });
+        std::fs::write(path, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if mismatches > 0 {
+        writeln!(
+            out,
+            "{mismatches} answers under load differ from the same request alone"
+        )?;
+        if args.expect_identical {
+            bail!("{mismatches} answers under load differ from the same request alone");
+        }
+    }
+    Ok(())
+}
