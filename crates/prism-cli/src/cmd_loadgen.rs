@@ -218,9 +218,9 @@ fn send(agent: &ureq::Agent, url: &str, key: Option<&str>, body: &[u8]) -> Resul
     Ok(Sent { status, body })
 }
 
-/// SHA-256 of the answer: the body up to `,"latency_ms"` (timings excluded).
+/// SHA-256 of the answer: the body up to `,"x_latency_ms"` (timings excluded).
 fn answer_digest(body: &[u8]) -> String {
-    let marker = b",\"latency_ms\"";
+    let marker = b",\"x_latency_ms\"";
     let end = body
         .windows(marker.len())
         .position(|w| w == marker)

@@ -146,9 +146,9 @@ fn readme_examples_endpoints_and_banner() {
     assert_eq!(body["answers"], cli["answers"]);
     assert_eq!(body["usage"], cli["usage"]);
     assert_eq!(body["model"], "Qwen35 Tiny");
-    assert!(body["latency_ms"].as_f64().unwrap() > 0.0);
+    assert!(body["x_latency_ms"].as_f64().unwrap() > 0.0);
     assert!(
-        body.get("notes").is_none(),
+        body.get("x_notes").is_none(),
         "no notes for a plain request: {body}"
     );
     let id = reply
@@ -249,7 +249,7 @@ fn readme_examples_endpoints_and_banner() {
     assert_eq!(server.get("/nope").status, 404);
     let wrong_method = server.get("/v1/systemone");
     assert_eq!(wrong_method.status, 405);
-    assert_eq!(wrong_method.locs()[0], ["method"]);
+    assert_eq!(wrong_method.error_type(), "method_not_allowed");
 }
 
 /// Every v1 rule through HTTP: each answer equals `prism decide`'s, and a question asked alone answers
@@ -335,7 +335,7 @@ fn decision_rules_through_http() {
     .json();
     assert_eq!(single["usage"]["input_tokens"], 0);
 
-    // return_details: the read-out per answer; settings without effect are named in `notes`.
+    // return_details: the read-out per answer; settings without effect are named in `x_notes`.
     let detailed = post(
         &server,
         &json!({"state": "s", "questions": {"q": questions["choice_wide"]}, "return_details": true, "gate": 0.9, "mix": 0.5, "none_check": false}),
@@ -343,14 +343,14 @@ fn decision_rules_through_http() {
     assert_eq!(detailed.status, 200);
     let detailed = detailed.json();
     assert_eq!(
-        detailed["answers"]["q"]["details"]["first"],
+        detailed["answers"]["q"]["x_details"]["first"],
         detailed["answers"]["q"]["probabilities"]
     );
     assert_eq!(
-        detailed["answers"]["q"]["details"]["prompts"], 3,
+        detailed["answers"]["q"]["x_details"]["prompts"], 3,
         "two group prompts and a final round"
     );
-    let notes = detailed["notes"].as_array().unwrap();
+    let notes = detailed["x_notes"].as_array().unwrap();
     assert!(
         notes
             .iter()
@@ -439,73 +439,73 @@ fn hostile_cases() -> Vec<Case> {
         case(
             "truncated JSON",
             r#"{"state": "s", "questions": {"#,
-            400,
+            422,
             &["body", "29"],
         ),
-        case("empty body", "", 400, &["body", "0"]),
-        case("not an object", "[1, 2]", 400, &["body"]),
-        case("a bare string", r#""hello""#, 400, &["body"]),
-        case("null", "null", 400, &["body"]),
+        case("empty body", "", 422, &["body", "0"]),
+        case("not an object", "[1, 2]", 422, &["body"]),
+        case("a bare string", r#""hello""#, 422, &["body"]),
+        case("null", "null", 422, &["body"]),
         case(
             "trailing garbage",
             format!("{valid} x"),
-            400,
+            422,
             &["body", &(valid.len() + 1).to_string()],
         ),
         case(
             "invalid UTF-8",
             b"{\"state\": \"\xff\xfe\", \"questions\": {}}".to_vec(),
-            400,
+            422,
             &["body", "11"],
         ),
         // `{"state": ` is 10 characters; the 512th `[` (index 521) opens level 513, one past the limit.
         case(
             "deep nesting",
             format!(r#"{{"state": {}, {q}}}"#, "[".repeat(100_000)),
-            400,
+            422,
             &["body", "521"],
         ),
-        case("missing state", format!("{{{q}}}"), 400, &["body", "state"]),
+        case("missing state", format!("{{{q}}}"), 422, &["body", "state"]),
         case(
             "missing questions",
             r#"{"state": "s"}"#,
-            400,
+            422,
             &["body", "questions"],
         ),
         case(
             "questions a list",
             r#"{"state": "s", "questions": ["a"]}"#,
-            400,
+            422,
             &["body", "questions"],
         ),
         case(
             "no questions",
             r#"{"state": "s", "questions": {}}"#,
-            400,
+            422,
             &["body", "questions"],
         ),
         case(
             "question a string",
             question(r#""why?""#),
-            400,
+            422,
             &["body", "questions", "q"],
         ),
         case(
             "question without type",
             question(r#"{"instructions": "x"}"#),
-            400,
+            422,
             &["body", "questions", "q", "type"],
         ),
         case(
             "type a number",
             question(r#"{"type": 3}"#),
-            400,
+            422,
             &["body", "questions", "q", "type"],
         ),
         case(
             "unknown type",
             question(r#"{"type": "essay", "instructions": "x"}"#),
-            400,
+            422,
             &["body", "questions", "q", "type"],
         ),
         case(
@@ -517,49 +517,49 @@ fn hostile_cases() -> Vec<Case> {
         case(
             "empty instructions",
             question(r#"{"type": "choice", "instructions": "", "criteria": ["a", "b"]}"#),
-            400,
+            422,
             &["body", "questions", "q", "instructions"],
         ),
         case(
             "blank instructions",
             question(r#"{"type": "score", "instructions": "  \n ", "criteria": ["a", "b"]}"#),
-            400,
+            422,
             &["body", "questions", "q", "instructions"],
         ),
         case(
             "instructions a number",
             question(r#"{"type": "choice", "instructions": 5, "criteria": ["a", "b"]}"#),
-            400,
+            422,
             &["body", "questions", "q", "instructions"],
         ),
         case(
             "instructions and question",
             question(r#"{"type": "noul", "instructions": "a", "question": "b"}"#),
-            400,
+            422,
             &["body", "questions", "q", "question"],
         ),
         case(
             "choice without criteria",
             question(r#"{"type": "choice", "instructions": "x"}"#),
-            400,
+            422,
             &["body", "questions", "q", "criteria"],
         ),
         case(
             "choice with no options",
             question(r#"{"type": "choice", "instructions": "x", "criteria": {}}"#),
-            400,
+            422,
             &["body", "questions", "q", "criteria"],
         ),
         case(
             "criteria a number",
             question(r#"{"type": "choice", "instructions": "x", "criteria": 7}"#),
-            400,
+            422,
             &["body", "questions", "q", "criteria"],
         ),
         case(
             "duplicate ids",
             question(r#"{"type": "choice", "instructions": "x", "criteria": ["a", "a"]}"#),
-            400,
+            422,
             &["body", "questions", "q", "criteria", "1"],
         ),
         case(
@@ -567,13 +567,13 @@ fn hostile_cases() -> Vec<Case> {
             question(
                 r#"{"type": "choice", "instructions": "x", "criteria": {"": "nothing", "b": "b"}}"#,
             ),
-            400,
+            422,
             &["body", "questions", "q", "criteria", ""],
         ),
         case(
             "id with a newline",
             question(r#"{"type": "choice", "instructions": "x", "criteria": ["a\nb", "c"]}"#),
-            400,
+            422,
             &["body", "questions", "q", "criteria", "0"],
         ),
         case(
@@ -582,13 +582,13 @@ fn hostile_cases() -> Vec<Case> {
                 r#"{{"type": "choice", "instructions": "x", "criteria": ["{}", "b"]}}"#,
                 "i".repeat(201)
             )),
-            400,
+            422,
             &["body", "questions", "q", "criteria", "0"],
         ),
         case(
             "id not a string",
             question(r#"{"type": "choice", "instructions": "x", "criteria": ["a", 2]}"#),
-            400,
+            422,
             &["body", "questions", "q", "criteria", "1"],
         ),
         case(
@@ -603,19 +603,19 @@ fn hostile_cases() -> Vec<Case> {
         case(
             "noul key maybe",
             question(r#"{"type": "noul", "instructions": "x", "criteria": {"maybe": "?"}}"#),
-            400,
+            422,
             &["body", "questions", "q", "criteria", "maybe"],
         ),
         case(
             "noul criteria a list",
             question(r#"{"type": "noul", "instructions": "x", "criteria": ["yes", "no"]}"#),
-            400,
+            422,
             &["body", "questions", "q", "criteria"],
         ),
         case(
             "score of one level",
             question(r#"{"type": "score", "instructions": "x", "criteria": ["only"]}"#),
-            400,
+            422,
             &["body", "questions", "q", "criteria"],
         ),
         case(
@@ -639,73 +639,67 @@ fn hostile_cases() -> Vec<Case> {
         case(
             "score level null",
             question(r#"{"type": "score", "instructions": "x", "criteria": ["a", null, "c"]}"#),
-            400,
+            422,
             &["body", "questions", "q", "criteria", "1"],
         ),
         case(
             "score criteria a string",
             question(r#"{"type": "score", "instructions": "x", "criteria": "0-10"}"#),
-            400,
+            422,
             &["body", "questions", "q", "criteria"],
-        ),
-        case(
-            "unknown field",
-            with(r#""temperature": 0.5"#),
-            400,
-            &["body", "temperature"],
         ),
         case(
             "unknown question field",
             question(r#"{"type": "noul", "instructions": "x", "weight": 2}"#),
-            400,
+            422,
             &["body", "questions", "q", "weight"],
         ),
         case(
             "think_mode unknown",
             with(r#""think_mode": "sometimes""#),
-            400,
+            422,
             &["body", "think_mode"],
         ),
         case(
             "gate above 1",
             with(r#""gate": 1.5"#),
-            400,
+            422,
             &["body", "gate"],
         ),
         case(
             "mix a string",
             with(r#""mix": "half""#),
-            400,
+            422,
             &["body", "mix"],
         ),
         case(
             "think_budget negative",
             with(r#""think_budget": -1"#),
-            400,
+            422,
             &["body", "think_budget"],
         ),
         case(
             "think_budget huge",
             with(r#""think_budget": 1e400"#),
-            400,
+            422,
             &["body", "think_budget"],
         ),
         case(
             "none_check a string",
             with(r#""none_check": "yes""#),
-            400,
+            422,
             &["body", "none_check"],
         ),
         case(
             "model a number",
             with(r#""model": 5"#),
-            400,
+            422,
             &["body", "model"],
         ),
         case(
             "images not a list",
             with(&format!(r#""images": {image}"#)),
-            400,
+            422,
             &["body", "images"],
         ),
         case(
@@ -729,7 +723,7 @@ fn hostile_cases() -> Vec<Case> {
         case(
             "assets naming a part without multipart",
             with(r#""assets": {"a": {"part": "asset-0"}}"#),
-            400,
+            422,
             &["body", "assets", "a", "part"],
         ),
     ];
@@ -808,7 +802,7 @@ fn hostile_cases() -> Vec<Case> {
         "application/json",
         Some("zstd"),
         zstd(b"{nope"),
-        400,
+        422,
         &["body", "1"],
     );
     odd(
@@ -849,7 +843,7 @@ fn hostile_cases() -> Vec<Case> {
         "multipart/form-data; boundary=xyz",
         None,
         multipart("xyz", &[("request", "application/json", b"{oops")]),
-        400,
+        422,
         &["body", "1"],
     );
     odd(
@@ -863,7 +857,7 @@ fn hostile_cases() -> Vec<Case> {
                 ("extra", "image/png", b"\x89PNG"),
             ],
         ),
-        400,
+        422,
         &["body", "assets"],
     );
     odd(
@@ -920,6 +914,25 @@ fn hostile_bodies_get_the_right_status_and_field_and_the_server_keeps_serving() 
             "{}: {text}",
             case.name
         );
+        assert!(
+            reply.header("x-typesafe-request-id").is_some(),
+            "{}",
+            case.name
+        );
+        if reply.status != 422 {
+            // Not a validation failure: the reference API's other shape.
+            assert!(
+                body["detail"]["error_type"]
+                    .as_str()
+                    .is_some_and(|t| !t.is_empty())
+                    && body["detail"]["message"]
+                        .as_str()
+                        .is_some_and(|m| !m.is_empty()),
+                "{}: {text}",
+                case.name
+            );
+            continue;
+        }
         assert_eq!(reply.locs()[0], case.loc, "{}: {text}", case.name);
         for detail in body["detail"].as_array().unwrap() {
             assert!(
@@ -928,15 +941,22 @@ fn hostile_bodies_get_the_right_status_and_field_and_the_server_keeps_serving() 
                 case.name
             );
         }
-        assert!(
-            reply.header("x-typesafe-request-id").is_some(),
-            "{}",
-            case.name
-        );
     }
     // Still serving, with the same answer as before.
     let after = server.post_json("/v1/systemone", valid);
     assert_eq!(after.answer_bytes(), reference.answer_bytes());
+
+    // An unknown top-level field is ignored (as the reference API does) and said so in `x_notes`.
+    let extra = server.post_json(
+        "/v1/systemone",
+        br#"{"state": "s", "questions": {"q": {"type": "noul", "instructions": "Is it?"}}, "temperature": 0.5}"#,
+    );
+    assert_eq!(extra.status, 200);
+    assert_eq!(extra.answer_bytes(), reference.answer_bytes());
+    assert_eq!(
+        extra.json()["x_notes"],
+        json!(["unknown field `temperature` ignored"])
+    );
 
     // 27 options is a wide choice, not an error: every option gets a probability.
     let wide = (0..27)
@@ -977,7 +997,7 @@ fn hostile_bodies_get_the_right_status_and_field_and_the_server_keeps_serving() 
     );
     assert_eq!(multipart_reply.answer_bytes(), reference.answer_bytes());
     let stats = server.get("/stats").json();
-    assert_eq!(stats["requests"]["decisions"], 5);
+    assert_eq!(stats["requests"]["decisions"], 6);
 }
 
 #[test]
@@ -999,7 +1019,7 @@ fn body_size_limits() {
         "{}",
         String::from_utf8_lossy(&declared.body)
     );
-    assert_eq!(declared.locs()[0], ["body"]);
+    assert_eq!(declared.error_type(), "too_large");
     // No length given (chunked): refused once the limit is passed.
     let chunked = send(
         server.addr,
@@ -1111,7 +1131,7 @@ fn api_key() {
     let missing = send(server.addr, "POST", "/v1/systemone", &[json], body);
     assert_eq!(missing.status, 401);
     assert_eq!(missing.header("www-authenticate"), Some("Bearer"));
-    assert_eq!(missing.locs()[0], ["header", "authorization"]);
+    assert_eq!(missing.error_type(), "authentication_error");
     assert_eq!(
         send(
             server.addr,
@@ -1208,7 +1228,7 @@ fn full_queue_timeout_and_prompt_limit() {
     for reply in busy {
         assert_eq!(reply.header("retry-after"), Some("1"));
         assert_eq!(reply.header("retry-after-ms"), Some("1000"));
-        assert_eq!(reply.json()["detail"][0]["type"], "overloaded");
+        assert_eq!(reply.error_type(), "overloaded");
     }
     let stats = server.get("/stats").json();
     assert!(stats["requests"]["rejected_queue_full"].as_u64().unwrap() >= 1);
@@ -1218,7 +1238,7 @@ fn full_queue_timeout_and_prompt_limit() {
     let server = Server::start(&["--timeout", "0.2", "--max-tokens", "3500"]);
     let late = server.post_json("/v1/systemone", &slow_body());
     assert_eq!(late.status, 504, "{}", String::from_utf8_lossy(&late.body));
-    assert_eq!(late.json()["detail"][0]["type"], "timeout");
+    assert_eq!(late.error_type(), "timeout");
     // A prompt beyond --max-tokens is refused before any model work (once the abandoned request is done).
     let started = Instant::now();
     while server.get("/stats").json()["queue"]["running"] != 0 {

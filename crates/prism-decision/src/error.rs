@@ -79,7 +79,9 @@ pub enum ErrorClass {
 impl ErrorClass {
     pub fn status(self) -> u16 {
         match self {
-            ErrorClass::Malformed => 400,
+            // The reference API (and the TypeSafe SDK's `HTTPValidationError`) answers every
+            // validation failure with 422; the class stays in the `type` of each detail.
+            ErrorClass::Malformed => 422,
             ErrorClass::Unanswerable => 422,
         }
     }
@@ -221,7 +223,7 @@ impl DecisionError {
     /// The HTTP status the API answers with.
     pub fn status(&self) -> u16 {
         match self {
-            DecisionError::Json(_) => 400,
+            DecisionError::Json(_) => 422,
             DecisionError::Request(errors) => errors.class().status(),
             DecisionError::Model(_)
             | DecisionError::ModelOutput(_)

@@ -117,6 +117,9 @@ pub struct DecisionRequest {
     pub return_thought: bool,
     /// TypeSafe clients name a model; it is accepted and not checked (one server serves one model).
     pub model: Option<String>,
+    /// Top-level fields this engine does not know, ignored (forward compatibility, as the reference
+    /// API does); the server lists them in the response's `x_notes`.
+    pub ignored_fields: Vec<String>,
 }
 
 const REQUEST_FIELDS: &[&str] = &[
@@ -147,6 +150,7 @@ impl DecisionRequest {
     pub fn from_json(body: &PyValue, defaults: &RequestDefaults) -> Result<Self, DecisionError> {
         let root = FieldPath::root();
         let mut errors = Vec::new();
+        let mut ignored_fields = Vec::new();
         let Some(object) = body.as_object() else {
             return Err(FieldError::malformed(
                 root,
@@ -163,11 +167,8 @@ impl DecisionRequest {
                     "`assets` is not supported: send images as `images` (base64 strings or data URIs)",
                 ));
             } else if !REQUEST_FIELDS.contains(&key) {
-                errors.push(FieldError::malformed(
-                    root.key(key),
-                    "extra_forbidden",
-                    format!("unknown field `{key}`"),
-                ));
+                // Forward compatibility, as the reference API: ignored, and said so in `x_notes`.
+                ignored_fields.push(key.to_string());
             }
         }
 
@@ -326,6 +327,7 @@ impl DecisionRequest {
             return_details,
             return_thought,
             model,
+            ignored_fields,
         })
     }
 }

@@ -1,6 +1,6 @@
 //! The `/v1/systemone` response (spec §2), serialised with serde:
 //! `{"answers": {name: answer, ...}, "usage": {"input_tokens": n, "output_tokens": m}, "model": name,
-//! "latency_ms": t}`, answers in the request's question order.
+//! "x_latency_ms": t}`, answers in the request's question order.
 
 use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
@@ -45,6 +45,8 @@ pub struct DecisionResponse {
     pub usage: Usage,
     pub model: String,
     /// Wall time of the decision procedure (rendering, model calls, read-out), in milliseconds.
+    /// Serialized as `x_latency_ms`: an extension field (the reference API has none).
+    #[serde(rename = "x_latency_ms")]
     pub latency_ms: f64,
 }
 
@@ -74,7 +76,8 @@ pub struct ChoiceAnswer {
     /// v1.1's none option; absent in v1.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub none_probability: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// `return_details`; an extension field, serialized as `x_details`.
+    #[serde(rename = "x_details", skip_serializing_if = "Option::is_none")]
     pub details: Option<AnswerDetails>,
 }
 
@@ -82,7 +85,8 @@ pub struct ChoiceAnswer {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct NoulAnswer {
     pub noul: f64,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// `return_details`; an extension field, serialized as `x_details`.
+    #[serde(rename = "x_details", skip_serializing_if = "Option::is_none")]
     pub details: Option<AnswerDetails>,
 }
 
@@ -94,7 +98,8 @@ pub struct ScoreAnswer {
     /// Each level's description as sent, keyed `"0"`..`"n-1"`.
     pub legend: OrderedMap<PyValue>,
     pub probabilities: OrderedMap<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// `return_details`; an extension field, serialized as `x_details`.
+    #[serde(rename = "x_details", skip_serializing_if = "Option::is_none")]
     pub details: Option<AnswerDetails>,
 }
 

@@ -99,7 +99,7 @@ fn response_json_shape() {
     .unwrap();
     let json = serde_json::to_value(&response).unwrap();
     let keys = |v: &serde_json::Value| v.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
-    assert_eq!(keys(&json), ["answers", "usage", "model", "latency_ms"]);
+    assert_eq!(keys(&json), ["answers", "usage", "model", "x_latency_ms"]);
     assert_eq!(keys(&json["answers"]), ["team", "urgent", "risk"]);
     assert_eq!(
         keys(&json["answers"]["team"]),
@@ -128,7 +128,7 @@ fn response_json_shape() {
         json["usage"],
         serde_json::json!({"input_tokens": 30, "output_tokens": 0})
     );
-    assert!(json["latency_ms"].as_f64().unwrap() >= 0.0);
+    assert!(json["x_latency_ms"].as_f64().unwrap() >= 0.0);
 }
 
 #[test]
@@ -140,8 +140,8 @@ fn details_on_request() {
     };
     let response = decide(&request(&body), &DecisionConfig::default(), &mut model).unwrap();
     let json = serde_json::to_value(&response).unwrap();
-    assert_eq!(json["answers"]["urgent"]["details"]["prompts"], 1);
-    let first = &json["answers"]["urgent"]["details"]["first"];
+    assert_eq!(json["answers"]["urgent"]["x_details"]["prompts"], 1);
+    let first = &json["answers"]["urgent"]["x_details"]["first"];
     assert_eq!(
         first.as_object().unwrap().keys().collect::<Vec<_>>(),
         ["true", "false"]

@@ -1,5 +1,5 @@
-//! Request validation: every refusal names its field, and malformed requests (400) are told apart from
-//! requests the model cannot answer (422), as spec §2 defines them.
+//! Request validation: every refusal names its field and is a 422 (as in the reference API); malformed
+//! requests are still told apart from requests the model cannot answer by their class and `type`.
 
 use prism_decision::error::LocPart;
 use prism_decision::request::ThinkMode;
@@ -92,79 +92,79 @@ fn a_full_request_with_defaults() {
 
 #[test]
 fn top_level_fields() {
+    // Unknown top-level fields are ignored (forward compatibility, as the reference API does) and
+    // reported for the server's `x_notes`.
+    let request = parse(r#"{"state": "s", "questions": {"q": {"type": "noul"}}, "think_mod": "auto", "x_trace": 1}"#)
+        .unwrap();
+    assert_eq!(request.ignored_fields, ["think_mod", "x_trace"]);
     assert_eq!(
         refusal(r#"{"questions": {"q": {"type": "noul"}}}"#),
-        (400, vec!["state".into()])
+        (422, vec!["state".into()])
     );
     assert_eq!(
         refusal(r#"{"state": "s"}"#),
-        (400, vec!["questions".into()])
+        (422, vec!["questions".into()])
     );
     assert_eq!(
         refusal(r#"{"state": "s", "questions": {}}"#),
-        (400, vec!["questions".into()])
+        (422, vec!["questions".into()])
     );
     assert_eq!(
         refusal(r#"{"state": "s", "questions": []}"#),
-        (400, vec!["questions".into()])
+        (422, vec!["questions".into()])
     );
-    assert_eq!(refusal(r#"[1]"#), (400, vec!["body".into()]));
+    assert_eq!(refusal(r#"[1]"#), (422, vec!["body".into()]));
     let q = r#""questions": {"q": {"type": "noul"}}"#;
     let cases = [
         (
-            format!(r#"{{"state": "s", {q}, "think_mod": "auto"}}"#),
-            400,
-            "think_mod",
-        ),
-        (
             format!(r#"{{"state": "s", {q}, "think_mode": "sometimes"}}"#),
-            400,
+            422,
             "think_mode",
         ),
         (
             format!(r#"{{"state": "s", {q}, "gate": 1.5}}"#),
-            400,
+            422,
             "gate",
         ),
         (
             format!(r#"{{"state": "s", {q}, "gate": "0.5"}}"#),
-            400,
+            422,
             "gate",
         ),
-        (format!(r#"{{"state": "s", {q}, "mix": -0.1}}"#), 400, "mix"),
+        (format!(r#"{{"state": "s", {q}, "mix": -0.1}}"#), 422, "mix"),
         (
             format!(r#"{{"state": "s", {q}, "think_budget": -1}}"#),
-            400,
+            422,
             "think_budget",
         ),
         (
             format!(r#"{{"state": "s", {q}, "think_budget": 10.0}}"#),
-            400,
+            422,
             "think_budget",
         ),
         (
             format!(r#"{{"state": "s", {q}, "none_check": "yes"}}"#),
-            400,
+            422,
             "none_check",
         ),
         (
             format!(r#"{{"state": "s", {q}, "return_details": 1}}"#),
-            400,
+            422,
             "return_details",
         ),
         (
             format!(r#"{{"state": "s", {q}, "model": 3}}"#),
-            400,
+            422,
             "model",
         ),
         (
             format!(r#"{{"state": "s", {q}, "images": "abc"}}"#),
-            400,
+            422,
             "images",
         ),
         (
             format!(r#"{{"state": "s", {q}, "images": ["a", 2]}}"#),
-            400,
+            422,
             "images[1]",
         ),
         (
@@ -189,10 +189,10 @@ fn top_level_fields() {
 #[test]
 fn question_fields() {
     let cases = [
-        (r#"{"instructions": "x"}"#, 400, "questions.team.type"),
+        (r#"{"instructions": "x"}"#, 422, "questions.team.type"),
         (
             r#"{"type": "multiple", "instructions": "x"}"#,
-            400,
+            422,
             "questions.team.type",
         ),
         (
@@ -202,103 +202,103 @@ fn question_fields() {
         ),
         (
             r#"{"type": "choice", "instructions": "x", "criteria": ["a", "b"], "weight": 2}"#,
-            400,
+            422,
             "questions.team.weight",
         ),
-        (r#"[1]"#, 400, "questions.team"),
+        (r#"[1]"#, 422, "questions.team"),
         (
             r#"{"type": "choice", "criteria": ["a", "b"]}"#,
-            400,
+            422,
             "questions.team.instructions",
         ),
         (
             r#"{"type": "choice", "question": " ", "criteria": ["a", "b"]}"#,
-            400,
+            422,
             "questions.team.question",
         ),
         (
             r#"{"type": "choice", "instructions": 3, "criteria": ["a", "b"]}"#,
-            400,
+            422,
             "questions.team.instructions",
         ),
         (
             r#"{"type": "choice", "instructions": "x", "question": "y", "criteria": ["a", "b"]}"#,
-            400,
+            422,
             "questions.team.question",
         ),
         (
             r#"{"type": "choice", "instructions": "x"}"#,
-            400,
+            422,
             "questions.team.criteria",
         ),
         (
             r#"{"type": "choice", "instructions": "x", "criteria": {}}"#,
-            400,
+            422,
             "questions.team.criteria",
         ),
         (
             r#"{"type": "choice", "instructions": "x", "options": []}"#,
-            400,
+            422,
             "questions.team.options",
         ),
         (
             r#"{"type": "choice", "instructions": "x", "criteria": "a,b"}"#,
-            400,
+            422,
             "questions.team.criteria",
         ),
         (
             r#"{"type": "choice", "instructions": "x", "criteria": ["a", "a"]}"#,
-            400,
+            422,
             "questions.team.criteria[1]",
         ),
         (
             r#"{"type": "choice", "instructions": "x", "criteria": ["a", 2]}"#,
-            400,
+            422,
             "questions.team.criteria[1]",
         ),
         (
             r#"{"type": "choice", "instructions": "x", "criteria": ["a", ""]}"#,
-            400,
+            422,
             "questions.team.criteria[1]",
         ),
         (
             r#"{"type": "choice", "instructions": "x", "criteria": {"a": "", " ": "blank"}}"#,
-            400,
+            422,
             "questions.team.criteria. ",
         ),
         (
             r#"{"type": "choice", "instructions": "x", "criteria": {"a\rb": "", "c": 1}}"#,
-            400,
+            422,
             "questions.team.criteria.a\rb",
         ),
         (
             r#"{"type": "choice", "instructions": "x", "criteria": ["a"], "options": ["b"]}"#,
-            400,
+            422,
             "questions.team.options",
         ),
         (
             r#"{"type": "noul", "criteria": {"true": "y", "maybe": "m"}}"#,
-            400,
+            422,
             "questions.team.criteria.maybe",
         ),
         (
             r#"{"type": "noul", "criteria": ["true", "false"]}"#,
-            400,
+            422,
             "questions.team.criteria",
         ),
         (
             r#"{"type": "score", "instructions": "x", "criteria": ["only"]}"#,
-            400,
+            422,
             "questions.team.criteria",
         ),
         (
             r#"{"type": "score", "instructions": "x", "criteria": ["a", null]}"#,
-            400,
+            422,
             "questions.team.criteria[1]",
         ),
         (
             r#"{"type": "score", "instructions": "x", "criteria": "low..high"}"#,
-            400,
+            422,
             "questions.team.criteria",
         ),
         (
@@ -326,7 +326,7 @@ fn question_fields() {
     );
     assert_eq!(
         refusal(&with_question(&long)),
-        (400, vec!["questions.team.criteria[0]".to_string()])
+        (422, vec!["questions.team.criteria[0]".to_string()])
     );
     // Ten levels are fine.
     assert!(parse(&with_question(
@@ -382,7 +382,7 @@ fn malformed_wins_over_unanswerable_and_every_error_is_listed() {
         "a": {"type": "score", "instructions": "x", "criteria": [0,1,2,3,4,5,6,7,8,9,10]},
         "b": {"type": "choice", "instructions": "", "criteria": ["x", "y"]}}}"#;
     let error = parse(body).unwrap_err();
-    assert_eq!(error.status(), 400);
+    assert_eq!(error.status(), 422);
     let paths: Vec<String> = error
         .field_errors()
         .iter()
@@ -425,7 +425,7 @@ fn error_body_shape() {
     );
 
     let error = parse("{\"state\": \"s\",\n \"questions\": }").unwrap_err();
-    assert_eq!(error.status(), 400);
+    assert_eq!(error.status(), 422);
     let body = error.body();
     assert_eq!(body.detail[0].kind, "json_invalid");
     assert!(

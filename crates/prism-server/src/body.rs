@@ -470,7 +470,7 @@ fn part_headers<'a>(block: &[u8], data: &'a [u8], index: usize) -> Result<Part<'
 #[derive(Debug, Clone)]
 pub struct ParsedRequest {
     pub request: DecisionRequest,
-    /// Settings the client sent that this engine accepts but cannot honour yet (reported in `notes`).
+    /// Settings the client sent that this engine accepts but cannot honour yet (reported in `x_notes`).
     pub notes: Vec<String>,
 }
 
@@ -961,7 +961,7 @@ mod tests {
             ],
         );
         let error = refused(&kind, &body);
-        assert_eq!(error.status, StatusCode::BAD_REQUEST);
+        assert_eq!(error.status, StatusCode::UNPROCESSABLE_ENTITY);
         assert!(locs(&error).contains(&vec![
             "body".into(),
             "assets".into(),
@@ -996,7 +996,7 @@ mod tests {
         // A part reference without multipart, and a question error alongside: 400 naming both.
         let body = r#"{"state": "s", "questions": {"q": {"type": "choice"}}, "assets": {"a": {"part": "asset-0"}}}"#;
         let error = refused(&BodyKind::Json, body.as_bytes());
-        assert_eq!(error.status, StatusCode::BAD_REQUEST);
+        assert_eq!(error.status, StatusCode::UNPROCESSABLE_ENTITY);
         let locs = locs(&error);
         assert!(
             locs.contains(&vec![

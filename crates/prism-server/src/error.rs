@@ -1,10 +1,13 @@
-//! Every refusal the server answers with, as one typed value that becomes the API's error body
-//! `{"error": message, "detail": [{"loc": [...], "msg": ..., "type": ...}]}` and its status.
+//! Every refusal the server answers with, as one typed value that becomes the API's error body and its
+//! status, in the reference API's two shapes:
+//! - validation failures (422): `{"error": message, "detail": [{"loc": ["body", ...], "msg": ...,
+//!   "type": ...}]}`, every problem with its field path — the TypeSafe SDK's `HTTPValidationError`;
+//! - every other error: `{"error": message, "detail": {"error_type": ..., "message": ...}}` — 400 (a
+//!   body that cannot be decoded), 401 `authentication_error`, 404/405 (route), 408 (slow body), 413
+//!   (too large), 415 (content type or encoding), 499 (the client left), 503 `overloaded` (with
+//!   `Retry-After`), 504 `timeout`, 500 (the model failed).
 //!
-//! Request-level problems come from `prism-decision` (400 malformed / 422 unanswerable, with field paths);
-//! the HTTP layer adds its own: 401 (API key), 404/405 (route), 408 (slow body), 413 (too large), 415
-//! (content type or encoding), 503 (queue full or shutting down, with `Retry-After`), 504 (timed out),
-//! 500 (the model failed).
+//! `error` repeats the message at the top level for people reading a body by eye.
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -84,7 +87,7 @@ impl ApiError {
         let mut error = ApiError::new(
             StatusCode::UNAUTHORIZED,
             loc(["header", "authorization"]),
-            "unauthorized",
+            "authentication_error",
             message,
         );
         error.www_authenticate = true;
@@ -110,11 +113,29 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// The body as JSON, in the shape its status calls for.
+    pub fn body_json(&self) -> serde_json::Value {
+        if self.status == StatusCode::UNPROCESSABLE_ENTITY {
+            return serde_json::to_value(&self.body).unwrap_or_default();
+        }
+        let error_type = self
+            .body
+            .detail
+            .first()
+            .map(|d| d.kind.as_str())
+            .unwrap_or("api_error");
+        serde_json::json!({
+            "error": self.body.error,
+            "detail": {"error_type": error_type, "message": self.body.error},
+        })
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        // An ErrorBody always serializes (strings, numbers and lists only).
-        let json = serde_json::to_vec(&self.body)
-            .unwrap_or_else(|_| b"{\"error\":\"internal error\",\"detail\":[]}".to_vec());
+        let json = serde_json::to_vec(&self.body_json())
+            .unwrap_or_else(|_| b"{\"error\":\"internal error\"}".to_vec());
         let mut response = (
             self.status,
             [(

@@ -307,7 +307,7 @@ async fn read_body(body: Body, limit: usize) -> Result<Vec<u8>, ApiError> {
 struct DecideBody<'a> {
     #[serde(flatten)]
     response: &'a DecisionResponse,
-    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    #[serde(rename = "x_notes", skip_serializing_if = "<[String]>::is_empty")]
     notes: &'a [String],
 }
 
@@ -356,7 +356,12 @@ async fn decide(
             } else {
                 bytes
             };
-            let parsed: ParsedRequest = parse_request(&kind, &decoded, &defaults)?;
+            let mut parsed: ParsedRequest = parse_request(&kind, &decoded, &defaults)?;
+            for field in &parsed.request.ignored_fields {
+                parsed
+                    .notes
+                    .push(format!("unknown field `{field}` ignored"));
+            }
             let questions = parsed.request.questions.len();
             let prepared = engine
                 .prepare(parsed.request)

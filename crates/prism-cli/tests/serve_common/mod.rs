@@ -174,16 +174,32 @@ impl Reply {
             .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
     }
 
-    /// The response's bytes before `"latency_ms"` (answers, usage, model): what must be identical
+    /// The response's bytes before `"x_latency_ms"` (answers, usage, model): what must be identical
     /// between two runs of the same request.
     pub fn answer_bytes(&self) -> &[u8] {
-        let marker = b",\"latency_ms\"";
+        let marker = b",\"x_latency_ms\"";
         let end = self
             .body
             .windows(marker.len())
             .position(|w| w == marker)
             .expect("a latency_ms field");
         &self.body[..end]
+    }
+
+    /// `detail.error_type` of an error that is not a validation failure (the reference API's shape
+    /// `{"detail": {"error_type": ..., "message": ...}}`), checking that the message is there too.
+    pub fn error_type(&self) -> String {
+        let body = self.json();
+        assert!(
+            body["detail"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "no detail.message: {body}"
+        );
+        body["detail"]["error_type"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no detail.error_type: {body}"))
+            .to_string()
     }
 
     /// The `loc` of each `detail` entry, as strings.

@@ -195,6 +195,15 @@ impl PassModel for DecoderLetterModel {
         &mut self,
         groups: &[GroupInput<'_, SequenceState>],
     ) -> Result<Vec<GroupOutput<SequenceState>>, ModelError> {
+        // The engine runs passes on its own thread: the GPU's context must be current there.
+        #[cfg(feature = "cuda")]
+        if let candle_core::Device::Cuda(device) = self.decoder.device() {
+            device
+                .cuda_stream()
+                .context()
+                .bind_to_thread()
+                .map_err(|e| backend(format!("cannot make the CUDA context current: {e:?}")))?;
+        }
         // One decoder batch: per group its prefix item (when it has prefix tokens), then its branches,
         // which continue the prefix item in the same pass or, without one, start from the group's state.
         let fresh = self.decoder.new_state().map_err(backend)?;
