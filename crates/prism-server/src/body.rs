@@ -993,7 +993,7 @@ mod tests {
         );
         let error = refused(&BodyKind::Json, body.as_bytes());
         assert_eq!(error.status, StatusCode::UNPROCESSABLE_ENTITY);
-        // A part reference without multipart, and a question error alongside: 400 naming both.
+        // A part reference without multipart, and a question error alongside: 422 naming both.
         let body = r#"{"state": "s", "questions": {"q": {"type": "choice"}}, "assets": {"a": {"part": "asset-0"}}}"#;
         let error = refused(&BodyKind::Json, body.as_bytes());
         assert_eq!(error.status, StatusCode::UNPROCESSABLE_ENTITY);
