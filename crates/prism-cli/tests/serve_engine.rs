@@ -334,3 +334,43 @@ fn loadgen_checks_every_answer_under_load_and_reports() {
     let answered: u64 = levels.iter().map(|l| l["answered"].as_u64().unwrap()).sum();
     assert!(stats["requests"]["decisions"].as_u64().unwrap() >= answered + 8);
 }
+
+#[test]
+fn openapi_describes_every_route() {
+    let server = Server::start(&[]);
+    let reply = server.get("/openapi.json");
+    assert_eq!(reply.status, 200);
+    let doc = reply.json();
+    assert_eq!(doc["openapi"], "3.1.0");
+    let paths = doc["paths"].as_object().unwrap();
+    for (path, method) in [
+        ("/v1/systemone", "post"),
+        ("/v1/decisions", "post"),
+        ("/v1/models", "get"),
+        ("/health", "get"),
+        ("/stats", "get"),
+        ("/metrics", "get"),
+        ("/openapi.json", "get"),
+    ] {
+        assert!(paths[path][method].is_object(), "{path} {method}");
+        // Each route is really there.
+        let status = if method == "get" {
+            server.get(path).status
+        } else {
+            server.post_json(path, &requests()[0]).status
+        };
+        assert_eq!(status, 200, "{path}");
+    }
+    // Every $ref points at a component that exists.
+    let text = String::from_utf8(reply.body.clone()).unwrap();
+    let references: Vec<&str> = text.split("\"$ref\": \"#/").skip(1).collect();
+    assert!(references.len() >= 10, "{} references", references.len());
+    for reference in references {
+        let target = reference.split('"').next().unwrap();
+        let mut node = &doc;
+        for part in target.split('/') {
+            node = &node[part];
+        }
+        assert!(!node.is_null(), "dangling $ref #/{target}");
+    }
+}

@@ -96,6 +96,7 @@ pub fn router(
         .route("/health", get(health).fallback(method_not_allowed))
         .route("/stats", get(stats_page).fallback(method_not_allowed))
         .route("/metrics", get(metrics_page).fallback(method_not_allowed))
+        .route("/openapi.json", get(openapi).fallback(method_not_allowed))
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(
             state.clone(),
@@ -552,6 +553,21 @@ async fn stats_page(State(state): State<AppState>) -> Response {
         state.engine.queue_state(),
         &state.engine.stats(),
     ))
+}
+
+/// The OpenAPI 3.1 description of this API (a document kept next to the routes; a test checks that it
+/// lists every route).
+const OPENAPI: &str = include_str!("openapi.json");
+
+async fn openapi() -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        OPENAPI,
+    )
+        .into_response()
 }
 
 async fn metrics_page(State(state): State<AppState>) -> Result<Response, ApiError> {
