@@ -36,6 +36,14 @@
 #   gemm-ab     A/B of the binary against .device-carry/prism-var.xz: every spec of $AB_SPECS (spaces
 #               between `FORMAT,K,N,M,TILE,G` specs; default: the decision shape and the large-M Q8_0
 #               shapes), run 5 of `--gemm SPEC --runs 6` with each binary in turn, twice (gemm-ab.txt)
+#   serve27-int8 / serve27-bf16   prism serve on /tmp/s27 (int8 / bf16) and prism loadgen against it:
+#               20 variants of one short question (tools/device/short.jsonl; each sent alone first: cold,
+#               distinct evidence) and of the three-question request (shared.jsonl), then 5 s of each
+#               from 1 client (repeats: prefix-cache hits); follow-ups (followup.jsonl: 10 pairs, the
+#               second asking another question about the first one's ~1,000-token evidence, so each
+#               second request alone is a cache hit); then the built-in
+#               mix from 64 clients for $LOAD_S seconds (default 60; int8 with --expect-identical);
+#               /stats and /metrics after each; outputs serve-*.log, loadgen-*.json, stats-*.json
 # Any step: PRISM_STACKS_ON_SIGQUIT=1 in the environment and `kill -QUIT PID` on a hung prism write
 # every thread's stack to its stderr (crates/prism-cli/src/stack_dump.rs; carry an unstripped build).
 # The binary is taken from .device-carry/prism.xz (xz of a stripped `--features cuda` build; unpacked
@@ -58,6 +66,35 @@ fi
 F=tests/fixtures
 R="--ranks $F/qwen35-vocab/qwen3_6.tiktoken --chat-template $F/qwen35-tiny/chat_template.jinja"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+# prism serve on /tmp/s27 at precision $1, loadgen runs against it (outputs tagged $2).
+serve27() {
+    local precision=$1 tag=$2 port=18700 url=http://127.0.0.1:18700 check=""
+    [ "$precision" = bf16 ] || check=--expect-identical
+    /tmp/prism serve --gguf /tmp/s27/model.gguf --model-dir /tmp/s27 --device "${DEVICE:-cuda}" --precision "$precision" \
+        --port $port > "$OUT/serve-$tag.log" 2>&1 &
+    local pid=$! waited=0
+    until grep -q "Ready on" "$OUT/serve-$tag.log" 2> /dev/null; do
+        sleep 1; waited=$((waited + 1))
+        if [ $waited -gt 400 ] || ! kill -0 $pid 2> /dev/null; then
+            echo "serve $tag not ready after ${waited}s"; kill $pid 2> /dev/null; return 1
+        fi
+    done
+    echo "serve $tag ready after ${waited}s"
+    for r in short shared followup; do
+        /tmp/prism loadgen --url $url --requests tools/device/$r.jsonl --clients 1 --duration 5 $check \
+            --json-out "$OUT/loadgen-$tag-$r.json" > "$OUT/loadgen-$tag-$r.txt" 2>&1
+        echo "loadgen $tag $r rc=$?"
+    done
+    /tmp/prism loadgen --url $url --clients 64 --duration "${LOAD_S:-60}" --mix-size 64 $check \
+        --json-out "$OUT/loadgen-$tag-64.json" > "$OUT/loadgen-$tag-64.txt" 2>&1
+    echo "loadgen $tag 64 clients rc=$?"
+    python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' \
+        $url/stats > "$OUT/stats-$tag.json"
+    python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' \
+        $url/metrics > "$OUT/metrics-$tag.txt"
+    kill -TERM $pid; wait $pid
+    echo "serve $tag exit rc=$?"
+}
 for step in "$@"; do
     echo "== $step ($(date -u +%FT%TZ))"
     case "$step" in
@@ -66,6 +103,8 @@ for step in "$@"; do
             echo "cuda-check rc=$?" | tee -a "$OUT/cuda-check.log"
             /tmp/prism cuda-quant-check --json-out "$OUT/quant.json" > "$OUT/cuda-quant-check.log" 2>&1
             echo "cuda-quant-check rc=$?" | tee -a "$OUT/cuda-quant-check.log" ;;
+        serve27-int8) serve27 int8 int8 ;;
+        serve27-bf16) serve27 bf16 bf16 ;;
         synth27) /tmp/prism synth --shape 27b --type q8_0 --out /tmp/s27 $R > "$OUT/synth27.log" 2>&1 ;;
         synth27q4) /tmp/prism synth --shape 27b --type q4_k_m --out /tmp/s27q4 $R > "$OUT/synth27q4.log" 2>&1 ;;
         synth9) /tmp/prism synth --shape 9b --type bf16 --out /tmp/s9 $R > "$OUT/synth9.log" 2>&1 ;;

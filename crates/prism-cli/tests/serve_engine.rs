@@ -319,6 +319,8 @@ fn loadgen_checks_every_answer_under_load_and_reports() {
     let report: Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
     let _ = std::fs::remove_file(&out);
     assert_eq!(report["distinct_requests"], 8);
+    assert_eq!(report["alone"]["client_ms"].as_array().unwrap().len(), 8);
+    assert!(report["alone"]["server_ms"][0].as_f64().unwrap() > 0.0);
     let levels = report["levels"].as_array().unwrap();
     assert_eq!(levels.len(), 2);
     for (level, clients) in levels.iter().zip([1, 4]) {
