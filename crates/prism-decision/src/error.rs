@@ -165,6 +165,10 @@ pub enum ModelError {
         tokens: usize,
         limit: usize,
     },
+    /// The device had no memory for the pass (HTTP 503: the server keeps serving; a smaller request or a
+    /// later retry may fit).
+    #[error("the GPU has no memory left for this request: {0}")]
+    OutOfMemory(String),
     /// Anything else (device, kernel, tokenizer): an internal error.
     #[error("{0}")]
     Backend(String),
@@ -225,6 +229,7 @@ impl DecisionError {
         match self {
             DecisionError::Json(_) => 422,
             DecisionError::Request(errors) => errors.class().status(),
+            DecisionError::Model(ModelError::OutOfMemory(_)) => 503,
             DecisionError::Model(_)
             | DecisionError::ModelOutput(_)
             | DecisionError::NonFiniteLogits { .. }

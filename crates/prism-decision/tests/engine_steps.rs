@@ -113,6 +113,12 @@ impl PassModel for Fake {
                 assert!(!tokens.is_empty(), "a branch without tokens");
                 let mut full = history.clone();
                 full.extend_from_slice(tokens);
+                if full.windows(4).any(|w| w == [79, 79, 77, 33]) {
+                    // "OOM!": the device runs out of memory for this sequence.
+                    return Err(ModelError::OutOfMemory(
+                        "CUDA_ERROR_OUT_OF_MEMORY (fake)".into(),
+                    ));
+                }
                 if let Some(poison) = &self.poison {
                     if full.windows(poison.len()).any(|w| w == poison.as_slice()) {
                         return Err(ModelError::Backend("poisoned prompt".into()));
@@ -412,6 +418,20 @@ fn a_failing_pass_is_retried_one_request_at_a_time() {
         same_answer(&rx.recv().unwrap().unwrap().response, &alone(r));
     }
     assert!(engine.stats().passes_split_after_error >= 1);
+
+    // A request the device has no memory for gets a 503 (not a 500), alone; the others are answered.
+    let huge = request("OOM! in the evidence.", &[("late", NOUL)]);
+    let fine = request("Fine evidence again.", &[("late", NOUL)]);
+    let rx_huge = submit(&engine, huge);
+    let rx_fine = submit(&engine, fine.clone());
+    match rx_huge.recv().unwrap() {
+        Err(JobError::Decision(error)) => {
+            assert_eq!(error.status(), 503, "{error}");
+            assert!(error.to_string().contains("no memory"), "{error}");
+        }
+        other => panic!("expected a 503, got {other:?}"),
+    }
+    same_answer(&rx_fine.recv().unwrap().unwrap().response, &alone(&fine));
     drop(engine);
     worker.join();
 }

@@ -64,10 +64,14 @@ impl ApiError {
         let mut body = error.body();
         if body.detail.is_empty() {
             // A model failure has no field to name: the whole request is what failed.
+            let kind = match error {
+                DecisionError::Model(prism_decision::ModelError::OutOfMemory(_)) => "out_of_memory",
+                _ => "model_error",
+            };
             body.detail.push(ErrorDetail {
                 loc: loc(["body"]),
                 msg: body.error.clone(),
-                kind: "model_error".into(),
+                kind: kind.into(),
             });
         }
         ApiError {

@@ -180,8 +180,16 @@ impl PromptEncoder for FormatEncoder {
     }
 }
 
+/// A decoder error as the engine reports it: the device running out of memory (CUDA's
+/// `CUDA_ERROR_OUT_OF_MEMORY`, or an allocation failure) is told apart, so the request gets a 503 and the
+/// server goes on.
 fn backend(error: impl std::fmt::Display) -> ModelError {
-    ModelError::Backend(error.to_string())
+    let message = error.to_string();
+    if message.contains("OUT_OF_MEMORY") || message.contains("out of memory") {
+        ModelError::OutOfMemory(message)
+    } else {
+        ModelError::Backend(message)
+    }
 }
 
 impl PassModel for DecoderLetterModel {

@@ -519,8 +519,11 @@ impl<M: PassModel> StepLoop<M> {
         members.sort_unstable();
         members.dedup();
         for i in members.into_iter().rev() {
-            let message = ModelError::Backend(error.to_string());
-            let decision = self.active[i].task.model_error(message);
+            let error = match &error {
+                ModelError::OutOfMemory(m) => ModelError::OutOfMemory(m.clone()),
+                other => ModelError::Backend(other.to_string()),
+            };
+            let decision = self.active[i].task.model_error(error);
             self.answer(i, Some(JobError::Decision(decision)));
         }
     }
