@@ -234,8 +234,11 @@ impl<M: PassModel> StepLoop<M> {
             if self.active[i].prompts.is_empty() {
                 continue;
             }
-            // The evidence from the cache, once per request.
-            if self.active[i].held.is_none() && !self.active[i].looked_up {
+            // The evidence from the cache: looked up once per request (a hit or a miss), and again
+            // when another request has put it there since.
+            if self.active[i].held.is_none()
+                && (!self.active[i].looked_up || self.cache.contains(&self.active[i].key))
+            {
                 self.active[i].looked_up = true;
                 let key = self.active[i].key.clone();
                 if !key.is_empty() {
