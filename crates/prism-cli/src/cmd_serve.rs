@@ -48,6 +48,12 @@ pub struct ServeArgs {
     /// Arithmetic of the forward pass (as `prism decide`). Default: f32 on the CPU, bf16 on a GPU.
     #[arg(long)]
     pub precision: Option<String>,
+    /// Most questions in one request; more are refused (HTTP 422 naming `questions`).
+    #[arg(long, default_value_t = 128)]
+    pub max_questions: usize,
+    /// Most prompt tokens in one request, all its questions together; more are refused (HTTP 422).
+    #[arg(long, default_value_t = 262_144)]
+    pub max_request_tokens: usize,
     /// Most tokens computed in one forward pass; requests are packed into passes up to it, and longer
     /// evidence is computed in chunks. Default: 8192 on the CPU, 16384 on a GPU.
     #[arg(long)]
@@ -233,6 +239,8 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             .unwrap_or(if on_gpu { 16384 } else { 8192 }),
         queue_size: args.queue_size,
         max_prompt_tokens: args.max_tokens,
+        max_questions: args.max_questions,
+        max_request_tokens: args.max_request_tokens,
         prefix_cache: PrefixCacheLimits {
             max_tokens: args.prefix_cache_tokens,
             max_bytes: args.prefix_cache_bytes.unwrap_or(match free_memory {

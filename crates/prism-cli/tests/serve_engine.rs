@@ -376,3 +376,44 @@ fn openapi_describes_every_route() {
         assert!(!node.is_null(), "dangling $ref #/{target}");
     }
 }
+
+#[test]
+fn one_request_cannot_ask_for_unbounded_work() {
+    // Issue #26's reproduction: 2,000 noul questions in one body (once 2.3 GB of RSS and 36 s).
+    let server = Server::start(&[]);
+    let questions: serde_json::Map<String, Value> = (0..2000)
+        .map(|i| {
+            (
+                format!("q{i}"),
+                json!({"type": "noul", "instructions": format!("Is {i} true?")}),
+            )
+        })
+        .collect();
+    let body = serde_json::to_vec(&json!({"state": "s", "questions": questions})).unwrap();
+    let started = Instant::now();
+    let reply = server.post_json("/v1/systemone", &body);
+    assert_eq!(
+        reply.status,
+        422,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    assert_eq!(reply.locs()[0], ["body", "questions"]);
+    assert!(started.elapsed() < Duration::from_secs(10));
+    // Within the question limit but over the request's token limit.
+    let server = Server::start(&["--max-request-tokens", "500"]);
+    let reply = server.post_json("/v1/systemone", &requests()[1]);
+    assert_eq!(
+        reply.status,
+        422,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    assert_eq!(reply.locs()[0], ["body", "questions"]);
+    assert_eq!(reply.json()["detail"][0]["type"], "request_too_long");
+    // The server goes on.
+    assert_eq!(
+        server.post_json("/v1/systemone", &requests()[0]).status,
+        200
+    );
+}

@@ -442,6 +442,7 @@ fn a_full_queue_is_refused_and_long_prompts_get_a_422() {
     let options = EngineOptions {
         queue_size: 2,
         max_prompt_tokens: 300,
+        max_request_tokens: 1000,
         ..EngineOptions::default()
     };
     let (engine, worker, log) = start(options, Some(gate), None);
@@ -472,6 +473,17 @@ fn a_full_queue_is_refused_and_long_prompts_get_a_422() {
         .unwrap();
     assert_eq!(too_long.status(), 422);
     assert!(too_long.to_string().contains("300"), "{too_long}");
+    // Bounded work per request: questions, and prompt tokens all questions together.
+    let names: Vec<String> = (0..129).map(|i| format!("q{i}")).collect();
+    let many: Vec<(&str, &str)> = names.iter().map(|n| (n.as_str(), NOUL)).collect();
+    let refused = engine.prepare(request("s", &many)).err().unwrap();
+    assert_eq!(refused.status(), 422);
+    assert_eq!(refused.field_errors()[0].path.to_string(), "questions");
+    assert!(refused.to_string().contains("at most 128"), "{refused}");
+    let heavy: Vec<(&str, &str)> = names[..8].iter().map(|n| (n.as_str(), NOUL)).collect();
+    let refused = engine.prepare(request("s", &heavy)).err().unwrap();
+    assert_eq!(refused.status(), 422);
+    assert!(refused.to_string().contains("limit of 1000"), "{refused}");
     go.send(()).unwrap();
     assert!(first.recv().unwrap().is_ok());
     for rx in queued {

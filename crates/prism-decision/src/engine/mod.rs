@@ -35,7 +35,7 @@ pub use prefix_cache::{PrefixCache, PrefixCacheLimits, PrefixCacheStats};
 
 use crate::config::DecisionConfig;
 use crate::decide::DecisionTask;
-use crate::error::{DecisionError, ModelError};
+use crate::error::{DecisionError, FieldError, FieldPath, ModelError};
 use crate::model::LetterPrompt;
 use crate::render::evidence_probe;
 use crate::request::DecisionRequest;
@@ -52,6 +52,12 @@ pub struct EngineOptions {
     pub queue_size: usize,
     /// Longest prompt accepted, in tokens (`--max-tokens`); longer ones are refused with a 422.
     pub max_prompt_tokens: usize,
+    /// Most questions in one request (`--max-questions`); more are refused with a 422 naming
+    /// `questions`, before anything is rendered.
+    pub max_questions: usize,
+    /// Most prompt tokens in one request, summed over its first-round prompts
+    /// (`--max-request-tokens`); more are refused with a 422 naming `questions`.
+    pub max_request_tokens: usize,
     /// The prefix cache's budgets (`--prefix-cache-tokens`, `--prefix-cache-bytes`).
     pub prefix_cache: PrefixCacheLimits,
 }
@@ -62,6 +68,8 @@ impl Default for EngineOptions {
             max_batch_tokens: 8192,
             queue_size: 64,
             max_prompt_tokens: 32768,
+            max_questions: 128,
+            max_request_tokens: 262_144,
             prefix_cache: PrefixCacheLimits {
                 max_tokens: 65536,
                 max_bytes: 2 << 30,
@@ -326,6 +334,18 @@ impl Engine {
     /// [`crate::decide`] refuses, and prompts longer than `max_prompt_tokens` (422 naming the
     /// question).
     pub fn prepare(&self, request: DecisionRequest) -> Result<Prepared, DecisionError> {
+        let questions = request.questions.len();
+        if questions > self.options.max_questions {
+            return Err(FieldError::unanswerable(
+                FieldPath::root().key("questions"),
+                "too_many_questions",
+                format!(
+                    "{questions} questions; this server answers at most {} in one request",
+                    self.options.max_questions
+                ),
+            )
+            .into());
+        }
         let mut task = DecisionTask::new(request, &self.config)?;
         let prompts = task.next_prompts();
         let tokens = encode_all(
@@ -334,6 +354,19 @@ impl Engine {
             &prompts,
             self.options.max_prompt_tokens,
         )?;
+        let total: usize = tokens.iter().map(Vec::len).sum();
+        if total > self.options.max_request_tokens {
+            return Err(FieldError::unanswerable(
+                FieldPath::root().key("questions"),
+                "request_too_long",
+                format!(
+                    "the request's prompts have {total} tokens together, more than this server's limit \
+                     of {} a request",
+                    self.options.max_request_tokens
+                ),
+            )
+            .into());
+        }
         let key = evidence_key(&*self.encoder, &task, &tokens)?;
         Ok(Prepared {
             task,
