@@ -1,7 +1,8 @@
 //! `prism decide`: answer one `/v1/systemone` request on this machine and print the response body.
 //!
-//! The whole product path without the HTTP layer: parse and validate the request, render each question,
-//! chat-template and tokenize, run the decoder (shared evidence prefix computed once), read the letters.
+//! The whole product path without the HTTP layer, through the same engine as `prism serve`: parse and
+//! validate the request, render each question, chat-template and tokenize, run the decoder (shared
+//! evidence prefix computed once), read the letters.
 //! Without `--gguf` it uses the tiny model bundled in the repository (random weights: the answers mean
 //! nothing, but every number is checked against transformers in the test suite).
 
@@ -9,7 +10,8 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use prism_decision::{decide, DecisionRequest, DecoderLetterModel, ModelSource, RequestDefaults};
+use prism_decision::engine::{Engine, EngineDecideError, EngineOptions};
+use prism_decision::{DecisionRequest, DecoderLetterModel, ModelSource, RequestDefaults};
 use prism_model::{LoadOptions, Precision};
 
 use crate::DecideArgs;
@@ -56,20 +58,42 @@ pub fn run(args: &DecideArgs) -> Result<()> {
     } else {
         Precision::parse(&args.precision)?
     };
+    let device = crate::cmd_serve::open_device(&args.device, &[])?;
     let options = LoadOptions {
+        device,
         precision,
         ..LoadOptions::default()
     };
     tracing::info!("loading {}", source.gguf.display());
     let loaded = DecoderLetterModel::load(&source, &options, args.max_tokens)
         .with_context(|| format!("loading the decision model {}", source.gguf.display()))?;
-    let mut model = loaded.model;
+    let model = loaded.model;
     tracing::info!("ready: {}", prism_decision::LetterModel::model_name(&model));
+    let encoder = model.encoder();
+    let (engine, worker) = Engine::start(
+        model,
+        encoder,
+        loaded.config,
+        EngineOptions {
+            max_prompt_tokens: args.max_tokens,
+            ..EngineOptions::default()
+        },
+        None,
+    )?;
 
     let body = std::fs::read(&args.request)
         .with_context(|| format!("cannot read {}", args.request.display()))?;
-    let result = DecisionRequest::parse(&body, &RequestDefaults::default())
-        .and_then(|request| decide(&request, &loaded.config, &mut model));
+    let result = match DecisionRequest::parse(&body, &RequestDefaults::default()) {
+        Ok(request) => match engine.decide(request, None) {
+            Ok(output) => Ok(output.response),
+            Err(EngineDecideError::Decision(error))
+            | Err(EngineDecideError::Job(prism_decision::JobError::Decision(error))) => Err(error),
+            Err(other) => return Err(other.into()),
+        },
+        Err(error) => Err(error),
+    };
+    drop(engine);
+    worker.join();
     let mut out = std::io::stdout().lock();
     match result {
         Ok(response) => {

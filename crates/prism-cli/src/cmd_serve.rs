@@ -399,7 +399,7 @@ async fn wait_for_signal() {
 }
 
 /// The device `--device` and `--gpus` name.
-fn open_device(name: &str, gpus: &[usize]) -> Result<Device> {
+pub fn open_device(name: &str, gpus: &[usize]) -> Result<Device> {
     if gpus.len() > 1 {
         bail!(
             "--gpus {gpus:?}: one GPU per server for now (data parallel replicas are not implemented yet); \

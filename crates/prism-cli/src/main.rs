@@ -43,7 +43,7 @@ enum Command {
     Render(RenderArgs),
     /// Run the decoder on prompts and print last-position logits.
     Logits(LogitsArgs),
-    /// Answer one /v1/systemone request on this machine (CPU) and print the response body.
+    /// Answer one /v1/systemone request on this machine through the engine and print the response body.
     Decide(DecideArgs),
     /// Serve the /v1/systemone HTTP API (default: the bundled demo model, random weights).
     Serve(cmd_serve::ServeArgs),
@@ -162,6 +162,9 @@ pub struct DecideArgs {
     /// The longest prompt accepted, in tokens; a longer question is refused (HTTP 422).
     #[arg(long, default_value_t = 32768)]
     pub max_tokens: usize,
+    /// Where the model runs: `cpu` or `cuda` (GPU 0; CUDA builds).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
 }
 
 /// Arguments of `prism synth`.
