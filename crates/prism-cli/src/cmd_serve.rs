@@ -19,7 +19,7 @@ use prism_decision::{
     DecisionRequest, DecoderLetterModel, LetterModel, ModelSource, RequestDefaults,
 };
 use prism_model::{LoadOptions, Precision};
-use prism_server::{router, serve, Metrics, ModelInfo, ServerConfig, Stats};
+use prism_server::{router, serve, ConnectionLimits, Metrics, ModelInfo, ServerConfig, Stats};
 
 /// Arguments of `prism serve`.
 #[derive(Args)]
@@ -81,6 +81,17 @@ pub struct ServeArgs {
     /// Seconds from a request's arrival to its answer (504 beyond; 408 if the body is still arriving).
     #[arg(long, default_value_t = 60.0)]
     pub timeout: f64,
+    /// Seconds a client has to send a request's headers; a keep-alive connection waiting for its next
+    /// request is closed after them too.
+    #[arg(long, default_value_t = 30.0)]
+    pub header_timeout: f64,
+    /// Connections served at once; one more gets a 503 and is closed. Default: 1024, or fewer when the
+    /// process may open fewer files (its descriptor limit less 64).
+    #[arg(long)]
+    pub max_connections: Option<usize>,
+    /// Seconds the requests in flight get to finish after SIGTERM or Ctrl-C. Default: --timeout + 5.
+    #[arg(long)]
+    pub shutdown_grace: Option<f64>,
     /// Default `gate` of requests that give none.
     #[arg(long, default_value_t = 0.6)]
     pub gate: f64,
@@ -136,6 +147,24 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     if args.queue_size == 0 {
         bail!("--queue-size must be at least 1");
     }
+    let seconds = |name: &str, value: f64| -> Result<Duration> {
+        if !(value.is_finite() && value > 0.0) {
+            bail!("{name} must be a positive number of seconds, got {value}");
+        }
+        Ok(Duration::from_secs_f64(value))
+    };
+    let limits = ConnectionLimits {
+        header_timeout: seconds("--header-timeout", args.header_timeout)?,
+        max_connections: match args.max_connections {
+            Some(0) => bail!("--max-connections must be at least 1"),
+            Some(n) => n,
+            None => default_max_connections(),
+        },
+        shutdown_grace: seconds(
+            "--shutdown-grace",
+            args.shutdown_grace.unwrap_or(args.timeout + 5.0),
+        )?,
+    };
     let api_key = args
         .api_key
         .clone()
@@ -319,12 +348,13 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         say!("  WARNING: listening on {address}, reachable from other machines, without an API key (--api-key).");
     }
     say!(
-        "Ready on {base}  ({device_name}, {precision_name}, {} tokens a pass, prefix cache {} tokens / {:.2} GB, queue {}, timeout {} s, body limit {} bytes, API key {})",
+        "Ready on {base}  ({device_name}, {precision_name}, {} tokens a pass, prefix cache {} tokens / {:.2} GB, queue {}, timeout {} s, {} connections, body limit {} bytes, API key {})",
         engine_options.max_batch_tokens,
         engine_options.prefix_cache.max_tokens,
         engine_options.prefix_cache.max_bytes as f64 / 1e9,
         args.queue_size,
         args.timeout,
+        limits.max_connections,
         args.max_body_bytes,
         if api_key.is_some() { "required" } else { "off" }
     );
@@ -348,19 +378,12 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     );
 
     // After the signal, in-flight requests get until their own timeout (plus a little) to finish.
-    let grace = timeout + Duration::from_secs(5);
-    let signalled = Arc::new(tokio::sync::Notify::new());
-    let notify = signalled.clone();
     let outcome = runtime.block_on(async move {
         let shutdown = async move {
             wait_for_signal().await;
             say!("Shutting down: no new connections; finishing the requests in flight ...");
-            notify.notify_one();
         };
-        tokio::select! {
-            served = serve(listener, app, shutdown) => served.map(|()| true),
-            () = async { signalled.notified().await; tokio::time::sleep(grace).await } => Ok(false),
-        }
+        serve(listener, app, limits, shutdown).await
     });
     runtime.shutdown_timeout(Duration::from_secs(1));
     match outcome.context("the server failed")? {
@@ -369,7 +392,10 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             worker.join();
             say!("Stopped.");
         }
-        false => say!("Stopped after {grace:?} with requests still in flight."),
+        false => say!(
+            "Stopped after {:?} with requests still in flight.",
+            limits.shutdown_grace
+        ),
     }
     Ok(())
 }
@@ -442,4 +468,22 @@ pub fn open_device(name: &str, gpus: &[usize]) -> Result<Device> {
 /// Free and total device memory in bytes; `None` on the CPU.
 fn device_free_memory(device: &Device) -> Option<(u64, u64)> {
     crate::cmd_bench::device_memory(device).map(|(used, total)| (total - used, total))
+}
+
+/// 1024 connections, or the process's descriptor limit less 64 (for the model files, the listener and
+/// the logs) when that is lower.
+fn default_max_connections() -> usize {
+    #[cfg(target_os = "linux")]
+    {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: `limit` is a valid out-parameter for the call.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0 {
+            let usable = (limit.rlim_cur as usize).saturating_sub(64).max(1);
+            return usable.min(1024);
+        }
+    }
+    1024
 }

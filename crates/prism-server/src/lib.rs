@@ -13,5 +13,5 @@ pub mod stats;
 
 pub use error::ApiError;
 pub use metrics::Metrics;
-pub use server::{router, serve, ModelInfo, ServerConfig, REQUEST_ID_HEADER};
+pub use server::{router, serve, ConnectionLimits, ModelInfo, ServerConfig, REQUEST_ID_HEADER};
 pub use stats::Stats;

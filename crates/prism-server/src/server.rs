@@ -105,42 +105,182 @@ pub fn router(
         .with_state(state)
 }
 
-/// Serves `app` on `listener` until `shutdown` resolves, then finishes the requests in flight.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    app: Router,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<ClientSocket>(),
-    )
-    .with_graceful_shutdown(shutdown)
-    .await
+/// Limits on connections (`prism serve`'s flags), so slow or idle clients cannot hold the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// A request's headers must arrive within this; a keep-alive connection waiting for its next
+    /// request is closed after it too (`--header-timeout`).
+    pub header_timeout: Duration,
+    /// Connections served at once (`--max-connections`); one more gets a 503 and is closed.
+    pub max_connections: usize,
+    /// After the shutdown signal, requests in flight get this long to finish (`--shutdown-grace`);
+    /// idle connections and ones still sending headers are closed at once.
+    pub shutdown_grace: Duration,
 }
 
-/// The socket a request came on, so a handler can notice its client leaving: hyper does not drop a
-/// pending HTTP/1 handler when the client closes, so the handler looks at the socket itself.
-#[derive(Debug, Clone, Copy)]
-pub struct ClientSocket(Option<i32>);
-
-impl
-    axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, tokio::net::TcpListener>>
-    for ClientSocket
-{
-    fn connect_info(stream: axum::serve::IncomingStream<'_, tokio::net::TcpListener>) -> Self {
-        #[cfg(unix)]
-        {
-            use std::os::fd::AsRawFd;
-            ClientSocket(Some(stream.io().as_raw_fd()))
-        }
-        #[cfg(not(unix))]
-        {
-            let _ = stream;
-            ClientSocket(None)
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits {
+            header_timeout: Duration::from_secs(30),
+            max_connections: 1024,
+            shutdown_grace: Duration::from_secs(65),
         }
     }
 }
+
+/// Serves `app` on `listener` until `shutdown` resolves, then lets the requests in flight finish
+/// within `limits.shutdown_grace`. Returns whether every connection ended within the grace period.
+///
+/// One HTTP/1.1 connection per accepted socket (hyper, with a timer so `header_timeout` holds for the
+/// first request and between keep-alive requests), at most `max_connections` at once.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    limits: ConnectionLimits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<bool> {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use hyper_util::service::TowerToHyperService;
+    use tower::ServiceExt;
+
+    let max = limits
+        .max_connections
+        .clamp(1, tokio::sync::Semaphore::MAX_PERMITS);
+    let slots = Arc::new(tokio::sync::Semaphore::new(max));
+    let (stopping, stop_watch) = tokio::sync::watch::channel(false);
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .keep_alive(true);
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, _remote) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    // Out of descriptors or a transient accept failure: back off instead of spinning.
+                    tracing::warn!("accept failed: {error}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tokio::spawn(refuse_connection(stream, max));
+            continue;
+        };
+        let socket = client_socket(&stream);
+        // Requests of this connection whose handler is running.
+        let in_flight = Arc::new(AtomicU64::new(0));
+        let counter = in_flight.clone();
+        let service = app
+            .clone()
+            .map_request(
+                move |mut request: axum::extract::Request<hyper::body::Incoming>| {
+                    request
+                        .extensions_mut()
+                        .insert(axum::extract::ConnectInfo(socket));
+                    request
+                },
+            )
+            .map_future(move |future| {
+                let guard = InFlight::enter(counter.clone());
+                async move {
+                    let _guard = guard;
+                    future.await
+                }
+            });
+        let connection =
+            builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(service));
+        let mut stop = stop_watch.clone();
+        tokio::spawn(async move {
+            tokio::pin!(connection);
+            let stopped = tokio::select! {
+                ended = connection.as_mut() => {
+                    if let Err(error) = ended {
+                        tracing::debug!("connection ended: {error}");
+                    }
+                    false
+                }
+                _ = stop.changed() => true,
+            };
+            // At shutdown, a connection with no request in its handler (idle, or still sending a
+            // header) is closed at once; one with a request finishes that request first.
+            if stopped && in_flight.load(Ordering::SeqCst) > 0 {
+                connection.as_mut().graceful_shutdown();
+                let _ = connection.await;
+            }
+            drop(slot);
+        });
+    }
+    drop(listener);
+    let _ = stopping.send(true);
+    // Every connection's slot back means every connection has ended.
+    let all = u32::try_from(max).unwrap_or(u32::MAX);
+    let ended = tokio::time::timeout(limits.shutdown_grace, slots.acquire_many(all))
+        .await
+        .is_ok();
+    Ok(ended)
+}
+
+/// Counts a request of a connection while its handler runs.
+struct InFlight(Arc<AtomicU64>);
+
+impl InFlight {
+    fn enter(counter: Arc<AtomicU64>) -> Self {
+        counter.fetch_add(1, Ordering::SeqCst);
+        InFlight(counter)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A connection over `--max-connections`: a 503 in the API's shape, then closed.
+async fn refuse_connection(mut stream: tokio::net::TcpStream, limit: usize) {
+    use tokio::io::AsyncWriteExt;
+    let message = format!("the server is serving its limit of {limit} connections; retry shortly");
+    let body = serde_json::json!({
+        "error": message,
+        "detail": {"error_type": "overloaded", "message": message},
+    })
+    .to_string();
+    let response = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n\
+         connection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = tokio::time::timeout(
+        Duration::from_secs(1),
+        stream.write_all(response.as_bytes()),
+    )
+    .await;
+    let _ = stream.shutdown().await;
+}
+
+fn client_socket(stream: &tokio::net::TcpStream) -> ClientSocket {
+    #[cfg(unix)]
+    {
+        use std::os::fd::AsRawFd;
+        ClientSocket(Some(stream.as_raw_fd()))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = stream;
+        ClientSocket(None)
+    }
+}
+
+/// The socket a request came on, so a handler can notice its client leaving: hyper does not drop a
+/// pending HTTP/1 handler when the client closes, so the handler looks at the socket itself. [`serve`]
+/// puts it into each request's extensions (as `ConnectInfo`).
+#[derive(Debug, Clone, Copy)]
+pub struct ClientSocket(Option<i32>);
 
 /// Resolves once the client has closed its side of the connection (a peek reads end of file) or the
 /// connection failed; never without a socket. Bytes waiting (a pipelined request) count as present.

@@ -1,0 +1,115 @@
+//! Slow, idle and too many connections (issue #26's reproductions), over real sockets: a connection
+//! that sends nothing or half a header is closed after `--header-timeout`, as is an idle keep-alive
+//! connection; past `--max-connections` a new connection gets a 503 in the API's shape and the server
+//! keeps serving; a half-sent header does not hold SIGTERM.
+
+mod serve_common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use serve_common::Server;
+
+/// Reads until the server closes the connection; the bytes it sent and how long that took.
+fn read_until_closed(stream: &mut TcpStream, within: Duration) -> (Vec<u8>, Duration) {
+    stream.set_read_timeout(Some(within)).unwrap();
+    let started = Instant::now();
+    let mut all = Vec::new();
+    let mut buffer = [0u8; 4096];
+    loop {
+        match stream.read(&mut buffer) {
+            Ok(0) => return (all, started.elapsed()),
+            Ok(n) => all.extend_from_slice(&buffer[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                return (all, started.elapsed())
+            }
+            Err(e) => panic!(
+                "the server kept the connection open ({e}) after {:?}",
+                started.elapsed()
+            ),
+        }
+    }
+}
+
+#[test]
+fn silent_slow_and_idle_connections_are_closed_after_the_header_timeout() {
+    let server = Server::start(&["--header-timeout", "1"]);
+    // Sends nothing.
+    let mut silent = TcpStream::connect(server.addr).unwrap();
+    // Half a header.
+    let mut slow = TcpStream::connect(server.addr).unwrap();
+    slow.write_all(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Ty")
+        .unwrap();
+    // A keep-alive connection after one answered request.
+    let mut idle = TcpStream::connect(server.addr).unwrap();
+    idle.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    for (name, stream) in [
+        ("silent", &mut silent),
+        ("slow", &mut slow),
+        ("idle", &mut idle),
+    ] {
+        let (bytes, took) = read_until_closed(stream, Duration::from_secs(10));
+        assert!(
+            took < Duration::from_secs(5),
+            "{name}: closed after {took:?}"
+        );
+        if name == "idle" {
+            assert!(
+                bytes.starts_with(b"HTTP/1.1 200"),
+                "{}",
+                String::from_utf8_lossy(&bytes)
+            );
+        }
+    }
+    // Still serving.
+    assert_eq!(server.get("/health").status, 200);
+}
+
+#[test]
+fn past_the_connection_limit_a_new_connection_gets_a_503_and_the_server_goes_on() {
+    let server = Server::start(&["--max-connections", "4", "--header-timeout", "3"]);
+    let held: Vec<TcpStream> = (0..4)
+        .map(|_| TcpStream::connect(server.addr).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let reply = server.get("/health");
+    assert_eq!(
+        reply.status,
+        503,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    assert_eq!(reply.error_type(), "overloaded");
+    assert_eq!(reply.header("retry-after"), Some("1"));
+    drop(held);
+    // The slots come back once those connections are gone.
+    let started = Instant::now();
+    loop {
+        let reply = server.get("/health");
+        if reply.status == 200 {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "still refused");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_half_sent_header_does_not_hold_shutdown() {
+    let mut server = Server::start(&[]);
+    let mut slow = TcpStream::connect(server.addr).unwrap();
+    slow.write_all(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let started = Instant::now();
+    server.sigterm();
+    let status = server.wait_exit(Duration::from_secs(20));
+    assert!(status.success(), "{status:?}\n{}", server.output());
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "shutdown took {:?}",
+        started.elapsed()
+    );
+}
