@@ -53,7 +53,7 @@ fn requests() -> Vec<Vec<u8>> {
 
 fn alone_bodies(requests: &[Vec<u8>]) -> Vec<Vec<u8>> {
     // One at a time, no prefix cache: the reference bytes.
-    let server = Server::start(&["--prefix-cache-tokens", "0"]);
+    let server = Server::start(&["--prefix-cache-tokens", "0", "--timeout", "600"]);
     requests
         .iter()
         .map(|body| {
@@ -73,7 +73,8 @@ fn alone_bodies(requests: &[Vec<u8>]) -> Vec<Vec<u8>> {
 fn sixty_four_clients_get_their_alone_bytes_and_share_passes() {
     let requests = requests();
     let expected = alone_bodies(&requests);
-    let server = Server::start(&[]);
+    // Bytes are checked, not speed: a slow CI machine must not turn answers into 504s.
+    let server = Server::start(&["--timeout", "600"]);
     let addr = server.addr;
     let clients: Vec<_> = (0..64)
         .map(|c| {
@@ -310,7 +311,7 @@ print(json.dumps(families))
 
 #[test]
 fn loadgen_checks_every_answer_under_load_and_reports() {
-    let server = Server::start(&[]);
+    let server = Server::start(&["--timeout", "600"]);
     let out = std::env::temp_dir().join(format!("prism-loadgen-{}.json", std::process::id()));
     let run = Command::new(env!("CARGO_BIN_EXE_prism"))
         .args(["loadgen", "--url", &format!("http://{}", server.addr)])
