@@ -1,24 +1,15 @@
 //! The integer precisions through the real engine (issue #5): the read-out's letter probabilities of
 //! int8 (tiny-Q8_0.gguf) and w4a8 (tiny-Q4_K_M.gguf) against f32 on the same file, on the 45 rendered
-//! golden cases of the reference renderer and the 11 chat prompts of the fixture, with the product's
-//! own calibration (the built-in decision prompts, cached in a scratch directory). Numbers in
+//! golden cases of the reference renderer and the 11 chat prompts of the fixture. Numbers in
 //! docs/correctness.md.
 
 mod common;
 
-use std::path::PathBuf;
-
 use common::{fixture_path, get, golden, list};
-use prism_decision::calibration_prompts::{calibration_tokens, REQUESTS};
 use prism_decision::{DecoderLetterModel, LetterModel, LetterPrompt, ModelSource};
 use prism_model::{LoadOptions, Precision};
 
 fn load(file: &str, precision: Precision) -> DecoderLetterModel {
-    // Tests keep their calibration cache in cargo's scratch directory, never in the user's.
-    std::env::set_var(
-        "PRISM_CACHE_DIR",
-        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("prism-cache"),
-    );
     std::env::set_var("RAYON_NUM_THREADS", "1");
     let dir = fixture_path("qwen35-tiny");
     let source = ModelSource {
@@ -127,23 +118,6 @@ fn fixture_chat_prompts() -> Vec<LetterPrompt> {
             })
         })
         .collect()
-}
-
-#[test]
-fn calibration_prompts_render() {
-    let dir = fixture_path("qwen35-tiny");
-    let gguf = prism_gguf::GgufFile::open(dir.join("tiny-Q8_0.gguf")).unwrap();
-    let format =
-        prism_decision::chat_template::PromptFormat::load_from_model_dir(&dir, Some(&gguf))
-            .unwrap();
-    let tokens = calibration_tokens(&format).unwrap();
-    // 4 requests, 9 questions (3 + 2 + 2 + 2), one prompt each.
-    assert_eq!((REQUESTS.len(), tokens.len()), (4, 9));
-    assert!(
-        tokens.iter().all(|t| t.len() > 50),
-        "{:?}",
-        tokens.iter().map(Vec::len).collect::<Vec<_>>()
-    );
 }
 
 /// ~20 s on 2 cores (4 models × 56 prompts): a measurement, run on demand with
