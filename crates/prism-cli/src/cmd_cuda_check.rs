@@ -472,51 +472,6 @@ fn attention_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
     Ok(())
 }
 
-/// The logits of a reference file (`{"prompts": [{"logits": [...]}, ...]}`) as a `[prompts, vocab]`
-/// tensor, checked against the expected shape.
-fn reference_logits(path: &std::path::Path, (n, vocab): (usize, usize)) -> Result<Tensor> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let json: Value =
-        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-    let prompts = json["prompts"]
-        .as_array()
-        .with_context(|| format!("{}: no prompts", path.display()))?;
-    let mut values = Vec::with_capacity(n * vocab);
-    for (i, entry) in prompts.iter().take(n).enumerate() {
-        let logits = entry["logits"]
-            .as_array()
-            .with_context(|| format!("{}: prompt {i} has no logits", path.display()))?;
-        if logits.len() != vocab {
-            anyhow::bail!(
-                "{}: prompt {i} has {} logits, expected {vocab}",
-                path.display(),
-                logits.len()
-            );
-        }
-        for x in logits {
-            values.push(x.as_f64().with_context(|| {
-                format!("{}: prompt {i}: a logit is not a number", path.display())
-            })? as f32);
-        }
-    }
-    if values.len() != n * vocab {
-        anyhow::bail!(
-            "{}: {} prompts, expected {n}",
-            path.display(),
-            prompts.len()
-        );
-    }
-    Ok(Tensor::from_vec(values, (n, vocab), &Device::Cpu)?)
-}
-
-/// Mean |a − b| over all elements (f64).
-fn mean_abs_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let a = a.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
-    let b = b.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
-    Ok((a - b)?.abs()?.mean_all()?.to_scalar::<f64>()?)
-}
-
 /// The 12 prompts of the fixture's prompts.json, as token ids.
 fn fixture_prompts(fixtures: &std::path::Path) -> Result<Vec<Vec<u32>>> {
     let path = fixtures.join("prompts.json");

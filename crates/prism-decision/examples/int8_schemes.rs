@@ -2,8 +2,8 @@
 //! "The integer path").
 //!
 //! ```text
-//! cargo run --release -p prism-decision --example int8_schemes -- q8   # tiny-Q8_0.gguf, int8
-//! cargo run --release -p prism-decision --example int8_schemes -- q4   # tiny-Q4_K_M.gguf, w4a8
+//! cargo run -p prism-decision --example int8_schemes -- q8   # tiny-Q8_0.gguf, int8
+//! cargo run -p prism-decision --example int8_schemes -- q4   # tiny-Q4_K_M.gguf, w4a8
 //! ```
 //!
 //! The contract's formats run on the real integer path (`Precision::Int8` / `W4a8`; for Q8_0 both weight

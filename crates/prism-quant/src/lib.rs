@@ -48,8 +48,9 @@
 //!
 //!    `f32(I_r)` is exact up to 2²⁴ and rounds to nearest even above (Q5_K, Q6_K only): deterministic.
 //! 5. **Promotion, once per run**: the run's weight factor is `sw_r` (Q8_0) or `d_b` (K-quants), and
-//!    `acc = fma(f32(I_r), sa_r · sw_r, acc)` — the product `sa_r · sw_r` rounded once, activation
-//!    scale on the left — then for Q4_K / Q5_K `acc = fma(f32(M_r), sa_r · (−dmin_b), acc)`.
+//!    `acc = fma(f32(I_r), sa_r · sw_r, acc)` — the product `sa_r · sw_r` rounded once (IEEE
+//!    multiplication commutes: the operand order is free) — then for Q4_K / Q5_K
+//!    `acc = fma(f32(M_r), sa_r · (−dmin_b), acc)`. A zero run (`sa_r = 0`) adds `+0`.
 //! 6. **Order**: the `R` runs form four contiguous parts, part `p` = runs `⌊p·R/4⌋ .. ⌊(p+1)·R/4⌋`
 //!    ([`kernel::part_bounds`]); each part starts from `+0.0` and takes its runs in increasing order
 //!    (step 5); then `y = (p_0 + p_1) + (p_2 + p_3)`. No scale multiplies the result.
