@@ -27,6 +27,8 @@ mod delta;
 /// The fused small kernels' checks (norms, SwiGLU, conv + SiLU, gates, bf16 GEMM inputs).
 #[path = "cmd_cuda_check_fused.rs"]
 mod fused;
+#[path = "cmd_cuda_check_quant.rs"]
+mod quant;
 
 /// Deterministic pseudo-random numbers (xorshift64*), uniform in [-1, 1).
 struct Rng(u64);
@@ -632,6 +634,7 @@ pub fn run(fixtures: Option<PathBuf>, json_out: Option<PathBuf>) -> Result<()> {
     delta_rule_checks(&mut report, &gpu, &mut rng)?;
     delta::checks(&mut report, &gpu)?;
     model_checks(&mut report, &gpu, &fixtures)?;
+    quant::checks(&mut report, &gpu)?;
     integer_model_checks(&mut report, &gpu, &fixtures)?;
     if let Some(path) = json_out {
         std::fs::write(&path, serde_json::to_string_pretty(&report.rows)?)

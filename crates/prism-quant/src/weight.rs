@@ -155,6 +155,16 @@ pub struct WeightInfo {
     pub cols: usize,
 }
 
+/// A [`QuantWeight`]'s arrays, borrowed (what a device upload copies).
+#[derive(Debug, Clone, Copy)]
+pub struct WeightArrays<'a> {
+    pub q: &'a [i8],
+    pub sub_scales: &'a [i8],
+    pub sub_mins: &'a [i8],
+    pub d: &'a [f32],
+    pub dmin: &'a [f32],
+}
+
 /// A weight matrix of `rows` outputs × `cols` inputs (GGUF `[cols, rows]`, PyTorch `(rows, cols)`) in one
 /// of the integer formats.
 ///
@@ -420,6 +430,17 @@ impl QuantWeight {
             format: self.format,
             rows: self.rows,
             cols: self.cols,
+        }
+    }
+
+    /// The arrays in their layout (all row-major, see [`QuantWeight`]), empty where the format has none.
+    pub fn arrays(&self) -> WeightArrays<'_> {
+        WeightArrays {
+            q: &self.q,
+            sub_scales: &self.sub_scales,
+            sub_mins: &self.sub_mins,
+            d: &self.d,
+            dmin: &self.dmin,
         }
     }
 

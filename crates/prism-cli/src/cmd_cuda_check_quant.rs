@@ -1,0 +1,114 @@
+//! `prism cuda-check`, integer matmul part (`prism_quant::cuda::matmul`, kernels/quant_gemm.cu): the
+//! device's bits against the CPU reference (`prism_quant::kernel::matmul`), per format.
+//!
+//! For Q8_0 (re-blocked per run, and per row), Q4_K and Q6_K weights (Q5_K runs Q4_K's kernel): reductions of 1–40 runs, a
+//! Q8_0 row with a short last run, 1 to 300 outputs, 1 to 64 activation rows whose magnitudes differ by
+//! 10⁴ with a few massive channels, then a row in the middle of the batch holding a NaN and one holding
+//! ±∞ (those rows all NaN, every other row the CPU's bits), and a row alone against the same row in a
+//! batch. Every output must be bit-identical.
+
+use anyhow::Result;
+use candle_core::{Device, Tensor};
+use prism_gguf::quantize::quantize;
+use prism_gguf::GgmlType;
+use prism_quant::cuda::{matmul, CudaQuantWeight};
+use prism_quant::{Q8Scales, QuantWeight};
+
+use super::{Report, Rng};
+
+/// A random weight of `rows × cols` in `ty` (Q8_0, Q4_K or Q6_K), by llama.cpp's reference quantizers.
+fn weight(
+    rng: &mut Rng,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    q8: Q8Scales,
+) -> Result<QuantWeight> {
+    let values: Vec<f32> = (0..rows * cols).map(|_| rng.next_f32() * 0.05).collect();
+    let bytes = quantize(ty, &values)?;
+    Ok(QuantWeight::from_gguf_with(
+        "check", ty, &bytes, rows, cols, q8,
+    )?)
+}
+
+/// `m × k` activations: row r scaled by 10^(r mod 5 − 2), every 97th channel × 300.
+fn activations(rng: &mut Rng, m: usize, k: usize) -> Vec<f32> {
+    (0..m * k)
+        .map(|i| {
+            let (r, c) = (i / k, i % k);
+            let v = rng.next_f32() * 10f32.powi((r % 5) as i32 - 2);
+            if c % 97 == 13 {
+                v * 300.0
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
+    let Device::Cuda(dev) = gpu else {
+        anyhow::bail!("the integer matmul checks need a CUDA device");
+    };
+    let mut rng = Rng(0x1A7E_6E12_2026_1201);
+    let cases = [
+        (GgmlType::Q8_0, Q8Scales::PerRun, 128, 37),
+        (GgmlType::Q8_0, Q8Scales::PerRun, 32 * 9, 300),
+        (GgmlType::Q8_0, Q8Scales::PerRun, 5120, 64),
+        (GgmlType::Q8_0, Q8Scales::PerRow, 1024, 96),
+        (GgmlType::Q4_K, Q8Scales::PerRun, 256, 5),
+        (GgmlType::Q4_K, Q8Scales::PerRun, 5120, 130),
+        (GgmlType::Q4_K, Q8Scales::PerRun, 1536, 64),
+        (GgmlType::Q6_K, Q8Scales::PerRun, 768, 1),
+        (GgmlType::Q6_K, Q8Scales::PerRun, 4096, 70),
+    ];
+    for (ty, q8, k, n) in cases {
+        let w = weight(&mut rng, ty, n, k, q8)?;
+        let dw = CudaQuantWeight::upload(&w, dev)?;
+        let tag = format!("int8 matmul (GPU) {ty:?} {q8:?} K={k} N={n}");
+        for m in [1usize, 7, 64] {
+            let x = activations(&mut rng, m, k);
+            let want = prism_quant::kernel::matmul(&x, m, &w)?;
+            let xg = Tensor::from_vec(x, (m, k), gpu)?;
+            let got = matmul(&xg, &dw)?;
+            r.identical(
+                &format!("{tag} M={m}: vs the CPU reference"),
+                &got,
+                &Tensor::from_vec(want, (m, n), &Device::Cpu)?,
+            )?;
+        }
+        // Non-finite rows 2 (NaN) and 4 (+inf) of 6: those rows NaN, the others the CPU's bits.
+        let mut x = activations(&mut rng, 6, k);
+        x[2 * k + k / 2] = f32::NAN;
+        x[4 * k] = f32::INFINITY;
+        let got = matmul(&Tensor::from_vec(x.clone(), (6, k), gpu)?, &dw)?;
+        let mut want = Vec::with_capacity(6 * n);
+        for row in 0..6 {
+            if row == 2 || row == 4 {
+                want.extend(std::iter::repeat_n(f32::NAN, n));
+            } else {
+                want.extend(prism_quant::kernel::matmul(
+                    &x[row * k..(row + 1) * k],
+                    1,
+                    &w,
+                )?);
+            }
+        }
+        r.identical(
+            &format!("{tag}: NaN / inf rows NaN, the others the CPU's"),
+            &got,
+            &Tensor::from_vec(want, (6, n), &Device::Cpu)?,
+        )?;
+        // A row alone vs the same row in the batch above.
+        let alone = matmul(
+            &Tensor::from_vec(x[3 * k..4 * k].to_vec(), (1, k), gpu)?,
+            &dw,
+        )?;
+        r.identical(
+            &format!("{tag}: row 3 alone vs in a batch of 6"),
+            &alone,
+            &got.narrow(0, 3, 1)?,
+        )?;
+    }
+    Ok(())
+}
