@@ -99,6 +99,13 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
             &got,
             &Tensor::from_vec(want, (6, n), &Device::Cpu)?,
         )?;
+        // The candle op on a CUDA tensor (what the model calls): the same bits.
+        let op = prism_quant::QuantMatmul::new(std::sync::Arc::new(w.clone()));
+        r.identical(
+            &format!("{tag}: QuantMatmul::forward on the GPU vs prism_quant::cuda::matmul"),
+            &op.forward(&Tensor::from_vec(x.clone(), (6, k), gpu)?)?,
+            &got,
+        )?;
         // A row alone vs the same row in the batch above.
         let alone = matmul(
             &Tensor::from_vec(x[3 * k..4 * k].to_vec(), (1, k), gpu)?,

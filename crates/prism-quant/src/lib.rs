@@ -67,11 +67,11 @@
 //!   path multiplies (for the K-quants ggml's own dequantization bit for bit).
 //! - [`activation`]: the dynamic per-(row, run) quantization.
 //! - [`kernel`]: the CPU reference (rayon over output strips).
-//! - [`op`]: [`QuantMatmul`], the candle `CustomOp1` (CPU only: the model's integer path on CUDA
-//!   refuses to load until the device kernels below are validated).
+//! - [`op`]: [`QuantMatmul`], the candle `CustomOp1`, and on a CUDA tensor the device path below (the
+//!   model's integer path on CUDA refuses to load until that path is validated).
 //! - `cuda` (feature `cuda`): a first, simple device version of this contract (`kernels/quant_gemm.cu`:
 //!   a per-(row, run) activation quantizer, one thread per output with dp4a), checked against [`kernel`]
-//!   bit for bit by `prism cuda-check`; not yet run on a GPU, not yet used by the model.
+//!   bit for bit by `prism cuda-check`; not yet run on a GPU, so not yet loaded by the model.
 //! - `cuda_launch` (feature `cuda`): loading and launching the project's CUDA kernels (used by
 //!   prism-model's float kernels).
 

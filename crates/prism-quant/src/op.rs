@@ -3,8 +3,10 @@
 //! Non-finite inputs: [`kernel::matmul`] refuses the call, naming the tensor, the row and the element
 //! ([`crate::QuantError::NonFiniteActivation`]); the forward pass fails at that projection.
 //!
-//! The op runs on the CPU only. The integer path on CUDA is being rebuilt for the per-run contract
-//! (issue #20): a CUDA input is refused with [`CUDA_REBUILT`].
+//! On a CUDA tensor [`QuantMatmul::forward`] runs [`crate::cuda::matmul`] (feature `cuda`; a row with a
+//! non-finite input becomes NaN there instead of an error), uploading the weight on first use. That
+//! device path is not yet validated on a GPU, so the model does not load an integer precision on CUDA
+//! ([`CUDA_REBUILT`]).
 
 use std::sync::Arc;
 
@@ -13,7 +15,7 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 use crate::kernel;
 use crate::weight::{QuantWeight, WeightInfo};
 
-/// Why an integer precision does not run on a CUDA device.
+/// Why the model does not load an integer precision on a CUDA device.
 pub const CUDA_REBUILT: &str = "the integer path on CUDA is being rebuilt for the new contract \
      (issue #20); use --precision bf16";
 
@@ -24,6 +26,9 @@ pub const CUDA_REBUILT: &str = "the integer path on CUDA is being rebuilt for th
 pub struct QuantMatmul {
     info: WeightInfo,
     weight: Arc<QuantWeight>,
+    /// The weight's copy on a GPU, uploaded on the first product there and shared by clones.
+    #[cfg(feature = "cuda")]
+    device_weight: Arc<std::sync::Mutex<Option<Arc<crate::cuda::CudaQuantWeight>>>>,
 }
 
 impl QuantMatmul {
@@ -31,6 +36,8 @@ impl QuantMatmul {
         Self {
             info: weight.info(),
             weight,
+            #[cfg(feature = "cuda")]
+            device_weight: Arc::default(),
         }
     }
 
@@ -61,8 +68,24 @@ impl QuantMatmul {
         Ok(Self::new(Arc::new(self.weight.select_rows(rows)?)))
     }
 
-    /// Applies the op to `x: [m, k]` (made contiguous first), on the CPU.
+    /// Applies the op to `x: [m, k]` (made contiguous first): [`kernel::matmul`] on the CPU,
+    /// [`crate::cuda::matmul`] on a CUDA device.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let candle_core::Device::Cuda(dev) = x.device() {
+            let w = {
+                let mut slot = self.device_weight.lock().unwrap_or_else(|e| e.into_inner());
+                match slot.as_ref() {
+                    Some(w) => w.clone(),
+                    None => {
+                        let w = Arc::new(crate::cuda::CudaQuantWeight::upload(&self.weight, dev)?);
+                        *slot = Some(w.clone());
+                        w
+                    }
+                }
+            };
+            return crate::cuda::matmul(x, &w);
+        }
         x.contiguous()?.apply_op1_no_bwd(self)
     }
 }
@@ -108,7 +131,7 @@ impl CustomOp1 for QuantMatmul {
         _layout: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         Err(candle_core::Error::Msg(format!(
-            "integer matmul of {:?}: {CUDA_REBUILT}",
+            "integer matmul of {:?}: on CUDA it runs through QuantMatmul::forward, not as a candle op",
             self.info.name
         )))
     }
