@@ -8,7 +8,6 @@
 
 #include <cuda_bf16.h>
 
-#include "act_quant.cuh"
 
 #define WARP 32
 
@@ -323,36 +322,6 @@ extern "C" __global__ void swiglu_f32(const float* __restrict__ gu, long long st
     o.z = silu(a.z) * b.z;
     o.w = silu(a.w) * b.w;
     store4(y, (size_t)row * f, i0, f, o, vec, y_bf16);
-}
-
-// swiglu_f32 fused with the int8 activation quantization of the down projection's input (8 lanes per
-// group of 32 outputs, 4 each; f a multiple of 32; the grid covers 8 threads a group in whole warps):
-// each value is swiglu_f32's `silu(g) · u`, quantized by act_quant.cuh exactly as quantize_act_i8 would
-// quantize swiglu_f32's output — the same bytes, sums and non-finite flags, without the f32
-// intermediate or a second launch.
-extern "C" __global__ void swiglu_quant_i8(const float* __restrict__ gu, long long stride,
-                                           signed char* __restrict__ qa, int* __restrict__ sums,
-                                           unsigned int* __restrict__ bad_rows, int rows, int f,
-                                           float inv_scale, int want_sums) {
-    const int groups_per_row = f / 32;
-    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long g = t / 8;
-    const int j = (int)(t % 8);
-    const bool active = g < (long long)rows * groups_per_row;
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (active) {
-        const int row = (int)(g / groups_per_row), i0 = (int)(g % groups_per_row) * 32;
-        const float* gp = gu + (size_t)row * stride + i0;
-        const float* up = gp + f;
-        const bool vec = aligned16(gp) && aligned16(up);
-        const float4 a = load4(gp, 4 * j, 32, vec), b = load4(up, 4 * j, 32, vec);
-        v[0] = silu(a.x) * b.x;
-        v[1] = silu(a.y) * b.y;
-        v[2] = silu(a.z) * b.z;
-        v[3] = silu(a.w) * b.w;
-    }
-    quantize_group32_lanes(v, j, active, qa + (active ? g : 0) * 32, sums, bad_rows, g, groups_per_row,
-                           inv_scale, want_sums);
 }
 
 // The DeltaNet gates from the fused projection's β and α columns (row strides b_stride, a_stride):

@@ -1,5 +1,5 @@
-//! With the `cuda` feature, compiles the integer GEMM kernels (`kernels/quant_gemm.cu`) to PTX at build
-//! time (see `kernels/build_ptx.rs`).
+//! With the `cuda` feature, compiles the integer GEMM kernels (`kernels/quant_gemm.cu`) at build time
+//! (see `kernels/build_ptx.rs`).
 
 include!("../../kernels/build_ptx.rs");
 

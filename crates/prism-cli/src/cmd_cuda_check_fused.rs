@@ -44,7 +44,6 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
     let mut rng = Rng(0xF05E_D0C5_2026_1130);
     norm_checks(r, gpu, &mut rng)?;
     swiglu_checks(r, gpu, &mut rng)?;
-    swiglu_quant_checks(r, gpu, &mut rng)?;
     conv_checks(r, gpu, &mut rng)?;
     gate_checks(r, gpu, &mut rng)?;
     gemm_input_checks(r, gpu, &mut rng)?;
@@ -274,64 +273,6 @@ fn swiglu_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
                 &g,
                 &got,
             )?;
-        }
-    }
-    Ok(())
-}
-
-/// SwiGLU fused with the int8 quantization of the down projection's input (`cuda::swiglu_quantized`, the
-/// integer path's MLP) against the SwiGLU kernel's f32 output quantized by prism-quant: the same bytes,
-/// per-32 sums and non-finite row flags, bit for bit. Rows 3 and 7 hold a NaN (gate) and an ∞ and a
-/// later NaN (up), so their flags must name those first columns.
-fn swiglu_quant_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
-    let Device::Cuda(dev) = gpu else {
-        anyhow::bail!("swiglu + quantization checks need a CUDA device");
-    };
-    let f = FFN;
-    let mut v = rng
-        .tensor(&[TOKENS, 2 * f], 6.0)?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
-    v[3 * 2 * f + 100] = f32::NAN;
-    v[7 * 2 * f + f + 5000] = f32::INFINITY;
-    v[7 * 2 * f + f + 6000] = f32::NAN;
-    let gug = on(gpu, &Tensor::from_vec(v, (TOKENS, 2 * f), &Device::Cpu)?)?;
-    // |silu(g)·u| reaches ~36 here: a range of 20 clamps some values at ±127.
-    let scale = prism_quant::ActivationScale::from_absmax(20.0)?;
-    let flags = |rows: Vec<(usize, usize)>| -> Result<Tensor> {
-        let flat: Vec<u32> = rows
-            .iter()
-            .flat_map(|&(r, c)| [r as u32, c as u32])
-            .collect();
-        Ok(Tensor::from_vec(flat.clone(), flat.len(), &Device::Cpu)?)
-    };
-    for with_sums in [false, true] {
-        let fused = prism_model::cuda::swiglu_quantized(&gug, f, &scale, with_sums)?;
-        let h = ops::swiglu_as(&gug, f, DType::F32)?;
-        let plain = prism_quant::cuda::quantize_activations(&h, &scale, with_sums)?;
-        let tag = format!("swiglu + int8 quantization (GPU) f={f}, sums {with_sums}");
-        r.identical(
-            &format!("{tag}: row flags vs rows 3 (col 100) and 7 (col 5000)"),
-            &flags(fused.non_finite_rows(dev)?)?,
-            &flags(vec![(3, 100), (7, 5000)])?,
-        )?;
-        r.identical(
-            &format!("{tag}: row flags vs quantizing the f32 output"),
-            &flags(fused.non_finite_rows(dev)?)?,
-            &flags(plain.non_finite_rows(dev)?)?,
-        )?;
-        let ((fq, fs), (pq, ps)) = (fused.into_tensors(dev), plain.into_tensors(dev));
-        r.identical(
-            &format!("{tag}: bytes vs quantizing the f32 output"),
-            &fq,
-            &pq,
-        )?;
-        match (fs, ps) {
-            (Some(a), Some(b)) => {
-                r.identical(&format!("{tag}: sums vs quantizing the f32 output"), &a, &b)?
-            }
-            (None, None) if !with_sums => {}
-            _ => anyhow::bail!("{tag}: the sums are there on one side only"),
         }
     }
     Ok(())

@@ -75,18 +75,6 @@ pub fn run(args: &LogitsArgs) -> Result<()> {
         ..LoadOptions::default()
     };
     let model = match (&gguf, &args.gguf, &args.hf_dir) {
-        (Some(gguf), Some(path), _) if precision.is_integer() => {
-            // int8 / w4a8 quantize activations at static ranges measured on the built-in decision
-            // prompts, which need the tokenizer and chat template.
-            let format = format.as_ref().map_err(|e| {
-                anyhow::anyhow!(
-                    "--precision {} needs the tokenizer and chat template, which did not load: {e}",
-                    precision.as_str()
-                )
-            })?;
-            prism_decision::calibration_prompts::load_decoder(gguf, &options, format, None)
-                .with_context(|| format!("loading the model from {}", path.display()))?
-        }
         (Some(gguf), Some(path), _) => Qwen35Model::from_gguf(gguf, &options)
             .with_context(|| format!("loading the model from {}", path.display()))?,
         (None, _, Some(dir)) => Qwen35Model::from_hf_dir(dir, &options)

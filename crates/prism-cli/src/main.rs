@@ -10,8 +10,6 @@ use clap::{Args, Parser, Subcommand};
 mod cmd_bench;
 #[cfg(feature = "cuda")]
 mod cmd_cuda_check;
-#[cfg(feature = "cuda")]
-mod cmd_cuda_check_quant;
 mod cmd_decide;
 mod cmd_gguf;
 mod cmd_loadgen;
@@ -65,26 +63,6 @@ enum Command {
         #[arg(long)]
         json_out: Option<PathBuf>,
     },
-    /// Device tests of the CUDA integer matmul (CUDA builds only): bit-for-bit against the CPU reference
-    /// at real shapes, every kernel choice, batch invariance; then timings next to cuBLAS bf16.
-    #[cfg(feature = "cuda")]
-    CudaQuantCheck {
-        /// Also write the results as JSON.
-        #[arg(long)]
-        json_out: Option<PathBuf>,
-        /// Skip the timings.
-        #[arg(long)]
-        no_timing: bool,
-        /// Only time one GEMM, for profilers: `FORMAT,K,N,M,TILE,G` (e.g. `q8_0,5120,17408,2048,T128x128,1`;
-        /// FORMAT q8_0|q4_k|q5_k|q6_k, TILE T64x128|T128x128|T128x128Ws|T96x128Ws|T128x128Tma|T96x128Tma|T128x64Wgp|T128x128Wgc|v1|auto,
-        /// G 1|2|4|1tC (a tail of C columns)|1p (persistent CTAs) (ignored by auto)).
-        /// Runs it once to warm up and `--runs` times, no checks.
-        #[arg(long)]
-        gemm: Option<String>,
-        /// Timed runs of `--gemm`.
-        #[arg(long, default_value_t = 5)]
-        runs: usize,
-    },
 }
 
 #[derive(Subcommand)]
@@ -130,9 +108,9 @@ pub struct LogitsArgs {
     #[arg(long)]
     pub tokens: Option<PathBuf>,
     /// Arithmetic of the forward pass. `f32` dequantizes the weights and computes in f32 (the reference);
-    /// `int8` (Q8_0 files) and `w4a8` (K-quant files) run the file's own blocks with int8 activations and
-    /// exact integer sums (activation ranges calibrated once per file, cached); `auto` picks by the
-    /// file's weights; also `bf16`, `f64`.
+    /// `int8` (Q8_0 files, re-blocked per row and run of 128) and `w4a8` (K-quant files, their own blocks)
+    /// run int8 activations with dynamic per-(row, run) scales and exact integer sums (CPU only for
+    /// now); `auto` picks by the file's weights; also `bf16`, `f64`.
     #[arg(long, default_value = "f32")]
     pub precision: String,
     /// One JSON line per prompt.
@@ -266,15 +244,5 @@ fn main() -> Result<()> {
         Command::Bench(args) => cmd_bench::run(&args),
         #[cfg(feature = "cuda")]
         Command::CudaCheck { fixtures, json_out } => cmd_cuda_check::run(fixtures, json_out),
-        #[cfg(feature = "cuda")]
-        Command::CudaQuantCheck {
-            json_out,
-            no_timing,
-            gemm,
-            runs,
-        } => match gemm {
-            Some(spec) => cmd_cuda_check_quant::time_one(&spec, runs),
-            None => cmd_cuda_check_quant::run(json_out, !no_timing),
-        },
     }
 }

@@ -1,5 +1,4 @@
 //! StartLux-Decision: requests, prompt rendering, read-out and calibrated probabilities.
-pub mod calibration_prompts;
 pub mod chat_template;
 pub mod config;
 pub mod decide;

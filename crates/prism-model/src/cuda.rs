@@ -30,9 +30,9 @@ const DELTA_RULE_CHUNKS_PER_LAUNCH: usize = 32;
 
 /// Gives the device memory that the stream-ordered allocator keeps after frees back to the driver
 /// (synchronizes the device first). candle allocates with `cuMemAllocAsync` from the device's memory
-/// pool, which keeps freed memory for reuse: on an H200 (2026-11-30) a process that had calibrated a
-/// 27B model on the GPU (a bf16 model loaded, run and dropped) still held 56 GB of device memory while
-/// its int8 / w4a8 model needed 30–35 GB, and nothing else on the GPU could use the difference.
+/// pool, which keeps freed memory for reuse: on an H200 (2026-11-30) a process that had loaded, run and
+/// dropped a 27B bf16 model still held 56 GB of device memory, which nothing else on the GPU could
+/// use.
 pub fn release_cached_memory(dev: &CudaDevice) -> Result<()> {
     use candle_core::cuda_backend::cudarc::driver::sys;
     let stream = dev.cuda_stream();
@@ -794,48 +794,6 @@ pub fn swiglu(gate_up: &Tensor, f: usize, out: DType) -> Result<Tensor> {
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
     Ok(y.wrap(&dev, (n, f)))
-}
-
-/// [`swiglu`] fused with the int8 quantization of its output at `scale` (the down projection's input on
-/// the integer path): the bytes, per-32 sums (`with_sums`) and non-finite row flags that
-/// `prism_quant::cuda::quantize_activations` would make of [`swiglu`]'s f32 output, in one launch and
-/// without that intermediate. `f` must be a multiple of 32.
-pub fn swiglu_quantized(
-    gate_up: &Tensor,
-    f: usize,
-    scale: &prism_quant::ActivationScale,
-    with_sums: bool,
-) -> Result<prism_quant::cuda::DeviceQuantized> {
-    let dev = cuda_device(gate_up)?;
-    let (n, width) = gate_up.dims2()?;
-    if width != 2 * f {
-        bail!("swiglu: gate | up has {width} columns, not 2 × {f}");
-    }
-    let mut qx = prism_quant::cuda::DeviceQuantized::alloc(&dev, n, f, with_sums)?;
-    let groups = n * f / 32;
-    if groups > 0 {
-        let gu = readable_rows(gate_up, width)?;
-        let ig = RowsInput::new(&gu, width, "gate | up")?;
-        let stride = ig.strides()?.2;
-        let func = load_kernel(&dev, "prism_ops", OPS_IMAGE, "swiglu_quant_i8")?;
-        // 8 threads a group of 32 (whole warps: the block size is a multiple of 32).
-        let cfg = elementwise_config(8 * groups)?;
-        let (n_i, f_i) = (i32_arg(n, "rows")?, i32_arg(f, "ffn width")?);
-        let (inv, want) = (scale.inv_scale(), i32::from(with_sums));
-        let vg = ig.view()?;
-        let (q, sums, bad_rows) = qx.buffers_mut();
-        let mut b = func.builder();
-        b.arg(&vg).arg(&stride).arg(&*q);
-        match sums {
-            Some(s) => b.arg(&*s),
-            None => b.arg(&*q), // unused (want = 0)
-        };
-        b.arg(&*bad_rows).arg(&n_i).arg(&f_i).arg(&inv).arg(&want);
-        // SAFETY: the view covers n rows of 2f at the row stride; q holds n·f bytes, the sums n·f/32
-        // i32, the flags n u32.
-        unsafe { b.launch(cfg) }.map_err(launch_err)?;
-    }
-    Ok(qx)
 }
 
 /// CUDA twin of [`crate::ops::delta_net_gates`]: `b, a: [n, h]` read in place (any row stride);

@@ -98,8 +98,12 @@ pub enum ModelError {
         source: prism_quant::QuantError,
     },
 
-    #[error("calibration: {0}")]
-    Calibration(String),
+    #[error("precision {precision} on {device}: {reason}")]
+    PrecisionOnDevice {
+        precision: String,
+        device: String,
+        reason: String,
+    },
 
     #[error(transparent)]
     Hf(#[from] crate::hf::HfError),

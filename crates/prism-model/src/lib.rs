@@ -16,7 +16,6 @@
 //! cuBLAS matmuls are not.
 
 pub mod attention;
-pub mod calibration;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -41,6 +40,7 @@ pub mod weights;
 pub use config::{read_hf_config, LayerKind, Metadata, Qwen35Config};
 pub use error::{ModelError, Result};
 pub use hf::{HfCheckpoint, HfError, HfTextConfig};
+pub use prism_quant::Q8Scales;
 pub use qwen35::{
     argmax, shared_prefix_len, BatchItem, BatchOutput, LoadOptions, Qwen35Model, Segment,
 };

@@ -2,16 +2,18 @@
 //!
 //! - [`Linear::Dense`]: a float matrix through the batch-invariant [`crate::ops::linear`] (f32, bf16,
 //!   f64 precisions, and float tensors of a quantized file).
-//! - [`Linear::Quant`]: the file's own Q8_0 / K-quant blocks with int8 activations at this input's
-//!   static scale ([`prism_quant::QuantMatmul`], exact integer block sums, fixed reduction order).
-//! - [`Linear::Recording`]: calibration — a dense matmul that also records the largest |x| it sees.
+//! - [`Linear::Quant`]: the file's Q8_0 weights re-blocked per row and run of 128, or its own K-quant
+//!   blocks, with int8 activations at dynamic per-(row, run) scales ([`prism_quant::QuantMatmul`],
+//!   exact integer run sums, fixed reduction order).
+//! - [`Linear::Simulated`]: a dense matmul whose input is first rewritten by an [`InputTransform`] (for
+//!   experiments that simulate activation formats on the float path, e.g. llama.cpp's).
 //!
 //! [`FusedLinear`] runs several projections of the same input (a DeltaNet layer's qkv | z | β | α, an
 //! attention layer's q | k | v, the MLP's gate | up) as one weight whose rows are the parts' rows in a
 //! fixed order, so the input is read (and on the integer path quantized) once per GEMM instead of once
-//! per part. Each output column depends only on its own weight row and the input (and, on the integer
-//! path, the input's static scale, which the parts share), so every part's columns are bit for bit its
-//! own product's on the CPU — and on CUDA for the integer path.
+//! per part. Each output column depends only on its own weight row and the input row (on the integer
+//! path the activation scales come from the input row alone, so the parts share them), so every part's
+//! columns are bit for bit its own product's.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -19,22 +21,35 @@ use std::sync::Arc;
 use candle_core::{DType, Result, Tensor};
 use prism_quant::QuantMatmul;
 
-use crate::calibration::RangeRecorder;
 use crate::ops;
 
-#[derive(Debug, Clone)]
+/// Rewrites a projection's input `[n, in]` (f32) before a [`Linear::Simulated`] matmul.
+pub type InputTransform = dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync;
+
+#[derive(Clone)]
 pub enum Linear {
     /// `[out, in]` float matrix.
     Dense(Tensor),
-    /// Quantized weight + the static activation scale of its input.
+    /// Quantized weight; the activations are quantized per row and run of 128 on each call.
     Quant(QuantMatmul),
-    /// A dense matrix whose input range is recorded under each of `names` (the GGUF names of the
-    /// weights whose rows it holds: one, or the parts of a [`FusedLinear`]).
-    Recording {
+    /// `[out, in]` float matrix whose input goes through `transform` first.
+    Simulated {
         weight: Tensor,
-        names: Vec<String>,
-        recorder: Arc<RangeRecorder>,
+        transform: Arc<InputTransform>,
     },
+}
+
+impl std::fmt::Debug for Linear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Linear::Dense(w) => f.debug_tuple("Dense").field(w).finish(),
+            Linear::Quant(op) => f.debug_tuple("Quant").field(op).finish(),
+            Linear::Simulated { weight, .. } => f
+                .debug_struct("Simulated")
+                .field("weight", weight)
+                .finish_non_exhaustive(),
+        }
+    }
 }
 
 impl Linear {
@@ -51,29 +66,13 @@ impl Linear {
                 };
                 op.forward(&x)
             }
-            Linear::Recording {
-                weight,
-                names,
-                recorder,
-            } => {
-                recorder.record_all(names, x)?;
-                ops::linear(x, weight)
-            }
+            Linear::Simulated { weight, transform } => ops::linear(&transform(x)?, weight),
         }
     }
 
     /// `swiglu(gate_up) · Wᵀ` (`gate_up: [n, 2f]`): [`crate::ops::swiglu_as`] in the dtype this
-    /// projection reads, then [`Linear::forward`]. On the integer path on CUDA the SwiGLU kernel writes
-    /// the int8 activations itself (`cuda::swiglu_quantized`: the same bytes as quantizing its f32
-    /// output), which saves the f32 intermediate and one launch.
+    /// projection reads, then [`Linear::forward`].
     pub fn forward_swiglu(&self, gate_up: &Tensor, f: usize) -> Result<Tensor> {
-        #[cfg(feature = "cuda")]
-        if let (Linear::Quant(op), candle_core::Device::Cuda(dev)) = (self, gate_up.device()) {
-            if op.takes_quantized_input(gate_up.device()) && f % 32 == 0 {
-                let qx = crate::cuda::swiglu_quantized(gate_up, f, &op.scale, op.wants_sums())?;
-                return op.forward_quantized(&qx, dev);
-            }
-        }
         let h = crate::ops::swiglu_as(gate_up, f, self.input_dtype(gate_up.dtype()))?;
         self.forward(&h)
     }
@@ -97,14 +96,9 @@ impl Linear {
                         })?,
                 )
             }
-            Linear::Recording {
-                weight,
-                names,
-                recorder,
-            } => Linear::Recording {
+            Linear::Simulated { weight, transform } => Linear::Simulated {
                 weight: pick(weight)?,
-                names: names.clone(),
-                recorder: recorder.clone(),
+                transform: transform.clone(),
             },
         })
     }
@@ -112,7 +106,7 @@ impl Linear {
     /// Outputs.
     pub fn out_features(&self) -> usize {
         match self {
-            Linear::Dense(w) | Linear::Recording { weight: w, .. } => w.dims()[0],
+            Linear::Dense(w) | Linear::Simulated { weight: w, .. } => w.dims()[0],
             Linear::Quant(op) => op.rows(),
         }
     }
@@ -124,7 +118,7 @@ impl Linear {
 
     /// The dtype this projection wants its input in when the activations are `act`: bf16 for a bf16
     /// weight multiplied on CUDA (cuBLAS reads bf16 operands, so the producer writes them rounded,
-    /// instead of a separate cast of its f32 output), else `act`. The integer path and calibration
+    /// instead of a separate cast of its f32 output), else `act`. The integer path and simulations
     /// always take the f32 activation.
     pub fn input_dtype(&self, act: DType) -> DType {
         match self {
@@ -141,7 +135,7 @@ impl Linear {
 /// Where one part of a [`FusedLinear`] lies in the outputs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FusedPart {
-    /// The weight's GGUF name (also the key of its calibrated input range).
+    /// The weight's GGUF name.
     pub name: String,
     /// Which of [`FusedLinear::gemms`] computes it.
     pub gemm: usize,
@@ -153,7 +147,7 @@ pub struct FusedPart {
 
 /// Projections of one input run as few GEMMs as their storage allows (see the module docs).
 ///
-/// Parts keep their documented order. In the float precisions (and in calibration) all parts are one
+/// Parts keep their documented order. In the float precisions (and simulations) all parts are one
 /// GEMM. On the integer path a GEMM holds the parts of one weight format, in their order, and float
 /// parts of a quantized file share one dense GEMM: a Q4_K_M file's `attn_v` or `attn_qkv` may be Q6_K
 /// next to Q4_K siblings (llama-quantize's mix), and one weight has one format.

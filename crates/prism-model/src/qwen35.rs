@@ -12,7 +12,6 @@ use candle_core::{DType, Device, Tensor};
 use prism_gguf::GgufFile;
 
 use crate::attention::Attention;
-use crate::calibration::Calibration;
 use crate::config::{hf_text_config, read_hf_config, LayerKind, Qwen35Config};
 use crate::delta_net::DeltaNet;
 use crate::error::{ModelError, Result};
@@ -349,35 +348,54 @@ impl Qwen35Model {
     }
 
     /// Loads every tensor of the main layers by name, checking each shape against the configuration.
-    /// MTP (`nextn`) blocks are not loaded. The integer precisions need activation ranges: use
-    /// [`Self::from_gguf_calibrated`].
+    /// MTP (`nextn`) blocks are not loaded. The integer precisions ([`Precision::Int8`],
+    /// [`Precision::W4a8`]) need nothing else: activations are quantized per row and run on each
+    /// call. They run on the CPU only for now; on a CUDA device the load fails with
+    /// [`ModelError::PrecisionOnDevice`] before any tensor is read.
     pub fn from_gguf(gguf: &GgufFile, options: &LoadOptions) -> Result<Self> {
-        let w = WeightLoader::new(gguf, &options.device, options.precision);
+        Self::from_gguf_with_q8_scales(gguf, options, prism_quant::Q8Scales::PerRun)
+    }
+
+    /// [`Self::from_gguf`] with the given Q8_0 scale granularity on the integer path (the product
+    /// uses [`prism_quant::Q8Scales::PerRun`]; [`prism_quant::Q8Scales::PerRow`] is kept to measure
+    /// against).
+    pub fn from_gguf_with_q8_scales(
+        gguf: &GgufFile,
+        options: &LoadOptions,
+        q8_scales: prism_quant::Q8Scales,
+    ) -> Result<Self> {
+        if options.precision.is_integer() && options.device.is_cuda() {
+            return Err(ModelError::PrecisionOnDevice {
+                precision: options.precision.as_str().into(),
+                device: "CUDA".into(),
+                reason: prism_quant::CUDA_REBUILT.into(),
+            });
+        }
+        let w =
+            WeightLoader::new(gguf, &options.device, options.precision).with_q8_scales(q8_scales);
         Self::from_loader(gguf, &w, options)
     }
 
-    /// [`Self::from_gguf`] with the static activation ranges the integer precisions
-    /// ([`Precision::Int8`], [`Precision::W4a8`]) quantize each projection's input with
-    /// ([`crate::calibration::load_or_calibrate`] measures them). The calibration must be of this file.
-    pub fn from_gguf_calibrated(
+    /// [`Self::from_gguf`] with every projection dense (at `options.precision`, which must be a float
+    /// one) and its input rewritten by `transform` first ([`crate::linear::Linear::Simulated`]): for
+    /// experiments that simulate activation formats.
+    pub fn from_gguf_simulated(
         gguf: &GgufFile,
         options: &LoadOptions,
-        calibration: &Calibration,
+        transform: std::sync::Arc<crate::linear::InputTransform>,
     ) -> Result<Self> {
-        let key = crate::calibration::model_key(gguf);
-        if calibration.model_key != key {
-            return Err(ModelError::Calibration(format!(
-                "the activation ranges were measured on another model file (key {}…, this file {}…)",
-                calibration.model_key.get(..12).unwrap_or(&calibration.model_key),
-                key.get(..12).unwrap_or(&key)
+        if options.precision.is_integer() {
+            return Err(ModelError::InvalidInput(format!(
+                "a simulation runs at a float precision, not {}",
+                options.precision.as_str()
             )));
         }
         let w = WeightLoader::new(gguf, &options.device, options.precision)
-            .with_calibration(calibration);
+            .with_input_transform(transform);
         Self::from_loader(gguf, &w, options)
     }
 
-    /// Loads through `w` (which may carry a calibration or a range recorder).
+    /// Loads through `w`.
     pub(crate) fn from_loader(
         gguf: &GgufFile,
         w: &WeightLoader<'_>,

@@ -3,21 +3,22 @@
 //! The reference path dequantizes every tensor (BF16, Q8_0, Q4_K, Q6_K, …) to f32 with `prism-gguf`'s
 //! bit-exact llama.cpp dequantization. Matrices can then be kept in f32 or rounded to bf16.
 //!
-//! The integer precisions ([`Precision::Int8`], [`Precision::W4a8`]) keep each quantized projection in
-//! the file's own blocks ([`prism_quant::QuantWeight`], no re-quantization) and give it the static
-//! activation scale of its input from a [`Calibration`]; float tensors of such a file stay dense.
+//! The integer precisions ([`Precision::Int8`], [`Precision::W4a8`]) keep each quantized projection as
+//! a [`prism_quant::QuantWeight`] (Q8_0 re-blocked once per row and run of 128; K-quants as stored);
+//! activations are quantized per row and run on each call, so nothing is measured beforehand. Float
+//! tensors of such a file stay dense. The integer path runs on the CPU only for now: on a CUDA device
+//! it refuses to load ([`prism_quant::CUDA_REBUILT`]).
 
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 use prism_gguf::{GgmlType, GgufError, GgufFile, TensorInfo};
-use prism_quant::{ActivationScale, QuantMatmul, QuantWeight, WeightFormat};
+use prism_quant::{Q8Scales, QuantMatmul, QuantWeight, WeightFormat};
 use rayon::prelude::*;
 
-use crate::calibration::{Calibration, RangeRecorder};
 use crate::error::{ModelError, Result};
 use crate::hf::HfWeights;
-use crate::linear::{FusedLinear, FusedPart, Linear};
+use crate::linear::{FusedLinear, FusedPart, InputTransform, Linear};
 
 /// Arithmetic of the forward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,11 +32,12 @@ pub enum Precision {
     /// Everything in f64: not a serving mode, but the ground truth that tests measure the f32 path's
     /// rounding against.
     F64,
-    /// W8A8: Q8_0 weights as int8 with their block scales, int8 activations at static scales, exact
-    /// integer sums ([`prism_quant`]). Everything else as [`Precision::F32`]. Needs a [`Calibration`].
+    /// W8A8: Q8_0 weights re-blocked to int8 with one scale per row and run of 128, int8 activations
+    /// with dynamic per-(row, run) scales, exact integer sums ([`prism_quant`]). Everything else as
+    /// [`Precision::F32`]. CPU only for now.
     Int8,
-    /// W4A8: the file's K-quant (and Q8_0) weights on their own sub-block scales and mins, int8
-    /// activations; otherwise as [`Precision::Int8`].
+    /// W4A8: the file's K-quant weights on their own sub-block scales and mins (Q8_0 tensors as in
+    /// [`Precision::Int8`]), int8 activations; otherwise as [`Precision::Int8`].
     W4a8,
 }
 
@@ -190,10 +192,10 @@ pub struct WeightLoader<'a> {
     source: WeightSource<'a>,
     device: Device,
     precision: Precision,
-    /// Static activation ranges (integer precisions).
-    calibration: Option<&'a Calibration>,
-    /// Calibration run: every projection records its input range here.
-    recorder: Option<Arc<RangeRecorder>>,
+    /// How Q8_0 weights are re-blocked on the integer path.
+    q8_scales: Q8Scales,
+    /// Simulation: every projection dense, its input rewritten by this first.
+    transform: Option<Arc<InputTransform>>,
 }
 
 impl<'a> WeightLoader<'a> {
@@ -202,20 +204,22 @@ impl<'a> WeightLoader<'a> {
             source: WeightSource::Gguf(gguf),
             device: device.clone(),
             precision,
-            calibration: None,
-            recorder: None,
+            q8_scales: Q8Scales::PerRun,
+            transform: None,
         }
     }
 
-    /// The activation ranges the integer precisions take their scales from.
-    pub fn with_calibration(mut self, calibration: &'a Calibration) -> Self {
-        self.calibration = Some(calibration);
+    /// The Q8_0 scale granularity of the integer path (default [`Q8Scales::PerRun`], the contract's;
+    /// [`Q8Scales::PerRow`] to measure against).
+    pub fn with_q8_scales(mut self, q8_scales: Q8Scales) -> Self {
+        self.q8_scales = q8_scales;
         self
     }
 
-    /// Makes every projection a dense one that records its input range into `recorder`.
-    pub fn with_recorder(mut self, recorder: Arc<RangeRecorder>) -> Self {
-        self.recorder = Some(recorder);
+    /// Makes every projection a dense one ([`Linear::Simulated`]) whose input goes through
+    /// `transform` first (experiments that simulate activation formats).
+    pub fn with_input_transform(mut self, transform: Arc<InputTransform>) -> Self {
+        self.transform = Some(transform);
         self
     }
 
@@ -223,9 +227,9 @@ impl<'a> WeightLoader<'a> {
         self.precision
     }
 
-    /// Whether [`Self::linear`] gives plain dense matrices (no integer path, no recording).
+    /// Whether [`Self::linear`] gives plain dense matrices (no integer path, no simulation).
     pub fn linear_is_dense(&self) -> bool {
-        self.recorder.is_none() && !self.precision.is_integer()
+        self.transform.is_none() && !self.precision.is_integer()
     }
 
     /// Reads an HF checkpoint by GGUF names ([`HfWeights`] does the conversion).
@@ -234,8 +238,8 @@ impl<'a> WeightLoader<'a> {
             source: WeightSource::Hf(hf),
             device: device.clone(),
             precision,
-            calibration: None,
-            recorder: None,
+            q8_scales: Q8Scales::PerRun,
+            transform: None,
         }
     }
 
@@ -348,17 +352,15 @@ impl<'a> WeightLoader<'a> {
 
     /// The projections `parts` (GGUF name, rows), all reading the same `cols` inputs, as one
     /// [`FusedLinear`] whose parts keep the given order. Each part is loaded as [`Self::linear`] would
-    /// load it (shape checks, integer path or dense, calibration), then the parts that can share a
-    /// weight are stacked: all of them in the float precisions and in calibration (which records the
-    /// input under every part's name); on the integer path those of one weight format (and the float
-    /// ones together), whose shared input scale is [`Calibration::shared_scale`].
+    /// load it (shape checks, integer path or dense), then the parts that can share a weight are
+    /// stacked: all of them in the float precisions; on the integer path those of one weight format
+    /// (and the float ones together).
     pub fn fused_linear(&self, parts: &[(&str, usize)], cols: usize) -> Result<FusedLinear> {
         if parts.is_empty() {
             return Err(ModelError::InvalidInput(
                 "a fused projection needs at least one part".into(),
             ));
         }
-        let names: Vec<String> = parts.iter().map(|&(n, _)| n.to_string()).collect();
         let whole = |gemm: Linear| {
             let mut offset = 0;
             let parts = parts
@@ -378,11 +380,10 @@ impl<'a> WeightLoader<'a> {
                 parts,
             }
         };
-        if let Some(recorder) = &self.recorder {
-            return Ok(whole(Linear::Recording {
+        if let Some(transform) = &self.transform {
+            return Ok(whole(Linear::Simulated {
                 weight: self.stacked_matrix(parts, cols)?,
-                names,
-                recorder: recorder.clone(),
+                transform: transform.clone(),
             }));
         }
         if !self.precision.is_integer() {
@@ -434,10 +435,7 @@ impl<'a> WeightLoader<'a> {
                             })?
                         }
                     };
-                    let scale = self
-                        .calibration_for(&group_names)?
-                        .shared_scale(&group_names)?;
-                    Linear::Quant(self.quant_matmul(weight, scale)?)
+                    Linear::Quant(QuantMatmul::new(Arc::new(weight)))
                 }
             });
         }
@@ -453,66 +451,39 @@ impl<'a> WeightLoader<'a> {
         Ok(FusedLinear { gemms, parts })
     }
 
-    /// The integer product of `weight` on the loader's device. For a GPU the weight is uploaded now,
-    /// from this loader thread (the repacking on the thread, the copies under [`DEVICE_WORK`]), and
-    /// the host copy is dropped: a 27B Q8_0 model would otherwise keep ~25 GB of host memory, and its
-    /// first request would pay the upload (about 24 s on an H200, one thread, 2026-11-30).
-    fn quant_matmul(&self, weight: QuantWeight, scale: ActivationScale) -> Result<QuantMatmul> {
-        #[cfg(feature = "cuda")]
-        if let Device::Cuda(dev) = &self.device {
-            let name = weight.name().to_string();
-            let flat = prism_quant::cuda_plan::FlatWeight::from_owned(weight);
-            let on_gpu = on_device(&self.device, move || {
-                Ok(
-                    prism_quant::cuda::CudaQuantWeight::from_flat(flat, false, dev)
-                        .map_err(|e| e.context(format!("uploading {name:?} to the GPU")))?,
-                )
-            })?;
-            return Ok(QuantMatmul::from_device(on_gpu, scale));
-        }
-        Ok(QuantMatmul::new(Arc::new(weight), scale))
-    }
-
-    /// The calibration the integer path needs for `names` (an error naming them if there is none).
-    fn calibration_for(&self, names: &[&str]) -> Result<&'a Calibration> {
-        self.calibration.ok_or_else(|| {
-            ModelError::Calibration(format!(
-                "precision {} needs activation ranges (a calibration) for {}",
-                self.precision.as_str(),
-                names.join(", ")
-            ))
-        })
-    }
-
     /// The projection `name` with `rows` outputs of `cols` inputs (GGUF `[cols, rows]`): on the integer
     /// path when the precision is integer and the tensor is quantized, dense otherwise (see [`Linear`]).
     pub fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Linear> {
-        if let Some(recorder) = &self.recorder {
-            return Ok(Linear::Recording {
+        if let Some(transform) = &self.transform {
+            return Ok(Linear::Simulated {
                 weight: self.matrix(name, rows, cols)?,
-                names: vec![name.to_string()],
-                recorder: recorder.clone(),
+                transform: transform.clone(),
             });
         }
         if !self.precision.is_integer() {
             return Ok(Linear::Dense(self.matrix(name, rows, cols)?));
         }
         match self.quant_weight(name, rows, cols)? {
-            Some(weight) => {
-                let scale = self.calibration_for(&[name])?.scale(name)?;
-                Ok(Linear::Quant(self.quant_matmul(weight, scale)?))
-            }
+            Some(weight) => Ok(Linear::Quant(QuantMatmul::new(Arc::new(weight)))),
             None => Ok(Linear::Dense(self.matrix(name, rows, cols)?)),
         }
     }
 
-    /// The quantized weight `name` as stored (`None` for a float tensor, which stays dense).
+    /// The quantized weight `name` (`None` for a float tensor, which stays dense). On a CUDA device
+    /// the integer path refuses to load ([`prism_quant::CUDA_REBUILT`]).
     fn quant_weight(&self, name: &str, rows: usize, cols: usize) -> Result<Option<QuantWeight>> {
         let mismatch = |reason: String| ModelError::PrecisionMismatch {
             precision: self.precision.as_str().into(),
             name: name.to_string(),
             reason,
         };
+        if self.device.is_cuda() {
+            return Err(ModelError::PrecisionOnDevice {
+                precision: self.precision.as_str().into(),
+                device: "CUDA".into(),
+                reason: prism_quant::CUDA_REBUILT.into(),
+            });
+        }
         let gguf = match self.source {
             WeightSource::Gguf(gguf) => gguf,
             WeightSource::Hf(_) => {
@@ -549,12 +520,18 @@ impl<'a> WeightLoader<'a> {
                 info.ggml_type
             )));
         }
-        let weight =
-            QuantWeight::from_gguf(name, info.ggml_type, gguf.tensor_bytes(info), rows, cols)
-                .map_err(|source| ModelError::Quant {
-                    name: name.to_string(),
-                    source,
-                })?;
+        let weight = QuantWeight::from_gguf_with(
+            name,
+            info.ggml_type,
+            gguf.tensor_bytes(info),
+            rows,
+            cols,
+            self.q8_scales,
+        )
+        .map_err(|source| ModelError::Quant {
+            name: name.to_string(),
+            source,
+        })?;
         Ok(Some(weight))
     }
 }

@@ -1,21 +1,18 @@
 //! The fused projections (`WeightLoader::fused_linear`): every part of a fused GEMM gives, bit for bit on
 //! the CPU, what the part's own projection (`WeightLoader::linear`) gives — at bf16, f32 and f64 on the
 //! BF16 fixture, at int8 on the Q8_0 fixture and at w4a8 on the Q4_K_M fixture (whose llama-quantize
-//! Q4_K/Q6_K mix makes some groups split by format). Also: calibration records the shared input under
-//! every part's name, and a cache whose parts of one group disagree gets the largest range.
+//! Q4_K/Q6_K mix makes some groups split by format). On the integer path the activation scales come from
+//! the shared input row alone, so the parts need nothing else in common.
 
 mod common;
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
+use std::collections::BTreeSet;
 
 use candle_core::{DType, Device, Tensor};
 use prism_gguf::GgufFile;
-use prism_model::calibration::{Calibration, RangeRecorder, CALIBRATION_VERSION};
 use prism_model::linear::{FusedLinear, Linear};
 use prism_model::weights::WeightLoader;
-use prism_model::{LayerKind, ModelError, Precision, Qwen35Config};
-use prism_quant::ActivationScale;
+use prism_model::{LayerKind, Precision, Qwen35Config};
 
 use common::{fixture_dir, single_threaded_matmuls};
 
@@ -51,27 +48,7 @@ fn groups(cfg: &Qwen35Config) -> Vec<Vec<(String, usize)>> {
     out
 }
 
-/// A calibration of this file with the same range for every part of a group (as calibration makes it)
-/// and different ranges across groups.
-fn hand_calibration(cfg: &Qwen35Config) -> Calibration {
-    let mut ranges = BTreeMap::new();
-    for (g, group) in groups(cfg).iter().enumerate() {
-        for (name, _) in group {
-            ranges.insert(name.clone(), 1.5 + 0.25 * g as f32);
-        }
-    }
-    Calibration {
-        version: CALIBRATION_VERSION,
-        model_key: "hand-made".into(),
-        prompt_set: "none".into(),
-        n_prompts: 0,
-        n_tokens: 0,
-        ranges,
-    }
-}
-
-/// Deterministic activations `[rows, cols]` in `dtype`, spread over ±4 (some beyond the smallest
-/// calibrated range, so clamping is exercised on the integer path).
+/// Deterministic activations `[rows, cols]` in `dtype`, spread over ±4.
 fn activations(rows: usize, cols: usize, dtype: DType) -> Tensor {
     let values: Vec<f32> = (0..rows * cols)
         .map(|i| {
@@ -111,11 +88,7 @@ fn assert_fused_equals_separate(file: &str, precision: Precision) -> Vec<usize> 
     single_threaded_matmuls();
     let gguf = open(file);
     let cfg = Qwen35Config::from_gguf(&gguf).unwrap();
-    let calibration = hand_calibration(&cfg);
-    let mut loader = WeightLoader::new(&gguf, &Device::Cpu, precision);
-    if precision.is_integer() {
-        loader = loader.with_calibration(&calibration);
-    }
+    let loader = WeightLoader::new(&gguf, &Device::Cpu, precision);
     let d = cfg.hidden_size;
     let mut gemm_counts = Vec::new();
     for group in groups(&cfg) {
@@ -205,86 +178,9 @@ fn fused_k_quant_projections_equal_the_separate_ones_bit_for_bit() {
 }
 
 #[test]
-fn unequal_cached_ranges_of_one_group_take_the_largest() {
+fn an_empty_fused_projection_is_refused() {
     let gguf = open("tiny-Q8_0.gguf");
     let cfg = Qwen35Config::from_gguf(&gguf).unwrap();
-    let mut calibration = hand_calibration(&cfg);
-    let (gate, up) = ("blk.1.ffn_gate.weight", "blk.1.ffn_up.weight");
-    calibration.ranges.insert(gate.into(), 2.0);
-    calibration.ranges.insert(up.into(), 3.0);
-    assert_eq!(
-        calibration.shared_scale(&[gate, up]).unwrap(),
-        ActivationScale::from_absmax(3.0).unwrap()
-    );
-    let f = cfg.intermediate_size;
-    let loader =
-        WeightLoader::new(&gguf, &Device::Cpu, Precision::Int8).with_calibration(&calibration);
-    let fused = loader
-        .fused_linear(&[(gate, f), (up, f)], cfg.hidden_size)
-        .unwrap();
-    match fused.gemms.as_slice() {
-        [Linear::Quant(op)] => {
-            assert_eq!(op.scale, ActivationScale::from_absmax(3.0).unwrap());
-            assert_eq!(op.name(), format!("{gate}+{up}"));
-        }
-        other => panic!("one integer GEMM expected, got {other:?}"),
-    }
-    // The up part, whose own range is the largest, is then exactly its own projection.
-    let x = activations(3, cfg.hidden_size, DType::F32);
-    let alone = loader
-        .linear(up, f, cfg.hidden_size)
-        .unwrap()
-        .forward(&x)
-        .unwrap();
-    assert!(bits(&fused.forward(&x).unwrap().part(1).unwrap()) == bits(&alone));
-
-    // A part without a range, or with an unusable one, is an error naming that part.
-    calibration.ranges.remove(up);
-    let err = calibration.shared_scale(&[gate, up]).unwrap_err();
-    assert!(err.to_string().contains(up), "{err}");
-    calibration.ranges.insert(up.into(), f32::NAN);
-    let err = calibration.shared_scale(&[gate, up]).unwrap_err();
-    assert!(
-        matches!(&err, ModelError::Quant { name, .. } if name == up),
-        "{err}"
-    );
-}
-
-#[test]
-fn calibration_records_the_shared_input_under_every_part() {
-    single_threaded_matmuls();
-    let gguf = open("tiny-Q8_0.gguf");
-    let cfg = Qwen35Config::from_gguf(&gguf).unwrap();
-    let recorder = Arc::new(RangeRecorder::default());
-    let loader =
-        WeightLoader::new(&gguf, &Device::Cpu, Precision::Bf16).with_recorder(recorder.clone());
-    let group = &groups(&cfg)[0];
-    let parts: Vec<(&str, usize)> = group.iter().map(|(n, r)| (n.as_str(), *r)).collect();
-    let fused = loader.fused_linear(&parts, cfg.hidden_size).unwrap();
-    assert_eq!(fused.gemms.len(), 1);
-    let x = activations(4, cfg.hidden_size, DType::F32);
-    let absmax = x
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    fused.forward(&x).unwrap();
-    let ranges = recorder.ranges();
-    assert_eq!(ranges.len(), parts.len());
-    for (name, _) in &parts {
-        assert_eq!(ranges.get(*name), Some(&absmax), "{name}");
-    }
-
-    // Without a calibration the integer path names the parts it needs one for.
     let loader = WeightLoader::new(&gguf, &Device::Cpu, Precision::Int8);
-    let err = loader.fused_linear(&parts, cfg.hidden_size).unwrap_err();
-    assert!(
-        matches!(err, ModelError::Calibration(_)) && err.to_string().contains(parts[0].0),
-        "{err}"
-    );
     assert!(loader.fused_linear(&[], cfg.hidden_size).is_err());
 }

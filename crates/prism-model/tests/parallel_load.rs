@@ -4,12 +4,10 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use candle_core::{DType, Tensor};
 use prism_gguf::GgufFile;
-use prism_model::calibration::{model_key, Calibration, CALIBRATION_VERSION};
 use prism_model::delta_net::DeltaNet;
 use prism_model::linear::{FusedLinear, Linear};
 use prism_model::qwen35::{Mixer, LOAD_THREADS_ENV};
@@ -43,32 +41,11 @@ fn options(precision: Precision) -> LoadOptions {
     }
 }
 
-/// Static ranges for every tensor of `gguf`: what the integer path needs to load. The values only have
-/// to be valid; the tests compare two loads of the same file and ranges, not accuracy.
-fn calibration_for(gguf: &GgufFile) -> Calibration {
-    Calibration {
-        version: CALIBRATION_VERSION,
-        model_key: model_key(gguf),
-        prompt_set: "parallel-load-test".into(),
-        n_prompts: 0,
-        n_tokens: 0,
-        ranges: gguf
-            .tensors()
-            .iter()
-            .map(|info| (info.name.clone(), 4.0))
-            .collect::<BTreeMap<_, _>>(),
-    }
-}
-
 fn load(file: &str, precision: Precision, threads: &str) -> Qwen35Model {
     single_threaded_matmuls();
     let gguf = open(file);
     with_load_threads(Some(threads), || {
-        if precision.is_integer() {
-            Qwen35Model::from_gguf_calibrated(&gguf, &options(precision), &calibration_for(&gguf))
-        } else {
-            Qwen35Model::from_gguf(&gguf, &options(precision))
-        }
+        Qwen35Model::from_gguf(&gguf, &options(precision))
     })
     .unwrap_or_else(|e| panic!("{file} at {precision:?} with {threads} threads: {e}"))
 }
@@ -95,8 +72,7 @@ fn assert_same_linear(a: &Linear, b: &Linear, what: &str) {
     match (a, b) {
         (Linear::Dense(a), Linear::Dense(b)) => assert_same_tensor(a, b, what),
         (Linear::Quant(a), Linear::Quant(b)) => {
-            assert_eq!(a.host_weight(), b.host_weight(), "{what}: quantized weight");
-            assert_eq!(a.scale, b.scale, "{what}: activation scale");
+            assert_eq!(a.weight(), b.weight(), "{what}: quantized weight");
         }
         _ => panic!("{what}: different kinds of projection"),
     }

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use prism_gguf::quantize::quantize;
 use prism_gguf::GgmlType;
-use prism_quant::{matmul, ActivationScale, QuantWeight};
+use prism_quant::{matmul, QuantWeight};
 
 fn main() {
     let shapes = [
@@ -24,7 +24,6 @@ fn main() {
             let x: Vec<f32> = (0..m * k)
                 .map(|i| (i * 104729 % 1000) as f32 / 500.0 - 1.0)
                 .collect();
-            let scale = ActivationScale::from_absmax(1.0).expect("scale");
             let one = rayon::ThreadPoolBuilder::new()
                 .num_threads(1)
                 .build()
@@ -32,7 +31,7 @@ fn main() {
             let run = |reps: usize| {
                 let t = Instant::now();
                 for _ in 0..reps {
-                    std::hint::black_box(matmul(&x, m, &w, &scale).expect("matmul"));
+                    std::hint::black_box(matmul(&x, m, &w).expect("matmul"));
                 }
                 (m * n * k * reps) as f64 / t.elapsed().as_secs_f64() / 1e9
             };

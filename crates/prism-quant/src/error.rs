@@ -65,8 +65,13 @@ pub enum QuantError {
     #[error("concatenating rows: no weights given")]
     ConcatEmpty,
 
-    #[error("activation range {absmax} is unusable for an int8 scale (it must be finite and > 0)")]
-    BadActivationRange { absmax: f32 },
+    #[error("tensor {tensor:?}: row {row}, the Q8_0 block at element {col} has the scale {value} (not finite)")]
+    NonFiniteScale {
+        tensor: String,
+        row: usize,
+        col: usize,
+        value: f32,
+    },
 
     #[error(
         "activation row {row}, element {col} is {value}: int8 quantization needs finite inputs"

@@ -1,30 +1,33 @@
 //! The exact integer matmul on the CPU: the reference every other implementation must equal bit for bit.
 //!
-//! For activation row `a` (quantized, see [`crate::activation`]) and weight row `n`, each block `b` of
-//! the reduction gives exact integers
+//! For activation row `a` (quantized per run of 128, see [`crate::activation`]) and weight row `n`,
+//! each run `r` of the reduction gives exact integers
 //!
 //! ```text
-//! D_b = Σ_j sc_j · Σ_{i∈j} q_i · qa_i        (Q8_0: sc = 1, one sub-block)
-//! M_b = Σ_j m_j  · Σ_{i∈j} qa_i              (Q4_K, Q5_K only)
+//! I_r = Σ_j sc_j · Σ_{i∈j} q_i · qa_i        (Q8_0: sc = 1, the run is one sub-block)
+//! M_r = Σ_j m_j  · Σ_{i∈j} qa_i              (Q4_K, Q5_K only)
 //! ```
 //!
-//! then the blocks are combined in f32 in a fixed order that depends only on the number of blocks
-//! ([`part_bounds`]) — see the crate docs for the full specification.
+//! promoted once per run, `acc = fma(f32(I_r), sa_r · sw_r, acc)` (then the mins term), the runs
+//! combined in f32 in a fixed order that depends only on the number of runs ([`part_bounds`]) — see
+//! the crate docs for the full specification.
+
+use std::ops::Range;
 
 use rayon::prelude::*;
 
-use crate::activation::{quantize_rows, ActivationScale, QuantizedRows};
+use crate::activation::{quantize_rows, run_count, QuantizedRows, RUN};
 use crate::error::{QuantError, Result};
 use crate::weight::{QuantWeight, WeightFormat};
 
-/// The reduction over blocks is split into this many contiguous parts (so tensor parallelism over 1, 2
+/// The reduction over runs is split into this many contiguous parts (so tensor parallelism over 1, 2
 /// or 4 devices, each owning whole parts, computes exactly the single-device result).
 pub const PARTS: usize = 4;
 
-/// Block boundaries of the parts: part `p` is blocks `bounds[p]..bounds[p + 1]` with
-/// `bounds[p] = ⌊p · n_blocks / 4⌋`. Parts may be empty (fewer than 4 blocks).
-pub fn part_bounds(n_blocks: usize) -> [usize; PARTS + 1] {
-    std::array::from_fn(|p| p * n_blocks / PARTS)
+/// Run boundaries of the parts: part `p` is runs `bounds[p]..bounds[p + 1]` with
+/// `bounds[p] = ⌊p · n_runs / 4⌋`. Parts may be empty (fewer than 4 runs).
+pub fn part_bounds(n_runs: usize) -> [usize; PARTS + 1] {
+    std::array::from_fn(|p| p * n_runs / PARTS)
 }
 
 /// The fixed combination of the part sums: `(p0 + p1) + (p2 + p3)`.
@@ -44,89 +47,136 @@ fn isum<const N: usize>(w: &[i8], a: &[i8]) -> i32 {
     s
 }
 
-/// The integer sums `(D_b, M_b)` of block `b` of weight row `n` against one quantized activation row
-/// `qa` (`sums`: its sums per 32 elements, needed by Q4_K/Q5_K only). `M_b` is 0 for formats without
+/// `Σ w_i · a_i` over the shorter of the two slices (a Q8_0 row's short last run).
+#[inline(always)]
+fn isum_short(w: &[i8], a: &[i8]) -> i32 {
+    w.iter()
+        .zip(a)
+        .map(|(&x, &y)| i32::from(x) * i32::from(y))
+        .sum()
+}
+
+/// The integer sums `(I_r, M_r)` of run `r` of weight row `n` against one quantized activation row
+/// `qa` (`sums`: its sums per 32 elements, needed by Q4_K/Q5_K only). `M_r` is 0 for formats without
 /// mins.
-pub fn block_sums(w: &QuantWeight, n: usize, b: usize, qa: &[i8], sums: &[i32]) -> (i32, i32) {
+pub fn run_sums(w: &QuantWeight, n: usize, r: usize, qa: &[i8], sums: &[i32]) -> (i32, i32) {
     let (q, sc, m) = (w.row_q(n), w.row_sub_scales(n), w.row_sub_mins(n));
     match w.format() {
-        WeightFormat::Q8_0 => block_q8_0(q, qa, b),
-        WeightFormat::Q4K | WeightFormat::Q5K => block_k32(q, sc, m, qa, sums, b),
-        WeightFormat::Q6K => block_q6_k(q, sc, qa, b),
+        WeightFormat::Q8_0 => run_q8_0(q, qa, r),
+        WeightFormat::Q4K | WeightFormat::Q5K => run_k32(q, sc, m, qa, sums, r),
+        WeightFormat::Q6K => run_q6_k(q, sc, qa, r),
     }
 }
 
 #[inline(always)]
-fn block_q8_0(q: &[i8], qa: &[i8], b: usize) -> (i32, i32) {
-    (isum::<32>(&q[32 * b..], &qa[32 * b..]), 0)
+fn run_q8_0(q: &[i8], qa: &[i8], r: usize) -> (i32, i32) {
+    let start = RUN * r;
+    if start + RUN <= q.len() {
+        (isum::<RUN>(&q[start..], &qa[start..]), 0)
+    } else {
+        (isum_short(&q[start..], &qa[start..]), 0)
+    }
 }
 
+/// Q4_K / Q5_K: run `r` is sub-blocks `4r .. 4r + 4` of 32 (half of block `r / 2`).
 #[inline(always)]
-fn block_k32(q: &[i8], sc: &[i8], m: &[i8], qa: &[i8], sums: &[i32], b: usize) -> (i32, i32) {
-    // Fixed-length views of the block, so the loops below have no bounds checks.
-    let (q, qa) = (&q[256 * b..256 * b + 256], &qa[256 * b..256 * b + 256]);
+fn run_k32(q: &[i8], sc: &[i8], m: &[i8], qa: &[i8], sums: &[i32], r: usize) -> (i32, i32) {
+    // Fixed-length views of the run, so the loops below have no bounds checks.
+    let (q, qa) = (&q[RUN * r..RUN * r + RUN], &qa[RUN * r..RUN * r + RUN]);
     let (sc, m, sums) = (
-        &sc[8 * b..8 * b + 8],
-        &m[8 * b..8 * b + 8],
-        &sums[8 * b..8 * b + 8],
+        &sc[4 * r..4 * r + 4],
+        &m[4 * r..4 * r + 4],
+        &sums[4 * r..4 * r + 4],
     );
     let (mut d, mut mn) = (0i32, 0i32);
-    for j in 0..8 {
+    for j in 0..4 {
         d += i32::from(sc[j]) * isum::<32>(&q[32 * j..], &qa[32 * j..]);
         mn += i32::from(m[j]) * sums[j];
     }
     (d, mn)
 }
 
+/// Q6_K: run `r` is sub-blocks `8r .. 8r + 8` of 16 (half of block `r / 2`).
 #[inline(always)]
-fn block_q6_k(q: &[i8], sc: &[i8], qa: &[i8], b: usize) -> (i32, i32) {
+fn run_q6_k(q: &[i8], sc: &[i8], qa: &[i8], r: usize) -> (i32, i32) {
     let (q, qa, sc) = (
-        &q[256 * b..256 * b + 256],
-        &qa[256 * b..256 * b + 256],
-        &sc[16 * b..16 * b + 16],
+        &q[RUN * r..RUN * r + RUN],
+        &qa[RUN * r..RUN * r + RUN],
+        &sc[8 * r..8 * r + 8],
     );
     let mut d = 0i32;
-    for j in 0..16 {
+    for j in 0..8 {
         d += i32::from(sc[j]) * isum::<16>(&q[16 * j..], &qa[16 * j..]);
     }
     (d, 0)
 }
 
-/// One output before the activation scale: the parts of the block reduction, each accumulated from
-/// +0.0 in increasing block order with `acc = fma(d_b, f32(D_b), acc)` then (mins formats)
-/// `acc = fma(−dmin_b, f32(M_b), acc)`, combined by [`combine_parts`].
+/// One part of an output: from +0.0 over `runs` in increasing order, `acc = fma(f32(I_r), sa_r · w_r,
+/// acc)` then (mins formats) `acc = fma(f32(M_r), sa_r · (−wmin_r), acc)`, where `w_r`, `wmin_r` are
+/// the run's weight factors.
 #[inline(always)]
-fn reduce_blocks<F: Fn(usize) -> (i32, i32)>(d: &[f32], dmin: &[f32], mins: bool, sums: F) -> f32 {
-    let bounds = part_bounds(d.len());
-    let mut parts = [0f32; PARTS];
-    for (p, part) in parts.iter_mut().enumerate() {
-        let mut acc = 0f32;
-        for b in bounds[p]..bounds[p + 1] {
-            let (db, mb) = sums(b);
-            // i32 → f32 rounds to nearest even when |D_b| > 2^24 (possible only for K-quants).
-            acc = d[b].mul_add(db as f32, acc);
-            if mins {
-                acc = (-dmin[b]).mul_add(mb as f32, acc);
-            }
+fn accumulate_runs<F, W>(sa: &[f32], runs: Range<usize>, mins: bool, factors: W, sums: F) -> f32
+where
+    F: Fn(usize) -> (i32, i32),
+    W: Fn(usize) -> (f32, f32),
+{
+    let mut acc = 0f32;
+    for r in runs {
+        let (i, mn) = sums(r);
+        let (wr, wmin) = factors(r);
+        // i32 → f32 rounds to nearest even when |I_r| > 2^24 (Q5_K, Q6_K only).
+        acc = (i as f32).mul_add(sa[r] * wr, acc);
+        if mins {
+            acc = (mn as f32).mul_add(sa[r] * -wmin, acc);
         }
-        *part = acc;
     }
-    combine_parts(parts)
+    acc
 }
 
-/// The unscaled output for weight row `n` and quantized activation row `qa` (with its 32-element sums
-/// for Q4_K/Q5_K). Multiply by the activation scale to get `y`.
+/// The part of the output of weight row `n` and quantized activation row `qa` (run scales `sa`,
+/// 32-element sums for Q4_K/Q5_K) over the runs `runs` (a range of `0..⌈cols/128⌉`): what one device
+/// of a tensor-parallel split computes for the runs it holds.
 #[inline(always)]
-pub fn row_dot(w: &QuantWeight, n: usize, qa: &[i8], sums: &[i32]) -> f32 {
+pub fn row_part(
+    w: &QuantWeight,
+    n: usize,
+    qa: &[i8],
+    sa: &[f32],
+    sums: &[i32],
+    runs: Range<usize>,
+) -> f32 {
     let (q, sc, m) = (w.row_q(n), w.row_sub_scales(n), w.row_sub_mins(n));
     let (d, dmin) = (w.row_d(n), w.row_dmin(n));
     match w.format() {
-        WeightFormat::Q8_0 => reduce_blocks(d, dmin, false, |b| block_q8_0(q, qa, b)),
-        WeightFormat::Q4K | WeightFormat::Q5K => {
-            reduce_blocks(d, dmin, true, |b| block_k32(q, sc, m, qa, sums, b))
+        WeightFormat::Q8_0 => {
+            accumulate_runs(sa, runs, false, |r| (d[r], 0.0), |r| run_q8_0(q, qa, r))
         }
-        WeightFormat::Q6K => reduce_blocks(d, dmin, false, |b| block_q6_k(q, sc, qa, b)),
+        WeightFormat::Q4K | WeightFormat::Q5K => accumulate_runs(
+            sa,
+            runs,
+            true,
+            |r| (d[r / 2], dmin[r / 2]),
+            |r| run_k32(q, sc, m, qa, sums, r),
+        ),
+        WeightFormat::Q6K => accumulate_runs(
+            sa,
+            runs,
+            false,
+            |r| (d[r / 2], 0.0),
+            |r| run_q6_k(q, sc, qa, r),
+        ),
     }
+}
+
+/// The output for weight row `n` and quantized activation row `qa` with its run scales `sa` (and its
+/// 32-element sums for Q4_K/Q5_K): the four [`row_part`]s of [`part_bounds`], combined by
+/// [`combine_parts`].
+#[inline(always)]
+pub fn row_dot(w: &QuantWeight, n: usize, qa: &[i8], sa: &[f32], sums: &[i32]) -> f32 {
+    let bounds = part_bounds(sa.len());
+    combine_parts(std::array::from_fn(|p| {
+        row_part(w, n, qa, sa, sums, bounds[p]..bounds[p + 1])
+    }))
 }
 
 /// The sum-group length the format needs from the activations (0: none).
@@ -138,13 +188,9 @@ fn sum_group(format: WeightFormat) -> usize {
     }
 }
 
-/// Quantizes `x` (`m × w.cols()`, row-major f32) with `scale` for `w`.
-pub fn quantize_for(
-    x: &[f32],
-    m: usize,
-    w: &QuantWeight,
-    scale: &ActivationScale,
-) -> Result<QuantizedRows> {
+/// Quantizes `x` (`m × w.cols()`, row-major f32) for `w`: per row and run, with the 32-element sums
+/// when the format has mins.
+pub fn quantize_for(x: &[f32], m: usize, w: &QuantWeight) -> Result<QuantizedRows> {
     if x.len() != m * w.cols() {
         return Err(QuantError::InputWidth {
             tensor: w.name().to_string(),
@@ -152,7 +198,7 @@ pub fn quantize_for(
             found: x.len().checked_div(m).unwrap_or(0),
         });
     }
-    quantize_rows(x, m, w.cols(), scale, sum_group(w.format()))
+    quantize_rows(x, m, w.cols(), sum_group(w.format()))
 }
 
 /// Outputs per task, and activation rows per tile inside a task.
@@ -160,33 +206,52 @@ const STRIP: usize = 32;
 const ROW_TILE: usize = 16;
 
 /// `y = x · Wᵀ` on the integer path: `x` is `m × w.cols()` f32 (row-major), the result `m × w.rows()`.
-/// Every output is [`row_dot`] of its own activation row and weight row times `scale.scale()`, so the
-/// result of a row does not depend on `m`, the other rows, the tiling or the threads.
-pub fn matmul(x: &[f32], m: usize, w: &QuantWeight, scale: &ActivationScale) -> Result<Vec<f32>> {
-    let qx = quantize_for(x, m, w, scale)?;
-    Ok(matmul_quantized(&qx, w, scale))
+/// Every output is [`row_dot`] of its own activation row (its values and run scales) and weight row,
+/// so the result of a row does not depend on `m`, the other rows, the tiling or the threads.
+pub fn matmul(x: &[f32], m: usize, w: &QuantWeight) -> Result<Vec<f32>> {
+    let qx = quantize_for(x, m, w)?;
+    matmul_quantized(&qx, w)
 }
 
 /// [`matmul`] from already quantized activations (which must have `w.cols()` columns and, for
-/// Q4_K/Q5_K weights, their 32-element sums).
-pub fn matmul_quantized(qx: &QuantizedRows, w: &QuantWeight, scale: &ActivationScale) -> Vec<f32> {
-    matmul_quantized_with(qx, w, scale, has_avx2_fma())
+/// Q4_K/Q5_K weights, their 32-element sums: [`QuantError::InputWidth`] / [`QuantError::Input`]).
+pub fn matmul_quantized(qx: &QuantizedRows, w: &QuantWeight) -> Result<Vec<f32>> {
+    matmul_quantized_with(qx, w, has_avx2_fma())
 }
 
 /// [`matmul_quantized`] with the AVX2 build of the loops (`simd`, only where the CPU has AVX2 and FMA)
 /// or the portable one; tests check that both give the same bits.
-pub fn matmul_quantized_with(
-    qx: &QuantizedRows,
-    w: &QuantWeight,
-    scale: &ActivationScale,
-    simd: bool,
-) -> Vec<f32> {
+pub fn matmul_quantized_with(qx: &QuantizedRows, w: &QuantWeight, simd: bool) -> Result<Vec<f32>> {
+    if qx.cols != w.cols() {
+        return Err(QuantError::InputWidth {
+            tensor: w.name().to_string(),
+            expected: w.cols(),
+            found: qx.cols,
+        });
+    }
+    let group = sum_group(w.format());
+    let runs = run_count(qx.cols);
+    if qx.q.len() != qx.rows * qx.cols
+        || qx.scales.len() != qx.rows * runs
+        || (group != 0 && (qx.group != group || qx.group_sums.len() != qx.rows * qx.cols / group))
+    {
+        return Err(QuantError::Input(format!(
+            "quantized activations for {:?} are inconsistent: {} values, {} scales, sums of {} ({} \
+             of them) for {} rows of {}",
+            w.name(),
+            qx.q.len(),
+            qx.scales.len(),
+            qx.group,
+            qx.group_sums.len(),
+            qx.rows,
+            qx.cols
+        )));
+    }
     let simd = simd && has_avx2_fma();
     let (m, n) = (qx.rows, w.rows());
-    let s = scale.scale();
     let mut out = vec![0f32; m * n];
     if m == 0 || n == 0 {
-        return out;
+        return Ok(out);
     }
     let strip = |n0: usize| -> Vec<f32> {
         let n1 = (n0 + STRIP).min(n);
@@ -195,10 +260,10 @@ pub fn matmul_quantized_with(
             // SAFETY: the CPU has AVX2 and FMA (checked above).
             #[cfg(target_arch = "x86_64")]
             unsafe {
-                strip_avx2(qx, w, s, (n0, n1), &mut buf)
+                strip_avx2(qx, w, (n0, n1), &mut buf)
             };
         } else {
-            strip_portable(qx, w, s, (n0, n1), &mut buf);
+            strip_portable(qx, w, (n0, n1), &mut buf);
         }
         buf
     };
@@ -215,24 +280,19 @@ pub fn matmul_quantized_with(
             out[r * n + n0..r * n + n0 + width].copy_from_slice(&buf[r * width..(r + 1) * width]);
         }
     }
-    out
+    Ok(out)
 }
 
 /// Outputs `n0..n1` of every activation row into `buf` (`m × (n1 − n0)`, row-major).
 #[inline(always)]
-fn strip_portable(
-    qx: &QuantizedRows,
-    w: &QuantWeight,
-    s: f32,
-    (n0, n1): (usize, usize),
-    buf: &mut [f32],
-) {
+fn strip_portable(qx: &QuantizedRows, w: &QuantWeight, (n0, n1): (usize, usize), buf: &mut [f32]) {
     let (m, width) = (qx.rows, n1 - n0);
     for r0 in (0..m).step_by(ROW_TILE) {
         let r1 = (r0 + ROW_TILE).min(m);
         for nn in n0..n1 {
             for r in r0..r1 {
-                buf[r * width + nn - n0] = row_dot(w, nn, qx.row(r), qx.row_sums(r)) * s;
+                buf[r * width + nn - n0] =
+                    row_dot(w, nn, qx.row(r), qx.row_scales(r), qx.row_sums(r));
             }
         }
     }
@@ -246,14 +306,8 @@ fn strip_portable(
 /// The CPU must have AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn strip_avx2(
-    qx: &QuantizedRows,
-    w: &QuantWeight,
-    s: f32,
-    range: (usize, usize),
-    buf: &mut [f32],
-) {
-    strip_portable(qx, w, s, range, buf)
+unsafe fn strip_avx2(qx: &QuantizedRows, w: &QuantWeight, range: (usize, usize), buf: &mut [f32]) {
+    strip_portable(qx, w, range, buf)
 }
 
 /// Whether this CPU runs the AVX2 + FMA build of the loops.

@@ -1,19 +1,25 @@
-//! Quantized weights as the file stores them, unpacked once into a layout the integer kernels read
-//! directly: one signed byte per weight, the integer sub-block scales and mins, and the f16 block scales
-//! widened (exactly) to f32. Nothing is re-quantized: [`QuantWeight::dequantize_row`] gives back ggml's
-//! own dequantization bit for bit.
+//! Quantized weights unpacked once into a layout the integer kernels read directly: one signed byte
+//! per weight, the integer sub-block scales and mins, and f32 scales.
+//!
+//! - Q4_K / Q5_K / Q6_K: as the file stores them (the f16 block scales widened exactly to f32);
+//!   [`QuantWeight::dequantize_row`] gives back ggml's own dequantization bit for bit.
+//! - Q8_0: **re-blocked** at load into one f32 scale per row and run of [`RUN`] inputs (or per row,
+//!   [`Q8Scales::PerRow`]): the run's scale `sw` is the largest `|d_b|` of its blocks and each weight
+//!   becomes [`reblock_value`]`(q, d_b, sw)`. The same file always gives the same integers.
 
 use half::f16;
 use prism_gguf::blocks::scale_min_k4;
 use prism_gguf::{GgmlType, QK_K};
 use rayon::prelude::*;
 
+use crate::activation::{run_count, RUN};
 use crate::error::{QuantError, Result};
 
 /// The block formats the integer path runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum WeightFormat {
-    /// Blocks of 32: `x = d·q`, `q ∈ [−128, 127]` (the quantizer writes `[−127, 127]`).
+    /// In the file, blocks of 32: `x = d·q`, `q ∈ [−128, 127]` (the quantizer writes `[−127, 127]`).
+    /// Unpacked, re-blocked: `x = sw·q'` with one `sw` per row and run of 128 ([`reblock_value`]).
     Q8_0,
     /// Super-blocks of 256 in 8 sub-blocks of 32: `x = d·sc_j·q − dmin·m_j`, `q ∈ [0, 15]`,
     /// `sc_j, m_j ∈ [0, 63]`.
@@ -83,6 +89,60 @@ impl WeightFormat {
     }
 }
 
+/// The granularity of a re-blocked Q8_0 weight's scales.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub enum Q8Scales {
+    /// One scale per row and run of [`RUN`] inputs (four Q8_0 blocks): the contract's format.
+    #[default]
+    PerRun,
+    /// One scale per row (the largest `|d_b|` of the whole row), stored once per run so that the
+    /// kernels are the same; kept to measure against (docs/correctness.md).
+    PerRow,
+}
+
+/// One re-blocked Q8_0 weight: `clamp(rint(q · d / sw), −128, 127)` where `d` is the weight's own block
+/// scale and `sw ≥ |d|` the run's (or row's) scale, both f16 values widened to f32; `sw = 0` gives 0.
+///
+/// The rational `q·d/sw` is rounded to the nearest integer, ties to even. Computing it as
+/// `(f64(q)·f64(d)) / f64(sw)` in IEEE f64 gives exactly that: `q·d` is exact (8 × 11 significant
+/// bits), the quotient is correctly rounded, an exact half-integer is representable (so stays a tie),
+/// and any other quotient is at least `2⁻¹²·2^−Δ` from a half-integer (`Δ` the exponent gap between
+/// `sw` and `d`) while the f64 error is below `2⁻³⁵·2^−Δ`, so the rounding cannot move it across one.
+/// Only `q = −128` with `d = −sw` reaches +128, which clamps to 127.
+#[inline]
+pub fn reblock_value(q: i8, d: f32, sw: f32) -> i8 {
+    if sw == 0.0 {
+        return 0;
+    }
+    let t = (f64::from(q) * f64::from(d)) / f64::from(sw);
+    t.round_ties_even().clamp(-128.0, 127.0) as i8
+}
+
+/// Re-blocks one unpacked Q8_0 row in place: `q` its `cols` integers, `d` its `cols / 32` block scales;
+/// returns the row's `⌈cols / 128⌉` scales.
+fn reblock_row(q: &mut [i8], d: &[f32], scales: Q8Scales) -> Vec<f32> {
+    let per_block = WeightFormat::Q8_0.block_len();
+    let blocks_per_run = RUN / per_block;
+    let largest = |ds: &[f32]| ds.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let runs = run_count(q.len());
+    let row_max = largest(d);
+    let sw: Vec<f32> = (0..runs)
+        .map(|r| match scales {
+            Q8Scales::PerRun => {
+                largest(&d[r * blocks_per_run..((r + 1) * blocks_per_run).min(d.len())])
+            }
+            Q8Scales::PerRow => row_max,
+        })
+        .collect();
+    for (b, (qb, &db)) in q.chunks_mut(per_block).zip(d).enumerate() {
+        let s = sw[b / blocks_per_run];
+        for v in qb {
+            *v = reblock_value(*v, db, s);
+        }
+    }
+    sw
+}
+
 /// What a quantized weight is, apart from its numbers: enough to plan a product, check an input or name
 /// the tensor in an error, also once the numbers live on a GPU only.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,24 +155,26 @@ pub struct WeightInfo {
     pub cols: usize,
 }
 
-/// A [`QuantWeight`]'s arrays moved out of it, in its layout (row-major).
-pub(crate) struct WeightArrays {
-    pub q: Vec<i8>,
-    pub sub_scales: Vec<i8>,
-    pub sub_mins: Vec<i8>,
-    pub d: Vec<f32>,
-    pub dmin: Vec<f32>,
+/// A [`QuantWeight`]'s arrays, borrowed (what a device upload copies).
+#[derive(Debug, Clone, Copy)]
+pub struct WeightArrays<'a> {
+    pub q: &'a [i8],
+    pub sub_scales: &'a [i8],
+    pub sub_mins: &'a [i8],
+    pub d: &'a [f32],
+    pub dmin: &'a [f32],
 }
 
 /// A weight matrix of `rows` outputs × `cols` inputs (GGUF `[cols, rows]`, PyTorch `(rows, cols)`) in one
 /// of the integer formats.
 ///
 /// Layout (all row-major, row `n` of the matrix owning a contiguous run of each):
-/// - `q`: `rows·cols` signed bytes, the integer weight of each element (Q8_0: `qs`; Q4_K: the nibble;
-///   Q5_K: nibble + fifth bit; Q6_K: `q − 32`);
+/// - `q`: `rows·cols` signed bytes, the integer weight of each element (Q8_0: the re-blocked `q'`;
+///   Q4_K: the nibble; Q5_K: nibble + fifth bit; Q6_K: `q − 32`);
 /// - `sub_scales`: `rows·cols/sub_len` integer scales (empty for Q8_0, whose sub-block scale is 1);
 /// - `sub_mins`: `rows·cols/sub_len` integer mins (Q4_K/Q5_K only, else empty);
-/// - `d`: `rows·cols/block_len` block scales, f16 widened to f32 (exact);
+/// - `d`: Q8_0: `rows·⌈cols/128⌉` run scales `sw`; K-quants: `rows·cols/256` block scales (f16
+///   widened to f32, exact);
 /// - `dmin`: `rows·cols/block_len` block min-scales (Q4_K/Q5_K only, else empty).
 #[derive(Debug, Clone, PartialEq)]
 pub struct QuantWeight {
@@ -225,14 +287,27 @@ fn fp16(lo: u8, hi: u8) -> f32 {
 }
 
 impl QuantWeight {
-    /// Unpacks the GGUF bytes of tensor `name` (type `ty`, `rows` rows of `cols` elements). Lengths are
-    /// checked before anything is allocated.
+    /// Unpacks the GGUF bytes of tensor `name` (type `ty`, `rows` rows of `cols` elements), Q8_0
+    /// re-blocked per row and run ([`Q8Scales::PerRun`]). Lengths are checked before anything is
+    /// allocated; a non-finite Q8_0 block scale is [`QuantError::NonFiniteScale`].
     pub fn from_gguf(
         name: &str,
         ty: GgmlType,
         bytes: &[u8],
         rows: usize,
         cols: usize,
+    ) -> Result<Self> {
+        Self::from_gguf_with(name, ty, bytes, rows, cols, Q8Scales::PerRun)
+    }
+
+    /// [`Self::from_gguf`] with the given Q8_0 scale granularity (ignored for the K-quants).
+    pub fn from_gguf_with(
+        name: &str,
+        ty: GgmlType,
+        bytes: &[u8],
+        rows: usize,
+        cols: usize,
+        q8_scales: Q8Scales,
     ) -> Result<Self> {
         let format = WeightFormat::from_ggml(ty).ok_or_else(|| QuantError::UnsupportedType {
             tensor: name.to_string(),
@@ -319,7 +394,33 @@ impl QuantWeight {
             })
             .collect();
         tasks.into_par_iter().for_each(|run| run.unpack(format));
+        if format == WeightFormat::Q8_0 {
+            w.reblock_q8_0(q8_scales)?;
+        }
         Ok(w)
+    }
+
+    /// Replaces the unpacked Q8_0 blocks (`q`, one `d` per 32) by the re-blocked integers and one
+    /// scale per row and run, row by row on the rayon pool.
+    fn reblock_q8_0(&mut self, q8_scales: Q8Scales) -> Result<()> {
+        let block = self.format.block_len();
+        if let Some(i) = self.d.iter().position(|d| !d.is_finite()) {
+            return Err(QuantError::NonFiniteScale {
+                tensor: self.name.clone(),
+                row: i / (self.cols / block),
+                col: i % (self.cols / block) * block,
+                value: self.d[i],
+            });
+        }
+        let (cols, blocks) = (self.cols, self.cols / block);
+        let scales: Vec<Vec<f32>> = self
+            .q
+            .par_chunks_mut(cols)
+            .zip(self.d.par_chunks(blocks))
+            .map(|(q, d)| reblock_row(q, d, q8_scales))
+            .collect();
+        self.d = scales.concat();
+        Ok(())
     }
 
     /// Name, format and shape.
@@ -332,22 +433,15 @@ impl QuantWeight {
         }
     }
 
-    /// The arrays, moved out (no copy).
-    pub(crate) fn into_arrays(self) -> (WeightInfo, WeightArrays) {
-        let info = WeightInfo {
-            name: self.name,
-            format: self.format,
-            rows: self.rows,
-            cols: self.cols,
-        };
-        let arrays = WeightArrays {
-            q: self.q,
-            sub_scales: self.sub_scales,
-            sub_mins: self.sub_mins,
-            d: self.d,
-            dmin: self.dmin,
-        };
-        (info, arrays)
+    /// The arrays in their layout (all row-major, see [`QuantWeight`]), empty where the format has none.
+    pub fn arrays(&self) -> WeightArrays<'_> {
+        WeightArrays {
+            q: &self.q,
+            sub_scales: &self.sub_scales,
+            sub_mins: &self.sub_mins,
+            d: &self.d,
+            dmin: &self.dmin,
+        }
     }
 
     /// The tensor's name (for error messages).
@@ -369,9 +463,12 @@ impl QuantWeight {
         self.cols
     }
 
-    /// Blocks per row.
-    pub fn blocks_per_row(&self) -> usize {
-        self.cols / self.format.block_len()
+    /// Entries of `d` per row: runs of 128 (Q8_0) or blocks of 256 (K-quants).
+    pub fn scales_per_row(&self) -> usize {
+        match self.format {
+            WeightFormat::Q8_0 => run_count(self.cols),
+            _ => self.cols / self.format.block_len(),
+        }
     }
 
     /// Integer weights of row `n` (`cols` values).
@@ -395,20 +492,21 @@ impl QuantWeight {
             .unwrap_or(&[])
     }
 
-    /// Block scales `d` of row `n`.
+    /// Scales of row `n`: per run of 128 (Q8_0, `sw`) or per block of 256 (K-quants, `d`).
     pub fn row_d(&self, n: usize) -> &[f32] {
-        let per_row = self.blocks_per_row();
+        let per_row = self.scales_per_row();
         &self.d[n * per_row..(n + 1) * per_row]
     }
 
     /// Block min-scales `dmin` of row `n` (empty unless Q4_K/Q5_K).
     pub fn row_dmin(&self, n: usize) -> &[f32] {
-        let per_row = self.blocks_per_row();
+        let per_row = self.scales_per_row();
         self.dmin.get(n * per_row..(n + 1) * per_row).unwrap_or(&[])
     }
 
-    /// Row `n` as f32, exactly as ggml's reference `dequantize_row_*` computes it (the same f32
-    /// operations in the same order), e.g. for an embedding lookup.
+    /// Row `n` as f32: for the K-quants exactly as ggml's reference `dequantize_row_*` computes it
+    /// (the same f32 operations in the same order); for Q8_0 the re-blocked values `q'·sw` the integer
+    /// path multiplies.
     pub fn dequantize_row(&self, n: usize) -> Result<Vec<f32>> {
         if n >= self.rows {
             return Err(QuantError::RowOutOfRange {
@@ -428,7 +526,7 @@ impl QuantWeight {
         for (e, (y, &qe)) in out.iter_mut().zip(q).enumerate() {
             let (b, j) = (e / self.format.block_len(), e / sub);
             *y = match self.format {
-                WeightFormat::Q8_0 => qe as f32 * d[b],
+                WeightFormat::Q8_0 => qe as f32 * d[e / RUN],
                 WeightFormat::Q4K | WeightFormat::Q5K => {
                     // ggml: d1 = d·sc, m1 = dmin·m once per sub-block, then d1·q − m1.
                     let d1 = d[b] * sc[j] as f32;
@@ -442,7 +540,7 @@ impl QuantWeight {
         Ok(out)
     }
 
-    /// The whole matrix as f32 (`rows·cols`, row-major), bit-identical to ggml's dequantization.
+    /// The whole matrix as f32 (`rows·cols`, row-major), [`Self::dequantize_row`] of every row.
     pub fn dequantize(&self) -> Result<Vec<f32>> {
         let mut out = Vec::with_capacity(self.rows * self.cols);
         for n in 0..self.rows {
@@ -487,8 +585,8 @@ impl QuantWeight {
     /// One weight whose rows are the rows of `parts`, in that order (e.g. a layer's projections that
     /// read the same input, run as one GEMM). The parts must share the format and the number of inputs
     /// ([`QuantError::ConcatFormat`], [`QuantError::ConcatCols`] name the two tensors). Each output of
-    /// the integer matmul depends only on its own row, its input and the activation scale, so the
-    /// product's columns are bit-identical to the parts' own products at the same scale. The name is
+    /// the integer matmul depends only on its own row and its input (whose scales come from the input
+    /// alone), so the product's columns are bit-identical to the parts' own products. The name is
     /// the parts' names joined by `+`.
     pub fn concat_rows(parts: &[&QuantWeight]) -> Result<QuantWeight> {
         let (first, rest) = parts.split_first().ok_or(QuantError::ConcatEmpty)?;

@@ -105,12 +105,10 @@ impl DecoderLetterModel {
                 .map(|d| d.join("config.json"))
                 .filter(|p| p.is_file());
         }
-        // int8 / w4a8: activation ranges from the calibration cache (measured once per model file).
-        let decoder = crate::calibration_prompts::load_decoder(&gguf, &options, &format, None)
-            .map_err(|e| EngineError::Model {
-                path: source.gguf.clone(),
-                source: e,
-            })?;
+        let decoder = Qwen35Model::from_gguf(&gguf, &options).map_err(|e| EngineError::Model {
+            path: source.gguf.clone(),
+            source: e,
+        })?;
         let vocab_size = decoder.vocab_size();
         for (letter, &id) in ('A'..='Z').zip(format.letter_ids().iter()) {
             if id as usize >= vocab_size {
