@@ -517,7 +517,7 @@ fn model_checks(r: &mut Report, gpu: &Device, fixtures: &std::path::Path) -> Res
             &LoadOptions {
                 device: device.clone(),
                 precision: Precision::Bf16,
-                hf_config: None,
+                ..LoadOptions::default()
             },
         )
     };

@@ -18,7 +18,7 @@ use prism_decision::engine::{Engine, EngineObserver, EngineOptions, PrefixCacheL
 use prism_decision::{
     DecisionRequest, DecoderLetterModel, LetterModel, ModelSource, RequestDefaults,
 };
-use prism_model::{LoadOptions, Precision};
+use prism_model::{LoadOptions, LoadProgress, Precision};
 use prism_server::{router, serve, ConnectionLimits, Metrics, ModelInfo, ServerConfig, Stats};
 
 /// Arguments of `prism serve`.
@@ -238,9 +238,22 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         precision_name
     );
     let started = Instant::now();
+    // A line every tenth of the decoder's layers: layers done and the file's bytes a second so far.
+    let load_started = Instant::now();
+    let progress = LoadProgress(Arc::new(move |done: usize, total: usize| {
+        let step = total.div_ceil(10).max(1);
+        if done % step == 0 || done == total {
+            let seconds = load_started.elapsed().as_secs_f64().max(1e-9);
+            say!(
+                "      layers {done}/{total}  ({:.2} GB/s)",
+                size as f64 * done as f64 / total as f64 / seconds / 1e9
+            );
+        }
+    }));
     let options = LoadOptions {
         device: device.clone(),
         precision,
+        progress: Some(progress),
         ..LoadOptions::default()
     };
     let loaded = DecoderLetterModel::load(&source, &options, args.max_tokens)

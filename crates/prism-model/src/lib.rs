@@ -42,7 +42,8 @@ pub use error::{ModelError, Result};
 pub use hf::{HfCheckpoint, HfError, HfTextConfig};
 pub use prism_quant::Q8Scales;
 pub use qwen35::{
-    argmax, shared_prefix_len, BatchItem, BatchOutput, LoadOptions, Qwen35Model, Segment,
+    argmax, shared_prefix_len, BatchItem, BatchOutput, LoadOptions, LoadProgress, Qwen35Model,
+    Segment,
 };
 pub use rope::Position3;
 pub use state::SequenceState;

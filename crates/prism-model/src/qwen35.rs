@@ -43,6 +43,8 @@ pub struct LoadOptions {
     pub precision: Precision,
     /// The Hugging Face `config.json` to cross-check the GGUF metadata against.
     pub hf_config: Option<PathBuf>,
+    /// Told after each decoder layer is loaded (for a progress display).
+    pub progress: Option<LoadProgress>,
 }
 
 impl Default for LoadOptions {
@@ -51,7 +53,19 @@ impl Default for LoadOptions {
             device: Device::Cpu,
             precision: Precision::F32,
             hf_config: None,
+            progress: None,
         }
+    }
+}
+
+/// A load's progress callback: called with (decoder layers loaded, layers in all) after each layer,
+/// from whichever loader thread finished it.
+#[derive(Clone)]
+pub struct LoadProgress(pub std::sync::Arc<dyn Fn(usize, usize) + Send + Sync>);
+
+impl std::fmt::Debug for LoadProgress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LoadProgress(..)")
     }
 }
 
@@ -441,7 +455,9 @@ impl Qwen35Model {
         };
         let final_norm = w.vector("output_norm.weight", d)?;
         let head_s = started.elapsed().as_secs_f64() - embed_s;
-        let layers = load_in_order(config.layer_kinds.len(), threads, |i| {
+        let total = config.layer_kinds.len();
+        let loaded = AtomicUsize::new(0);
+        let layers = load_in_order(total, threads, |i| {
             let kind = config
                 .layer_kinds
                 .get(i)
@@ -449,7 +465,11 @@ impl Qwen35Model {
                     layer: i,
                     reason: "no such layer in the configuration".into(),
                 })?;
-            DecoderLayer::load(w, &config, i, *kind)
+            let layer = DecoderLayer::load(w, &config, i, *kind)?;
+            if let Some(progress) = &options.progress {
+                (progress.0)(loaded.fetch_add(1, Ordering::SeqCst) + 1, total);
+            }
+            Ok(layer)
         })?;
         let rope = MRope::new(
             config.rotary_dim,
