@@ -596,7 +596,7 @@ fn integer_model_checks(r: &mut Report, gpu: &Device, fixtures: &std::path::Path
         let options = LoadOptions {
             device: gpu.clone(),
             precision,
-            hf_config: None,
+            ..LoadOptions::default()
         };
         let refused = match Qwen35Model::from_gguf(&gguf, &options) {
             Ok(_) => None,
