@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
@@ -57,23 +59,6 @@ pub struct LoadgenArgs {
     /// precisions promise; bf16 on a GPU does not).
     #[arg(long)]
     pub expect_identical: bool,
-}
-
-/// A deterministic generator (SplitMix64).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
 }
 
 const WORDS: &[&str] = &[
@@ -127,19 +112,20 @@ const WORDS: &[&str] = &[
 
 /// The built-in mix: `n` requests, a quarter of them about an evidence asked before.
 fn builtin_mix(n: usize, seed: u64) -> Vec<Vec<u8>> {
-    let mut rng = Rng(seed);
+    // ChaCha12 (rand's StdRng): the same mix for the same seed with this lock file.
+    let mut rng = StdRng::seed_from_u64(seed);
     let mut evidences: Vec<String> = Vec::new();
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
-        let state = if !evidences.is_empty() && rng.below(4) == 0 {
-            evidences[rng.below(evidences.len())].clone()
+        let state = if !evidences.is_empty() && rng.random_range(0..4) == 0 {
+            evidences[rng.random_range(0..evidences.len())].clone()
         } else {
             // ~1.3 tokens a word: 75 to 1,500 words.
-            let words = 75 + rng.below(1426);
+            let words = rng.random_range(75..=1500);
             let mut text = format!("Ticket {i}:");
             for w in 0..words {
                 text.push(' ');
-                text.push_str(WORDS[rng.below(WORDS.len())]);
+                text.push_str(WORDS[rng.random_range(0..WORDS.len())]);
                 if w % 17 == 16 {
                     text.push('.');
                 }
@@ -148,10 +134,10 @@ fn builtin_mix(n: usize, seed: u64) -> Vec<Vec<u8>> {
             text
         };
         let mut questions = serde_json::Map::new();
-        for q in 0..1 + rng.below(5) {
-            let question = match rng.below(3) {
+        for q in 0..rng.random_range(1..=5) {
+            let question = match rng.random_range(0..3) {
                 0 => {
-                    json!({"type": "noul", "instructions": format!("Does the ticket mention a {}?", WORDS[rng.below(WORDS.len())])})
+                    json!({"type": "noul", "instructions": format!("Does the ticket mention a {}?", WORDS[rng.random_range(0..WORDS.len())])})
                 }
                 1 => {
                     json!({"type": "choice", "instructions": "Which team should handle this?", "criteria": {"shipping": "Deliveries and parcels", "billing": "Payments, invoices and refunds", "technical": "Logins, errors and pages", "sales": null}})

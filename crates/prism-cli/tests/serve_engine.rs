@@ -8,12 +8,11 @@ mod serve_common;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::TcpStream;
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use serve_common::{repo_path, Server};
+use serve_common::Server;
 
 /// Sixteen distinct requests: eight evidences, two question sets each (one with a wide choice).
 fn requests() -> Vec<Vec<u8>> {
@@ -225,20 +224,6 @@ fn a_client_that_leaves_is_cancelled_and_the_others_keep_their_bytes() {
     }
 }
 
-/// Prometheus' own parser (the `prometheus_client` Python package, installed by `.ci/run` in the SDK's
-/// virtualenv): `None` when it is not there.
-fn prometheus_python() -> Option<PathBuf> {
-    let python = std::env::var_os("PRISM_SDK_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo_path("target/typesafe-sdk-venv/bin/python"));
-    let ok = python.is_file()
-        && Command::new(&python)
-            .args(["-c", "import prometheus_client.openmetrics.parser"])
-            .status()
-            .is_ok_and(|s| s.success());
-    ok.then_some(python)
-}
-
 #[test]
 fn metrics_are_openmetrics_text_that_prometheus_parses() {
     let server = Server::start(&[]);
@@ -265,12 +250,12 @@ fn metrics_are_openmetrics_text_that_prometheus_parses() {
     ] {
         assert!(text.contains(needle), "no {needle:?} in:\n{text}");
     }
-    let Some(python) = prometheus_python() else {
-        let message = "the prometheus_client Python package (installed by .ci/run in target/typesafe-sdk-venv) is missing";
-        if std::env::var("CI").is_ok_and(|v| v == "true") {
-            panic!("{message}: CI must parse /metrics with it");
-        }
-        eprintln!("SKIPPED the Prometheus parser check: {message}");
+    // Prometheus' own parser, the `prometheus_client` Python package.
+    let Some(python) = serve_common::venv_program(
+        "python",
+        &["-c", "import prometheus_client.openmetrics.parser"],
+        "the prometheus_client Python package",
+    ) else {
         return;
     };
     let script = r#"

@@ -205,6 +205,15 @@ fn same_answer(got: &DecisionResponse, want: &DecisionResponse) {
 }
 
 fn submit(engine: &Engine, request: DecisionRequest) -> mpsc::Receiver<JobResult> {
+    submit_with(engine, request, None, CancelToken::default())
+}
+
+fn submit_with(
+    engine: &Engine,
+    request: DecisionRequest,
+    deadline: Option<Instant>,
+    cancel: CancelToken,
+) -> mpsc::Receiver<JobResult> {
     let (tx, rx) = mpsc::channel();
     let prepared = engine.prepare(request).unwrap();
     engine
@@ -213,8 +222,8 @@ fn submit(engine: &Engine, request: DecisionRequest) -> mpsc::Receiver<JobResult
             Box::new(move |r| {
                 let _ = tx.send(r);
             }),
-            None,
-            CancelToken::default(),
+            deadline,
+            cancel,
         )
         .unwrap();
     rx
@@ -354,32 +363,18 @@ fn cancelled_and_expired_requests_stop_and_leave_the_others_unchanged() {
     let rx_first = submit(&engine, first.clone());
     // Queued behind the held pass: one cancelled, one already past its deadline, one normal.
     let cancel = CancelToken::default();
-    let (tx_c, rx_c) = mpsc::channel();
-    engine
-        .submit(
-            engine
-                .prepare(request("To cancel.", &[("late", NOUL)]))
-                .unwrap(),
-            Box::new(move |r| {
-                let _ = tx_c.send(r);
-            }),
-            None,
-            cancel.clone(),
-        )
-        .unwrap();
-    let (tx_d, rx_d) = mpsc::channel();
-    engine
-        .submit(
-            engine
-                .prepare(request("Too late.", &[("late", NOUL)]))
-                .unwrap(),
-            Box::new(move |r| {
-                let _ = tx_d.send(r);
-            }),
-            Some(Instant::now()),
-            CancelToken::default(),
-        )
-        .unwrap();
+    let rx_c = submit_with(
+        &engine,
+        request("To cancel.", &[("late", NOUL)]),
+        None,
+        cancel.clone(),
+    );
+    let rx_d = submit_with(
+        &engine,
+        request("Too late.", &[("late", NOUL)]),
+        Some(Instant::now()),
+        CancelToken::default(),
+    );
     let normal = request("A normal one.", &[("team", CHOICE)]);
     let rx_normal = submit(&engine, normal.clone());
     cancel.cancel();

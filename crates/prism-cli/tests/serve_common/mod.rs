@@ -18,6 +18,35 @@ pub fn repo_path(relative: &str) -> PathBuf {
         .join(relative)
 }
 
+/// A program of the Python virtualenv that `.ci/run` makes (`target/typesafe-sdk-venv`, or the directory
+/// of `PRISM_SDK_PYTHON`), if it is there and `check` (its arguments) succeeds with it. Without it the
+/// caller's check is skipped with a message naming `what`, except under `CI=true`, where that panics:
+/// CI must run it.
+pub fn venv_program(name: &str, check: &[&str], what: &str) -> Option<PathBuf> {
+    let python = std::env::var_os("PRISM_SDK_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_path("target/typesafe-sdk-venv/bin/python"));
+    let program = python.parent().map(|dir| dir.join(name));
+    let found = program.filter(|p| {
+        p.is_file()
+            && Command::new(p)
+                .args(check)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+    });
+    if found.is_none() {
+        let message =
+            format!("{what} (installed by .ci/run in target/typesafe-sdk-venv) is missing");
+        if std::env::var("CI").is_ok_and(|v| v == "true") {
+            panic!("{message}: CI must run this check");
+        }
+        eprintln!("SKIPPED: {message}");
+    }
+    found
+}
+
 /// A running `prism serve`, killed when dropped.
 pub struct Server {
     child: Child,
