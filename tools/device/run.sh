@@ -18,13 +18,13 @@
 # (The integer precisions refuse to load on CUDA since issue #20, so their benches are gone with the old
 # integer GEMM's timing steps; see git history before c6acb31.)
 #   serve27-int8 / serve27-bf16   prism serve on /tmp/s27 (int8 / bf16) and prism loadgen against it:
-#               20 variants of one short question (tools/device/short.jsonl; each sent alone first: cold,
-#               distinct evidence) and of the three-question request (shared.jsonl), then 5 s of each
-#               from 1 client (repeats: prefix-cache hits); follow-ups (followup.jsonl: 10 pairs, the
-#               second asking another question about the first one's ~1,000-token evidence, so each
-#               second request alone is a cache hit); then the built-in
-#               mix from 64 clients for $LOAD_S seconds (default 60; int8 with --expect-identical);
-#               /stats and /metrics after each; outputs serve-*.log, loadgen-*.json, stats-*.json
+#               20 variants of one short question (tools/device/short.jsonl) and of the three-question
+#               request (shared.jsonl), each sent once from 1 client (cold: new evidence); follow-ups
+#               (followup.jsonl: 10 pairs, the second asking another question about the first one's
+#               ~1,000-token evidence: a prefix-cache hit); then the built-in mix from 64 clients for
+#               $LOAD_S seconds (default 60); after each, answers re-sent alone and compared (int8 with
+#               --expect-identical); /stats and /metrics at the end; outputs serve-*.log, loadgen-*.json,
+#               stats-*.json
 # Any step: PRISM_STACKS_ON_SIGQUIT=1 in the environment and `kill -QUIT PID` on a hung prism write
 # every thread's stack to its stderr (crates/prism-cli/src/stack_dump.rs; carry an unstripped build).
 # The binary is taken from .device-carry/prism.xz (xz of a stripped `--features cuda` build; unpacked
@@ -61,12 +61,18 @@ serve27() {
         fi
     done
     echo "serve $tag ready after ${waited}s"
-    for r in short shared followup; do
-        /tmp/prism loadgen --url $url --requests tools/device/$r.jsonl --clients 1 --duration 5 $check \
-            --json-out "$OUT/loadgen-$tag-$r.json" > "$OUT/loadgen-$tag-$r.txt" 2>&1
+    # Cold: 20 distinct short / three-question requests from one client, each sent once (new evidence).
+    for r in short shared; do
+        /tmp/prism loadgen --url $url --requests tools/device/$r.jsonl --clients 1 --duration 60 \
+            --max-requests 20 --check 20 $check --json-out "$OUT/loadgen-$tag-$r.json" > "$OUT/loadgen-$tag-$r.txt" 2>&1
         echo "loadgen $tag $r rc=$?"
     done
-    /tmp/prism loadgen --url $url --clients 64 --duration "${LOAD_S:-60}" --mix-size 64 $check \
+    # Follow-ups: 10 pairs, the second asking about the first one's evidence (a prefix-cache hit).
+    /tmp/prism loadgen --url $url --requests tools/device/followup.jsonl --clients 1 --duration 60 \
+        --max-requests 20 --check 20 $check --json-out "$OUT/loadgen-$tag-followup.json" > "$OUT/loadgen-$tag-followup.txt" 2>&1
+    echo "loadgen $tag followup rc=$?"
+    # 64 clients on the built-in mix (a quarter of the requests repeat an earlier evidence).
+    /tmp/prism loadgen --url $url --clients 64 --duration "${LOAD_S:-60}" --check 128 $check \
         --json-out "$OUT/loadgen-$tag-64.json" > "$OUT/loadgen-$tag-64.txt" 2>&1
     echo "loadgen $tag 64 clients rc=$?"
     python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' \

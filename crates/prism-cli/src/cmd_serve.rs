@@ -58,10 +58,15 @@ pub struct ServeArgs {
     /// evidence is computed in chunks. Default: 8192 on the CPU, 16384 on a GPU.
     #[arg(long)]
     pub max_batch_tokens: Option<usize>,
+    /// Most prompts read out in one forward pass. Each makes a sequence state of its own during the
+    /// pass, so on a GPU this bounds a pass's memory. Default: 1024 on the CPU; on a GPU as many as half
+    /// the device memory left after the model and the prefix cache holds (at least 8).
+    #[arg(long)]
+    pub max_prompts_per_pass: Option<usize>,
     /// Most tokens the prefix cache of evidence states keeps (0: no cache).
     #[arg(long, default_value_t = 65536)]
     pub prefix_cache_tokens: usize,
-    /// Most bytes the prefix cache keeps. Default: 2 GiB on the CPU; on a GPU a quarter of the device
+    /// Most bytes the prefix cache keeps. Default: 2 GiB on the CPU; on a GPU an eighth of the device
     /// memory free after loading.
     #[arg(long)]
     pub prefix_cache_bytes: Option<u64>,
@@ -275,20 +280,37 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         );
     }
 
+    let cache_bytes = args.prefix_cache_bytes.unwrap_or(match free_memory {
+        Some((free, _)) => free / 8,
+        None => 2 << 30,
+    });
+    // One sequence state, as each prompt of a pass makes (without its K/V rows, which grow with it).
+    let state_bytes = model
+        .decoder()
+        .new_state()
+        .map(|state| state.bytes() as u64)
+        .context("cannot make a sequence state")?
+        .max(1);
+    let max_prompts_per_pass = match (args.max_prompts_per_pass, free_memory) {
+        (Some(0), _) => bail!("--max-prompts-per-pass must be at least 1"),
+        (Some(n), _) => n,
+        (None, Some((free, _))) => {
+            (free.saturating_sub(cache_bytes) / 2 / state_bytes).clamp(8, 1024) as usize
+        }
+        (None, None) => 1024,
+    };
     let engine_options = EngineOptions {
         max_batch_tokens: args
             .max_batch_tokens
             .unwrap_or(if on_gpu { 16384 } else { 8192 }),
+        max_prompts_per_pass,
         queue_size: args.queue_size,
         max_prompt_tokens: args.max_tokens,
         max_questions: args.max_questions,
         max_request_tokens: args.max_request_tokens,
         prefix_cache: PrefixCacheLimits {
             max_tokens: args.prefix_cache_tokens,
-            max_bytes: args.prefix_cache_bytes.unwrap_or(match free_memory {
-                Some((free, _)) => free / 4,
-                None => 2 << 30,
-            }),
+            max_bytes: cache_bytes,
         },
     };
     if engine_options.max_batch_tokens == 0 {
@@ -361,8 +383,9 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         say!("  WARNING: listening on {address}, reachable from other machines, without an API key (--api-key).");
     }
     say!(
-        "Ready on {base}  ({device_name}, {precision_name}, {} tokens a pass, prefix cache {} tokens / {:.2} GB, queue {}, timeout {} s, {} connections, body limit {} bytes, API key {})",
+        "Ready on {base}  ({device_name}, {precision_name}, {} tokens and {} prompts a pass, prefix cache {} tokens / {:.2} GB, queue {}, timeout {} s, {} connections, body limit {} bytes, API key {})",
         engine_options.max_batch_tokens,
+        engine_options.max_prompts_per_pass,
         engine_options.prefix_cache.max_tokens,
         engine_options.prefix_cache.max_bytes as f64 / 1e9,
         args.queue_size,

@@ -301,7 +301,7 @@ fn loadgen_checks_every_answer_under_load_and_reports() {
     let run = Command::new(env!("CARGO_BIN_EXE_prism"))
         .args(["loadgen", "--url", &format!("http://{}", server.addr)])
         .args(["--sweep", "1,4", "--duration", "2", "--mix-size", "8"])
-        .arg("--expect-identical")
+        .args(["--check", "8", "--expect-identical"])
         .arg("--json-out")
         .arg(&out)
         .output()
@@ -315,22 +315,47 @@ fn loadgen_checks_every_answer_under_load_and_reports() {
     let report: Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
     let _ = std::fs::remove_file(&out);
     assert_eq!(report["distinct_requests"], 8);
-    assert_eq!(report["alone"]["client_ms"].as_array().unwrap().len(), 8);
-    assert!(report["alone"]["server_ms"][0].as_f64().unwrap() > 0.0);
     let levels = report["levels"].as_array().unwrap();
     assert_eq!(levels.len(), 2);
     for (level, clients) in levels.iter().zip([1, 4]) {
         assert_eq!(level["clients"], clients);
         assert!(level["answered"].as_u64().unwrap() >= 1, "{level}");
-        assert_eq!(level["answer_mismatches"], 0);
         assert_eq!(level["transport_errors"], 0);
         assert!(level["latency_ms"]["p50"].as_f64().unwrap() > 0.0);
         assert!(level["requests_per_s"].as_f64().unwrap() > 0.0);
     }
-    // The server saw the load: the alone pass plus both levels.
+    // Every distinct request answered under load was sent again alone: same bytes.
+    let answered = report["distinct_answered"].as_u64().unwrap();
+    assert!(answered >= 1);
+    assert_eq!(report["check"]["checked"], answered);
+    assert_eq!(report["check"]["mismatches"], 0);
+    // The server saw the load and the check.
     let stats = server.get("/stats").json();
-    let answered: u64 = levels.iter().map(|l| l["answered"].as_u64().unwrap()).sum();
-    assert!(stats["requests"]["decisions"].as_u64().unwrap() >= answered + 8);
+    let under_load: u64 = levels.iter().map(|l| l["answered"].as_u64().unwrap()).sum();
+    assert!(stats["requests"]["decisions"].as_u64().unwrap() >= under_load + answered);
+
+    // --max-requests stops a level after that many requests.
+    let run = Command::new(env!("CARGO_BIN_EXE_prism"))
+        .args(["loadgen", "--url", &format!("http://{}", server.addr)])
+        .args([
+            "--clients",
+            "2",
+            "--duration",
+            "60",
+            "--max-requests",
+            "5",
+            "--mix-size",
+            "8",
+        ])
+        .args(["--check", "0", "--json-out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(run.status.success());
+    let report: Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&out);
+    assert_eq!(report["levels"][0]["answered"], 5);
+    assert!(report["levels"][0]["seconds"].as_f64().unwrap() < 30.0);
 }
 
 #[test]

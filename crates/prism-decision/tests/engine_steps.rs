@@ -80,6 +80,8 @@ struct Fake {
     log: Arc<Mutex<Vec<PassLog>>>,
     /// The first pass waits for a message (so requests pile up behind it).
     hold_first: Option<mpsc::Receiver<()>>,
+    /// Passes begun (the held one counts from its start).
+    entered: Arc<AtomicUsize>,
     /// A pass holding this byte sequence anywhere fails.
     poison: Option<Vec<u32>>,
 }
@@ -95,6 +97,7 @@ impl PassModel for Fake {
         &mut self,
         groups: &[GroupInput<'_, Vec<u32>>],
     ) -> Result<Vec<GroupOutput<Vec<u32>>>, ModelError> {
+        self.entered.fetch_add(1, Ordering::SeqCst);
         if let Some(gate) = self.hold_first.take() {
             let _ = gate.recv_timeout(Duration::from_secs(20));
         }
@@ -150,11 +153,14 @@ fn start(
     Engine,
     prism_decision::EngineWorker,
     Arc<Mutex<Vec<PassLog>>>,
+    Arc<AtomicUsize>,
 ) {
     let log = Arc::new(Mutex::new(Vec::new()));
+    let entered = Arc::new(AtomicUsize::new(0));
     let fake = Fake {
         log: log.clone(),
         hold_first,
+        entered: entered.clone(),
         poison: poison.map(|p| p.bytes().map(u32::from).collect()),
     };
     let (engine, worker) = Engine::start(
@@ -165,7 +171,7 @@ fn start(
         None,
     )
     .unwrap();
-    (engine, worker, log)
+    (engine, worker, log, entered)
 }
 
 fn request(state: &str, questions: &[(&str, &str)]) -> DecisionRequest {
@@ -232,7 +238,7 @@ fn submit_with(
 #[test]
 fn requests_share_passes_and_answer_as_alone() {
     let (go, gate) = mpsc::channel();
-    let (engine, worker, log) = start(EngineOptions::default(), Some(gate), None);
+    let (engine, worker, log, _) = start(EngineOptions::default(), Some(gate), None);
     let wide = wide();
     let mut requests = Vec::new();
     for i in 0..24 {
@@ -272,7 +278,7 @@ fn requests_share_passes_and_answer_as_alone() {
 
 #[test]
 fn a_repeated_evidence_comes_from_the_prefix_cache_with_the_same_answer() {
-    let (engine, worker, log) = start(EngineOptions::default(), None, None);
+    let (engine, worker, log, _) = start(EngineOptions::default(), None, None);
     let state = "A long complaint about a crushed parcel that arrived two days late.";
     let first = request(state, &[("late", NOUL), ("team", CHOICE)]);
     let follow_up = request(state, &[("mood", SCORE)]);
@@ -309,7 +315,7 @@ fn a_tiny_cache_evicts_and_answers_stay_the_same() {
         },
         ..EngineOptions::default()
     };
-    let (engine, worker, _) = start(options, None, None);
+    let (engine, worker, _, _) = start(options, None, None);
     for round in 0..2 {
         for i in 0..6 {
             let r = request(
@@ -335,7 +341,7 @@ fn long_evidence_is_computed_in_chunks_and_others_are_not_held_back() {
         ..EngineOptions::default()
     };
     let (go, gate) = mpsc::channel();
-    let (engine, worker, log) = start(options, Some(gate), None);
+    let (engine, worker, log, _) = start(options, Some(gate), None);
     let long_state = "The customer wrote at length. ".repeat(60); // ~1,800 tokens
     let long = request(&long_state, &[("late", NOUL), ("team", CHOICE)]);
     let short = request("Short note.", &[("late", NOUL)]);
@@ -358,9 +364,13 @@ fn long_evidence_is_computed_in_chunks_and_others_are_not_held_back() {
 #[test]
 fn cancelled_and_expired_requests_stop_and_leave_the_others_unchanged() {
     let (go, gate) = mpsc::channel();
-    let (engine, worker, _) = start(EngineOptions::default(), Some(gate), None);
+    let (engine, worker, _, entered) = start(EngineOptions::default(), Some(gate), None);
     let first = request("The first one holds the pass.", &[("late", NOUL)]);
     let rx_first = submit(&engine, first.clone());
+    // The others arrive while the first pass runs.
+    while entered.load(Ordering::SeqCst) == 0 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
     // Queued behind the held pass: one cancelled, one already past its deadline, one normal.
     let cancel = CancelToken::default();
     let rx_c = submit_with(
@@ -398,7 +408,7 @@ fn cancelled_and_expired_requests_stop_and_leave_the_others_unchanged() {
 #[test]
 fn a_failing_pass_is_retried_one_request_at_a_time() {
     let (go, gate) = mpsc::channel();
-    let (engine, worker, _) = start(EngineOptions::default(), Some(gate), Some("POISON"));
+    let (engine, worker, _, _) = start(EngineOptions::default(), Some(gate), Some("POISON"));
     let good: Vec<DecisionRequest> = (0..3)
         .map(|i| request(&format!("Fine evidence {i}."), &[("late", NOUL)]))
         .collect();
@@ -440,7 +450,7 @@ fn a_full_queue_is_refused_and_long_prompts_get_a_422() {
         max_request_tokens: 1000,
         ..EngineOptions::default()
     };
-    let (engine, worker, log) = start(options, Some(gate), None);
+    let (engine, worker, log, _) = start(options, Some(gate), None);
     let r = request("Queue.", &[("late", NOUL)]);
     let first = submit(&engine, r.clone());
     // Wait until the loop holds the first request inside its pass.
@@ -485,6 +495,40 @@ fn a_full_queue_is_refused_and_long_prompts_get_a_422() {
         assert!(rx.recv().unwrap().is_ok());
     }
     assert!(!log.lock().unwrap().is_empty());
+    drop(engine);
+    worker.join();
+}
+
+#[test]
+fn passes_hold_at_most_max_prompts_per_pass() {
+    let (go, gate) = mpsc::channel();
+    let options = EngineOptions {
+        max_prompts_per_pass: 4,
+        ..EngineOptions::default()
+    };
+    let (engine, worker, log, _) = start(options, Some(gate), None);
+    let mut requests = Vec::new();
+    for i in 0..12 {
+        let state = format!("Ticket {i}: the parcel arrived late.");
+        let questions: Vec<(&str, &str)> = if i % 2 == 0 {
+            vec![("late", NOUL), ("team", CHOICE), ("mood", SCORE)]
+        } else {
+            vec![("late", NOUL)]
+        };
+        requests.push(request(&state, &questions));
+    }
+    let receivers: Vec<_> = requests
+        .iter()
+        .map(|r| submit(&engine, r.clone()))
+        .collect();
+    go.send(()).unwrap();
+    for (request, rx) in requests.iter().zip(receivers) {
+        same_answer(&rx.recv().unwrap().unwrap().response, &alone(request));
+    }
+    let passes = log.lock().unwrap().clone();
+    assert!(passes.iter().all(|p| p.branches <= 4), "{passes:?}");
+    assert!(passes.iter().any(|p| p.branches == 4), "{passes:?}");
+    assert!(engine.stats().max_prompts_per_pass <= 4);
     drop(engine);
     worker.join();
 }

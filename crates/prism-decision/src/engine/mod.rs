@@ -48,6 +48,10 @@ pub struct EngineOptions {
     /// than this is computed in chunks over several passes; a single question longer than this still
     /// runs, alone.
     pub max_batch_tokens: usize,
+    /// Most prompts read out in one forward pass (`--max-prompts-per-pass`). Each prompt's branch makes
+    /// a sequence state of its own during the pass (a 27B model's is ~360 MB on a GPU), so on a GPU
+    /// this bounds a pass's memory; the server sizes it from the free device memory.
+    pub max_prompts_per_pass: usize,
     /// Requests that may wait to be admitted (`--queue-size`); beyond, [`SubmitError::QueueFull`].
     pub queue_size: usize,
     /// Longest prompt accepted, in tokens (`--max-tokens`); longer ones are refused with a 422.
@@ -66,6 +70,7 @@ impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
             max_batch_tokens: 8192,
+            max_prompts_per_pass: 1024,
             queue_size: 64,
             max_prompt_tokens: 32768,
             max_questions: 128,
@@ -277,6 +282,7 @@ impl Engine {
         config.validate()?;
         let options = EngineOptions {
             max_batch_tokens: options.max_batch_tokens.max(1),
+            max_prompts_per_pass: options.max_prompts_per_pass.max(1),
             queue_size: options.queue_size.max(1),
             ..options
         };

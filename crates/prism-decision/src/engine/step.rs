@@ -215,6 +215,8 @@ impl<M: PassModel> StepLoop<M> {
     /// Packs the pass: oldest first, within the token budget.
     fn plan(&mut self) -> (Vec<Planned>, PassRecord) {
         let mut budget = self.options.max_batch_tokens;
+        // Prompts still allowed in this pass (a request's prompts go in together or not at all).
+        let mut prompt_room = self.options.max_prompts_per_pass;
         let mut groups: Vec<Planned> = Vec::new();
         let mut record = PassRecord {
             requests: 0,
@@ -255,6 +257,9 @@ impl<M: PassModel> StepLoop<M> {
             let a = &self.active[i];
             let branch = a.branch_tokens();
             let key_len = a.key.len();
+            // Too many prompts for what is left of this pass: its evidence may still make progress
+            // below, but its questions wait (the oldest request's always go in).
+            let prompts_fit = empty || a.prompts.len() <= prompt_room;
             let start = a.start();
             let rest = key_len - start;
             // Another request of this pass computes the same evidence from the same point: branch
@@ -267,14 +272,16 @@ impl<M: PassModel> StepLoop<M> {
                         && self.active[g.members[0].0].key == a.key
                 });
                 if let Some(g) = same {
-                    if branch <= budget {
+                    if branch <= budget && prompts_fit {
                         groups[g].members.push((i, true));
                         budget -= branch;
+                        prompt_room = prompt_room.saturating_sub(a.prompts.len());
                     }
                     continue;
                 }
             }
-            if rest + branch <= budget || (empty && rest == 0) {
+            if prompts_fit && (rest + branch <= budget || (empty && rest == 0)) {
+                prompt_room = prompt_room.saturating_sub(a.prompts.len());
                 groups.push(Planned {
                     members: vec![(i, true)],
                     from: start,
