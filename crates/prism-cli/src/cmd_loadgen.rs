@@ -353,21 +353,29 @@ fn run_level(level: Level<'_>) -> Value {
     })
 }
 
-/// Every number in `a`'s and `b`'s answers, paired by path: the largest absolute difference (`None`
-/// when the two answers do not have the same shape).
-fn max_difference(a: &Value, b: &Value) -> Option<f64> {
+/// Compares two answers leaf by leaf: the largest absolute difference of paired numbers, and the
+/// count of other leaves that differ (a flipped `choice`, a different shape).
+fn compare(a: &Value, b: &Value, max_diff: &mut f64, other: &mut u64) {
     match (a, b) {
-        (Value::Number(x), Value::Number(y)) => Some((x.as_f64()? - y.as_f64()?).abs()),
+        (Value::Number(x), Value::Number(y)) => match (x.as_f64(), y.as_f64()) {
+            (Some(x), Some(y)) => *max_diff = max_diff.max((x - y).abs()),
+            _ => *other += 1,
+        },
         (Value::Object(x), Value::Object(y)) if x.len() == y.len() => {
-            x.iter().try_fold(0.0f64, |m, (k, v)| {
-                Some(m.max(max_difference(v, y.get(k)?)?))
-            })
+            for (k, v) in x {
+                match y.get(k) {
+                    Some(w) => compare(v, w, max_diff, other),
+                    None => *other += 1,
+                }
+            }
         }
-        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => x
-            .iter()
-            .zip(y)
-            .try_fold(0.0f64, |m, (v, w)| Some(m.max(max_difference(v, w)?))),
-        _ => (a == b).then_some(0.0),
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => {
+            for (v, w) in x.iter().zip(y) {
+                compare(v, w, max_diff, other);
+            }
+        }
+        _ if a == b => {}
+        _ => *other += 1,
     }
 }
 
@@ -384,6 +392,8 @@ fn check(
     let step = indices.len().div_ceil(count.max(1)).max(1);
     let (mut checked, mut mismatches, mut refused) = (0u64, 0u64, 0u64);
     let mut max_diff = 0.0f64;
+    // Leaves other than numbers that differ: a different `choice` is a flipped decision.
+    let mut flips = 0u64;
     let mut first_mismatch = Value::Null;
     for &r in indices.iter().step_by(step).take(count) {
         let under_load = &answered[&r];
@@ -398,9 +408,12 @@ fn check(
             mismatches += 1;
             let parse = |b: &[u8]| serde_json::from_slice::<Value>(b).unwrap_or(Value::Null);
             let (alone, loaded) = (parse(&sent.body), parse(under_load));
-            let diff =
-                max_difference(&alone["answers"], &loaded["answers"]).unwrap_or(f64::INFINITY);
-            max_diff = max_diff.max(diff);
+            compare(
+                &alone["answers"],
+                &loaded["answers"],
+                &mut max_diff,
+                &mut flips,
+            );
             if first_mismatch.is_null() {
                 first_mismatch = json!({"request": r, "alone": alone["answers"], "under_load": loaded["answers"]});
             }
@@ -411,6 +424,7 @@ fn check(
         "refused_alone": refused,
         "mismatches": mismatches,
         "max_abs_difference": max_diff,
+        "other_differences": flips,
         "first_mismatch": first_mismatch,
     }))
 }
@@ -486,8 +500,8 @@ pub fn run(args: &LoadgenArgs) -> Result<()> {
     if !checked.is_null() {
         writeln!(
             out,
-            "check: {} requests sent again alone, {mismatches} answered differently (largest difference {})",
-            checked["checked"], checked["max_abs_difference"]
+            "check: {} requests sent again alone, {mismatches} answered differently (largest difference of a number {}, other fields differing {})",
+            checked["checked"], checked["max_abs_difference"], checked["other_differences"]
         )?;
     }
     if let Some(path) = &args.json_out {
