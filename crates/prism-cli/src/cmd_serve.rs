@@ -58,8 +58,8 @@ pub struct ServeArgs {
     /// evidence is computed in chunks. Default: 8192 on the CPU, 16384 on a GPU.
     #[arg(long)]
     pub max_batch_tokens: Option<usize>,
-    /// Most prompts read out in one forward pass. Each makes a sequence state of its own during the
-    /// pass, so on a GPU this bounds a pass's memory. Default: 1024 on the CPU; on a GPU as many as half
+    /// Most sequence states one forward pass makes: one per prompt read out, one per evidence computed.
+    /// On a GPU this bounds a pass's memory. Default: 1024 on the CPU; on a GPU as many as a sixth of
     /// the device memory left after the model and the prefix cache holds (at least 8).
     #[arg(long)]
     pub max_prompts_per_pass: Option<usize>,
@@ -295,7 +295,10 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         (Some(0), _) => bail!("--max-prompts-per-pass must be at least 1"),
         (Some(n), _) => n,
         (None, Some((free, _))) => {
-            (free.saturating_sub(cache_bytes) / 2 / state_bytes).clamp(8, 1024) as usize
+            // A sixth of what the cache leaves: measured on the H200 (27B bf16, 2026-12-01), half
+            // of it ran out of memory under 16 and 64 clients (the pool's fragments, the pass's
+            // activations and the delta rule's buffers come on top of the states).
+            (free.saturating_sub(cache_bytes) / 6 / state_bytes).clamp(8, 1024) as usize
         }
         (None, None) => 1024,
     };

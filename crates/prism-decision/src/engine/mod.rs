@@ -48,9 +48,10 @@ pub struct EngineOptions {
     /// than this is computed in chunks over several passes; a single question longer than this still
     /// runs, alone.
     pub max_batch_tokens: usize,
-    /// Most prompts read out in one forward pass (`--max-prompts-per-pass`). Each prompt's branch makes
-    /// a sequence state of its own during the pass (a 27B model's is ~360 MB on a GPU), so on a GPU
-    /// this bounds a pass's memory; the server sizes it from the free device memory.
+    /// Most sequence states one forward pass makes (`--max-prompts-per-pass`): one per prompt read out
+    /// and one per evidence (or evidence chunk) computed. Each is a whole state (a 27B model's is ~300
+    /// MB on a GPU), so on a GPU this bounds a pass's memory; the server sizes it from the free device
+    /// memory.
     pub max_prompts_per_pass: usize,
     /// Requests that may wait to be admitted (`--queue-size`); beyond, [`SubmitError::QueueFull`].
     pub queue_size: usize,

@@ -215,7 +215,8 @@ impl<M: PassModel> StepLoop<M> {
     /// Packs the pass: oldest first, within the token budget.
     fn plan(&mut self) -> (Vec<Planned>, PassRecord) {
         let mut budget = self.options.max_batch_tokens;
-        // Prompts still allowed in this pass (a request's prompts go in together or not at all).
+        // States still allowed in this pass: one per prompt read out, one per evidence computed (a
+        // request's prompts go in together or not at all).
         let mut prompt_room = self.options.max_prompts_per_pass;
         let mut groups: Vec<Planned> = Vec::new();
         let mut record = PassRecord {
@@ -280,8 +281,11 @@ impl<M: PassModel> StepLoop<M> {
                     continue;
                 }
             }
+            // A group computing evidence makes one more state (its root's): it counts as a prompt.
+            let states = a.prompts.len() + usize::from(rest > 0);
+            let prompts_fit = empty || states <= prompt_room;
             if prompts_fit && (rest + branch <= budget || (empty && rest == 0)) {
-                prompt_room = prompt_room.saturating_sub(a.prompts.len());
+                prompt_room = prompt_room.saturating_sub(states);
                 groups.push(Planned {
                     members: vec![(i, true)],
                     from: start,
@@ -309,9 +313,10 @@ impl<M: PassModel> StepLoop<M> {
                     aligned => aligned,
                 }
             };
-            if chunk == 0 || (!empty && chunk < CHUNK_ALIGN.min(rest)) {
+            if chunk == 0 || (!empty && (chunk < CHUNK_ALIGN.min(rest) || prompt_room == 0)) {
                 continue;
             }
+            prompt_room = prompt_room.saturating_sub(1);
             groups.push(Planned {
                 members: vec![(i, false)],
                 from: start,
