@@ -55,7 +55,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 262_144)]
     pub max_request_tokens: usize,
     /// Most tokens computed in one forward pass; requests are packed into passes up to it, and longer
-    /// evidence is computed in chunks. Default: 8192 on the CPU, 16384 on a GPU.
+    /// evidence is computed in chunks. (On the H200, 27B bf16 passes of ~10-16k tokens from many
+    /// requests ran out of memory on 2026-12-01; 8,192 is the default until that is understood.)
     #[arg(long)]
     pub max_batch_tokens: Option<usize>,
     /// Most sequence states one forward pass makes: one per prompt read out, one per evidence computed.
@@ -305,7 +306,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let engine_options = EngineOptions {
         max_batch_tokens: args
             .max_batch_tokens
-            .unwrap_or(if on_gpu { 16384 } else { 8192 }),
+            .unwrap_or(8192),
         max_prompts_per_pass,
         queue_size: args.queue_size,
         max_prompt_tokens: args.max_tokens,
