@@ -66,7 +66,7 @@ HOSTILE = [
     b'{"state": "s", "questions": {"q": {"type": "noul", "instructions": "x"}}, "gate": 7}',
     b'{"state": "s", "questions": {"q": {"type": "noul", "instructions": "x"}}, "think_mode": "always"}',
     b'{"state": "\\ud800", "questions": {"q": {"type": "noul", "instructions": "x"}}}',
-    b'{"state": 1e999999, "questions": {"q": {"type": "noul", "instructions": "x"}}}',
+    b'{"state": "s", "questions": {"q": {"type": "noul", "instructions": "x"}}, "return_details": "yes"}',
     b'\xff\xfe\x00garbage',
     b'{"state": "s", "questions": {"q": {"type": "noul", "instructions": "x"}}, "images": ["!!!"]}',
 ]
