@@ -304,9 +304,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         (None, None) => 1024,
     };
     let engine_options = EngineOptions {
-        max_batch_tokens: args
-            .max_batch_tokens
-            .unwrap_or(8192),
+        max_batch_tokens: args.max_batch_tokens.unwrap_or(8192),
         max_prompts_per_pass,
         queue_size: args.queue_size,
         max_prompt_tokens: args.max_tokens,

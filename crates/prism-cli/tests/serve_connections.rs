@@ -113,3 +113,20 @@ fn a_half_sent_header_does_not_hold_shutdown() {
         started.elapsed()
     );
 }
+
+#[test]
+fn a_body_too_slow_is_a_408_counted_apart_from_504s() {
+    let server = Server::start(&["--timeout", "0.5"]);
+    let mut slow = TcpStream::connect(server.addr).unwrap();
+    slow.write_all(
+        b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"state\"",
+    )
+    .unwrap();
+    let (bytes, _) = read_until_closed(&mut slow, Duration::from_secs(10));
+    let text = String::from_utf8_lossy(&bytes);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    let stats = server.get("/stats").json();
+    assert_eq!(stats["requests"]["body_timed_out"], 1);
+    assert_eq!(stats["requests"]["timed_out"], 0);
+    assert_eq!(stats["requests"]["by_status"]["408"], 1);
+}

@@ -473,7 +473,7 @@ async fn decide(
     let bytes = match tokio::time::timeout(config.request_timeout, read_body(body, limit)).await {
         Ok(bytes) => bytes?,
         Err(_) => {
-            state.stats.record_timeout();
+            state.stats.record_body_timeout();
             return Err(ApiError::new(
                 StatusCode::REQUEST_TIMEOUT,
                 loc(["body"]),

@@ -57,6 +57,7 @@ struct Counters {
     cached_tokens: u64,
     queue_full: u64,
     timed_out: u64,
+    body_timed_out: u64,
     client_gone: u64,
 }
 
@@ -130,8 +131,14 @@ impl Stats {
         self.with(|c| c.client_gone += 1);
     }
 
+    /// A request not answered within `--timeout` (504).
     pub fn record_timeout(&self) {
         self.with(|c| c.timed_out += 1);
+    }
+
+    /// A request whose body had not arrived within `--timeout` (408).
+    pub fn record_body_timeout(&self) {
+        self.with(|c| c.body_timed_out += 1);
     }
 
     /// The `/stats` body.
@@ -155,6 +162,7 @@ impl Stats {
                     "questions": c.questions,
                     "rejected_queue_full": c.queue_full,
                     "timed_out": c.timed_out,
+                    "body_timed_out": c.body_timed_out,
                     "client_closed": c.client_gone,
                 },
                 "tokens": {"input": c.input_tokens, "output": c.output_tokens, "from_prefix_cache": c.cached_tokens},
