@@ -21,10 +21,13 @@ __device__ __forceinline__ float warp_max(float v) {
 // One warp per (row, run of 128): lane l holds the run's elements 4l .. 4l + 3 (a shorter last run:
 // the missing elements are 0). Writes the int8 values, the run scale sa, the sums of each 32 values
 // (want_sums: Q4_K / Q5_K, whose rows are whole 256-blocks) and, for a row holding a NaN or ±inf,
-// bad_rows[row] = 1 (the buffer is zeroed before the launch). rows · runs warps; the block size is a
+// bad_rows[row] = 1 (the buffer is zeroed before the launch). The scale of (row, run) goes to
+// sa[row · sa_row_stride + run · sa_run_stride]: row-major [rows, runs] for the simple kernels,
+// run-major [runs, ld] for the Hopper tile. rows · runs warps; the block size is a
 // multiple of 32.
 extern "C" __global__ void quantize_act_run128(const float* __restrict__ x, int rows, int cols,
                                                signed char* __restrict__ qa, float* __restrict__ sa,
+                                               int sa_row_stride, int sa_run_stride,
                                                int* __restrict__ sums32, int want_sums,
                                                unsigned int* __restrict__ bad_rows) {
     const int runs = (cols + RUN - 1) / RUN;
@@ -60,7 +63,7 @@ extern "C" __global__ void quantize_act_run128(const float* __restrict__ x, int 
         part += q;
         if (4 * lane + i < len) qr[4 * lane + i] = (signed char)q;
     }
-    if (lane == 0) sa[(size_t)row * runs + run] = s;
+    if (lane == 0) sa[(size_t)row * sa_row_stride + (size_t)run * sa_run_stride] = s;
     if (want_sums) {
         // Lanes 8g .. 8g + 7 hold the 32 values of group g of the run.
         part += __shfl_xor_sync(0xffffffffu, part, 1);
@@ -157,3 +160,242 @@ __device__ void qgemm_simt(const signed char* __restrict__ qa, const float* __re
 QGEMM_ENTRY(qgemm_run128_q8_0, 0)
 QGEMM_ENTRY(qgemm_run128_k32, 1)
 QGEMM_ENTRY(qgemm_run128_q6k, 2)
+
+// ===================================================================================================
+// The Q8_0 tile for Hopper (sm_90a): warpgroup MMA fed by TMA, warp-specialized. The same bits as
+// qgemm_run128_q8_0 above; only which thread does which output's work differs, never the order of an
+// output's float operations.
+//
+// CTA tile: 128 activation rows × 128 weight rows; one stage is one run (128 bytes of K) of both, plus
+// the run's 128 activation scales and 128 weight scales. Warpgroup 0 is the producer (one thread issues
+// the stage's two TMA boxes and two bulk copies of scales); warpgroups 1 and 2 each own 64 activation
+// rows × 128 outputs: per run four wgmma m64n128k32 (the first with scale-d = 0) give the run's exact
+// int32 sums I_r in 64 registers a thread, then every output takes
+//   acc = fma(f32(I_r), sa_r · sw_r, acc)
+// with f32(I_r) exact as (bits(I_r + 0x4B400000) − 1.5·2^23) (|I_r| ≤ 2,080,768 < 2^22). The four
+// parts: part 0's result is parked in shared memory (the slot), part 1 is added to it there, part 2
+// stays in registers while part 3 runs, then y = slot + (p2 + p3).
+//
+// Layouts: qa [M, K] and q [N, K] bytes (TMA maps, boxes of 128 bytes × 128 rows, 128-byte swizzle;
+// rows and bytes past the tensor read as zero); activation scales sa_t [R, ldsa] (ldsa a multiple of 128
+// ≥ M), weight scales sw_t [R, ldsw] (ldsw a multiple of 128 ≥ N, zero past N).
+// ===================================================================================================
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define HAVE_WGMMA 1
+#endif
+
+struct alignas(64) TmaDesc {
+    unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+#ifdef HAVE_WGMMA
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_warp(unsigned long long* bar) {
+    asm volatile(
+        "{\n"
+        ".reg .pred leader;\n"
+        "elect.sync _|leader, 0xffffffff;\n"
+        "@leader mbarrier.arrive.shared.b64 _, [%0];\n"
+        "}\n" ::"r"(smem_addr(bar))
+        : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+// One 2-D box of `tmap` at (c0 = byte of K, c1 = row) into shared memory at `dst`.
+__device__ __forceinline__ void tma_load_2d(void* dst, const TmaDesc* tmap, int c0, int c1,
+                                            unsigned long long* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+        "[%4];\n" ::"r"(smem_addr(dst)),
+        "l"(reinterpret_cast<unsigned long long>(tmap)), "r"(c0), "r"(c1), "r"(smem_addr(bar))
+        : "memory");
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+            smem_addr(dst)),
+        "l"(src), "r"(bytes), "r"(smem_addr(bar))
+        : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* tmap) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(tmap)) : "memory");
+}
+// A K-major operand in shared memory with the 128-byte swizzle (rows of 128 bytes, 8-row groups 1,024
+// bytes apart); a 32-byte K slice of a tile that starts on a 1,024-byte boundary is an offset of it.
+__device__ __forceinline__ unsigned long long wgmma_desc(unsigned smem_address) {
+    return (unsigned long long)((smem_address & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) |
+           (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// d = a·b (scale_d = 0) or d += a·b, m64n128k32 s8 × s8 → s32. Register i of a thread of warp w (of
+// the warpgroup), lane l: row 16·w + l/4 + 8·((i >> 1) & 1), column 8·(i >> 2) + 2·(l % 4) + (i & 1).
+__device__ __forceinline__ void wgmma_m64n128k32_s8(int (&d)[64], unsigned long long da, unsigned long long db,
+                                                    int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p;\n}\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+        : "l"(da), "l"(db), "r"(scale_d)
+        : "memory");
+}
+#endif
+
+#define QW_BM 128
+#define QW_BN 128
+#define QW_STAGES 4
+// A stage: A box (16 KiB), B box (16 KiB), 128 activation scales, 128 weight scales.
+#define QW_A 0
+#define QW_B (QW_BM * 128)
+#define QW_SA (QW_B + QW_BN * 128)
+#define QW_SW (QW_SA + QW_BM * 4)
+#define QW_STAGE (QW_SW + QW_BN * 4)
+#define QW_SLOT (QW_STAGES * QW_STAGE)
+#define QW_BARS (QW_SLOT + 256 * 64 * 4)
+#define QW_SMEM (QW_BARS + 2 * QW_STAGES * 8 + 1024)
+#define QW_MAGIC 0x4B400000
+
+// Grid: x over activation-row tiles (consecutive CTAs share a weight tile), y over weight-row tiles.
+extern "C" __global__ void __launch_bounds__(384, 1)
+    qgemm_wg_q8_0(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
+                  const float* __restrict__ sa_t, int ldsa, const float* __restrict__ sw_t, int ldsw,
+                  const unsigned int* __restrict__ bad_rows, int M, int N, int K, float* __restrict__ y) {
+#ifdef HAVE_WGMMA
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + QW_BARS);
+    unsigned long long* empty = full + QW_STAGES;
+    const int R = (K + 127) / 128;
+    const int m0 = blockIdx.x * QW_BM, n0 = blockIdx.y * QW_BN;
+    const int wg = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < QW_STAGES; ++s) {
+            mbar_init(full + s, 1);
+            mbar_init(empty + s, 8);  // the 8 consumer warps
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (threadIdx.x == 0) {
+            tma_prefetch_desc(&tmap_a);
+            tma_prefetch_desc(&tmap_b);
+            for (int r = 0; r < R; ++r) {
+                const int s = r % QW_STAGES;
+                mbar_wait(empty + s, ((r / QW_STAGES) & 1) ^ 1);
+                unsigned char* st = smem + s * QW_STAGE;
+                mbar_arrive_expect_tx(full + s, QW_STAGE);
+                tma_load_2d(st + QW_A, &tmap_a, r * 128, m0, full + s);
+                tma_load_2d(st + QW_B, &tmap_b, r * 128, n0, full + s);
+                bulk_load(st + QW_SA, sa_t + (size_t)r * ldsa + m0, QW_BM * 4, full + s);
+                bulk_load(st + QW_SW, sw_t + (size_t)r * ldsw + n0, QW_BN * 4, full + s);
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int c = wg - 1;  // consumer warpgroup: rows 64·c .. 64·c + 63 of the tile
+    const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
+    float* slot = reinterpret_cast<float*>(smem + QW_SLOT) + c * 128 + t;  // element i at slot[256·i]
+    int acc[64];
+    float facc[64], p2[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) p2[i] = 0.f;
+    const int row_in = 64 * c + 16 * warp + lane / 4;  // the thread's rows: row_in, row_in + 8
+    const int col_in = 2 * (lane % 4);                 // its columns: col_in + 8·j (+1)
+#pragma unroll 1
+    for (int part = 0; part < 4; ++part) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) facc[i] = 0.f;
+#pragma unroll 1
+        for (int r = part * R / 4; r < (part + 1) * R / 4; ++r) {
+            const int s = r % QW_STAGES;
+            mbar_wait(full + s, (r / QW_STAGES) & 1);
+            const unsigned char* st = smem + s * QW_STAGE;
+            const unsigned long long da = wgmma_desc(smem_addr(st + QW_A + c * 64 * 128));
+            const unsigned long long db = wgmma_desc(smem_addr(st + QW_B));
+            wgmma_fence();
+            wgmma_m64n128k32_s8(acc, da, db, 0);
+            wgmma_m64n128k32_s8(acc, da + 2, db + 2, 1);
+            wgmma_m64n128k32_s8(acc, da + 4, db + 4, 1);
+            wgmma_m64n128k32_s8(acc, da + 6, db + 6, 1);
+            wgmma_commit();
+            wgmma_wait0();
+#pragma unroll
+            for (int i = 0; i < 64; ++i) asm volatile("" : "+r"(acc[i])::"memory");
+            const float* ssa = reinterpret_cast<const float*>(st + QW_SA);
+            const float* ssw = reinterpret_cast<const float*>(st + QW_SW);
+            const float a0 = ssa[row_in], a1 = ssa[row_in + 8];
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const float2 w = *reinterpret_cast<const float2*>(ssw + 8 * j + col_in);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = 4 * j + e;
+                    const float pw = __fmul_rn((e & 2) ? a1 : a0, (e & 1) ? w.y : w.x);
+                    const float fi = __fsub_rn(__int_as_float(acc[i] + QW_MAGIC), 12582912.f);
+                    facc[i] = __fmaf_rn(fi, pw, facc[i]);
+                }
+            }
+            mbar_arrive_warp(empty + s);
+        }
+        if (part == 0) {
+#pragma unroll
+            for (int i = 0; i < 64; ++i) slot[256 * i] = facc[i];
+        } else if (part == 1) {
+#pragma unroll
+            for (int i = 0; i < 64; ++i) slot[256 * i] = __fadd_rn(slot[256 * i], facc[i]);
+        } else if (part == 2) {
+#pragma unroll
+            for (int i = 0; i < 64; ++i) p2[i] = facc[i];
+        }
+    }
+    const int r0 = m0 + row_in;
+    const bool bad0 = r0 < M && bad_rows[r0], bad1 = r0 + 8 < M && bad_rows[r0 + 8];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = r0 + 8 * h, col = n0 + 8 * j + col_in;
+            if (row >= M) continue;
+            float v[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int i = 4 * j + 2 * h + e;
+                v[e] = __fadd_rn(slot[256 * i], __fadd_rn(p2[i], facc[i]));
+                if (h ? bad1 : bad0) v[e] = __int_as_float(0x7fc00000);
+            }
+            float* out = y + (size_t)row * N + col;
+            if (col + 1 < N && (N % 2) == 0) {
+                *reinterpret_cast<float2*>(out) = make_float2(v[0], v[1]);
+            } else {
+                if (col < N) out[0] = v[0];
+                if (col + 1 < N) out[1] = v[1];
+            }
+        }
+    }
+#endif
+}

@@ -10,13 +10,14 @@
 #   synth27q4   a synthetic 27B Q4_K_M model directory in /tmp/s27q4 (about 17 GB; llama-quantize's
 #               Q4_K / Q6_K mix, quantized by prism-gguf: about 2 minutes on 16 cores)
 #   synth9 / synth4   synthetic 9B / 4B BF16 model directories in /tmp/s9, /tmp/s4
+#   gemm        prism gemm-bench: the integer GEMM at the 27B projection shapes next to cuBLAS int8 and
+#               bf16 (gemm-bench.txt, gemm-bench.json)
 #   bench27     27B bf16 bench (5 runs after 1 warm-up)
+#   bench27-int8  27B int8 bench of /tmp/s27 (5 runs after 1 warm-up), text and JSON
 #   bench9 / bench4   9B / 4B bf16 benches (10 runs after 2 warm-ups)
 #   loads9      9B bf16 loads from 1, 4, 8 and 16 loader threads (PRISM_LOAD_THREADS), one bench run each
 #               after no warm-up (answer digests comparable across them); each killed after 120 s
 #   ncu27       ncu kernel times of one warm pass per scenario of the 27B bf16 bench
-# (The integer precisions refuse to load on CUDA since issue #20, so their benches are gone with the old
-# integer GEMM's timing steps; see git history before c6acb31.)
 #   serve27-int8 / serve27-bf16   prism serve on /tmp/s27 (int8 / bf16) and prism loadgen against it:
 #               20 variants of one short question (tools/device/short.jsonl) and of the three-question
 #               request (shared.jsonl), each sent once from 1 client (cold: new evidence); follow-ups
@@ -94,7 +95,12 @@ for step in "$@"; do
         synth27q4) /tmp/prism synth --shape 27b --type q4_k_m --out /tmp/s27q4 $R > "$OUT/synth27q4.log" 2>&1 ;;
         synth9) /tmp/prism synth --shape 9b --type bf16 --out /tmp/s9 $R > "$OUT/synth9.log" 2>&1 ;;
         synth4) /tmp/prism synth --shape 4b --type bf16 --out /tmp/s4 $R > "$OUT/synth4.log" 2>&1 ;;
+        gemm) /tmp/prism gemm-bench --json-out "$OUT/gemm-bench.json" > "$OUT/gemm-bench.txt" 2>&1
+            echo "gemm-bench rc=$?" ;;
         bench27) /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision bf16 --runs 5 --warmup 1 > "$OUT/bench-27b-bf16.txt" 2>&1 ;;
+        bench27-int8)
+            /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --runs 5 --warmup 1 > "$OUT/bench-27b-int8.txt" 2>&1
+            echo "bench27-int8 rc=$?" ;;
         bench9) /tmp/prism bench --model-dir /tmp/s9 --device cuda --precision bf16 --runs 10 --warmup 2 > "$OUT/bench-9b-bf16.txt" 2>&1 ;;
         loads9)
             for th in 1 4 8 16; do

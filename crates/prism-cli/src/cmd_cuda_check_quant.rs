@@ -11,7 +11,7 @@ use anyhow::Result;
 use candle_core::{Device, Tensor};
 use prism_gguf::quantize::quantize;
 use prism_gguf::GgmlType;
-use prism_quant::cuda::{matmul, CudaQuantWeight};
+use prism_quant::cuda::{matmul, matmul_with, CudaQuantWeight, Kernel};
 use prism_quant::{Q8Scales, QuantWeight};
 
 use super::{Report, Rng};
@@ -56,6 +56,9 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
         (GgmlType::Q8_0, Q8Scales::PerRun, 32 * 9, 300),
         (GgmlType::Q8_0, Q8Scales::PerRun, 5120, 64),
         (GgmlType::Q8_0, Q8Scales::PerRow, 1024, 96),
+        // The Hopper tile's edges: N past a tile, parts of unequal runs, a short last run.
+        (GgmlType::Q8_0, Q8Scales::PerRun, 5120 + 96, 300),
+        (GgmlType::Q8_0, Q8Scales::PerRun, 640, 129),
         (GgmlType::Q4_K, Q8Scales::PerRun, 256, 5),
         (GgmlType::Q4_K, Q8Scales::PerRun, 5120, 130),
         (GgmlType::Q4_K, Q8Scales::PerRun, 1536, 64),
@@ -66,7 +69,12 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
         let w = weight(&mut rng, ty, n, k, q8)?;
         let dw = CudaQuantWeight::upload(&w, dev)?;
         let tag = format!("int8 matmul (GPU) {ty:?} {q8:?} K={k} N={n}");
-        for m in [1usize, 7, 64] {
+        let rows: &[usize] = if ty == GgmlType::Q8_0 {
+            &[1, 7, 64, 129, 300]
+        } else {
+            &[1, 7, 64]
+        };
+        for &m in rows {
             let x = activations(&mut rng, m, k);
             let want = prism_quant::kernel::matmul(&x, m, &w)?;
             let xg = Tensor::from_vec(x, (m, k), gpu)?;
@@ -75,6 +83,12 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
                 &format!("{tag} M={m}: vs the CPU reference"),
                 &got,
                 &Tensor::from_vec(want, (m, n), &Device::Cpu)?,
+            )?;
+            // The simple kernel gives the same bits (on Hopper the tile ran above).
+            r.identical(
+                &format!("{tag} M={m}: simple kernel vs the default"),
+                &matmul_with(&xg, &dw, Kernel::Simple)?,
+                &got,
             )?;
         }
         // Non-finite rows 2 (NaN) and 4 (+inf) of 6: those rows NaN, the others the CPU's bits.

@@ -11,6 +11,8 @@ mod cmd_bench;
 #[cfg(feature = "cuda")]
 mod cmd_cuda_check;
 mod cmd_decide;
+#[cfg(feature = "cuda")]
+mod cmd_gemm_bench;
 mod cmd_gguf;
 mod cmd_loadgen;
 mod cmd_logits;
@@ -63,6 +65,9 @@ enum Command {
         #[arg(long)]
         json_out: Option<PathBuf>,
     },
+    /// The integer GEMM's speed at the model's projection shapes next to bf16 (CUDA builds only).
+    #[cfg(feature = "cuda")]
+    GemmBench(cmd_gemm_bench::GemmBenchArgs),
 }
 
 #[derive(Subcommand)]
@@ -244,5 +249,7 @@ fn main() -> Result<()> {
         Command::Bench(args) => cmd_bench::run(&args),
         #[cfg(feature = "cuda")]
         Command::CudaCheck { fixtures, json_out } => cmd_cuda_check::run(fixtures, json_out),
+        #[cfg(feature = "cuda")]
+        Command::GemmBench(args) => cmd_gemm_bench::run(&args),
     }
 }

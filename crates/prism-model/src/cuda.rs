@@ -1060,17 +1060,31 @@ pub fn linear_bf16(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// `prism bench` divides the integer path's work by (its compute floor). The inputs are zeros — the
 /// tensor cores' speed does not depend on the values.
 pub fn int8_matmul_rate(dev: &CudaDevice, n: usize, runs: usize) -> Result<f64> {
-    if n == 0 || n % 4 != 0 {
-        bail!("int8 matmul rate: n = {n} must be a positive multiple of 4 (cuBLAS int8 layout)");
+    let secs = int8_gemm_seconds(dev, (n, n, n), runs, false)?;
+    Ok(2.0 * (n as f64).powi(3) / secs)
+}
+
+/// Seconds of one cuBLAS int8 GEMM `y[m, n] = x[m, k] · w[n, k]ᵀ` (int8 inputs, i32 output,
+/// `CUBLAS_COMPUTE_32I`), zero inputs: the best of `runs` (`median` false) or their median, each timed
+/// between two synchronizations. Every dimension must be a positive multiple of 4 (cuBLAS's int8
+/// layout).
+pub fn int8_gemm_seconds(
+    dev: &CudaDevice,
+    (m, n, k): (usize, usize, usize),
+    runs: usize,
+    median: bool,
+) -> Result<f64> {
+    if [m, n, k].iter().any(|&d| d == 0 || d % 4 != 0) {
+        bail!("int8 GEMM: {m} × {n} × {k}: every dimension must be a positive multiple of 4 (cuBLAS int8 layout)");
     }
-    let a = dev.alloc_zeros::<i8>(n * n)?;
-    let b = dev.alloc_zeros::<i8>(n * n)?;
-    let mut c = dev.alloc_zeros::<i32>(n * n)?;
-    let n_i = i32_arg(n, "n")?;
+    let a = dev.alloc_zeros::<i8>(n * k)?;
+    let b = dev.alloc_zeros::<i8>(m * k)?;
+    let mut c = dev.alloc_zeros::<i32>(m * n)?;
+    let (m_i, n_i, k_i) = (i32_arg(m, "m")?, i32_arg(n, "n")?, i32_arg(k, "k")?);
     let stream = dev.cuda_stream();
     let blas = dev.cublas_handle();
-    let mut best = f64::INFINITY;
-    for _ in 0..runs.max(1) {
+    let mut times = Vec::with_capacity(runs.max(1));
+    for _ in 0..runs.max(1) + 1 {
         stream.synchronize().map_err(launch_err)?;
         let start = std::time::Instant::now();
         {
@@ -1078,23 +1092,24 @@ pub fn int8_matmul_rate(dev: &CudaDevice, n: usize, runs: usize) -> Result<f64> 
             let (pb, _gb) = b.device_ptr(&stream);
             let (pc, _gc) = c.device_ptr_mut(&stream);
             let (alpha, beta) = (1i32, 0i32);
-            // SAFETY: three live device buffers of n·n elements on the handle's stream; the TN layout
-            // with leading dimensions n (a multiple of 4) is the one cuBLAS's int8 GEMM takes.
+            // SAFETY: three live device buffers (n·k, m·k bytes, m·n i32) on the handle's stream; the
+            // TN layout with leading dimensions k, k and n (multiples of 4) is the one cuBLAS's int8
+            // GEMM takes. Column-major, C (n × m) = Aᵀ (n × k) · B (k × m) is y row-major.
             unsafe {
                 cublas::gemm_ex(
                     *blas.handle(),
                     cublas_sys::cublasOperation_t::CUBLAS_OP_T,
                     cublas_sys::cublasOperation_t::CUBLAS_OP_N,
                     n_i,
-                    n_i,
-                    n_i,
+                    m_i,
+                    k_i,
                     (&alpha) as *const i32 as *const _,
                     pa as *const _,
                     cublas_sys::cudaDataType::CUDA_R_8I,
-                    n_i,
+                    k_i,
                     pb as *const _,
                     cublas_sys::cudaDataType::CUDA_R_8I,
-                    n_i,
+                    k_i,
                     (&beta) as *const i32 as *const _,
                     pc as *mut _,
                     cublas_sys::cudaDataType::CUDA_R_32I,
@@ -1106,9 +1121,16 @@ pub fn int8_matmul_rate(dev: &CudaDevice, n: usize, runs: usize) -> Result<f64> 
             .map_err(launch_err)?;
         }
         stream.synchronize().map_err(launch_err)?;
-        best = best.min(start.elapsed().as_secs_f64());
+        times.push(start.elapsed().as_secs_f64());
     }
-    Ok(2.0 * (n as f64).powi(3) / best)
+    // The first call is a warm-up.
+    let mut times = times.split_off(1);
+    times.sort_by(f64::total_cmp);
+    Ok(if median {
+        times[times.len() / 2]
+    } else {
+        times[0]
+    })
 }
 
 /// Head rows per block of `qk_norm_rope_f32` (one warp each).

@@ -98,13 +98,6 @@ pub enum ModelError {
         source: prism_quant::QuantError,
     },
 
-    #[error("precision {precision} on {device}: {reason}")]
-    PrecisionOnDevice {
-        precision: String,
-        device: String,
-        reason: String,
-    },
-
     #[error(transparent)]
     Hf(#[from] crate::hf::HfError),
 

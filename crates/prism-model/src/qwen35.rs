@@ -364,8 +364,7 @@ impl Qwen35Model {
     /// Loads every tensor of the main layers by name, checking each shape against the configuration.
     /// MTP (`nextn`) blocks are not loaded. The integer precisions ([`Precision::Int8`],
     /// [`Precision::W4a8`]) need nothing else: activations are quantized per row and run on each
-    /// call. They run on the CPU only for now; on a CUDA device the load fails with
-    /// [`ModelError::PrecisionOnDevice`] before any tensor is read.
+    /// call, on the CPU and on CUDA alike.
     pub fn from_gguf(gguf: &GgufFile, options: &LoadOptions) -> Result<Self> {
         Self::from_gguf_with_q8_scales(gguf, options, prism_quant::Q8Scales::PerRun)
     }
@@ -378,13 +377,6 @@ impl Qwen35Model {
         options: &LoadOptions,
         q8_scales: prism_quant::Q8Scales,
     ) -> Result<Self> {
-        if options.precision.is_integer() && options.device.is_cuda() {
-            return Err(ModelError::PrecisionOnDevice {
-                precision: options.precision.as_str().into(),
-                device: "CUDA".into(),
-                reason: prism_quant::CUDA_REBUILT.into(),
-            });
-        }
         let w =
             WeightLoader::new(gguf, &options.device, options.precision).with_q8_scales(q8_scales);
         Self::from_loader(gguf, &w, options)

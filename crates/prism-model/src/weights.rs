@@ -6,8 +6,8 @@
 //! The integer precisions ([`Precision::Int8`], [`Precision::W4a8`]) keep each quantized projection as
 //! a [`prism_quant::QuantWeight`] (Q8_0 re-blocked once per row and run of 128; K-quants as stored);
 //! activations are quantized per row and run on each call, so nothing is measured beforehand. Float
-//! tensors of such a file stay dense. The integer path runs on the CPU only for now: on a CUDA device
-//! it refuses to load ([`prism_quant::CUDA_REBUILT`]).
+//! tensors of such a file stay dense. On a CUDA device each quantized weight is uploaded as it is
+//! loaded.
 
 use std::sync::{Arc, Mutex};
 
@@ -435,7 +435,7 @@ impl<'a> WeightLoader<'a> {
                             })?
                         }
                     };
-                    Linear::Quant(QuantMatmul::new(Arc::new(weight)))
+                    self.quant_linear(weight, &group_names.join("+"))?
                 }
             });
         }
@@ -464,26 +464,26 @@ impl<'a> WeightLoader<'a> {
             return Ok(Linear::Dense(self.matrix(name, rows, cols)?));
         }
         match self.quant_weight(name, rows, cols)? {
-            Some(weight) => Ok(Linear::Quant(QuantMatmul::new(Arc::new(weight)))),
+            Some(weight) => self.quant_linear(weight, name),
             None => Ok(Linear::Dense(self.matrix(name, rows, cols)?)),
         }
     }
 
-    /// The quantized weight `name` (`None` for a float tensor, which stays dense). On a CUDA device
-    /// the integer path refuses to load ([`prism_quant::CUDA_REBUILT`]).
+    /// `weight` as a projection, put on the loader's device now (a CUDA device: uploaded).
+    fn quant_linear(&self, weight: QuantWeight, name: &str) -> Result<Linear> {
+        let op = QuantMatmul::new(Arc::new(weight));
+        op.prepare(&self.device)
+            .map_err(|e| e.context(format!("{name}: putting the integer weight on the device")))?;
+        Ok(Linear::Quant(op))
+    }
+
+    /// The quantized weight `name` (`None` for a float tensor, which stays dense).
     fn quant_weight(&self, name: &str, rows: usize, cols: usize) -> Result<Option<QuantWeight>> {
         let mismatch = |reason: String| ModelError::PrecisionMismatch {
             precision: self.precision.as_str().into(),
             name: name.to_string(),
             reason,
         };
-        if self.device.is_cuda() {
-            return Err(ModelError::PrecisionOnDevice {
-                precision: self.precision.as_str().into(),
-                device: "CUDA".into(),
-                reason: prism_quant::CUDA_REBUILT.into(),
-            });
-        }
         let gguf = match self.source {
             WeightSource::Gguf(gguf) => gguf,
             WeightSource::Hf(_) => {

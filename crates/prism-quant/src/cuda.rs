@@ -1,16 +1,18 @@
-//! The integer matmul on CUDA (feature `cuda`): launchers for `kernels/quant_gemm.cu`, a first simple
-//! version of the contract in [`crate`]'s docs (one warp per activation run, one thread per output).
+//! The integer matmul on CUDA (feature `cuda`): launchers for `kernels/quant_gemm.cu`, the contract in
+//! [`crate`]'s docs on the device.
 //!
 //! [`CudaQuantWeight::upload`] puts a [`QuantWeight`]'s arrays on the device; [`matmul`] quantizes an f32
-//! activation per (row, run of 128) and runs the integer GEMM. Every output of a row with finite inputs
-//! is meant to have the CPU reference's bits ([`crate::kernel::matmul`]); `prism cuda-check` compares them
-//! on the device. **Not yet validated on a GPU**: the model does not run it (an integer precision on CUDA
-//! still refuses to load, [`crate::CUDA_REBUILT`]) until that check has passed.
+//! activation per (row, run of 128) (one warp per run) and runs the integer GEMM: for Q8_0 on a
+//! compute-capability-9.0 GPU the warpgroup tile `qgemm_wg_q8_0` (TMA, `wgmma`), otherwise one thread
+//! per output with dp4a ([`Kernel::Simple`]). Every output of a row with finite inputs has the CPU
+//! reference's bits ([`crate::kernel::matmul`]); `prism cuda-check` compares them on the device.
 //!
 //! A row whose input holds a NaN or ±∞ is not reported (that would need a synchronization): the
 //! quantizer flags the row and every output of that row is NaN; the other rows keep their bits.
 
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    sys, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Device, Result, Tensor};
 
@@ -35,6 +37,34 @@ pub struct CudaQuantWeight {
     sub_mins: Tensor,
     d: Tensor,
     dmin: Tensor,
+    /// Q8_0 on a Hopper GPU: the run scales run-major `[R, ldsw]` (zero past N) for the warpgroup tile.
+    hopper: Option<HopperQ8>,
+}
+
+/// What the Q8_0 warpgroup tile (`qgemm_wg_q8_0`, sm_90) reads besides the bytes `q`.
+#[derive(Debug, Clone)]
+struct HopperQ8 {
+    /// Run scales, run-major: `[R, ldsw]` f32, `ldsw` = N rounded up to the tile's 128 rows.
+    sw_t: Tensor,
+    ldsw: usize,
+}
+
+/// Rows of the Hopper tile (activation rows and weight rows alike).
+const WG_TILE: usize = 128;
+/// The Hopper tile's dynamic shared memory: 4 stages of 33,792 bytes, the part slot (64 KiB), the
+/// barriers and 1,024 bytes of alignment (`QW_SMEM` in quant_gemm.cu).
+const WG_SMEM: usize = 4 * 33_792 + 256 * 64 * 4 + 2 * 4 * 8 + 1024;
+/// Threads of the Hopper tile: a producer warpgroup and two consumer warpgroups.
+const WG_THREADS: u32 = 384;
+
+/// Whether `dev` runs the Hopper tile (compute capability 9.0: `wgmma`, TMA).
+fn is_hopper(dev: &CudaDevice) -> Result<bool> {
+    let (major, minor) = dev
+        .cuda_stream()
+        .context()
+        .compute_capability()
+        .map_err(launch_err)?;
+    Ok(major == 9 && minor == 0)
 }
 
 impl CudaQuantWeight {
@@ -58,7 +88,31 @@ impl CudaQuantWeight {
             Tensor::from_vec(f, n, &dev)
         };
         let a = w.arrays();
+        let hopper = if w.info().format == WeightFormat::Q8_0 && is_hopper(device)? {
+            let (n, runs) = (w.rows(), run_count(w.cols()));
+            let ldsw = n.div_ceil(WG_TILE) * WG_TILE;
+            if a.d.len() != n * runs {
+                bail!(
+                    "integer matmul: {:?} has {} run scales, not {n} × {runs}",
+                    w.name(),
+                    a.d.len()
+                );
+            }
+            let mut t = vec![0f32; runs * ldsw];
+            for (row, scales) in a.d.chunks_exact(runs).enumerate() {
+                for (r, &v) in scales.iter().enumerate() {
+                    t[r * ldsw + row] = v;
+                }
+            }
+            Some(HopperQ8 {
+                sw_t: Tensor::from_vec(t, runs * ldsw, &dev)?,
+                ldsw,
+            })
+        } else {
+            None
+        };
         Ok(Self {
+            hopper,
             info: w.info(),
             q: bytes(a.q)?,
             sub_scales: bytes(a.sub_scales)?,
@@ -77,6 +131,20 @@ impl CudaQuantWeight {
 /// `y = x · Wᵀ` for `x: [m, k]` f32 on `w`'s device: `[m, n]` f32, each output of a finite row with the
 /// CPU reference's bits, each output of a row holding a NaN or ±∞ NaN.
 pub fn matmul(x: &Tensor, w: &CudaQuantWeight) -> Result<Tensor> {
+    matmul_with(x, w, Kernel::Auto)
+}
+
+/// Which device kernel runs a product (the same bits either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// The Hopper warpgroup tile for Q8_0 on a compute-capability-9.0 GPU, otherwise the simple one.
+    Auto,
+    /// The simple kernels (one thread an output, dp4a): the comparison for the device checks.
+    Simple,
+}
+
+/// [`matmul`] with the kernel chosen by `kernel`.
+pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
     let dev = cuda_device(x)?;
     let x = x.contiguous()?;
     let (m, k) = x.dims2()?;
@@ -90,8 +158,19 @@ pub fn matmul(x: &Tensor, w: &CudaQuantWeight) -> Result<Tensor> {
     }
     let runs = run_count(k);
     let want_sums = info.format.has_mins();
+    // The Hopper tile reads the activation scales run-major, [runs, ldsa] with ldsa a whole number of
+    // tiles (rows past m are never stored); the simple kernels row-major [m, runs].
+    let hopper = w
+        .hopper
+        .as_ref()
+        .filter(|_| kernel == Kernel::Auto && m > 0 && n > 0);
+    let ldsa = m.div_ceil(WG_TILE) * WG_TILE;
+    let (sa_len, sa_row_stride, sa_run_stride) = match hopper {
+        Some(_) => (runs * ldsa, 1, ldsa),
+        None => (m * runs, runs, 1),
+    };
     let qa = alloc::<u8>(&dev, m * k)?;
-    let sa = alloc::<f32>(&dev, m * runs)?;
+    let sa = alloc::<f32>(&dev, sa_len)?;
     let sums = alloc::<i32>(&dev, if want_sums { m * k / 32 } else { 1 })?;
     let bad = dev.alloc_zeros::<u32>(m.max(1))?;
     let y = alloc::<f32>(&dev, m * n)?;
@@ -117,11 +196,26 @@ pub fn matmul(x: &Tensor, w: &CudaQuantWeight) -> Result<Tensor> {
             shared_mem_bytes: 0,
         };
         let want = i32::from(want_sums);
+        let (rs, cs) = (
+            i32_arg(sa_row_stride, "scale row stride")?,
+            i32_arg(sa_run_stride, "scale run stride")?,
+        );
         let mut b = func.builder();
-        b.arg(&xv).arg(&m_i).arg(&k_i).arg(&qa).arg(&sa).arg(&sums);
-        b.arg(&want).arg(&bad);
-        // SAFETY: x holds m·k f32; qa m·k bytes, sa m·runs f32, sums m·k/32 i32 when asked, bad m u32.
+        b.arg(&xv)
+            .arg(&m_i)
+            .arg(&k_i)
+            .arg(&qa)
+            .arg(&sa)
+            .arg(&rs)
+            .arg(&cs);
+        b.arg(&sums).arg(&want).arg(&bad);
+        // SAFETY: x holds m·k f32; qa m·k bytes, sa m·runs f32 at the strides given (row < m and
+        // run < runs index inside sa_len), sums m·k/32 i32 when asked, bad m u32.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    }
+    if let Some(h) = hopper {
+        hopper_q8_0(&dev, &qa, &sa, ldsa, &bad, w, h, (m, n, k), &y)?;
+        return Ok(wrap(y, &dev, (m, n)));
     }
     let name = match info.format {
         WeightFormat::Q8_0 => "qgemm_run128_q8_0",
@@ -156,4 +250,106 @@ pub fn matmul(x: &Tensor, w: &CudaQuantWeight) -> Result<Tensor> {
     // layout of QuantWeight); y holds m·n f32.
     unsafe { b.launch(cfg) }.map_err(launch_err)?;
     Ok(wrap(y, &dev, (m, n)))
+}
+
+/// The Q8_0 warpgroup tile (`qgemm_wg_q8_0`): `y = qa · qᵀ` by the contract, `qa` `[m, k]` bytes with
+/// run scales `sa` run-major `[runs, ldsa]`.
+#[allow(clippy::too_many_arguments)]
+fn hopper_q8_0(
+    dev: &CudaDevice,
+    qa: &CudaSlice<u8>,
+    sa: &CudaSlice<f32>,
+    ldsa: usize,
+    bad: &CudaSlice<u32>,
+    w: &CudaQuantWeight,
+    h: &HopperQ8,
+    (m, n, k): (usize, usize, usize),
+    y: &CudaSlice<f32>,
+) -> Result<()> {
+    let gx = u32::try_from(m.div_ceil(WG_TILE))
+        .map_err(|_| candle_core::Error::Msg(format!("integer matmul: {m} rows are too many")))?;
+    let gy = u32::try_from(n.div_ceil(WG_TILE)).map_err(|_| {
+        candle_core::Error::Msg(format!("integer matmul: {n} outputs are too many"))
+    })?;
+    if gy > 65_535 {
+        bail!("integer matmul: {n} outputs are more than one launch takes");
+    }
+    let wq = Input::new(&w.q, DType::U8, "weight bytes")?;
+    let wq = wq.view::<u8>()?;
+    let sw = Input::new(&h.sw_t, DType::F32, "weight run scales")?;
+    let sw = sw.view::<f32>()?;
+    let stream = dev.cuda_stream();
+    let (qa_ptr, _qa_sync) = qa.device_ptr(&stream);
+    let (wq_ptr, _wq_sync) = wq.device_ptr(&stream);
+    let maps = [byte_rows_map(qa_ptr, m, k)?, byte_rows_map(wq_ptr, n, k)?];
+    let func = load_kernel(dev, MODULE, IMAGE, "qgemm_wg_q8_0")?;
+    func.allow_dynamic_shared(WG_SMEM, "integer matmul tile")?;
+    let cfg = LaunchConfig {
+        grid_dim: (gx, gy, 1),
+        block_dim: (WG_THREADS, 1, 1),
+        shared_mem_bytes: WG_SMEM as u32,
+    };
+    let (ldsa_i, ldsw_i) = (i32_arg(ldsa, "scale rows")?, i32_arg(h.ldsw, "scale rows")?);
+    let (m_i, n_i, k_i) = (
+        i32_arg(m, "rows")?,
+        i32_arg(n, "outputs")?,
+        i32_arg(k, "inputs")?,
+    );
+    let mut b = func.builder();
+    b.arg(&maps[0]).arg(&maps[1]);
+    b.arg(sa).arg(&ldsa_i).arg(&sw).arg(&ldsw_i).arg(bad);
+    b.arg(&m_i).arg(&n_i).arg(&k_i).arg(y);
+    // SAFETY: the maps describe qa (m·k bytes) and the weight (n·k bytes), both alive until the launch
+    // is queued; sa holds runs·ldsa f32 and sw_t runs·ldsw (ldsa, ldsw whole tiles, so every CTA's
+    // 512-byte scale copies stay inside); bad m u32; y m·n f32.
+    unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    Ok(())
+}
+
+/// A `CUtensorMap` as a kernel argument (`TmaDesc` in quant_gemm.cu: 128 opaque bytes passed by value
+/// as a `__grid_constant__` parameter).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct TensorMapArg(sys::CUtensorMap);
+
+// SAFETY: plain bytes the driver copies into the kernel's parameter space.
+unsafe impl DeviceRepr for TensorMapArg {}
+
+/// The TMA map of a row-major `[rows, k]` byte matrix at `ptr`, read in boxes of 128 bytes of K by 128
+/// rows with the 128-byte swizzle (16-byte chunk c of row r lands at chunk c ^ (r & 7): the layout
+/// `wgmma` reads). Rows past `rows` and bytes past `k` read as zeros.
+fn byte_rows_map(ptr: sys::CUdeviceptr, rows: usize, k: usize) -> Result<TensorMapArg> {
+    use sys::{
+        CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
+        CUtensorMapL2promotion, CUtensorMapSwizzle,
+    };
+    if k % 16 != 0 {
+        bail!("integer matmul tile: rows of {k} bytes are not a multiple of 16");
+    }
+    let dims = [k as u64, rows as u64];
+    let strides = [k as u64];
+    let boxes = [128u32, WG_TILE as u32];
+    let element_strides = [1u32, 1];
+    let mut map = TensorMapArg(sys::CUtensorMap { opaque: [0; 16] });
+    // SAFETY: the driver writes the 128-byte map; every array has rank 2 (strides rank − 1) elements.
+    let status = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map.0,
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            element_strides.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if status != sys::CUresult::CUDA_SUCCESS {
+        bail!("integer matmul tile: no TMA map for a [{rows}, {k}] byte matrix ({status:?})");
+    }
+    Ok(map)
 }

@@ -67,11 +67,11 @@
 //!   path multiplies (for the K-quants ggml's own dequantization bit for bit).
 //! - [`activation`]: the dynamic per-(row, run) quantization.
 //! - [`kernel`]: the CPU reference (rayon over output strips).
-//! - [`op`]: [`QuantMatmul`], the candle `CustomOp1`, and on a CUDA tensor the device path below (the
-//!   model's integer path on CUDA refuses to load until that path is validated).
-//! - `cuda` (feature `cuda`): a first, simple device version of this contract (`kernels/quant_gemm.cu`:
-//!   a per-(row, run) activation quantizer, one thread per output with dp4a), checked against [`kernel`]
-//!   bit for bit by `prism cuda-check`; not yet run on a GPU, so not yet loaded by the model.
+//! - [`op`]: [`QuantMatmul`], the candle `CustomOp1`, and on a CUDA tensor the device path below.
+//! - `cuda` (feature `cuda`): the contract on the device (`kernels/quant_gemm.cu`): a per-(row, run)
+//!   activation quantizer; for Q8_0 on Hopper a warpgroup-MMA tile fed by TMA; elsewhere (K-quants,
+//!   other GPUs) a simple kernel, one thread per output with dp4a. Both are checked against [`kernel`]
+//!   bit for bit by `prism cuda-check`.
 //! - `cuda_launch` (feature `cuda`): loading and launching the project's CUDA kernels (used by
 //!   prism-model's float kernels).
 
@@ -88,5 +88,5 @@ pub mod weight;
 pub use activation::{quantize_rows, run_count, QuantizedRows, AMAX_MIN, QMAX, RUN};
 pub use error::{QuantError, Result};
 pub use kernel::{matmul, part_bounds, PARTS};
-pub use op::{QuantMatmul, CUDA_REBUILT};
+pub use op::QuantMatmul;
 pub use weight::{Q8Scales, QuantWeight, WeightFormat, WeightInfo};

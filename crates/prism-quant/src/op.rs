@@ -4,9 +4,9 @@
 //! ([`crate::QuantError::NonFiniteActivation`]); the forward pass fails at that projection.
 //!
 //! On a CUDA tensor [`QuantMatmul::forward`] runs [`crate::cuda::matmul`] (feature `cuda`; a row with a
-//! non-finite input becomes NaN there instead of an error), uploading the weight on first use. That
-//! device path is not yet validated on a GPU, so the model does not load an integer precision on CUDA
-//! ([`CUDA_REBUILT`]).
+//! non-finite input becomes NaN there instead of an error), with the weight put on the device by
+//! [`QuantMatmul::prepare`] at load (or on first use). Its bits are the CPU reference's (`prism
+//! cuda-check` compares every output on the device).
 
 use std::sync::Arc;
 
@@ -14,10 +14,6 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
 use crate::kernel;
 use crate::weight::{QuantWeight, WeightInfo};
-
-/// Why the model does not load an integer precision on a CUDA device.
-pub const CUDA_REBUILT: &str = "the integer path on CUDA is being rebuilt for the new contract \
-     (issue #20); use --precision bf16";
 
 /// `y = x · Wᵀ` for an f32 activation `x: [m, k]` and a quantized weight `W: [n, k]`, the activations
 /// quantized per row and run of 128 from their own values; returns f32 `[m, n]`. The forward is
@@ -68,22 +64,41 @@ impl QuantMatmul {
         Ok(Self::new(Arc::new(self.weight.select_rows(rows)?)))
     }
 
+    /// Puts the weight on `device` now rather than on the first product there (nothing to do on the
+    /// CPU). The loader calls it so a model's first pass does not upload every weight.
+    pub fn prepare(&self, device: &candle_core::Device) -> candle_core::Result<()> {
+        #[cfg(feature = "cuda")]
+        if let candle_core::Device::Cuda(dev) = device {
+            self.device_weight(dev)?;
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = device;
+        Ok(())
+    }
+
+    /// The weight on `dev`, uploaded on the first call.
+    #[cfg(feature = "cuda")]
+    fn device_weight(
+        &self,
+        dev: &candle_core::cuda_backend::CudaDevice,
+    ) -> candle_core::Result<Arc<crate::cuda::CudaQuantWeight>> {
+        let mut slot = self.device_weight.lock().unwrap_or_else(|e| e.into_inner());
+        match slot.as_ref() {
+            Some(w) => Ok(w.clone()),
+            None => {
+                let w = Arc::new(crate::cuda::CudaQuantWeight::upload(&self.weight, dev)?);
+                *slot = Some(w.clone());
+                Ok(w)
+            }
+        }
+    }
+
     /// Applies the op to `x: [m, k]` (made contiguous first): [`kernel::matmul`] on the CPU,
     /// [`crate::cuda::matmul`] on a CUDA device.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let candle_core::Device::Cuda(dev) = x.device() {
-            let w = {
-                let mut slot = self.device_weight.lock().unwrap_or_else(|e| e.into_inner());
-                match slot.as_ref() {
-                    Some(w) => w.clone(),
-                    None => {
-                        let w = Arc::new(crate::cuda::CudaQuantWeight::upload(&self.weight, dev)?);
-                        *slot = Some(w.clone());
-                        w
-                    }
-                }
-            };
+            let w = self.device_weight(dev)?;
             return crate::cuda::matmul(x, &w);
         }
         x.contiguous()?.apply_op1_no_bwd(self)
