@@ -172,7 +172,7 @@ QGEMM_ENTRY(qgemm_run128_q6k, 2)
 // rows × 128 outputs: per run four wgmma m64n128k32 (the first with scale-d = 0) give the run's exact
 // int32 sums I_r in 64 registers a thread, then every output takes
 //   acc = fma(f32(I_r), sa_r · sw_r, acc)
-// with f32(I_r) exact as (bits(I_r + 0x4B400000) − 1.5·2^23) (|I_r| ≤ 2,080,768 < 2^22). The four
+// (f32(I_r) is exact: |I_r| ≤ 2,080,768 < 2^24). The four
 // parts: part 0's result is parked in shared memory (the slot), part 1 is added to it there, part 2
 // stays in registers while part 3 runs, then y = slot + (p2 + p3).
 //
@@ -275,13 +275,13 @@ __device__ __forceinline__ void wgmma_m64n128k32_s8(int (&d)[64], unsigned long 
 #define QW_SLOT (QW_STAGES * QW_STAGE)
 #define QW_BARS (QW_SLOT + 256 * 64 * 4)
 #define QW_SMEM (QW_BARS + 2 * QW_STAGES * 8 + 1024)
-#define QW_MAGIC 0x4B400000
 
-// Grid: x over activation-row tiles (consecutive CTAs share a weight tile), y over weight-row tiles.
-extern "C" __global__ void __launch_bounds__(384, 1)
-    qgemm_wg_q8_0(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
-                  const float* __restrict__ sa_t, int ldsa, const float* __restrict__ sw_t, int ldsw,
-                  const unsigned int* __restrict__ bad_rows, int M, int N, int K, float* __restrict__ y) {
+
+__device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const TmaDesc* tmap_b,
+                                                   const float* __restrict__ sa_t, int ldsa,
+                                                   const float* __restrict__ sw_t, int ldsw,
+                                                   const unsigned int* __restrict__ bad_rows, int M, int N,
+                                                   int K, float* __restrict__ y) {
 #ifdef HAVE_WGMMA
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -301,101 +301,108 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         if (threadIdx.x == 0) {
-            tma_prefetch_desc(&tmap_a);
-            tma_prefetch_desc(&tmap_b);
+            tma_prefetch_desc(tmap_a);
+            tma_prefetch_desc(tmap_b);
             for (int r = 0; r < R; ++r) {
                 const int s = r % QW_STAGES;
                 mbar_wait(empty + s, ((r / QW_STAGES) & 1) ^ 1);
                 unsigned char* st = smem + s * QW_STAGE;
                 mbar_arrive_expect_tx(full + s, QW_STAGE);
-                tma_load_2d(st + QW_A, &tmap_a, r * 128, m0, full + s);
-                tma_load_2d(st + QW_B, &tmap_b, r * 128, n0, full + s);
+                tma_load_2d(st + QW_A, tmap_a, r * 128, m0, full + s);
+                tma_load_2d(st + QW_B, tmap_b, r * 128, n0, full + s);
                 bulk_load(st + QW_SA, sa_t + (size_t)r * ldsa + m0, QW_BM * 4, full + s);
                 bulk_load(st + QW_SW, sw_t + (size_t)r * ldsw + n0, QW_BN * 4, full + s);
             }
         }
-        return;
-    }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-    const int c = wg - 1;  // consumer warpgroup: rows 64·c .. 64·c + 63 of the tile
-    const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
-    float* slot = reinterpret_cast<float*>(smem + QW_SLOT) + c * 128 + t;  // element i at slot[256·i]
-    int acc[64];
-    float facc[64], p2[64];
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+        const int c = wg - 1;  // consumer warpgroup: rows 64·c .. 64·c + 63 of the tile
+        const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
+        float* slot = reinterpret_cast<float*>(smem + QW_SLOT) + c * 128 + t;  // element i at slot[256·i]
+        int acc[64];
+        float facc[64], p2[64];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) p2[i] = 0.f;
-    const int row_in = 64 * c + 16 * warp + lane / 4;  // the thread's rows: row_in, row_in + 8
-    const int col_in = 2 * (lane % 4);                 // its columns: col_in + 8·j (+1)
+        for (int i = 0; i < 64; ++i) p2[i] = 0.f;
+        const int row_in = 64 * c + 16 * warp + lane / 4;  // the thread's rows: row_in, row_in + 8
+        const int col_in = 2 * (lane % 4);                 // its columns: col_in + 8·j (+1)
 #pragma unroll 1
-    for (int part = 0; part < 4; ++part) {
+        for (int part = 0; part < 4; ++part) {
 #pragma unroll
-        for (int i = 0; i < 64; ++i) facc[i] = 0.f;
+            for (int i = 0; i < 64; ++i) facc[i] = 0.f;
 #pragma unroll 1
-        for (int r = part * R / 4; r < (part + 1) * R / 4; ++r) {
-            const int s = r % QW_STAGES;
-            mbar_wait(full + s, (r / QW_STAGES) & 1);
-            const unsigned char* st = smem + s * QW_STAGE;
-            const unsigned long long da = wgmma_desc(smem_addr(st + QW_A + c * 64 * 128));
-            const unsigned long long db = wgmma_desc(smem_addr(st + QW_B));
-            wgmma_fence();
-            wgmma_m64n128k32_s8(acc, da, db, 0);
-            wgmma_m64n128k32_s8(acc, da + 2, db + 2, 1);
-            wgmma_m64n128k32_s8(acc, da + 4, db + 4, 1);
-            wgmma_m64n128k32_s8(acc, da + 6, db + 6, 1);
-            wgmma_commit();
-            wgmma_wait0();
+            for (int r = part * R / 4; r < (part + 1) * R / 4; ++r) {
+                const int s = r % QW_STAGES;
+                mbar_wait(full + s, (r / QW_STAGES) & 1);
+                const unsigned char* st = smem + s * QW_STAGE;
+                const unsigned long long da = wgmma_desc(smem_addr(st + QW_A + c * 64 * 128));
+                const unsigned long long db = wgmma_desc(smem_addr(st + QW_B));
+                wgmma_fence();
+                wgmma_m64n128k32_s8(acc, da, db, 0);
+                wgmma_m64n128k32_s8(acc, da + 2, db + 2, 1);
+                wgmma_m64n128k32_s8(acc, da + 4, db + 4, 1);
+                wgmma_m64n128k32_s8(acc, da + 6, db + 6, 1);
+                wgmma_commit();
+                wgmma_wait0();
 #pragma unroll
-            for (int i = 0; i < 64; ++i) asm volatile("" : "+r"(acc[i])::"memory");
-            const float* ssa = reinterpret_cast<const float*>(st + QW_SA);
-            const float* ssw = reinterpret_cast<const float*>(st + QW_SW);
-            const float a0 = ssa[row_in], a1 = ssa[row_in + 8];
+                for (int i = 0; i < 64; ++i) asm volatile("" : "+r"(acc[i])::"memory");
+                const float* ssa = reinterpret_cast<const float*>(st + QW_SA);
+                const float* ssw = reinterpret_cast<const float*>(st + QW_SW);
+                const float a0 = ssa[row_in], a1 = ssa[row_in + 8];
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                const float2 w = *reinterpret_cast<const float2*>(ssw + 8 * j + col_in);
+                for (int j = 0; j < 16; ++j) {
+                    const float2 w = *reinterpret_cast<const float2*>(ssw + 8 * j + col_in);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int i = 4 * j + e;
-                    const float pw = __fmul_rn((e & 2) ? a1 : a0, (e & 1) ? w.y : w.x);
-                    const float fi = __fsub_rn(__int_as_float(acc[i] + QW_MAGIC), 12582912.f);
-                    facc[i] = __fmaf_rn(fi, pw, facc[i]);
+                    for (int e = 0; e < 4; ++e) {
+                        const int i = 4 * j + e;
+                        const float pw = __fmul_rn((e & 2) ? a1 : a0, (e & 1) ? w.y : w.x);
+                        facc[i] = __fmaf_rn(__int2float_rn(acc[i]), pw, facc[i]);
+                    }
                 }
+                mbar_arrive_warp(empty + s);
             }
-            mbar_arrive_warp(empty + s);
-        }
-        if (part == 0) {
+            if (part == 0) {
 #pragma unroll
-            for (int i = 0; i < 64; ++i) slot[256 * i] = facc[i];
-        } else if (part == 1) {
+                for (int i = 0; i < 64; ++i) slot[256 * i] = facc[i];
+            } else if (part == 1) {
 #pragma unroll
-            for (int i = 0; i < 64; ++i) slot[256 * i] = __fadd_rn(slot[256 * i], facc[i]);
-        } else if (part == 2) {
+                for (int i = 0; i < 64; ++i) slot[256 * i] = __fadd_rn(slot[256 * i], facc[i]);
+            } else if (part == 2) {
 #pragma unroll
-            for (int i = 0; i < 64; ++i) p2[i] = facc[i];
-        }
-    }
-    const int r0 = m0 + row_in;
-    const bool bad0 = r0 < M && bad_rows[r0], bad1 = r0 + 8 < M && bad_rows[r0 + 8];
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = r0 + 8 * h, col = n0 + 8 * j + col_in;
-            if (row >= M) continue;
-            float v[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int i = 4 * j + 2 * h + e;
-                v[e] = __fadd_rn(slot[256 * i], __fadd_rn(p2[i], facc[i]));
-                if (h ? bad1 : bad0) v[e] = __int_as_float(0x7fc00000);
+                for (int i = 0; i < 64; ++i) p2[i] = facc[i];
             }
-            float* out = y + (size_t)row * N + col;
-            if (col + 1 < N && (N % 2) == 0) {
-                *reinterpret_cast<float2*>(out) = make_float2(v[0], v[1]);
-            } else {
-                if (col < N) out[0] = v[0];
-                if (col + 1 < N) out[1] = v[1];
+        }
+        const int r0 = m0 + row_in;
+        const bool bad0 = r0 < M && bad_rows[r0], bad1 = r0 + 8 < M && bad_rows[r0 + 8];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = r0 + 8 * h, col = n0 + 8 * j + col_in;
+                if (row >= M) continue;
+                float v[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int i = 4 * j + 2 * h + e;
+                    v[e] = __fadd_rn(slot[256 * i], __fadd_rn(p2[i], facc[i]));
+                    if (h ? bad1 : bad0) v[e] = __int_as_float(0x7fc00000);
+                }
+                float* out = y + (size_t)row * N + col;
+                if (col + 1 < N && (N % 2) == 0) {
+                    *reinterpret_cast<float2*>(out) = make_float2(v[0], v[1]);
+                } else {
+                    if (col < N) out[0] = v[0];
+                    if (col + 1 < N) out[1] = v[1];
+                }
             }
         }
     }
 #endif
+}
+
+// Grid: x over activation-row tiles (consecutive CTAs share a weight tile), y over weight-row tiles.
+extern "C" __global__ void __launch_bounds__(384, 1)
+    qgemm_wg_q8_0(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
+                  const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
+                  int M, int N, int K, float* y) {
+    qgemm_wg_q8_0_body(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y);
 }

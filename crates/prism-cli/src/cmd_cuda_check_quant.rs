@@ -84,7 +84,7 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
                 &got,
                 &Tensor::from_vec(want, (m, n), &Device::Cpu)?,
             )?;
-            // The simple kernel gives the same bits (on Hopper the tile ran above).
+            // The simple kernel gives the same bits (on Hopper the tile ran above for Q8_0).
             r.identical(
                 &format!("{tag} M={m}: simple kernel vs the default"),
                 &matmul_with(&xg, &dw, Kernel::Simple)?,

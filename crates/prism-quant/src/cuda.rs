@@ -266,11 +266,11 @@ fn hopper_q8_0(
     (m, n, k): (usize, usize, usize),
     y: &CudaSlice<f32>,
 ) -> Result<()> {
+    let too_many = |what: String| candle_core::Error::Msg(format!("integer matmul: {what}"));
     let gx = u32::try_from(m.div_ceil(WG_TILE))
-        .map_err(|_| candle_core::Error::Msg(format!("integer matmul: {m} rows are too many")))?;
-    let gy = u32::try_from(n.div_ceil(WG_TILE)).map_err(|_| {
-        candle_core::Error::Msg(format!("integer matmul: {n} outputs are too many"))
-    })?;
+        .map_err(|_| too_many(format!("{m} rows are too many")))?;
+    let gy = u32::try_from(n.div_ceil(WG_TILE))
+        .map_err(|_| too_many(format!("{n} outputs are too many")))?;
     if gy > 65_535 {
         bail!("integer matmul: {n} outputs are more than one launch takes");
     }
