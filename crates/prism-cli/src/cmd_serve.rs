@@ -45,7 +45,9 @@ pub struct ServeArgs {
     /// implemented yet.
     #[arg(long, value_delimiter = ',')]
     pub gpus: Vec<usize>,
-    /// Arithmetic of the forward pass (as `prism decide`). Default: f32 on the CPU, bf16 on a GPU.
+    /// Arithmetic of the forward pass: f32, bf16, int8, w4a8 or auto (as `prism decide`). Default: f32
+    /// on the CPU; `auto` on a GPU, which runs a Q8_0 file at int8 (exact, batch-invariant) and any
+    /// other file at bf16 (w4a8 on a GPU has only its simple kernel so far: ask for it by name).
     #[arg(long)]
     pub precision: Option<String>,
     /// Most questions in one request; more are refused (HTTP 422 naming `questions`).
@@ -184,11 +186,10 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     }
     let device = open_device(&args.device, &args.gpus)?;
     let on_gpu = !device.is_cpu();
-    let precision_name = args
+    let asked = args
         .precision
         .clone()
-        .unwrap_or_else(|| if on_gpu { "bf16" } else { "f32" }.to_string());
-    let precision = Precision::parse(&precision_name)?;
+        .unwrap_or_else(|| if on_gpu { "auto" } else { "f32" }.to_string());
     let device_name = if on_gpu {
         format!("CUDA GPU {}", args.gpus.first().copied().unwrap_or(0))
     } else {
@@ -196,7 +197,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     };
 
     say!(
-        "Prism {} — /v1/systemone server ({device_name}, {precision_name})",
+        "Prism {} — /v1/systemone server ({device_name}, precision {asked})",
         env!("CARGO_PKG_VERSION")
     );
     let (source, demo) = match (&args.gguf, &args.model_dir) {
@@ -234,6 +235,20 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         }
     };
 
+    let precision = if asked == "auto" {
+        let gguf = prism_gguf::GgufFile::open(&source.gguf)
+            .with_context(|| format!("opening {}", source.gguf.display()))?;
+        match Precision::resolve("auto", &gguf)? {
+            Precision::W4a8 if on_gpu => {
+                say!("  NOTE: a K-quant file on a GPU runs at bf16 (w4a8 there has only its simple, slow kernel so far; --precision w4a8 asks for it)");
+                Precision::Bf16
+            }
+            p => p,
+        }
+    } else {
+        Precision::parse(&asked)?
+    };
+    let precision_name = precision.as_str().to_string();
     let size = std::fs::metadata(&source.gguf)
         .with_context(|| format!("cannot read the model file {}", source.gguf.display()))?
         .len();
