@@ -263,20 +263,27 @@ __device__ __forceinline__ void wgmma_m64n128k32_s8(int (&d)[64], unsigned long 
 }
 #endif
 
-#define QW_BM 128
-#define QW_BN 128
-#define QW_STAGES 4
-// A stage: A box (16 KiB), B box (16 KiB), 128 activation scales, 128 weight scales.
-#define QW_A 0
-#define QW_B (QW_BM * 128)
-#define QW_SA (QW_B + QW_BN * 128)
-#define QW_SW (QW_SA + QW_BM * 4)
-#define QW_STAGE (QW_SW + QW_BN * 4)
-#define QW_SLOT (QW_STAGES * QW_STAGE)
-#define QW_BARS (QW_SLOT + 256 * 64 * 4)
-#define QW_SMEM (QW_BARS + 2 * QW_STAGES * 8 + 1024)
+// The tile's two shapes: BM = 128 activation rows × BN = 128 outputs (each consumer warpgroup 64 rows ×
+// 128 outputs), or BM = 64 × BN = 256 (both warpgroups on the same 64 rows, 128 outputs each: for M a little
+// over a multiple of 128, where a 128-row tile computes up to twice the rows). A stage: the A box, the B
+// box, BM activation scales, BN weight scales, padded to 1,024 bytes (TMA's 128-byte swizzle repeats
+// every 1,024).
+template <int BM>
+struct QwTile {
+    static constexpr int BN = 128 * 128 / BM;
+    static constexpr int STAGES = BM == 128 ? 4 : 3;
+    static constexpr int A = 0;
+    static constexpr int B = BM * 128;
+    static constexpr int SA = B + BN * 128;
+    static constexpr int SW = SA + BM * 4;
+    static constexpr int BYTES = SW + BN * 4;  // what TMA delivers a stage
+    static constexpr int STAGE = (BYTES + 1023) / 1024 * 1024;
+    static constexpr int SLOT = STAGES * STAGE;
+    static constexpr int BARS = SLOT + 256 * 64 * 4;
+    static constexpr int SMEM = BARS + 2 * STAGES * 8 + 1024;
+};
 
-
+template <int BM>
 __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const TmaDesc* tmap_b,
                                                    const float* __restrict__ sa_t, int ldsa,
                                                    const float* __restrict__ sw_t, int ldsw,
@@ -284,14 +291,15 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
                                                    int K, float* __restrict__ y) {
 #ifdef HAVE_WGMMA
     extern __shared__ unsigned char smem_raw[];
+    using T = QwTile<BM>;
     unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
-    unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + QW_BARS);
-    unsigned long long* empty = full + QW_STAGES;
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + T::BARS);
+    unsigned long long* empty = full + T::STAGES;
     const int R = (K + 127) / 128;
-    const int m0 = blockIdx.x * QW_BM, n0 = blockIdx.y * QW_BN;
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * T::BN;
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
-        for (int s = 0; s < QW_STAGES; ++s) {
+        for (int s = 0; s < T::STAGES; ++s) {
             mbar_init(full + s, 1);
             mbar_init(empty + s, 8);  // the 8 consumer warps
         }
@@ -304,38 +312,42 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
             tma_prefetch_desc(tmap_a);
             tma_prefetch_desc(tmap_b);
             for (int r = 0; r < R; ++r) {
-                const int s = r % QW_STAGES;
-                mbar_wait(empty + s, ((r / QW_STAGES) & 1) ^ 1);
-                unsigned char* st = smem + s * QW_STAGE;
-                mbar_arrive_expect_tx(full + s, QW_STAGE);
-                tma_load_2d(st + QW_A, tmap_a, r * 128, m0, full + s);
-                tma_load_2d(st + QW_B, tmap_b, r * 128, n0, full + s);
-                bulk_load(st + QW_SA, sa_t + (size_t)r * ldsa + m0, QW_BM * 4, full + s);
-                bulk_load(st + QW_SW, sw_t + (size_t)r * ldsw + n0, QW_BN * 4, full + s);
+                const int s = r % T::STAGES;
+                mbar_wait(empty + s, ((r / T::STAGES) & 1) ^ 1);
+                unsigned char* st = smem + s * T::STAGE;
+                mbar_arrive_expect_tx(full + s, T::BYTES);
+                tma_load_2d(st + T::A, tmap_a, r * 128, m0, full + s);
+                tma_load_2d(st + T::B, tmap_b, r * 128, n0, full + s);
+                bulk_load(st + T::SA, sa_t + (size_t)r * ldsa + m0, BM * 4, full + s);
+                bulk_load(st + T::SW, sw_t + (size_t)r * ldsw + n0, T::BN * 4, full + s);
             }
         }
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-        const int c = wg - 1;  // consumer warpgroup: rows 64·c .. 64·c + 63 of the tile
+        // Consumer warpgroup c: rows 64·c .. 64·c + 63 of a 128-row tile, or outputs 128·c .. 128·c + 127
+        // of a 64-row one.
+        const int c = wg - 1;
+        const int a_off = BM == 128 ? c * 64 * 128 : 0, b_off = BM == 128 ? 0 : c * 128 * 128;
+        const int c_rows = BM == 128 ? 64 * c : 0, c_cols = BM == 128 ? 0 : 128 * c;
         const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
-        float* slot = reinterpret_cast<float*>(smem + QW_SLOT) + c * 128 + t;  // element i at slot[256·i]
+        float* slot = reinterpret_cast<float*>(smem + T::SLOT) + c * 128 + t;  // element i at slot[256·i]
         int acc[64];
         float facc[64], p2[64];
 #pragma unroll
         for (int i = 0; i < 64; ++i) p2[i] = 0.f;
-        const int row_in = 64 * c + 16 * warp + lane / 4;  // the thread's rows: row_in, row_in + 8
-        const int col_in = 2 * (lane % 4);                 // its columns: col_in + 8·j (+1)
+        const int row_in = c_rows + 16 * warp + lane / 4;  // the thread's rows: row_in, row_in + 8
+        const int col_in = c_cols + 2 * (lane % 4);        // its columns: col_in + 8·j (+1)
 #pragma unroll 1
         for (int part = 0; part < 4; ++part) {
 #pragma unroll
             for (int i = 0; i < 64; ++i) facc[i] = 0.f;
 #pragma unroll 1
             for (int r = part * R / 4; r < (part + 1) * R / 4; ++r) {
-                const int s = r % QW_STAGES;
-                mbar_wait(full + s, (r / QW_STAGES) & 1);
-                const unsigned char* st = smem + s * QW_STAGE;
-                const unsigned long long da = wgmma_desc(smem_addr(st + QW_A + c * 64 * 128));
-                const unsigned long long db = wgmma_desc(smem_addr(st + QW_B));
+                const int s = r % T::STAGES;
+                mbar_wait(full + s, (r / T::STAGES) & 1);
+                const unsigned char* st = smem + s * T::STAGE;
+                const unsigned long long da = wgmma_desc(smem_addr(st + T::A + a_off));
+                const unsigned long long db = wgmma_desc(smem_addr(st + T::B + b_off));
                 wgmma_fence();
                 wgmma_m64n128k32_s8(acc, da, db, 0);
                 wgmma_m64n128k32_s8(acc, da + 2, db + 2, 1);
@@ -345,8 +357,8 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
                 wgmma_wait0();
 #pragma unroll
                 for (int i = 0; i < 64; ++i) asm volatile("" : "+r"(acc[i])::"memory");
-                const float* ssa = reinterpret_cast<const float*>(st + QW_SA);
-                const float* ssw = reinterpret_cast<const float*>(st + QW_SW);
+                const float* ssa = reinterpret_cast<const float*>(st + T::SA);
+                const float* ssw = reinterpret_cast<const float*>(st + T::SW);
                 const float a0 = ssa[row_in], a1 = ssa[row_in + 8];
 #pragma unroll
                 for (int j = 0; j < 16; ++j) {
@@ -404,5 +416,11 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     qgemm_wg_q8_0(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
                   const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
                   int M, int N, int K, float* y) {
-    qgemm_wg_q8_0_body(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y);
+    qgemm_wg_q8_0_body<128>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y);
+}
+extern "C" __global__ void __launch_bounds__(384, 1)
+    qgemm_wg_q8_0_m64(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
+                      const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
+                      int M, int N, int K, float* y) {
+    qgemm_wg_q8_0_body<64>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y);
 }

@@ -11,7 +11,7 @@ use anyhow::Result;
 use candle_core::{Device, Tensor};
 use prism_gguf::quantize::quantize;
 use prism_gguf::GgmlType;
-use prism_quant::cuda::{matmul, matmul_with, CudaQuantWeight, Kernel};
+use prism_quant::cuda::{matmul, matmul_with, CudaQuantWeight, Kernel, TileShape};
 use prism_quant::{Q8Scales, QuantWeight};
 
 use super::{Report, Rng};
@@ -84,12 +84,20 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
                 &got,
                 &Tensor::from_vec(want, (m, n), &Device::Cpu)?,
             )?;
-            // The simple kernel gives the same bits (on Hopper the tile ran above for Q8_0).
-            r.identical(
-                &format!("{tag} M={m}: simple kernel vs the default"),
-                &matmul_with(&xg, &dw, Kernel::Simple)?,
-                &got,
-            )?;
+            // Every kernel gives the same bits: the simple one and, on Hopper, both tile shapes
+            // (elsewhere those run the simple kernel).
+            let mut kernels = vec![("simple kernel", Kernel::Simple)];
+            if ty == GgmlType::Q8_0 {
+                kernels.push(("128-row tile", Kernel::Tile(TileShape::M128)));
+                kernels.push(("64-row tile", Kernel::Tile(TileShape::M64)));
+            }
+            for (label, kernel) in kernels {
+                r.identical(
+                    &format!("{tag} M={m}: {label} vs the default"),
+                    &matmul_with(&xg, &dw, kernel)?,
+                    &got,
+                )?;
+            }
         }
         // Non-finite rows 2 (NaN) and 4 (+inf) of 6: those rows NaN, the others the CPU's bits.
         let mut x = activations(&mut rng, 6, k);

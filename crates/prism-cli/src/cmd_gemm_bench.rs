@@ -14,7 +14,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use prism_gguf::quantize::quantize;
 use prism_gguf::GgmlType;
-use prism_quant::cuda::{matmul_with, CudaQuantWeight, Kernel};
+use prism_quant::cuda::{matmul_with, CudaQuantWeight, Kernel, TileShape};
 use prism_quant::{Q8Scales, QuantWeight};
 use serde_json::json;
 
@@ -120,6 +120,15 @@ pub fn run(args: &GemmBenchArgs) -> Result<()> {
             matmul_with(&x, &dw, Kernel::Auto)?;
             Ok(())
         })?;
+        // Both tile shapes (the default picks one by M).
+        let mut shapes_ms = Vec::new();
+        for shape in [TileShape::M128, TileShape::M64] {
+            let t = time_median(&gpu, args.runs, || {
+                matmul_with(&x, &dw, Kernel::Tile(shape))?;
+                Ok(())
+            })?;
+            shapes_ms.push((shape, t));
+        }
         let t_simple = if args.simple {
             Some(time_median(&gpu, args.runs.min(5), || {
                 matmul_with(&x, &dw, Kernel::Simple)?;
@@ -157,9 +166,18 @@ pub fn run(args: &GemmBenchArgs) -> Result<()> {
             t_bf16 * 1e3,
             rate(t_bf16)
         );
+        for (shape, t) in &shapes_ms {
+            println!(
+                "{:>22} tile {shape:?}: {:.3} ms, {:.1} TOPS",
+                "",
+                t * 1e3,
+                rate(*t)
+            );
+        }
         rows.push(json!({
             "k": k, "n": n, "m": m,
             "int8_ms": t_int * 1e3, "int8_tops": rate(t_int),
+            "tiles": shapes_ms.iter().map(|(shape, t)| json!({"shape": format!("{shape:?}"), "ms": t * 1e3, "tops": rate(*t)})).collect::<Vec<_>>(),
             "simple_ms": t_simple.map(|t| t * 1e3), "simple_tops": t_simple.map(rate),
             "cublas_int8_ms": t_cublas.map(|t| t * 1e3), "cublas_int8_tops": t_cublas.map(rate),
             "bf16_candle_ms": t_bf16 * 1e3, "bf16_candle_tflops": rate(t_bf16),

@@ -44,16 +44,53 @@ pub struct CudaQuantWeight {
 /// What the Q8_0 warpgroup tile (`qgemm_wg_q8_0`, sm_90) reads besides the bytes `q`.
 #[derive(Debug, Clone)]
 struct HopperQ8 {
-    /// Run scales, run-major: `[R, ldsw]` f32, `ldsw` = N rounded up to the tile's 128 rows.
+    /// Run scales, run-major: `[R, ldsw]` f32, `ldsw` = N rounded up to 256.
     sw_t: Tensor,
     ldsw: usize,
 }
 
-/// Rows of the Hopper tile (activation rows and weight rows alike).
+/// Rows of the Hopper tile's larger shape (activation rows and weight rows alike).
 const WG_TILE: usize = 128;
-/// The Hopper tile's dynamic shared memory: 4 stages of 33,792 bytes, the part slot (64 KiB), the
-/// barriers and 1,024 bytes of alignment (`QW_SMEM` in quant_gemm.cu).
-const WG_SMEM: usize = 4 * 33_792 + 256 * 64 * 4 + 2 * 4 * 8 + 1024;
+/// The Hopper tile's shapes (`QwTile` in quant_gemm.cu): activation rows, weight rows, kernel, dynamic
+/// shared memory (stages, the 64 KiB part slot, barriers, 1,024 bytes of alignment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TileShape {
+    /// 128 × 128 outputs a CTA, 4 stages of 33,792 bytes.
+    M128,
+    /// 64 × 256 outputs a CTA, 3 stages of 43,008 bytes.
+    M64,
+}
+
+impl TileShape {
+    fn rows(self) -> (usize, usize) {
+        match self {
+            TileShape::M128 => (128, 128),
+            TileShape::M64 => (64, 256),
+        }
+    }
+    fn kernel(self) -> &'static str {
+        match self {
+            TileShape::M128 => "qgemm_wg_q8_0",
+            TileShape::M64 => "qgemm_wg_q8_0_m64",
+        }
+    }
+    fn smem(self) -> usize {
+        match self {
+            TileShape::M128 => 4 * 33_792 + 256 * 64 * 4 + 2 * 4 * 8 + 1024,
+            TileShape::M64 => 3 * 43_008 + 256 * 64 * 4 + 2 * 3 * 8 + 1024,
+        }
+    }
+
+    /// The shape for `m` activation rows: 64-row tiles where 128-row ones would compute more rows
+    /// (M a little over a multiple of 128, e.g. a short pass's 276), 128-row ones otherwise.
+    pub fn auto(m: usize) -> Self {
+        if m.div_ceil(64) * 64 < m.div_ceil(128) * 128 {
+            TileShape::M64
+        } else {
+            TileShape::M128
+        }
+    }
+}
 /// Threads of the Hopper tile: a producer warpgroup and two consumer warpgroups.
 const WG_THREADS: u32 = 384;
 
@@ -90,7 +127,8 @@ impl CudaQuantWeight {
         let a = w.arrays();
         let hopper = if w.info().format == WeightFormat::Q8_0 && is_hopper(device)? {
             let (n, runs) = (w.rows(), run_count(w.cols()));
-            let ldsw = n.div_ceil(WG_TILE) * WG_TILE;
+            // Whole tiles of 256 outputs (the 64-row shape's), so every tile's scale copy stays inside.
+            let ldsw = n.div_ceil(2 * WG_TILE) * 2 * WG_TILE;
             if a.d.len() != n * runs {
                 bail!(
                     "integer matmul: {:?} has {} run scales, not {n} × {runs}",
@@ -137,10 +175,13 @@ pub fn matmul(x: &Tensor, w: &CudaQuantWeight) -> Result<Tensor> {
 /// Which device kernel runs a product (the same bits either way).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kernel {
-    /// The Hopper warpgroup tile for Q8_0 on a compute-capability-9.0 GPU, otherwise the simple one.
+    /// The Hopper warpgroup tile for Q8_0 on a compute-capability-9.0 GPU (its shape by
+    /// [`TileShape::auto`]), otherwise the simple one.
     Auto,
     /// The simple kernels (one thread an output, dp4a): the comparison for the device checks.
     Simple,
+    /// The Hopper tile of this shape where it runs (Q8_0, compute capability 9.0), else the simple one.
+    Tile(TileShape),
 }
 
 /// [`matmul`] with the kernel chosen by `kernel`.
@@ -163,7 +204,12 @@ pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Te
     let hopper = w
         .hopper
         .as_ref()
-        .filter(|_| kernel == Kernel::Auto && m > 0 && n > 0);
+        .zip(match kernel {
+            Kernel::Auto => Some(TileShape::auto(m)),
+            Kernel::Simple => None,
+            Kernel::Tile(shape) => Some(shape),
+        })
+        .filter(|_| m > 0 && n > 0);
     let ldsa = m.div_ceil(WG_TILE) * WG_TILE;
     let (sa_len, sa_row_stride, sa_run_stride) = match hopper {
         Some(_) => (runs * ldsa, 1, ldsa),
@@ -213,8 +259,8 @@ pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Te
         // run < runs index inside sa_len), sums m·k/32 i32 when asked, bad m u32.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
-    if let Some(h) = hopper {
-        hopper_q8_0(&dev, &qa, &sa, ldsa, &bad, w, h, (m, n, k), &y)?;
+    if let Some((h, shape)) = hopper {
+        hopper_q8_0(&dev, &qa, &sa, ldsa, &bad, w, h, shape, (m, n, k), &y)?;
         return Ok(wrap(y, &dev, (m, n)));
     }
     let name = match info.format {
@@ -263,14 +309,16 @@ fn hopper_q8_0(
     bad: &CudaSlice<u32>,
     w: &CudaQuantWeight,
     h: &HopperQ8,
+    shape: TileShape,
     (m, n, k): (usize, usize, usize),
     y: &CudaSlice<f32>,
 ) -> Result<()> {
+    let (bm, bn) = shape.rows();
     let too_many = |what: String| candle_core::Error::Msg(format!("integer matmul: {what}"));
-    let gx = u32::try_from(m.div_ceil(WG_TILE))
-        .map_err(|_| too_many(format!("{m} rows are too many")))?;
-    let gy = u32::try_from(n.div_ceil(WG_TILE))
-        .map_err(|_| too_many(format!("{n} outputs are too many")))?;
+    let gx =
+        u32::try_from(m.div_ceil(bm)).map_err(|_| too_many(format!("{m} rows are too many")))?;
+    let gy =
+        u32::try_from(n.div_ceil(bn)).map_err(|_| too_many(format!("{n} outputs are too many")))?;
     if gy > 65_535 {
         bail!("integer matmul: {n} outputs are more than one launch takes");
     }
@@ -281,13 +329,16 @@ fn hopper_q8_0(
     let stream = dev.cuda_stream();
     let (qa_ptr, _qa_sync) = qa.device_ptr(&stream);
     let (wq_ptr, _wq_sync) = wq.device_ptr(&stream);
-    let maps = [byte_rows_map(qa_ptr, m, k)?, byte_rows_map(wq_ptr, n, k)?];
-    let func = load_kernel(dev, MODULE, IMAGE, "qgemm_wg_q8_0")?;
-    func.allow_dynamic_shared(WG_SMEM, "integer matmul tile")?;
+    let maps = [
+        byte_rows_map(qa_ptr, m, k, bm)?,
+        byte_rows_map(wq_ptr, n, k, bn)?,
+    ];
+    let func = load_kernel(dev, MODULE, IMAGE, shape.kernel())?;
+    func.allow_dynamic_shared(shape.smem(), "integer matmul tile")?;
     let cfg = LaunchConfig {
         grid_dim: (gx, gy, 1),
         block_dim: (WG_THREADS, 1, 1),
-        shared_mem_bytes: WG_SMEM as u32,
+        shared_mem_bytes: shape.smem() as u32,
     };
     let (ldsa_i, ldsw_i) = (i32_arg(ldsa, "scale rows")?, i32_arg(h.ldsw, "scale rows")?);
     let (m_i, n_i, k_i) = (
@@ -315,10 +366,15 @@ struct TensorMapArg(sys::CUtensorMap);
 // SAFETY: plain bytes the driver copies into the kernel's parameter space.
 unsafe impl DeviceRepr for TensorMapArg {}
 
-/// The TMA map of a row-major `[rows, k]` byte matrix at `ptr`, read in boxes of 128 bytes of K by 128
-/// rows with the 128-byte swizzle (16-byte chunk c of row r lands at chunk c ^ (r & 7): the layout
-/// `wgmma` reads). Rows past `rows` and bytes past `k` read as zeros.
-fn byte_rows_map(ptr: sys::CUdeviceptr, rows: usize, k: usize) -> Result<TensorMapArg> {
+/// The TMA map of a row-major `[rows, k]` byte matrix at `ptr`, read in boxes of 128 bytes of K by
+/// `box_rows` (≤ 256) rows with the 128-byte swizzle (16-byte chunk c of row r lands at chunk c ^ (r & 7):
+/// the layout `wgmma` reads). Rows past `rows` and bytes past `k` read as zeros.
+fn byte_rows_map(
+    ptr: sys::CUdeviceptr,
+    rows: usize,
+    k: usize,
+    box_rows: usize,
+) -> Result<TensorMapArg> {
     use sys::{
         CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
         CUtensorMapL2promotion, CUtensorMapSwizzle,
@@ -328,7 +384,7 @@ fn byte_rows_map(ptr: sys::CUdeviceptr, rows: usize, k: usize) -> Result<TensorM
     }
     let dims = [k as u64, rows as u64];
     let strides = [k as u64];
-    let boxes = [128u32, WG_TILE as u32];
+    let boxes = [128u32, u32::try_from(box_rows.min(256)).unwrap_or(256)];
     let element_strides = [1u32, 1];
     let mut map = TensorMapArg(sys::CUtensorMap { opaque: [0; 16] });
     // SAFETY: the driver writes the 128-byte map; every array has rank 2 (strides rank − 1) elements.
