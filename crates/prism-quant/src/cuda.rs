@@ -81,10 +81,12 @@ impl TileShape {
         }
     }
 
-    /// The shape for `m` activation rows: 64-row tiles where 128-row ones would compute more rows
-    /// (M a little over a multiple of 128, e.g. a short pass's 276), 128-row ones otherwise.
+    /// The shape for `m` activation rows: 64-row tiles below 1,024 rows where 128-row ones would
+    /// compute more rows (a short pass's 276: 320 rows instead of 384), 128-row ones otherwise (at
+    /// 2,048 rows the 64-row shape measured 2–4 % slower, and the 8,201-row pass took 975.9 ms with it
+    /// against 945.7 with 128-row tiles: `docs/optimization-log.md`).
     pub fn auto(m: usize) -> Self {
-        if m.div_ceil(64) * 64 < m.div_ceil(128) * 128 {
+        if m < 1024 && m.div_ceil(64) * 64 < m.div_ceil(128) * 128 {
             TileShape::M64
         } else {
             TileShape::M128
