@@ -15,7 +15,7 @@
 #   bench27     27B bf16 bench (5 runs after 1 warm-up)
 #   bench27-int8  27B int8 bench of /tmp/s27 (5 runs after 1 warm-up), text and JSON
 #   bench9 / bench4   9B / 4B bf16 benches (10 runs after 2 warm-ups)
-#   loads9      9B bf16 loads from 1, 4, 8 and 16 loader threads (PRISM_LOAD_THREADS), one bench run each
+#   loads9      9B bf16 loads from 1, 4, 8 and 16 loader threads (--load-threads), one bench run each
 #               after no warm-up (answer digests comparable across them); each killed after 120 s
 #   ncu27       ncu kernel times of one warm pass per scenario of the 27B bf16 bench
 #   serve27-int8 / serve27-bf16   prism serve on /tmp/s27 (int8 / bf16) and prism loadgen against it:
@@ -104,7 +104,7 @@ for step in "$@"; do
         bench9) /tmp/prism bench --model-dir /tmp/s9 --device cuda --precision bf16 --runs 10 --warmup 2 > "$OUT/bench-9b-bf16.txt" 2>&1 ;;
         loads9)
             for th in 1 4 8 16; do
-                PRISM_LOAD_THREADS=$th RUST_LOG=info timeout -s KILL 120 /tmp/prism bench --model-dir /tmp/s9 \
+                RUST_LOG=info timeout -s KILL 120 /tmp/prism bench --load-threads $th --model-dir /tmp/s9 \
                     --device cuda --precision bf16 --runs 1 --warmup 0 > "$OUT/bench-9b-bf16-t$th.txt" 2>&1
                 echo "   threads $th rc=$?"
             done ;;

@@ -551,6 +551,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let options = LoadOptions {
         device: device.clone(),
         precision,
+        load_threads: args.load_threads,
         ..LoadOptions::default()
     };
     let memory_before = process_memory();

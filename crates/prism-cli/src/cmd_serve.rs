@@ -50,6 +50,9 @@ pub struct ServeArgs {
     /// other file at bf16 (w4a8 on a GPU has only its simple kernel so far: ask for it by name).
     #[arg(long)]
     pub precision: Option<String>,
+    /// Threads that load decoder layers at once (default: the machine's cores, at most 8).
+    #[arg(long)]
+    pub load_threads: Option<usize>,
     /// Most questions in one request; more are refused (HTTP 422 naming `questions`).
     #[arg(long, default_value_t = 128)]
     pub max_questions: usize,
@@ -275,6 +278,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         device: device.clone(),
         precision,
         progress: Some(progress),
+        load_threads: args.load_threads,
         ..LoadOptions::default()
     };
     let loaded = DecoderLetterModel::load(&source, &options, args.max_tokens)

@@ -213,6 +213,9 @@ pub struct BenchArgs {
     /// section of the forward pass and print where the time goes (slower than a plain run).
     #[arg(long)]
     pub profile: bool,
+    /// Threads that load decoder layers at once (default: the machine's cores, at most 8).
+    #[arg(long)]
+    pub load_threads: Option<usize>,
     /// CUDA builds: wrap the last timed run of each scenario in a CUDA profiler range
     /// (cuProfilerStart/Stop), so that `ncu --profile-from-start off` records exactly one warm pass
     /// of each scenario and nothing of the load or the floor measurements.

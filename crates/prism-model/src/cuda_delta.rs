@@ -12,10 +12,8 @@
 //! whatever shares its launch, so none of this changes a bit (see the kernel file).
 //!
 //! The per-element arithmetic is that of the per-segment kernels of [`crate::cuda::delta_rule_chunked`],
-//! which stay as the reference: `prism cuda-check` compares the two bit for bit, and
-//! `PRISM_DELTA_RULE=v1` makes every call run them instead ([`delta_rule_per_segment_v1`]).
-
-use std::sync::OnceLock;
+//! which stay as the reference: `prism cuda-check` compares the two bit for bit
+//! ([`delta_rule_per_segment_v1`]).
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -70,12 +68,6 @@ unsafe impl DeviceRepr for SegmentArgs {}
 
 const _: () = assert!(std::mem::size_of::<SegmentArgs>() == 1568);
 
-/// Whether `PRISM_DELTA_RULE=v1` asks for the per-segment kernels.
-fn per_segment_kernels() -> bool {
-    static V1: OnceLock<bool> = OnceLock::new();
-    *V1.get_or_init(|| std::env::var("PRISM_DELTA_RULE").is_ok_and(|v| v == "v1"))
-}
-
 /// `t` contiguous and starting on a 16-byte boundary (the kernels copy it 16 bytes at a time): itself
 /// when it already is, else a copy.
 fn aligned(t: &Tensor) -> Result<Tensor> {
@@ -123,9 +115,6 @@ pub fn delta_rule_batch(
             "delta rule (cuda): dv = {dv} must be a multiple of {COLUMNS}, dk = {dk} a multiple of 4 up to 256, dtype f32 (found {:?})",
             v.dtype()
         );
-    }
-    if per_segment_kernels() {
-        return delta_rule_per_segment_v1(q, k, v, g, beta, segments, states);
     }
     let dev = cuda_device(q)?;
     let (q, k) = (aligned(q)?, aligned(k)?);
@@ -456,7 +445,7 @@ fn launch(
 
 /// The batched call on the per-segment kernels (`cuda::delta_rule_chunked`), one segment after another
 /// with `q, k` tiled to the value heads: the path before the batched kernels, kept as their reference
-/// (`PRISM_DELTA_RULE=v1`, and the comparisons of `prism cuda-check`).
+/// (the comparisons of `prism cuda-check`).
 pub fn delta_rule_per_segment_v1(
     q: &Tensor,
     k: &Tensor,

@@ -1,6 +1,6 @@
-//! An opt-in section profiler: with `PRISM_PROFILE=1` in the environment, [`time`] synchronizes the
-//! device before and after a section and adds the elapsed wall time to a global table, which
-//! `prism bench` prints. Off (the default), it costs one relaxed atomic load per section.
+//! An opt-in section profiler: once [`set_enabled`] turned it on (`prism bench --profile`), [`time`]
+//! synchronizes the device before and after a section and adds the elapsed wall time to a global table,
+//! which `prism bench` prints. Off (the default), it costs one relaxed atomic load per section.
 //!
 //! The synchronizations serialize the host and the device, so a profiled run is slower than a plain
 //! one: the table says where device time goes, not the latency of an unprofiled run.
@@ -11,26 +11,18 @@ use std::time::{Duration, Instant};
 
 use candle_core::Device;
 
-/// 0: not read yet, 1: off, 2: on.
+/// 0: off, 1: on.
 static STATE: AtomicU8 = AtomicU8::new(0);
 static TABLE: Mutex<Vec<(&'static str, Duration, u64)>> = Mutex::new(Vec::new());
 
-/// Whether `PRISM_PROFILE` is set to something other than `0` or empty.
+/// Whether profiling is on.
 pub fn enabled() -> bool {
-    match STATE.load(Ordering::Relaxed) {
-        1 => false,
-        2 => true,
-        _ => {
-            let on = std::env::var("PRISM_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0");
-            STATE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-            on
-        }
-    }
+    STATE.load(Ordering::Relaxed) == 1
 }
 
-/// Turns profiling on or off for the whole process (overrides `PRISM_PROFILE`).
+/// Turns profiling on or off for the whole process.
 pub fn set_enabled(on: bool) {
-    STATE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    STATE.store(u8::from(on), Ordering::Relaxed);
 }
 
 /// Runs `f` as section `name`, timed between two device synchronizations when profiling is on.

@@ -45,6 +45,11 @@ pub struct LoadOptions {
     pub hf_config: Option<PathBuf>,
     /// Told after each decoder layer is loaded (for a progress display).
     pub progress: Option<LoadProgress>,
+    /// How many threads load decoder layers at once (`None`: [`DEFAULT_MAX_LOAD_THREADS`] or the
+    /// machine's parallelism, whichever is smaller; `Some(1)`: one after another on the calling thread;
+    /// `Some(0)` is refused). On a GPU one loader thread at a time does device work, whatever the count
+    /// (`weights::DEVICE_WORK`).
+    pub load_threads: Option<usize>,
 }
 
 impl Default for LoadOptions {
@@ -54,6 +59,23 @@ impl Default for LoadOptions {
             precision: Precision::F32,
             hf_config: None,
             progress: None,
+            load_threads: None,
+        }
+    }
+}
+
+impl LoadOptions {
+    /// The number of threads the load uses for the decoder layers ([`LoadOptions::load_threads`]).
+    pub fn load_threads(&self) -> Result<usize> {
+        match self.load_threads {
+            None => Ok(std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(DEFAULT_MAX_LOAD_THREADS)),
+            Some(0) => Err(ModelError::InvalidConfig {
+                field: "load_threads".into(),
+                reason: "0 is not a positive number of threads".into(),
+            }),
+            Some(n) => Ok(n),
         }
     }
 }
@@ -156,33 +178,10 @@ impl DecoderLayer {
     }
 }
 
-/// Environment variable: how many threads load decoder layers at once (a positive integer). Unset:
-/// [`DEFAULT_MAX_LOAD_THREADS`] or the machine's parallelism, whichever is smaller. `1` loads the layers
-/// one after another on the calling thread. (On a GPU one loader thread at a time does device work,
-/// whatever the count: `weights::DEVICE_WORK`.)
-pub const LOAD_THREADS_ENV: &str = "PRISM_LOAD_THREADS";
-
-/// Loader threads when [`LOAD_THREADS_ENV`] is unset. Each holds one layer's host buffers at a time,
-/// and the tensor conversions inside a layer already run on rayon's pool, so more threads mostly buy
-/// overlap of one layer's single-threaded steps (shape checks, uploads, casts) with another's work.
+/// Loader threads by default ([`LoadOptions::load_threads`]). Each holds one layer's host buffers at a
+/// time, and the tensor conversions inside a layer already run on rayon's pool, so more threads mostly
+/// buy overlap of one layer's single-threaded steps (shape checks, uploads, casts) with another's work.
 pub const DEFAULT_MAX_LOAD_THREADS: usize = 8;
-
-/// The number of threads [`Qwen35Model`]'s loads use for the decoder layers ([`LOAD_THREADS_ENV`]).
-pub fn load_threads() -> Result<usize> {
-    let Some(value) = std::env::var_os(LOAD_THREADS_ENV) else {
-        return Ok(std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(DEFAULT_MAX_LOAD_THREADS));
-    };
-    value
-        .to_str()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|&n| n >= 1)
-        .ok_or_else(|| ModelError::InvalidConfig {
-            field: LOAD_THREADS_ENV.into(),
-            reason: format!("{value:?} is not a positive number of threads"),
-        })
-}
 
 /// `load(0)`, …, `load(n − 1)` on up to `threads` threads (the calling one included), returned in
 /// index order. Each thread takes the next index from a shared counter, so indices are started in
@@ -435,7 +434,7 @@ impl Qwen35Model {
         options: &LoadOptions,
     ) -> Result<Self> {
         let d = config.hidden_size;
-        let threads = load_threads()?;
+        let threads = options.load_threads()?;
         let started = std::time::Instant::now();
         let embed = w.matrix("token_embd.weight", config.vocab_size, d)?;
         let embed_s = started.elapsed().as_secs_f64();

@@ -1,53 +1,35 @@
-//! The decoder layers are loaded on several threads (`PRISM_LOAD_THREADS`, default up to 8). These tests
+//! The decoder layers are loaded on several threads (`LoadOptions::load_threads`, default up to 8). These tests
 //! load the fixture models with one thread (the layers one after another, as before) and with several,
 //! and require the same bits in every weight and in the logits, and the same error for a broken file.
 
 mod common;
 
-use std::sync::Mutex;
-
 use candle_core::{DType, Tensor};
 use prism_gguf::GgufFile;
 use prism_model::delta_net::DeltaNet;
 use prism_model::linear::{FusedLinear, Linear};
-use prism_model::qwen35::{Mixer, LOAD_THREADS_ENV};
+use prism_model::qwen35::Mixer;
 use prism_model::{BatchItem, LoadOptions, ModelError, Precision, Qwen35Model};
 
 use common::{fixture_dir, prompts, single_threaded_matmuls};
-
-/// The loader reads its thread count from the environment: tests that set it take turns.
-static ENV: Mutex<()> = Mutex::new(());
-
-/// Runs `f` with `PRISM_LOAD_THREADS` set to `threads` (or unset for `None`).
-fn with_load_threads<R>(threads: Option<&str>, f: impl FnOnce() -> R) -> R {
-    let _turn = ENV.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    match threads {
-        Some(value) => std::env::set_var(LOAD_THREADS_ENV, value),
-        None => std::env::remove_var(LOAD_THREADS_ENV),
-    }
-    let result = f();
-    std::env::remove_var(LOAD_THREADS_ENV);
-    result
-}
 
 fn open(file: &str) -> GgufFile {
     GgufFile::open(fixture_dir().join(file)).unwrap_or_else(|e| panic!("{file}: {e}"))
 }
 
-fn options(precision: Precision) -> LoadOptions {
+fn options(precision: Precision, threads: usize) -> LoadOptions {
     LoadOptions {
         precision,
+        load_threads: Some(threads),
         ..LoadOptions::default()
     }
 }
 
-fn load(file: &str, precision: Precision, threads: &str) -> Qwen35Model {
+fn load(file: &str, precision: Precision, threads: usize) -> Qwen35Model {
     single_threaded_matmuls();
     let gguf = open(file);
-    with_load_threads(Some(threads), || {
-        Qwen35Model::from_gguf(&gguf, &options(precision))
-    })
-    .unwrap_or_else(|e| panic!("{file} at {precision:?} with {threads} threads: {e}"))
+    Qwen35Model::from_gguf(&gguf, &options(precision, threads))
+        .unwrap_or_else(|e| panic!("{file} at {precision:?} with {threads} threads: {e}"))
 }
 
 /// Every element's bits (f32, bf16 and f64 all widen exactly to f64), with the dtype and shape.
@@ -142,8 +124,8 @@ fn parallel_loads_equal_the_sequential_load_bit_for_bit() {
         ("tiny-Q4_K_M.gguf", Precision::F32),
         ("tiny-Q4_K_M.gguf", Precision::W4a8),
     ] {
-        let sequential = load(file, precision, "1");
-        for threads in ["3", "8"] {
+        let sequential = load(file, precision, 1);
+        for threads in [3, 8] {
             let parallel = load(file, precision, threads);
             assert_same_model(
                 &sequential,
@@ -161,8 +143,8 @@ fn parallel_loads_equal_the_sequential_load_bit_for_bit() {
 fn loaded_matrices_are_the_one_call_dequantization() {
     for file in ["tiny-Q8_0.gguf", "tiny-Q4_K_M.gguf"] {
         let gguf = open(file);
-        let f32_model = load(file, Precision::F32, "2");
-        let bf16_model = load(file, Precision::Bf16, "2");
+        let f32_model = load(file, Precision::F32, 2);
+        let bf16_model = load(file, Precision::Bf16, 2);
         let mut checked = 0;
         for (i, (l32, l16)) in f32_model
             .layers()
@@ -194,12 +176,10 @@ fn rewritten(edit: impl Fn(&str, &[u64]) -> Option<Vec<u64>>) -> GgufFile {
     common::rewritten(|_, value| Some(value.clone()), &[], edit)
 }
 
-fn load_error(gguf: &GgufFile, threads: &str) -> ModelError {
-    with_load_threads(Some(threads), || {
-        Qwen35Model::from_gguf(gguf, &LoadOptions::default())
-    })
-    .err()
-    .unwrap_or_else(|| panic!("the broken file loaded with {threads} threads"))
+fn load_error(gguf: &GgufFile, threads: usize) -> ModelError {
+    Qwen35Model::from_gguf(gguf, &options(Precision::F32, threads))
+        .err()
+        .unwrap_or_else(|| panic!("the broken file loaded with {threads} threads"))
 }
 
 #[test]
@@ -227,13 +207,13 @@ fn a_broken_layer_gives_the_sequential_loads_error() {
         (&misshaped_and_missing, "blk.2.attn_gate.weight"),
         (&misshaped, "blk.4.ffn_down.weight"),
     ] {
-        let sequential = load_error(gguf, "1");
+        let sequential = load_error(gguf, 1);
         let named = match &sequential {
             ModelError::MissingTensor { name } | ModelError::TensorShape { name, .. } => name,
             other => panic!("unexpected error {other}"),
         };
         assert_eq!(named, expected);
-        for threads in ["2", "4", "8"] {
+        for threads in [2, 4, 8] {
             for _ in 0..3 {
                 let parallel = load_error(gguf, threads);
                 assert_eq!(
@@ -249,18 +229,13 @@ fn a_broken_layer_gives_the_sequential_loads_error() {
 #[test]
 fn the_thread_count_setting_is_checked() {
     let gguf = open("tiny-BF16.gguf");
-    for bad in ["0", "-1", "eight", ""] {
-        match load_error(&gguf, bad) {
-            ModelError::InvalidConfig { field, reason } => {
-                assert_eq!(field, LOAD_THREADS_ENV);
-                assert!(reason.contains(&format!("{bad:?}")), "{reason}");
-            }
-            other => panic!("PRISM_LOAD_THREADS={bad:?}: {other}"),
+    match load_error(&gguf, 0) {
+        ModelError::InvalidConfig { field, reason } => {
+            assert_eq!(field, "load_threads");
+            assert!(reason.contains("0 is not"), "{reason}");
         }
+        other => panic!("load_threads = 0: {other}"),
     }
-    // Unset: the default (up to 8 threads) loads.
-    with_load_threads(None, || {
-        Qwen35Model::from_gguf(&gguf, &LoadOptions::default())
-    })
-    .unwrap();
+    // None: the default (up to 8 threads) loads.
+    Qwen35Model::from_gguf(&gguf, &LoadOptions::default()).unwrap();
 }
