@@ -458,6 +458,25 @@ fn hostile_cases() -> Vec<Case> {
             422,
             &["body", "11"],
         ),
+        // A lone surrogate escape is JSON but not text: refused with the field that holds it.
+        case(
+            "lone surrogate in the state",
+            r#"{"state": "a\ud800b", "questions": {"q1": {"type": "noul", "instructions": "Is it?"}}}"#,
+            422,
+            &["body", "state"],
+        ),
+        case(
+            "lone surrogate in instructions",
+            r#"{"state": "s", "questions": {"q1": {"type": "noul", "instructions": "Is \udc00 it?"}}}"#,
+            422,
+            &["body", "questions", "q1", "instructions"],
+        ),
+        case(
+            "lone surrogate in a criterion key",
+            r#"{"state": "s", "questions": {"q1": {"type": "choice", "instructions": "x", "criteria": {"\ud83d": null, "b": null}}}}"#,
+            422,
+            &["body", "questions", "q1", "criteria"],
+        ),
         // `{"state": ` is 10 characters; the 512th `[` (index 521) opens level 513, one past the limit.
         case(
             "deep nesting",
