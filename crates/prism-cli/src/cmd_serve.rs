@@ -19,7 +19,9 @@ use prism_decision::{
     DecisionRequest, DecoderLetterModel, LetterModel, ModelSource, RequestDefaults,
 };
 use prism_model::{LoadOptions, LoadProgress, Precision};
-use prism_server::{router, serve, ConnectionLimits, Metrics, ModelInfo, ServerConfig, Stats};
+use prism_server::{
+    router, serve, ConnectionLimits, Counters, Metrics, ModelInfo, ServerConfig, Stats,
+};
 
 /// Arguments of `prism serve`.
 #[derive(Args)]
@@ -361,6 +363,10 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             demo,
         },
     };
+    let counters = Counters {
+        stats: stats.clone(),
+        metrics: metrics.clone(),
+    };
     let app = router(server_config, engine, stats, metrics);
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -421,7 +427,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             wait_for_signal().await;
             say!("Shutting down: no new connections; finishing the requests in flight ...");
         };
-        serve(listener, app, limits, shutdown).await
+        serve(listener, app, limits, counters, shutdown).await
     });
     runtime.shutdown_timeout(Duration::from_secs(1));
     match outcome.context("the server failed")? {
