@@ -216,6 +216,7 @@ impl PassModel for DecoderLetterModel {
         let mut states: Vec<SequenceState> = Vec::new();
         let mut tokens: Vec<&[u32]> = Vec::new();
         let mut parents: Vec<Option<usize>> = Vec::new();
+        let mut keep: Vec<bool> = Vec::new();
         let mut roots: Vec<Option<usize>> = Vec::with_capacity(groups.len());
         let mut branch_items: Vec<(usize, usize)> = Vec::new(); // (item, letters)
         for group in groups {
@@ -224,6 +225,7 @@ impl PassModel for DecoderLetterModel {
                 states.push(start());
                 tokens.push(group.prefix);
                 parents.push(None);
+                keep.push(group.want_state);
                 states.len() - 1
             });
             roots.push(root);
@@ -241,6 +243,8 @@ impl PassModel for DecoderLetterModel {
                 });
                 tokens.push(branch.tokens);
                 parents.push(root);
+                // Only the letter logits of a branch are read: its states go layer by layer.
+                keep.push(false);
                 branch_items.push((states.len() - 1, branch.letters));
             }
         }
@@ -250,9 +254,11 @@ impl PassModel for DecoderLetterModel {
                 .iter_mut()
                 .zip(&tokens)
                 .zip(&parents)
-                .map(|((state, t), parent)| {
+                .zip(&keep)
+                .map(|(((state, t), parent), &keep_state)| {
                     let mut item = BatchItem::new(state, t);
                     item.parent = *parent;
+                    item.keep_state = keep_state;
                     item
                 })
                 .collect();
