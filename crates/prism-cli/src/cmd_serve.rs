@@ -73,7 +73,11 @@ pub struct ServeArgs {
     /// memory free after loading.
     #[arg(long)]
     pub prefix_cache_bytes: Option<u64>,
-    /// The longest prompt accepted, in tokens; a longer question is refused (HTTP 422).
+    /// The longest prompt accepted, in tokens; a longer question is refused (HTTP 422) before any model
+    /// work, and without tokenizing when its text's length alone proves it (no token of the model
+    /// stands for more than its longest token's bytes). It is not derived from --timeout: a prompt the
+    /// device cannot compute within --timeout gets a 504 at the deadline and its work stops at the next
+    /// pass (the CPU demo computes ~30k tokens in ~100 s).
     #[arg(long, default_value_t = 32768)]
     pub max_tokens: usize,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health (else 401). Default: the
@@ -86,7 +90,10 @@ pub struct ServeArgs {
     /// Requests that may wait for the model; beyond that the server answers 503 with Retry-After.
     #[arg(long, default_value_t = 64)]
     pub queue_size: usize,
-    /// Seconds from a request's arrival to its answer (504 beyond; 408 if the body is still arriving).
+    /// Seconds from a request's arrival to its answer: a request not answered by then gets 504 (408 if
+    /// its body is still arriving), even when the pass that finishes it ends just after. Its work stops
+    /// at the engine's first step after the deadline, so it costs at most one more pass (at most
+    /// --max-batch-tokens tokens; a longer evidence is computed in chunks of a pass).
     #[arg(long, default_value_t = 60.0)]
     pub timeout: f64,
     /// Seconds a client has to send a request's headers; a keep-alive connection waiting for its next

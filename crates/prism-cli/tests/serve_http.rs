@@ -1334,4 +1334,23 @@ fn flag_errors() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
     }
+    // The rule that makes --max-tokens and --timeout agree is in the help (issue #26).
+    let help = Command::new(env!("CARGO_BIN_EXE_prism"))
+        .args(["serve", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    for rule in [
+        "even when the pass that finishes it ends just after",
+        "stops at the engine's first step after the deadline",
+        "It is not derived from --timeout",
+    ] {
+        assert!(
+            help.split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ")
+                .contains(rule),
+            "{rule}: {help}"
+        );
+    }
 }

@@ -624,6 +624,10 @@ async fn decide(
         }
     };
     let output = match waited {
+        // The deadline is the promise: an answer the last pass finished after it is a 504 too (the
+        // engine stops a request's work at the first step after its deadline, so at most one pass
+        // runs late).
+        Ok(Ok(Ok(_))) if arrived.elapsed() > config.request_timeout => return Err(timed_out()),
         Ok(Ok(Ok(output))) => output,
         Ok(Ok(Err(JobError::Decision(refused)))) => return Err(ApiError::from_decision(&refused)),
         Ok(Ok(Err(JobError::DeadlineExceeded))) | Err(_) => return Err(timed_out()),
