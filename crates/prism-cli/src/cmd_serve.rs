@@ -277,8 +277,15 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let config = loaded.config;
     let name = model.model_name().to_string();
     let layers = model.decoder().config().n_layers;
+    let config_note = match &source.model_dir {
+        Some(dir) if !dir.join("decision_config.json").is_file() => {
+            " (decision config: the defaults, as the model directory has no decision_config.json)"
+        }
+        Some(_) => "",
+        None => " (decision config: the defaults, as no --model-dir was given)",
+    };
     say!(
-        "      done in {:.2} s: {name}, {layers} layers",
+        "      done in {:.2} s: {name}, {layers} layers{config_note}",
         started.elapsed().as_secs_f64()
     );
     let free_memory = device_free_memory(&device);

@@ -129,6 +129,17 @@ fn readme_examples_endpoints_and_banner() {
         );
     }
 
+    // The bundled model has no decision_config.json: said as a fact in the banner, not logged as a
+    // fault; and a log that is not a terminal (here a pipe) carries no colour codes.
+    assert!(banner.contains("decision config: the defaults"), "{banner}");
+    let log = server.stderr.lock().unwrap().clone();
+    assert!(log.contains("INFO"), "no log lines: {log}");
+    assert!(
+        !log.contains('\x1b'),
+        "colour codes in a piped log: {log:?}"
+    );
+    assert!(!log.contains("not found"), "{log}");
+
     // The example request answers exactly what `prism decide` answers for it.
     let example: Value =
         serde_json::from_slice(&std::fs::read(repo_path("examples/request.json")).unwrap())
@@ -167,6 +178,8 @@ fn readme_examples_endpoints_and_banner() {
         .lines()
         .chain(banner.lines())
         .filter(|line| line.contains("curl") && line.contains("/v1/systemone"))
+        // The refused example is checked below.
+        .filter(|line| !line.contains("refused-request"))
         .filter_map(|line| {
             if let Some(file) = line.split("-d @").nth(1) {
                 let file = file.split_whitespace().next()?;
@@ -191,7 +204,13 @@ fn readme_examples_endpoints_and_banner() {
             String::from_utf8_lossy(&reply.body)
         );
     }
-    // The README's refused example.
+    // The README's refused example, and the command that produces it.
+    assert!(
+        readme.lines().any(|l| l.starts_with("curl ")
+            && l.contains("-i")
+            && l.contains("-d @examples/refused-request.json")),
+        "the README shows the refused example's command"
+    );
     let refused = server.post_json(
         "/v1/systemone",
         &std::fs::read(repo_path("examples/refused-request.json")).unwrap(),
