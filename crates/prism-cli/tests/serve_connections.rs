@@ -253,3 +253,46 @@ fn a_transfer_coding_other_than_chunked_is_a_501() {
     let stats = server.get("/stats").json();
     assert_eq!(stats["requests"]["by_status"]["501"], 2, "{stats}");
 }
+
+/// Issue #26's hostile corpus (`tools/hostile.py`, 100+ requests: malformed JSON, bad framing, oversized
+/// headers and bodies, unanswerable questions) gets the statuses and error shapes it expects, and the
+/// server stays healthy with the same answers. Plain python3, no virtualenv.
+#[test]
+fn the_hostile_corpus_leaves_the_server_healthy() {
+    let server = Server::start(&[]);
+    let output = match std::process::Command::new("python3")
+        .arg(serve_common::repo_path("tools/hostile.py"))
+        .args([
+            "--url",
+            &format!("http://{}", server.addr),
+            "--deadline",
+            "300",
+        ])
+        .output()
+    {
+        Ok(output) => output,
+        Err(error) if std::env::var("CI").as_deref() != Ok("true") => {
+            eprintln!("SKIPPED: python3 cannot run ({error})");
+            return;
+        }
+        Err(error) => panic!("python3: {error}"),
+    };
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        stdout.contains("0 failures, healthy at the end: True"),
+        "{stdout}"
+    );
+    let requests: usize = stdout
+        .lines()
+        .last()
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(requests >= 100, "{stdout}");
+    assert_eq!(server.get("/health").status, 200);
+}
