@@ -19,7 +19,9 @@ use prism_decision::{
     DecisionRequest, DecoderLetterModel, LetterModel, ModelSource, RequestDefaults,
 };
 use prism_model::{LoadOptions, LoadProgress, Precision};
-use prism_server::{router, serve, ConnectionLimits, Metrics, ModelInfo, ServerConfig, Stats};
+use prism_server::{
+    router, serve, ConnectionLimits, Counters, Metrics, ModelInfo, ServerConfig, Stats,
+};
 
 /// Arguments of `prism serve`.
 #[derive(Args)]
@@ -76,7 +78,11 @@ pub struct ServeArgs {
     /// memory free after loading.
     #[arg(long)]
     pub prefix_cache_bytes: Option<u64>,
-    /// The longest prompt accepted, in tokens; a longer question is refused (HTTP 422).
+    /// The longest prompt accepted, in tokens; a longer question is refused (HTTP 422) before any model
+    /// work, and without tokenizing when its text's length alone proves it (no token of the model
+    /// stands for more than its longest token's bytes). It is not derived from --timeout: a prompt the
+    /// device cannot compute within --timeout gets a 504 at the deadline and its work stops at the next
+    /// pass (the CPU demo computes ~30k tokens in ~100 s).
     #[arg(long, default_value_t = 32768)]
     pub max_tokens: usize,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health (else 401). Default: the
@@ -89,7 +95,10 @@ pub struct ServeArgs {
     /// Requests that may wait for the model; beyond that the server answers 503 with Retry-After.
     #[arg(long, default_value_t = 64)]
     pub queue_size: usize,
-    /// Seconds from a request's arrival to its answer (504 beyond; 408 if the body is still arriving).
+    /// Seconds from a request's arrival to its answer: a request not answered by then gets 504 (408 if
+    /// its body is still arriving), even when the pass that finishes it ends just after. Its work stops
+    /// at the engine's first step after the deadline, so it costs at most one more pass (at most
+    /// --max-batch-tokens tokens; a longer evidence is computed in chunks of a pass).
     #[arg(long, default_value_t = 60.0)]
     pub timeout: f64,
     /// Seconds a client has to send a request's headers; a keep-alive connection waiting for its next
@@ -287,8 +296,15 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let config = loaded.config;
     let name = model.model_name().to_string();
     let layers = model.decoder().config().n_layers;
+    let config_note = match &source.model_dir {
+        Some(dir) if !dir.join("decision_config.json").is_file() => {
+            " (decision config: the defaults, as the model directory has no decision_config.json)"
+        }
+        Some(_) => "",
+        None => " (decision config: the defaults, as no --model-dir was given)",
+    };
     say!(
-        "      done in {:.2} s: {name}, {layers} layers",
+        "      done in {:.2} s: {name}, {layers} layers{config_note}",
         started.elapsed().as_secs_f64()
     );
     let free_memory = device_free_memory(&device);
@@ -380,6 +396,10 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             demo,
         },
     };
+    let counters = Counters {
+        stats: stats.clone(),
+        metrics: metrics.clone(),
+    };
     let app = router(server_config, engine, stats, metrics);
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -440,7 +460,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             wait_for_signal().await;
             say!("Shutting down: no new connections; finishing the requests in flight ...");
         };
-        serve(listener, app, limits, shutdown).await
+        serve(listener, app, limits, counters, shutdown).await
     });
     runtime.shutdown_timeout(Duration::from_secs(1));
     match outcome.context("the server failed")? {

@@ -438,3 +438,109 @@ fn one_request_cannot_ask_for_unbounded_work() {
         200
     );
 }
+
+/// The process's peak resident memory so far (`VmHWM`), in bytes.
+#[cfg(target_os = "linux")]
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM");
+    kb * 1024
+}
+
+/// Issue #26: 1,000 noul questions peaked at 2.4 GB on the demo model (~2.4 MB a question: every
+/// read-out branch held a state of every layer until the end of its pass). Now a branch's state goes
+/// layer by layer; 400 questions must stay under 1.5 MB a question (they take ~0.9 MB, mostly the
+/// pass's activations; before the fix they took ~2.4 MB).
+#[cfg(target_os = "linux")]
+#[test]
+fn memory_per_question_stays_well_below_the_old_two_megabytes() {
+    let server = Server::start(&["--max-questions", "400", "--timeout", "600"]);
+    let before = peak_rss(server.pid());
+    let questions: serde_json::Map<String, Value> = (0..400)
+        .map(|i| {
+            (
+                format!("q{i}"),
+                json!({"type": "noul", "instructions": format!("Is {i} true?")}),
+            )
+        })
+        .collect();
+    let body = serde_json::to_vec(&json!({"state": "s", "questions": questions})).unwrap();
+    let reply = server.post_json("/v1/systemone", &body);
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    assert_eq!(reply.json()["answers"].as_object().unwrap().len(), 400);
+    let grown = peak_rss(server.pid()).saturating_sub(before);
+    let per_question = grown as f64 / 400.0;
+    assert!(
+        per_question < 1.5e6,
+        "the peak grew by {:.0} MB, {:.2} MB a question",
+        grown as f64 / 1e6,
+        per_question / 1e6
+    );
+}
+
+/// Issue #26: an 8 MB state was refused only after tokenizing it (10 s), and 128 questions over a
+/// 600 kB state would render and tokenize 77 MB. Their length alone proves them too long (no token of
+/// the demo model stands for more than 64 bytes), so both are refused at once, naming the field.
+#[test]
+fn text_too_long_by_its_length_alone_is_refused_without_tokenizing() {
+    let server = Server::start(&["--timeout", "600"]);
+    let state = "word ".repeat(1_600_000);
+    let body = serde_json::to_vec(&json!({
+        "state": state,
+        "questions": {"late": {"type": "noul", "instructions": "Is it late?"}},
+    }))
+    .unwrap();
+    let started = Instant::now();
+    let reply = server.post_json("/v1/systemone", &body);
+    let took = started.elapsed();
+    assert_eq!(
+        reply.status,
+        422,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    assert_eq!(reply.locs(), [["body", "questions", "late"]]);
+    // (8,000,000 bytes of state + 11 of instructions) / 64 bytes a token, rounded up.
+    let error = reply.json()["error"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(error.contains("at least 125001 tokens"), "{error}");
+    assert!(took < Duration::from_secs(3), "refused after {took:?}");
+
+    let questions: serde_json::Map<String, Value> = (0..128)
+        .map(|i| {
+            (
+                format!("q{i}"),
+                json!({"type": "noul", "instructions": "Is it?"}),
+            )
+        })
+        .collect();
+    let body =
+        serde_json::to_vec(&json!({"state": "w".repeat(600_000), "questions": questions})).unwrap();
+    let started = Instant::now();
+    let reply = server.post_json("/v1/systemone", &body);
+    let took = started.elapsed();
+    assert_eq!(
+        reply.status,
+        422,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    assert_eq!(reply.locs(), [["body", "questions"]]);
+    assert_eq!(reply.json()["detail"][0]["type"], "request_too_long");
+    assert!(took < Duration::from_secs(3), "refused after {took:?}");
+    // Nothing was left behind: a small request is answered.
+    let small =
+        br#"{"state": "s", "questions": {"q": {"type": "noul", "instructions": "Is it?"}}}"#;
+    assert_eq!(server.post_json("/v1/systemone", small).status, 200);
+}

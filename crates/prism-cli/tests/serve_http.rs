@@ -129,6 +129,17 @@ fn readme_examples_endpoints_and_banner() {
         );
     }
 
+    // The bundled model has no decision_config.json: said as a fact in the banner, not logged as a
+    // fault; and a log that is not a terminal (here a pipe) carries no colour codes.
+    assert!(banner.contains("decision config: the defaults"), "{banner}");
+    let log = server.stderr.lock().unwrap().clone();
+    assert!(log.contains("INFO"), "no log lines: {log}");
+    assert!(
+        !log.contains('\x1b'),
+        "colour codes in a piped log: {log:?}"
+    );
+    assert!(!log.contains("not found"), "{log}");
+
     // The example request answers exactly what `prism decide` answers for it.
     let example: Value =
         serde_json::from_slice(&std::fs::read(repo_path("examples/request.json")).unwrap())
@@ -167,6 +178,8 @@ fn readme_examples_endpoints_and_banner() {
         .lines()
         .chain(banner.lines())
         .filter(|line| line.contains("curl") && line.contains("/v1/systemone"))
+        // The refused example is checked below.
+        .filter(|line| !line.contains("refused-request"))
         .filter_map(|line| {
             if let Some(file) = line.split("-d @").nth(1) {
                 let file = file.split_whitespace().next()?;
@@ -191,7 +204,13 @@ fn readme_examples_endpoints_and_banner() {
             String::from_utf8_lossy(&reply.body)
         );
     }
-    // The README's refused example.
+    // The README's refused example, and the command that produces it.
+    assert!(
+        readme.lines().any(|l| l.starts_with("curl ")
+            && l.contains("-i")
+            && l.contains("-d @examples/refused-request.json")),
+        "the README shows the refused example's command"
+    );
     let refused = server.post_json(
         "/v1/systemone",
         &std::fs::read(repo_path("examples/refused-request.json")).unwrap(),
@@ -457,6 +476,25 @@ fn hostile_cases() -> Vec<Case> {
             b"{\"state\": \"\xff\xfe\", \"questions\": {}}".to_vec(),
             422,
             &["body", "11"],
+        ),
+        // A lone surrogate escape is JSON but not text: refused with the field that holds it.
+        case(
+            "lone surrogate in the state",
+            r#"{"state": "a\ud800b", "questions": {"q1": {"type": "noul", "instructions": "Is it?"}}}"#,
+            422,
+            &["body", "state"],
+        ),
+        case(
+            "lone surrogate in instructions",
+            r#"{"state": "s", "questions": {"q1": {"type": "noul", "instructions": "Is \udc00 it?"}}}"#,
+            422,
+            &["body", "questions", "q1", "instructions"],
+        ),
+        case(
+            "lone surrogate in a criterion key",
+            r#"{"state": "s", "questions": {"q1": {"type": "choice", "instructions": "x", "criteria": {"\ud83d": null, "b": null}}}}"#,
+            422,
+            &["body", "questions", "q1", "criteria"],
         ),
         // `{"state": ` is 10 characters; the 512th `[` (index 521) opens level 513, one past the limit.
         case(
@@ -1314,5 +1352,24 @@ fn flag_errors() {
         assert_eq!(output.status.code(), Some(1), "{args:?}");
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+    // The rule that makes --max-tokens and --timeout agree is in the help (issue #26).
+    let help = Command::new(env!("CARGO_BIN_EXE_prism"))
+        .args(["serve", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    for rule in [
+        "even when the pass that finishes it ends just after",
+        "stops at the engine's first step after the deadline",
+        "It is not derived from --timeout",
+    ] {
+        assert!(
+            help.split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ")
+                .contains(rule),
+            "{rule}: {help}"
+        );
     }
 }

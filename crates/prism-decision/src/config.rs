@@ -91,8 +91,9 @@ impl DecisionConfig {
     pub fn from_model_dir(dir: &Path) -> Result<Self, ConfigError> {
         let path = dir.join(DECISION_CONFIG_FILE);
         if !path.exists() {
-            tracing::info!(
-                "{} not found: using the default decision config",
+            // Normal for a directory without one (the bundled demo model): the documented defaults.
+            tracing::debug!(
+                "{} does not exist: the decision config's defaults apply",
                 path.display()
             );
             return Ok(DecisionConfig::default());

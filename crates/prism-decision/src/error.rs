@@ -177,8 +177,8 @@ pub enum ModelError {
 /// Why `decide` or the request parser failed.
 #[derive(Debug, thiserror::Error)]
 pub enum DecisionError {
-    /// The body is not JSON (400).
-    #[error("the request body is not valid JSON: {0}")]
+    /// The body is not JSON, or holds a string that is not text (a lone surrogate escape) (422).
+    #[error("{}", json_message(.0))]
     Json(#[from] JsonError),
     /// The request is malformed (400) or unanswerable (422); see [`FieldErrors::class`].
     #[error("{0}")]
@@ -209,6 +209,14 @@ pub enum DecisionError {
     /// The decision config is unusable (500).
     #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
+}
+
+/// A JSON error as the API's message: the field first when it has one.
+fn json_message(error: &JsonError) -> String {
+    match &error.path {
+        Some(path) => format!("{path}: {error}"),
+        None => format!("the request body is not valid JSON: {error}"),
+    }
 }
 
 impl From<FieldError> for DecisionError {
@@ -248,10 +256,18 @@ impl DecisionError {
     /// The API's error body: `{"error": message, "detail": [{"loc": [...], "msg": ..., "type": ...}]}`.
     pub fn body(&self) -> ErrorBody {
         let detail = match self {
-            DecisionError::Json(error) => vec![ErrorDetail {
-                loc: vec![LocPart::Key("body".into()), LocPart::Index(error.offset)],
-                msg: error.to_string(),
-                kind: "json_invalid".into(),
+            DecisionError::Json(error) => vec![match &error.path {
+                // Valid JSON whose string is not text: the value's path, as for any other bad field.
+                Some(path) => ErrorDetail {
+                    loc: path.loc(),
+                    msg: error.to_string(),
+                    kind: "string_unicode".into(),
+                },
+                None => ErrorDetail {
+                    loc: vec![LocPart::Key("body".into()), LocPart::Index(error.offset)],
+                    msg: error.to_string(),
+                    kind: "json_invalid".into(),
+                },
             }],
             DecisionError::Request(errors) => errors
                 .0

@@ -8,11 +8,13 @@
 //! with the last value, as a Python dict does.
 //!
 //! Deviations from `json.loads`, on purpose: lone UTF-16 surrogates (`"\ud800"`) are rejected (a Rust
-//! `String` cannot hold them), nesting is bounded by [`MAX_DEPTH`], and input must be UTF-8 (a leading
-//! byte-order mark is skipped).
+//! `String` cannot hold them) with the path of the value or key that holds one ([`JsonError::path`]),
+//! nesting is bounded by [`MAX_DEPTH`], and input must be UTF-8 (a leading byte-order mark is skipped).
 
 use std::collections::HashMap;
 use std::fmt;
+
+use crate::error::{FieldPath, LocPart};
 
 /// Deepest nesting of arrays and objects accepted by [`parse`]. Python stops near 1,000 (its recursion
 /// limit); we stop earlier so that every recursive walk of a value stays far from the stack's end.
@@ -277,6 +279,22 @@ pub struct JsonError {
     pub line: usize,
     pub column: usize,
     pub offset: usize,
+    /// For a text that is JSON but holds a string no Rust `String` can (a lone surrogate escape), the
+    /// place of that string in the document: the keys and indexes leading to the value, or to the
+    /// object whose key holds it (`["questions", "q1", "instructions"]`; empty for the top level).
+    /// `None` for syntax errors, which only the offset can place.
+    pub path: Option<FieldPath>,
+}
+
+impl JsonError {
+    /// The error as seen from one level up: `step` (the key or index of the value that failed) is put
+    /// in front of the path, when there is one.
+    fn within(mut self, step: impl FnOnce() -> LocPart) -> Self {
+        if let Some(path) = &mut self.path {
+            path.0.insert(0, step());
+        }
+        self
+    }
 }
 
 /// Parses UTF-8 bytes (a leading byte-order mark is skipped).
@@ -319,6 +337,7 @@ fn error_at(text: &str, byte_pos: usize, message: String) -> JsonError {
         line,
         column,
         offset: before.chars().count(),
+        path: None,
     }
 }
 
@@ -335,6 +354,17 @@ impl Parser<'_> {
 
     fn error_at(&self, pos: usize, message: String) -> JsonError {
         error_at(self.text, pos, message)
+    }
+
+    /// A lone surrogate escape: valid JSON, but not a character, so the value holding it is refused
+    /// with its path (filled in on the way up, by the containers).
+    fn lone_surrogate(&self, pos: usize, unit: u32) -> JsonError {
+        let mut error = self.error_at(
+            pos,
+            format!("Lone surrogate \\u{unit:04x} (not a character)"),
+        );
+        error.path = Some(FieldPath::root());
+        error
     }
 
     fn peek(&self) -> Option<u8> {
@@ -409,7 +439,10 @@ impl Parser<'_> {
             }
             self.pos += 1;
             self.skip_whitespace();
-            let value = self.value(depth)?;
+            let value = match self.value(depth) {
+                Ok(value) => value,
+                Err(error) => return Err(error.within(|| LocPart::Key(key))),
+            };
             object.insert(key, value);
             if self.after_element(b'}', "object")? {
                 return Ok(PyValue::Object(object));
@@ -452,7 +485,11 @@ impl Parser<'_> {
             return Ok(PyValue::Array(items));
         }
         loop {
-            items.push(self.value(depth)?);
+            let index = items.len();
+            items.push(
+                self.value(depth)
+                    .map_err(|error| error.within(|| LocPart::Index(index)))?,
+            );
             if self.after_element(b']', "array")? {
                 return Ok(PyValue::Array(items));
             }
@@ -580,20 +617,12 @@ impl Parser<'_> {
                             None
                         };
                         let Some(low) = low else {
-                            return Err(self.error_at(
-                                escape_at,
-                                format!("Lone surrogate \\u{unit:04x} (not a character)"),
-                            ));
+                            return Err(self.lone_surrogate(escape_at, unit));
                         };
                         self.pos += 6;
                         0x10000 + ((unit - 0xD800) << 10) + (low - 0xDC00)
                     }
-                    0xDC00..=0xDFFF => {
-                        return Err(self.error_at(
-                            escape_at,
-                            format!("Lone surrogate \\u{unit:04x} (not a character)"),
-                        ))
-                    }
+                    0xDC00..=0xDFFF => return Err(self.lone_surrogate(escape_at, unit)),
                     _ => unit,
                 };
                 // Surrogates were handled above, so every remaining code is a scalar value.

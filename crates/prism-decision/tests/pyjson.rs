@@ -1,6 +1,7 @@
 //! The Python-compatible JSON layer. Expected strings are what CPython 3.11.7 printed for
 //! `json.dumps(json.loads(text), ensure_ascii=False)` on this machine.
 
+use prism_decision::error::FieldPath;
 use prism_decision::pyjson::{dumps, float_repr, parse, parse_bytes, PyObject, PyValue, MAX_DEPTH};
 
 fn roundtrip(text: &str) -> String {
@@ -173,7 +174,19 @@ fn lone_surrogates_and_bad_utf8_are_refused() {
     ] {
         let error = parse(text).expect_err(text);
         assert!(error.message.contains("surrogate"), "{text}: {error}");
+        assert_eq!(error.path, Some(FieldPath::root()), "{text}");
     }
+    // The path of the value (or of the object whose key) holding one.
+    let error = parse(
+        r#"{"state": "ok", "questions": {"q1": {"type": "noul", "instructions": "a\ud800b"}}}"#,
+    )
+    .unwrap_err();
+    let path = error.path.expect("a path");
+    assert_eq!(path.to_string(), "questions.q1.instructions");
+    let error = parse(r#"{"state": ["a", {"x": 1}, {"\udc00": 2}]}"#).unwrap_err();
+    assert_eq!(error.path.expect("a path").to_string(), "state[2]");
+    // A syntax error has only its offset.
+    assert_eq!(parse(r#"{"a": "b" 1}"#).unwrap_err().path, None);
     let error = parse_bytes(b"[\"ok\", \"\xff\"]").unwrap_err();
     assert!(error.message.contains("UTF-8"), "{error}");
     assert_eq!(error.offset, 8);

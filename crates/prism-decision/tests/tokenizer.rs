@@ -1173,3 +1173,92 @@ fn bad_rank_files_are_typed_errors() {
     let tok = PromptTokenizer::from_ranked_vocabulary(vocab, &[spec(300, "<x>")], None).unwrap();
     assert_eq!(tok.encode("a<x>").unwrap(), vec![u32::from(b'a'), 300]);
 }
+
+fn nfc(text: &str) -> String {
+    use tokenizers::normalizers::NFC;
+    use tokenizers::{NormalizedString, Normalizer};
+    let mut normalized = NormalizedString::from(text);
+    NFC.normalize(&mut normalized).expect("NFC");
+    normalized.get().to_string()
+}
+
+fn nfd(text: &str) -> String {
+    use tokenizers::normalizers::NFD;
+    use tokenizers::{NormalizedString, Normalizer};
+    let mut normalized = NormalizedString::from(text);
+    NFD.normalize(&mut normalized).expect("NFD");
+    normalized.get().to_string()
+}
+
+/// The cheap bound of `engine::min_prompt_tokens` rests on NFC never shrinking a text below its ASCII
+/// bytes plus a quarter of its other bytes. Checked for every scalar value, its decomposition, every
+/// partly composed spelling of each composite, and every Hangul syllable spelled in jamo.
+#[test]
+fn nfc_keeps_the_ascii_bytes_and_a_quarter_of_the_others() {
+    use prism_decision::engine::min_prompt_tokens;
+    let holds = |text: &str| min_prompt_tokens(text, 1) <= nfc(text).len();
+    let mut checked = 0usize;
+    for c in (0u32..0x11_0000).filter_map(char::from_u32) {
+        let one = c.to_string();
+        let decomposed = nfd(&one);
+        assert!(holds(&one), "{c:?}");
+        assert!(holds(&decomposed), "{c:?} as {decomposed:?}");
+        if decomposed != one {
+            let chars: Vec<char> = decomposed.chars().collect();
+            for k in 1..chars.len() {
+                let head: String = chars[..k].iter().collect();
+                let tail: String = chars[k..].iter().collect();
+                let partly = nfc(&head) + &tail;
+                assert!(holds(&partly), "{c:?} as {partly:?}");
+            }
+        }
+        checked += 1;
+    }
+    assert!(checked > 1_100_000);
+    for l in 0x1100..0x1113u32 {
+        for v in 0x1161..0x1176u32 {
+            for t in std::iter::once(None).chain((0x11A8..0x11C3u32).map(Some)) {
+                let text: String = [Some(l), Some(v), t]
+                    .into_iter()
+                    .flatten()
+                    .filter_map(char::from_u32)
+                    .collect();
+                assert!(holds(&text), "{text:?}");
+            }
+        }
+    }
+}
+
+/// The longest token of the tiny tokenizer is 64 bytes (a run of dashes), and no text tokenizes into
+/// fewer tokens than the bound says, however compressible.
+#[test]
+fn no_text_has_fewer_tokens_than_the_length_bound() {
+    use prism_decision::engine::min_prompt_tokens;
+    let tok = tiny_json_tokenizer();
+    let longest = tok.max_token_bytes();
+    assert_eq!(longest, 64);
+    let texts = [
+        "-".repeat(10_000),
+        " ".repeat(10_000),
+        "<|im_start|>".repeat(500),
+        "a".repeat(5_000),
+        "U\u{308}\u{304}".repeat(1_000),
+        "\u{1100}\u{1161}\u{11A8}".repeat(1_000),
+        "\u{212A}".repeat(2_000),
+        "The parcel arrived two days late. ".repeat(300),
+    ];
+    for text in &texts {
+        let tokens = tok.encode(text).unwrap().len();
+        let bound = min_prompt_tokens(text, longest);
+        assert!(
+            bound <= tokens,
+            "{:?}: {tokens} tokens, bound {bound}",
+            &text[..20]
+        );
+        assert!(bound > 0);
+    }
+    // The full Qwen3.5 vocabulary's longest token is 128 spaces.
+    let ranks = fixtures().join("qwen35-vocab/qwen3_6.tiktoken");
+    let full = PromptTokenizer::from_tiktoken_file(&ranks, &full_added_tokens()).unwrap();
+    assert_eq!(full.max_token_bytes(), 128);
+}

@@ -288,6 +288,12 @@ pub struct BatchItem<'a> {
     /// prefix and all its branches, with the same bits as a prefill of `p` followed by a batch of
     /// branches.
     pub parent: Option<usize>,
+    /// `false`: the caller needs this item's outputs but not its state after the call (a read-out
+    /// branch). Its `state` is then left as it was, and each layer's new state for it is dropped as
+    /// soon as the layer is done (its branches of the same call have taken theirs), instead of every
+    /// layer's being held to the end of the call: on the demo model that was ~1.2 MB a branch
+    /// (docs/optimization-log.md). Default `true`.
+    pub keep_state: bool,
 }
 
 impl<'a> BatchItem<'a> {
@@ -297,6 +303,7 @@ impl<'a> BatchItem<'a> {
             tokens,
             positions: None,
             parent: None,
+            keep_state: true,
         }
     }
 }
@@ -697,6 +704,17 @@ impl Qwen35Model {
                     })?
                 }
             };
+            // The layer's new state of an item whose state is not wanted: no one reads it again
+            // (branches of it took theirs inside the layer), so it goes now, not at the end.
+            for (slot, item) in work.iter_mut().zip(items.iter()) {
+                if !item.keep_state {
+                    if let (Some(new), Some(old)) =
+                        (slot.layers.get_mut(l), item.state.layers.get(l))
+                    {
+                        *new = old.clone();
+                    }
+                }
+            }
             let (u, h_mlp) = profile::time("norm", dev, || {
                 add_rms_norm(
                     &x,
@@ -727,6 +745,9 @@ impl Qwen35Model {
             .zip(&segments)
             .zip(next_positions)
         {
+            if !item.keep_state {
+                continue;
+            }
             state.n_tokens = seg.past + seg.len;
             state.next_position = next;
             *item.state = state;

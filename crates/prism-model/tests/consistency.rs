@@ -483,6 +483,65 @@ fn branches_in_the_same_pass_equal_one_by_one() {
     }
 }
 
+/// Items whose state is not kept (`BatchItem::keep_state = false`, the engine's read-out branches) give
+/// the same hidden states bit for bit, also when they are the parent of a later branch, and their states
+/// are left as they were.
+#[test]
+fn items_without_kept_state_compute_the_same_and_leave_their_state() {
+    for model in models() {
+        let p1 = &prompts()[1];
+        let (a, rest) = p1.split_at(p1.len() / 2);
+        let (b, c) = rest.split_at(rest.len() / 3);
+        let mut states: Vec<SequenceState> = (0..4).map(|_| model.new_state().unwrap()).collect();
+        let [s0, s1, s2, s3] = &mut states[..] else {
+            unreachable!()
+        };
+        let mut items = vec![
+            BatchItem::new(s0, a),
+            BatchItem::new(s1, rest),
+            BatchItem::new(s2, b),
+            BatchItem::new(s3, c),
+        ];
+        items[1].parent = Some(0);
+        items[1].keep_state = false;
+        items[2].parent = Some(0);
+        items[2].keep_state = false; // and the parent of item 3
+        items[3].parent = Some(2);
+        let out = model.forward(&mut items).unwrap();
+        drop(items);
+        let full = one_shot(model, 1);
+        let seq = |i: usize| out.sequence_hidden(i).unwrap();
+        let at = |start: usize, len: usize| full.0.narrow(0, start, len).unwrap();
+        assert_identical(model, "prefix", &seq(0), &at(0, a.len()));
+        assert_identical(
+            model,
+            "branch a|rest, state dropped",
+            &seq(1),
+            &at(a.len(), rest.len()),
+        );
+        assert_identical(
+            model,
+            "branch a|b, state dropped",
+            &seq(2),
+            &at(a.len(), b.len()),
+        );
+        assert_identical(
+            model,
+            "branch of a dropped branch a|b|c",
+            &seq(3),
+            &at(a.len() + b.len(), c.len()),
+        );
+        assert_states_identical("a|b|c state", &states[3], &full.1);
+        for dropped in &states[1..3] {
+            assert_eq!(dropped.n_tokens(), 0, "a dropped state is left as it was");
+            assert!(dropped.layers().iter().all(|layer| match layer {
+                LayerState::Attention(cache) => cache.is_empty(),
+                LayerState::DeltaNet(d) => d.rule.pending == 0,
+            }));
+        }
+    }
+}
+
 #[test]
 fn a_branch_must_follow_its_parent() {
     let model = bf16_model();

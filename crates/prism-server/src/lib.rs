@@ -3,15 +3,18 @@
 //! - [`server`] — routes, API key, request ids, limits, timeouts, graceful shutdown;
 //! - [`body`] — content type, zstd, multipart and `assets`, then `prism-decision`'s validation;
 //! - [`stats`] — the counters behind `GET /stats`; [`metrics`] — `GET /metrics` (OpenMetrics text);
-//! - [`error`] — every refusal as the API's error body and status.
+//! - [`error`] — every refusal as the API's error body and status; [`protocol`] — the same shape for
+//!   requests hyper refuses before any handler runs.
 
 pub mod body;
 pub mod error;
 pub mod metrics;
+pub mod protocol;
 pub mod server;
 pub mod stats;
 
 pub use error::ApiError;
 pub use metrics::Metrics;
+pub use protocol::Counters;
 pub use server::{router, serve, ConnectionLimits, ModelInfo, ServerConfig, REQUEST_ID_HEADER};
 pub use stats::Stats;

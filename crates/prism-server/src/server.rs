@@ -26,6 +26,7 @@ use serde_json::json;
 use crate::body::{body_kind, decode_zstd, is_zstd, parse_request, BodyError, ParsedRequest};
 use crate::error::{loc, ApiError};
 use crate::metrics::{Metrics, CONTENT_TYPE as METRICS_CONTENT_TYPE};
+use crate::protocol::{ApiShapedIo, Counters};
 use crate::stats::Stats;
 
 /// The response header that carries each request's id (the TypeSafe SDK reads it).
@@ -66,8 +67,6 @@ struct Shared {
     engine: Engine,
     stats: Arc<Stats>,
     metrics: Arc<Metrics>,
-    next_id: AtomicU64,
-    id_seeds: [u64; 2],
 }
 
 type AppState = Arc<Shared>;
@@ -85,8 +84,6 @@ pub fn router(
         engine,
         stats,
         metrics,
-        next_id: AtomicU64::new(0),
-        id_seeds: [random_seed(), random_seed()],
     });
     let decide_route = || -> MethodRouter<AppState> { post(decide).fallback(method_not_allowed) };
     Router::new()
@@ -132,11 +129,14 @@ impl Default for ConnectionLimits {
 /// within `limits.shutdown_grace`. Returns whether every connection ended within the grace period.
 ///
 /// One HTTP/1.1 connection per accepted socket (hyper, with a timer so `header_timeout` holds for the
-/// first request and between keep-alive requests), at most `max_connections` at once.
+/// first request and between keep-alive requests), at most `max_connections` at once. Requests hyper
+/// refuses itself (unparsable framing or headers) get the API's error shape and are counted in
+/// `counters` ([`crate::protocol`]); give it the router's [`Stats`] and [`Metrics`].
 pub async fn serve(
     listener: tokio::net::TcpListener,
     app: Router,
     limits: ConnectionLimits,
+    counters: Counters,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<bool> {
     use hyper_util::rt::{TokioIo, TokioTimer};
@@ -192,8 +192,8 @@ pub async fn serve(
                     future.await
                 }
             });
-        let connection =
-            builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(service));
+        let io = TokioIo::new(ApiShapedIo::new(stream, counters.clone()));
+        let connection = builder.serve_connection(io, TowerToHyperService::new(service));
         let mut stop = stop_watch.clone();
         tokio::spawn(async move {
             tokio::pin!(connection);
@@ -336,16 +336,27 @@ fn mix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
-impl Shared {
-    fn new_request_id(&self) -> String {
-        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
-        // Each half is a bijection of the counter: ids never repeat within a process.
-        format!(
-            "req_{:016x}{:016x}",
-            mix(self.id_seeds[0] ^ n),
-            mix(self.id_seeds[1] ^ n)
-        )
-    }
+/// The process's request ids: a counter and two random seeds.
+struct RequestIds {
+    next: AtomicU64,
+    seeds: [u64; 2],
+}
+
+/// A new request id, never repeated within the process (the router's responses and the accept loop's
+/// answers to requests hyper could not parse draw from the same counter).
+pub fn new_request_id() -> String {
+    static IDS: std::sync::OnceLock<RequestIds> = std::sync::OnceLock::new();
+    let ids = IDS.get_or_init(|| RequestIds {
+        next: AtomicU64::new(0),
+        seeds: [random_seed(), random_seed()],
+    });
+    let n = ids.next.fetch_add(1, Ordering::Relaxed);
+    // Each half is a bijection of the counter: ids never repeat within a process.
+    format!(
+        "req_{:016x}{:016x}",
+        mix(ids.seeds[0] ^ n),
+        mix(ids.seeds[1] ^ n)
+    )
 }
 
 /// Compares without stopping at the first difference, so response time does not reveal the key.
@@ -381,15 +392,27 @@ async fn around_every_request(
     next: Next,
 ) -> Response {
     let started = Instant::now();
-    let id = state.new_request_id();
+    let id = new_request_id();
     let method = request.method().clone();
     let path = request.uri().path().to_string();
-    let mut response = match (&state.config.api_key, path.as_str()) {
-        (Some(key), p) if p != "/health" => match authorized(request.headers(), key) {
+    let mut response = match (
+        transfer_coding(request.headers()),
+        &state.config.api_key,
+        path.as_str(),
+    ) {
+        (Err(error), _, _) => {
+            // The body's framing is unknown: nothing more can be read on this connection.
+            let mut response = error.into_response();
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            response
+        }
+        (Ok(()), Some(key), p) if p != "/health" => match authorized(request.headers(), key) {
             Ok(()) => next.run(request).await,
             Err(error) => error.into_response(),
         },
-        _ => next.run(request).await,
+        (Ok(()), _, _) => next.run(request).await,
     };
     if let Ok(value) = HeaderValue::from_str(&id) {
         response.headers_mut().insert(REQUEST_ID_HEADER, value);
@@ -404,6 +427,32 @@ async fn around_every_request(
         tracing::debug!(request_id = %id, "{method} {path} -> {status} in {ms:.1} ms");
     }
     response
+}
+
+/// RFC 9112 §6.1: a request with a transfer coding the server does not understand gets a 501. hyper
+/// frames a body whose last coding is `chunked` and passes the header on; any other coding in it
+/// (`gzip, chunked`) would be ignored, so it is refused here.
+fn transfer_coding(headers: &HeaderMap) -> Result<(), ApiError> {
+    for value in headers.get_all(header::TRANSFER_ENCODING) {
+        let text = String::from_utf8_lossy(value.as_bytes());
+        let unknown: Vec<&str> = text
+            .split(',')
+            .map(str::trim)
+            .filter(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case("chunked"))
+            .collect();
+        if !unknown.is_empty() {
+            return Err(ApiError::new(
+                StatusCode::NOT_IMPLEMENTED,
+                loc(["header", "transfer-encoding"]),
+                "not_implemented",
+                format!(
+                    "Transfer-Encoding {text:?}: this server implements only `chunked` (not {})",
+                    unknown.join(", ")
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 async fn not_found(uri: Uri) -> ApiError {
@@ -575,6 +624,10 @@ async fn decide(
         }
     };
     let output = match waited {
+        // The deadline is the promise: an answer the last pass finished after it is a 504 too (the
+        // engine stops a request's work at the first step after its deadline, so at most one pass
+        // runs late).
+        Ok(Ok(Ok(_))) if arrived.elapsed() > config.request_timeout => return Err(timed_out()),
         Ok(Ok(Ok(output))) => output,
         Ok(Ok(Err(JobError::Decision(refused)))) => return Err(ApiError::from_decision(&refused)),
         Ok(Ok(Err(JobError::DeadlineExceeded))) | Err(_) => return Err(timed_out()),

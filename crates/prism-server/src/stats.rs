@@ -59,6 +59,7 @@ struct Counters {
     timed_out: u64,
     body_timed_out: u64,
     client_gone: u64,
+    protocol_errors: u64,
 }
 
 /// The server's counters (one lock, taken briefly per request).
@@ -136,6 +137,16 @@ impl Stats {
         self.with(|c| c.timed_out += 1);
     }
 
+    /// A request hyper refused before any handler ran (400, 414, 431: unparsable framing or headers),
+    /// answered by the accept loop.
+    pub fn record_protocol_error(&self, status: u16) {
+        self.with(|c| {
+            c.http_requests += 1;
+            *c.by_status.entry(status).or_default() += 1;
+            c.protocol_errors += 1;
+        });
+    }
+
     /// A request whose body had not arrived within `--timeout` (408).
     pub fn record_body_timeout(&self) {
         self.with(|c| c.body_timed_out += 1);
@@ -164,6 +175,7 @@ impl Stats {
                     "timed_out": c.timed_out,
                     "body_timed_out": c.body_timed_out,
                     "client_closed": c.client_gone,
+                    "protocol_errors": c.protocol_errors,
                 },
                 "tokens": {"input": c.input_tokens, "output": c.output_tokens, "from_prefix_cache": c.cached_tokens},
                 "latency_ms": c.latency_ms.summary(),

@@ -303,7 +303,7 @@ pub fn send(
     parse_reply(&raw)
 }
 
-fn parse_reply(raw: &[u8]) -> Reply {
+pub fn parse_reply(raw: &[u8]) -> Reply {
     let split = raw
         .windows(4)
         .position(|w| w == b"\r\n\r\n")

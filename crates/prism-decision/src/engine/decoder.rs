@@ -138,7 +138,11 @@ impl DecoderLetterModel {
 
     /// The prompt encoder the engine uses off its step loop (shares this model's prompt format).
     pub fn encoder(&self) -> Arc<dyn PromptEncoder> {
-        Arc::new(FormatEncoder(self.format.clone()))
+        Arc::new(FormatEncoder {
+            format: self.format.clone(),
+            max_token_bytes: keeps_user_text_whole(&self.format)
+                .then(|| self.format.tokenizer().max_token_bytes()),
+        })
     }
 
     /// The decoder.
@@ -169,12 +173,34 @@ fn prompt_tokens(
     Ok(format.render_and_encode(&messages, false)?.ids)
 }
 
+/// Whether the chat template puts a decision prompt's user message into its text whole (the Qwen3.5
+/// template does, trimmed at its ends, which hold no evidence or instructions): the condition for
+/// bounding a prompt's tokens from its evidence and instructions before tokenizing.
+fn keeps_user_text_whole(format: &PromptFormat) -> bool {
+    let user = crate::render::user_text("\u{1}evidence probe\u{1}", "\u{1}probe?", &["a", "b"]);
+    let messages = [
+        ChatMessage::system(crate::render::SYSTEM_PROMPT),
+        ChatMessage::user(user.as_str()),
+    ];
+    format
+        .render_chat(&messages, false)
+        .is_ok_and(|text| text.contains(&user))
+}
+
 /// [`PromptEncoder`] over a prompt format.
-struct FormatEncoder(Arc<PromptFormat>);
+struct FormatEncoder {
+    format: Arc<PromptFormat>,
+    max_token_bytes: Option<usize>,
+}
 
 impl PromptEncoder for FormatEncoder {
     fn encode(&self, prompt: &LetterPrompt) -> Result<Vec<u32>, ModelError> {
-        prompt_tokens(&self.0, prompt).map_err(|e| ModelError::Backend(format!("tokenizer: {e}")))
+        prompt_tokens(&self.format, prompt)
+            .map_err(|e| ModelError::Backend(format!("tokenizer: {e}")))
+    }
+
+    fn max_token_bytes(&self) -> Option<usize> {
+        self.max_token_bytes
     }
 }
 
@@ -216,6 +242,7 @@ impl PassModel for DecoderLetterModel {
         let mut states: Vec<SequenceState> = Vec::new();
         let mut tokens: Vec<&[u32]> = Vec::new();
         let mut parents: Vec<Option<usize>> = Vec::new();
+        let mut keep: Vec<bool> = Vec::new();
         let mut roots: Vec<Option<usize>> = Vec::with_capacity(groups.len());
         let mut branch_items: Vec<(usize, usize)> = Vec::new(); // (item, letters)
         for group in groups {
@@ -224,6 +251,7 @@ impl PassModel for DecoderLetterModel {
                 states.push(start());
                 tokens.push(group.prefix);
                 parents.push(None);
+                keep.push(group.want_state);
                 states.len() - 1
             });
             roots.push(root);
@@ -241,6 +269,8 @@ impl PassModel for DecoderLetterModel {
                 });
                 tokens.push(branch.tokens);
                 parents.push(root);
+                // Only the letter logits of a branch are read: its states go layer by layer.
+                keep.push(false);
                 branch_items.push((states.len() - 1, branch.letters));
             }
         }
@@ -250,9 +280,11 @@ impl PassModel for DecoderLetterModel {
                 .iter_mut()
                 .zip(&tokens)
                 .zip(&parents)
-                .map(|((state, t), parent)| {
+                .zip(&keep)
+                .map(|(((state, t), parent), &keep_state)| {
                     let mut item = BatchItem::new(state, t);
                     item.parent = *parent;
+                    item.keep_state = keep_state;
                     item
                 })
                 .collect();

@@ -353,6 +353,14 @@ impl Engine {
             )
             .into());
         }
+        if let Some(max_token_bytes) = self.encoder.max_token_bytes() {
+            refuse_by_length(
+                &request,
+                max_token_bytes,
+                self.options.max_prompt_tokens,
+                self.options.max_request_tokens,
+            )?;
+        }
         let mut task = DecisionTask::new(request, &self.config)?;
         let prompts = task.next_prompts();
         let tokens = encode_all(
@@ -462,6 +470,88 @@ pub enum EngineDecideError {
     Submit(#[from] SubmitError),
     #[error(transparent)]
     Job(#[from] JobError),
+}
+
+/// A lower bound on the tokens of a prompt whose text includes `text`, from `text` alone, for a
+/// tokenizer none of whose tokens stands for more than `max_token_bytes` bytes of normalized text.
+///
+/// The rule: `ceil((ASCII bytes + non-ASCII bytes / 4) / max_token_bytes)`. Every token covers at most
+/// `max_token_bytes` bytes of the NFC-normalized text (added tokens, such as `<|im_start|>`, their
+/// content), so a prompt has at least its NFC byte length over that many tokens. NFC can shorten UTF-8
+/// text, but never below that count: ASCII is left alone, and a non-ASCII sequence keeps at least a quarter
+/// of its bytes (the tightest case is `U` + two combining marks, 5 bytes, composing to the 2-byte `Ǖ`;
+/// the Hangul jamo and the Kelvin sign shrink by 3). Checked over every Unicode scalar value, each
+/// composite's decompositions and every Hangul syllable (`tests/engine.rs`).
+pub fn min_prompt_tokens(text: &str, max_token_bytes: usize) -> usize {
+    quarter_bytes(text).div_ceil(4 * max_token_bytes.max(1))
+}
+
+/// Four times the ASCII bytes plus the non-ASCII bytes of `text`.
+fn quarter_bytes(text: &str) -> usize {
+    let ascii = text.bytes().filter(u8::is_ascii).count();
+    4 * ascii + (text.len() - ascii)
+}
+
+/// Four times the ASCII bytes plus the non-ASCII bytes that the evidence text of `state` certainly
+/// contains ([`crate::render::state_text`]: a non-blank string as is, anything else as its JSON, which
+/// holds every key and string at least as long as sent).
+fn state_quarter_bytes(state: &crate::pyjson::PyValue) -> usize {
+    use crate::pyjson::PyValue;
+    fn inside(value: &PyValue) -> usize {
+        match value {
+            PyValue::Str(text) => quarter_bytes(text),
+            PyValue::Array(items) => items.iter().map(inside).sum(),
+            PyValue::Object(object) => object
+                .iter()
+                .map(|(key, item)| quarter_bytes(key) + inside(item))
+                .sum(),
+            _ => 0,
+        }
+    }
+    match state {
+        PyValue::Str(text) if crate::pyjson::py_strip(text).is_empty() => 0,
+        other => inside(other),
+    }
+}
+
+/// Refuses, before anything is rendered or tokenized, a request whose evidence and instructions alone
+/// prove a prompt longer than `max_prompt_tokens` or prompts longer than `max_request_tokens`
+/// together ([`min_prompt_tokens`]: every question's first prompt holds the evidence and its
+/// instructions whole).
+fn refuse_by_length(
+    request: &DecisionRequest,
+    max_token_bytes: usize,
+    max_prompt_tokens: usize,
+    max_request_tokens: usize,
+) -> Result<(), DecisionError> {
+    let state = state_quarter_bytes(&request.state);
+    let per_token = 4 * max_token_bytes.max(1);
+    let mut total = 0usize;
+    for question in &request.questions {
+        let at_least = (state + quarter_bytes(&question.instructions)).div_ceil(per_token);
+        if at_least > max_prompt_tokens {
+            return Err(FieldError::unanswerable(
+                FieldPath::root().key("questions").key(&question.name),
+                "prompt_too_long",
+                format!(
+                    "the prompt has at least {at_least} tokens (its evidence and instructions are longer than                      {max_prompt_tokens} tokens of at most {max_token_bytes} bytes each, this model's longest),                      more than this server's limit of {max_prompt_tokens}"
+                ),
+            )
+            .into());
+        }
+        total = total.saturating_add(at_least);
+    }
+    if total > max_request_tokens {
+        return Err(FieldError::unanswerable(
+            FieldPath::root().key("questions"),
+            "request_too_long",
+            format!(
+                "the request's prompts have at least {total} tokens together (each holds the evidence; no                  token of this model is longer than {max_token_bytes} bytes), more than this server's limit                  of {max_request_tokens} a request"
+            ),
+        )
+        .into());
+    }
+    Ok(())
 }
 
 /// Tokenizes prompts, refusing one longer than `limit` with the 422 naming its question.

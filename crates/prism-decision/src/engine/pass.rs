@@ -70,4 +70,12 @@ pub trait PassModel: Send {
 /// the passes of others.
 pub trait PromptEncoder: Send + Sync {
     fn encode(&self, prompt: &LetterPrompt) -> Result<Vec<u32>, ModelError>;
+
+    /// The longest text one token stands for, in UTF-8 bytes, when every prompt's user message reaches
+    /// the tokenizer whole: then a prompt's evidence and instructions alone bound its token count from
+    /// below, and the engine refuses a request that bound already puts over a limit without rendering
+    /// or tokenizing it ([`super::min_prompt_tokens`]). `None` (the default): no such bound.
+    fn max_token_bytes(&self) -> Option<usize> {
+        None
+    }
 }

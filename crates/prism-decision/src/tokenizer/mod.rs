@@ -670,6 +670,27 @@ impl PromptTokenizer {
         }
     }
 
+    /// The longest text one token stands for, in UTF-8 bytes: the longest BPE token (its bytes, not its
+    /// byte-level spelling) or added token (its content). Every token of an encoding covers at most this
+    /// many bytes of the (NFC-normalized) text, so a text of B such bytes has at least B / this many
+    /// tokens (see [`crate::engine::min_prompt_tokens`]).
+    pub fn max_token_bytes(&self) -> usize {
+        let added = match &self.backend {
+            Backend::Merges(t) => t.get_added_tokens_decoder(),
+            Backend::Ranked(t) => t.get_added_tokens_decoder(),
+        };
+        let longest_added = added.values().map(|t| t.content.len()).max().unwrap_or(0);
+        let longest_bpe = (0..self.vocab_size())
+            .filter_map(|id| u32::try_from(id).ok())
+            .filter(|id| !added.contains_key(id))
+            .filter_map(|id| self.id_to_token(id))
+            // A spelling outside the byte-level alphabet counts as its own UTF-8 length (never less).
+            .map(|text| text_to_bytes(&text).map_or(text.len(), |bytes| bytes.len()))
+            .max()
+            .unwrap_or(0);
+        longest_added.max(longest_bpe).max(1)
+    }
+
     /// Number of ids the tokenizer knows (BPE tokens + added tokens). The model's embedding may
     /// have more rows (unused padding ids).
     pub fn vocab_size(&self) -> usize {
