@@ -98,11 +98,12 @@ fn description_text(description: Option<&PyValue>) -> Option<String> {
     (!text.is_empty()).then_some(text)
 }
 
-/// Whether a description merely repeats a label: equal ignoring case, whitespace, `_` and `-`.
+/// Whether a description merely repeats a label: equal ignoring case, whitespace and `_` — but not `-`
+/// (the release's renderer shows id `opt2` with description `OPT-2` as `opt2: OPT-2`; spec §3).
 fn same_text(a: &str, b: &str) -> bool {
     let normalize = |text: &str| -> String {
         text.chars()
-            .filter(|&c| !is_py_space(c) && c != '_' && c != '-')
+            .filter(|&c| !is_py_space(c) && c != '_')
             .flat_map(char::to_lowercase)
             .collect()
     };

@@ -77,12 +77,20 @@ fn bare_ids() {
 
 #[test]
 fn option_lines() {
-    // Description shown after the id; a repeat of the id (case, spaces, _ and - ignored) shows the id only.
+    // Description shown after the id; a repeat of the id (case, spaces and _ ignored) shows the id only.
     assert_eq!(
         labels(
             r#"{"type": "choice", "instructions": "x", "criteria": {"high_risk": "High Risk", "low": "calm", "mid": null, "x": "  "}}"#
         ),
         ["high_risk", "low: calm", "mid", "x"]
+    );
+    // A `-` is not ignored (the release's renderer, spec §3): `OPT-2` is not a repeat of `opt2`, while
+    // `Opt_2` and `OPT 2` are.
+    assert_eq!(
+        labels(
+            r#"{"type": "choice", "instructions": "x", "criteria": {"opt1": "first", "opt2": "OPT-2", "opt_3": "Opt 3", "op-4": "OP-4"}}"#
+        ),
+        ["opt1: first", "opt2: OPT-2", "opt_3", "op-4"]
     );
     // Bare ids are hidden only when every option has a description.
     assert_eq!(
