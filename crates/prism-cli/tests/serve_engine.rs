@@ -398,11 +398,9 @@ fn openapi_describes_every_route() {
     }
 }
 
-#[test]
-fn one_request_cannot_ask_for_unbounded_work() {
-    // Issue #26's reproduction: 2,000 noul questions in one body (once 2.3 GB of RSS and 36 s).
-    let server = Server::start(&[]);
-    let questions: serde_json::Map<String, Value> = (0..2000)
+/// A request body with `n` noul questions (`q0` … on the state "s").
+fn noul_questions(n: usize) -> Vec<u8> {
+    let questions: serde_json::Map<String, Value> = (0..n)
         .map(|i| {
             (
                 format!("q{i}"),
@@ -410,7 +408,14 @@ fn one_request_cannot_ask_for_unbounded_work() {
             )
         })
         .collect();
-    let body = serde_json::to_vec(&json!({"state": "s", "questions": questions})).unwrap();
+    serde_json::to_vec(&json!({"state": "s", "questions": questions})).unwrap()
+}
+
+#[test]
+fn one_request_cannot_ask_for_unbounded_work() {
+    // Issue #26's reproduction: 2,000 noul questions in one body (once 2.3 GB of RSS and 36 s).
+    let server = Server::start(&[]);
+    let body = noul_questions(2000);
     let started = Instant::now();
     let reply = server.post_json("/v1/systemone", &body);
     assert_eq!(
@@ -460,15 +465,7 @@ fn peak_rss(pid: u32) -> u64 {
 fn memory_per_question_stays_well_below_the_old_two_megabytes() {
     let server = Server::start(&["--max-questions", "400", "--timeout", "600"]);
     let before = peak_rss(server.pid());
-    let questions: serde_json::Map<String, Value> = (0..400)
-        .map(|i| {
-            (
-                format!("q{i}"),
-                json!({"type": "noul", "instructions": format!("Is {i} true?")}),
-            )
-        })
-        .collect();
-    let body = serde_json::to_vec(&json!({"state": "s", "questions": questions})).unwrap();
+    let body = noul_questions(400);
     let reply = server.post_json("/v1/systemone", &body);
     assert_eq!(
         reply.status,
