@@ -321,4 +321,22 @@ fn main() {
             n_all,
         );
     }
+    // The same activation formats on the weights the integer path multiplies (for Q8_0: re-blocked per
+    // (row, 128)); per (row, 128) should land on the integer path's own row above.
+    let on_integer_weights = |block: usize| {
+        let transform = Arc::new(move |x: &Tensor| simulate(x, block));
+        run(Qwen35Model::from_gguf_simulated_on_integer_weights(
+            &gguf,
+            &options(Precision::F32),
+            transform,
+        )
+        .unwrap())
+    };
+    for block in [128, 32] {
+        print_row(
+            &format!("simulated on the integer path's weights: dynamic per (row, {block})"),
+            &on_integer_weights(block),
+            n_all,
+        );
+    }
 }

@@ -407,6 +407,26 @@ impl Qwen35Model {
         Self::from_loader(gguf, &w, options)
     }
 
+    /// [`Self::from_gguf_simulated`] on the integer path's weights (Q8_0 re-blocked per run of 128,
+    /// K-quants as stored) instead of the file's: an activation format simulated on the weights the
+    /// integer path multiplies.
+    pub fn from_gguf_simulated_on_integer_weights(
+        gguf: &GgufFile,
+        options: &LoadOptions,
+        transform: std::sync::Arc<crate::linear::InputTransform>,
+    ) -> Result<Self> {
+        if options.precision.is_integer() {
+            return Err(ModelError::InvalidInput(format!(
+                "a simulation runs at a float precision, not {}",
+                options.precision.as_str()
+            )));
+        }
+        let w = WeightLoader::new(gguf, &options.device, options.precision)
+            .with_input_transform(transform)
+            .simulating_on_integer_weights();
+        Self::from_loader(gguf, &w, options)
+    }
+
     /// Loads through `w`.
     pub(crate) fn from_loader(
         gguf: &GgufFile,

@@ -196,6 +196,9 @@ pub struct WeightLoader<'a> {
     q8_scales: Q8Scales,
     /// Simulation: every projection dense, its input rewritten by this first.
     transform: Option<Arc<InputTransform>>,
+    /// Simulation: the dense weights of quantized tensors are the integer path's (Q8_0 re-blocked,
+    /// [`QuantWeight::dequantize_row`]) instead of the file's dequantized values.
+    simulate_on_integer_weights: bool,
 }
 
 impl<'a> WeightLoader<'a> {
@@ -206,6 +209,7 @@ impl<'a> WeightLoader<'a> {
             precision,
             q8_scales: Q8Scales::PerRun,
             transform: None,
+            simulate_on_integer_weights: false,
         }
     }
 
@@ -221,6 +225,37 @@ impl<'a> WeightLoader<'a> {
     pub fn with_input_transform(mut self, transform: Arc<InputTransform>) -> Self {
         self.transform = Some(transform);
         self
+    }
+
+    /// With [`Self::with_input_transform`]: the simulated projections multiply the integer path's
+    /// weights (Q8_0 re-blocked per [`Self::with_q8_scales`], K-quants as stored), dequantized, instead
+    /// of the file's values — to separate an activation format's error from the weights'.
+    pub fn simulating_on_integer_weights(mut self) -> Self {
+        self.simulate_on_integer_weights = true;
+        self
+    }
+
+    /// A simulated projection's dense weight: the file's values, or the integer path's.
+    fn simulated_matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Tensor> {
+        if !self.simulate_on_integer_weights {
+            return self.matrix(name, rows, cols);
+        }
+        let Some(weight) = self.quant_weight(name, rows, cols)? else {
+            return self.matrix(name, rows, cols);
+        };
+        let mut values = Vec::with_capacity(rows * cols);
+        for n in 0..rows {
+            values.extend(
+                weight
+                    .dequantize_row(n)
+                    .map_err(|source| ModelError::Quant {
+                        name: name.to_string(),
+                        source,
+                    })?,
+            );
+        }
+        Ok(Tensor::from_vec(values, (rows, cols), &self.device)?
+            .to_dtype(self.precision.matrix_dtype())?)
     }
 
     pub fn precision(&self) -> Precision {
@@ -240,6 +275,7 @@ impl<'a> WeightLoader<'a> {
             precision,
             q8_scales: Q8Scales::PerRun,
             transform: None,
+            simulate_on_integer_weights: false,
         }
     }
 
@@ -381,8 +417,17 @@ impl<'a> WeightLoader<'a> {
             }
         };
         if let Some(transform) = &self.transform {
+            let weight = if self.simulate_on_integer_weights {
+                let mut loaded = Vec::with_capacity(parts.len());
+                for &(name, rows) in parts {
+                    loaded.push(self.simulated_matrix(name, rows, cols)?);
+                }
+                Tensor::cat(&loaded, 0)?
+            } else {
+                self.stacked_matrix(parts, cols)?
+            };
             return Ok(whole(Linear::Simulated {
-                weight: self.stacked_matrix(parts, cols)?,
+                weight,
                 transform: transform.clone(),
             }));
         }
@@ -456,7 +501,7 @@ impl<'a> WeightLoader<'a> {
     pub fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Linear> {
         if let Some(transform) = &self.transform {
             return Ok(Linear::Simulated {
-                weight: self.matrix(name, rows, cols)?,
+                weight: self.simulated_matrix(name, rows, cols)?,
                 transform: transform.clone(),
             });
         }
