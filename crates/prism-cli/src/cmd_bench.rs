@@ -422,17 +422,7 @@ pub fn process_memory() -> Option<(u64, u64)> {
 /// Device memory in use and the device's total, bytes; `None` on the CPU or when it cannot be read.
 /// (Device-wide: other processes on the same GPU count too.)
 pub fn device_memory(device: &Device) -> Option<(u64, u64)> {
-    #[cfg(feature = "cuda")]
-    {
-        let cuda = device.as_cuda_device().ok()?;
-        let (free, total) = cuda.cuda_stream().context().mem_get_info().ok()?;
-        Some(((total - free) as u64, total as u64))
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = device;
-        None
-    }
+    prism_model::device_memory(device)
 }
 
 fn open_device(name: &str) -> Result<Device> {

@@ -143,6 +143,12 @@ impl PassModel for Fake {
     fn state_bytes(&self, state: &Vec<u32>) -> usize {
         state.len() * 4
     }
+
+    /// "Device memory": 10 bytes a token of the last pass, of 2⁴⁰.
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        let log = self.log.lock().unwrap();
+        log.last().map(|p| (10 * p.tokens as u64, 1 << 40))
+    }
 }
 
 fn start(
@@ -272,6 +278,14 @@ fn requests_share_passes_and_answer_as_alone() {
     // fewer groups than it held requests.
     let passes = log.lock().unwrap().clone();
     assert!(passes.iter().any(|p| p.groups < p.branches));
+    // The model's device memory as asked after each pass: the last pass's, and the most of any.
+    let memory = stats.device_memory.expect("the fake reports device memory");
+    let last = passes.last().unwrap().tokens as u64 * 10;
+    let most = passes.iter().map(|p| p.tokens as u64 * 10).max().unwrap();
+    assert_eq!(
+        (memory.used_bytes, memory.total_bytes, memory.max_used_bytes),
+        (last, 1 << 40, most)
+    );
     drop(engine);
     worker.join();
 }

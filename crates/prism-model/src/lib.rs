@@ -48,3 +48,19 @@ pub use qwen35::{
 pub use rope::Position3;
 pub use state::SequenceState;
 pub use weights::Precision;
+
+/// Memory of `device` in use and in all, in bytes (the driver's count for the whole device, this process's
+/// memory pool included); `None` on the CPU.
+pub fn device_memory(device: &candle_core::Device) -> Option<(u64, u64)> {
+    #[cfg(feature = "cuda")]
+    {
+        let cuda = device.as_cuda_device().ok()?;
+        let (free, total) = cuda.cuda_stream().context().mem_get_info().ok()?;
+        Some(((total - free) as u64, total as u64))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = device;
+        None
+    }
+}

@@ -214,12 +214,16 @@ impl Stats {
                 "queue": {"depth": queue.depth, "capacity": queue.capacity, "running": queue.running},
                 "cache_hit_rate": if lookups == 0 { Value::Null } else { json!(cache.hits as f64 / lookups as f64) },
                 "thoughts": null,
-                "gpu_memory_bytes": null,
+                "gpu_memory_bytes": engine.device_memory.map(|m| json!({
+                    "used": m.used_bytes,
+                    "total": m.total_bytes,
+                    "max_used": m.max_used_bytes,
+                })),
                 "notes": [
                     format!("latency percentiles are over the last {LATENCY_WINDOW} answered requests"),
                     "engine.requests_per_pass / prompts_per_pass: forward passes by how many requests / prompts they held",
                     "thoughts is null: AutoThink is not implemented yet",
-                    "gpu_memory_bytes is null: not measured yet",
+                    "gpu_memory_bytes: the device's memory in use and in all after the last pass, and the most in use after any pass (the driver's count; null on the CPU or before the first pass)",
                 ],
             })
         })

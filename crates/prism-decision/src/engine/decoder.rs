@@ -332,6 +332,10 @@ impl PassModel for DecoderLetterModel {
     fn state_bytes(&self, state: &SequenceState) -> usize {
         state.bytes()
     }
+
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        prism_model::device_memory(self.decoder.device())
+    }
 }
 
 impl LetterModel for DecoderLetterModel {

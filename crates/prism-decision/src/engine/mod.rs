@@ -221,6 +221,18 @@ pub struct EngineStats {
     pub prefix_cache_max_tokens: usize,
     pub prefix_cache_max_bytes: u64,
     pub max_batch_tokens: usize,
+    /// The device's memory in use and in all after the last pass, and the most in use after any pass,
+    /// in bytes (`None` on the CPU). The driver's count for the whole device: the memory pool keeps what
+    /// a pass freed, so "in use" is close to the peak of the passes so far.
+    pub device_memory: Option<DeviceMemory>,
+}
+
+/// A GPU's memory as the engine saw it after its passes ([`EngineStats::device_memory`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct DeviceMemory {
+    pub used_bytes: u64,
+    pub total_bytes: u64,
+    pub max_used_bytes: u64,
 }
 
 /// Requests waiting and in flight.

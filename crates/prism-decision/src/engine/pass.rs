@@ -63,6 +63,12 @@ pub trait PassModel: Send {
 
     /// Memory a saved state holds, in bytes (what the prefix cache's byte budget counts).
     fn state_bytes(&self, state: &Self::State) -> usize;
+
+    /// The model's device memory in use and in all, in bytes, asked after each pass (`None`, the default:
+    /// not on a GPU).
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        None
+    }
 }
 
 /// Turns a prompt into the token ids the model reads (chat template with thinking off, tokenizer). The

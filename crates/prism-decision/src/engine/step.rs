@@ -414,7 +414,16 @@ impl<M: PassModel> StepLoop<M> {
                 return;
             }
         };
+        let memory = self.model.device_memory();
         self.shared.stats(|s| {
+            if let Some((used, total)) = memory {
+                let max = s.device_memory.map_or(0, |m| m.max_used_bytes).max(used);
+                s.device_memory = Some(super::DeviceMemory {
+                    used_bytes: used,
+                    total_bytes: total,
+                    max_used_bytes: max,
+                });
+            }
             s.passes += 1;
             s.prompts += record.prompts as u64;
             s.tokens_computed += record.tokens as u64;
