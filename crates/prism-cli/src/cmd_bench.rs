@@ -652,6 +652,15 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         }
         prism_model::profile::set_enabled(false);
     }
+    let model_name = prism_decision::LetterModel::model_name(&model).to_string();
+    // The same requests through the engine the server runs (its step loop, one request at a time, the
+    // prefix cache off so every run computes its evidence): what the engine adds to the decision path.
+    let engine_runs = if args.engine {
+        engine_timings(model, &loaded.config, &scenarios, args)?
+    } else {
+        drop(model);
+        Vec::new()
+    };
     // Memory before the floor measurements, whose buffers would otherwise be the peak.
     let memory_after = process_memory();
     let device_after = device_memory(&device);
@@ -671,7 +680,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         ),
     };
     let mut rows = Vec::new();
-    for (scenario, timings) in scenarios.iter().zip(&timed) {
+    for (i, (scenario, timings)) in scenarios.iter().zip(&timed).enumerate() {
+        let engine = engine_runs.get(i);
         let bytes = cost.weight_bytes;
         let flops = cost.flops(&scenario.segments(), scenario.prompt_tokens.len());
         let bandwidth_floor = bytes as f64 / bandwidth;
@@ -697,11 +707,18 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "answers_sha256": timings.answers_sha256,
             "answers_same_every_run": !timings.answers_differ,
             "answers": timings.answers,
+            "engine": engine.map(|e| json!({
+                "runs_ms": e.runs.iter().map(|&s| ms(s)).collect::<Vec<_>>(),
+                "median_ms": ms(e.median()),
+                "p95_ms": ms(e.p95()),
+                "answers_sha256": e.answers_sha256,
+                "answers_same_every_run": !e.answers_differ,
+            })),
         }));
     }
     let report = json!({
         "profile": profiles,
-        "model": prism_decision::LetterModel::model_name(&model),
+        "model": model_name,
         "gguf": gguf_path.display().to_string(),
         "device": args.device,
         "precision": precision.as_str(),
@@ -735,6 +752,61 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         print_table(&report);
     }
     Ok(())
+}
+
+/// Each scenario's request through an [`prism_decision::Engine`] on `model` (prefix cache off, one request
+/// at a time), `args.warmup` + `args.runs` times; the timings of the timed runs and the answers' digest.
+fn engine_timings(
+    model: DecoderLetterModel,
+    config: &prism_decision::DecisionConfig,
+    scenarios: &[Scenario],
+    args: &BenchArgs,
+) -> Result<Vec<Timings>> {
+    use prism_decision::{Engine, EngineOptions, PrefixCacheLimits};
+    let encoder = model.encoder();
+    let (engine, worker) = Engine::start(
+        model,
+        encoder,
+        config.clone(),
+        EngineOptions {
+            max_prompt_tokens: usize::MAX / 2,
+            max_request_tokens: usize::MAX / 2,
+            prefix_cache: PrefixCacheLimits {
+                max_tokens: 0,
+                max_bytes: 0,
+            },
+            ..EngineOptions::default()
+        },
+        None,
+    )?;
+    let mut all = Vec::new();
+    for scenario in scenarios {
+        let mut timings = Timings {
+            runs: Vec::new(),
+            answers_sha256: None,
+            answers_differ: false,
+            answers: Value::Null,
+        };
+        for run in 0..args.warmup + args.runs {
+            let start = Instant::now();
+            let output = engine.decide(scenario.request.clone(), None).map_err(|e| {
+                anyhow::anyhow!("scenario {} through the engine: {e}", scenario.name)
+            })?;
+            let secs = start.elapsed().as_secs_f64();
+            if run >= args.warmup {
+                timings.runs.push(secs);
+            }
+            let digest = answers_digest(&output.response.answers)?;
+            match &timings.answers_sha256 {
+                None => timings.answers_sha256 = Some(digest),
+                Some(first) => timings.answers_differ |= *first != digest,
+            }
+        }
+        all.push(timings);
+    }
+    drop(engine);
+    worker.join();
+    Ok(all)
 }
 
 /// SHA-256 (hex) of `answers` as JSON: serde_json writes each float as its shortest round-trip
@@ -820,6 +892,21 @@ fn print_table(report: &Value) {
             f("median_over_floor"),
             answers,
             row["what"].as_str().unwrap_or("")
+        );
+    }
+    for row in report["scenarios"].as_array().into_iter().flatten() {
+        let engine = &row["engine"];
+        if engine.is_null() {
+            continue;
+        }
+        println!(
+            "through the engine (step loop, prefix cache off): {:<7} median {:.1} ms, p95 {:.1} ms, answers {}{} ({:+.1} ms against the direct path)",
+            row["scenario"].as_str().unwrap_or("?"),
+            engine["median_ms"].as_f64().unwrap_or(f64::NAN),
+            engine["p95_ms"].as_f64().unwrap_or(f64::NAN),
+            engine["answers_sha256"].as_str().unwrap_or("-").get(..12).unwrap_or("-"),
+            if engine["answers_same_every_run"].as_bool() == Some(false) { "*" } else { "" },
+            engine["median_ms"].as_f64().unwrap_or(f64::NAN) - row["median_ms"].as_f64().unwrap_or(f64::NAN),
         );
     }
 }

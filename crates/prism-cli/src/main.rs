@@ -216,6 +216,10 @@ pub struct BenchArgs {
     /// Threads that load decoder layers at once (default: the machine's cores, at most 8).
     #[arg(long)]
     pub load_threads: Option<usize>,
+    /// Also run each scenario through the engine the server runs (its step loop, prefix cache off) and
+    /// report its median next to the direct path's.
+    #[arg(long)]
+    pub engine: bool,
     /// CUDA builds: wrap the last timed run of each scenario in a CUDA profiler range
     /// (cuProfilerStart/Stop), so that `ncu --profile-from-start off` records exactly one warm pass
     /// of each scenario and nothing of the load or the floor measurements.
