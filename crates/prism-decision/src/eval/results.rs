@@ -263,7 +263,9 @@ pub struct Summary {
 /// The summary of `items` (in suite order) from a suite of `suite_items`.
 pub fn summarize(suite_items: usize, items: &[ItemResult], bins: usize) -> Summary {
     let bins = bins.max(1);
-    let mut all: Vec<(usize, Scored, &[String])> = Vec::new();
+    // (item index, the labelled question, the item's tags)
+    type Entry<'a> = (usize, Scored, &'a [String]);
+    let mut all: Vec<Entry> = Vec::new();
     let mut unlabelled = 0;
     for (i, item) in items.iter().enumerate() {
         if item.status != ItemStatus::Answered {
@@ -276,8 +278,8 @@ pub fn summarize(suite_items: usize, items: &[ItemResult], bins: usize) -> Summa
             }
         }
     }
-    let subset = |keep: &dyn Fn(&(usize, Scored, &[String])) -> bool| -> Metrics {
-        let chosen: Vec<&(usize, Scored, &[String])> = all.iter().filter(|e| keep(e)).collect();
+    let subset = |keep: &dyn Fn(&Entry) -> bool| -> Metrics {
+        let chosen: Vec<&Entry> = all.iter().filter(|e| keep(e)).collect();
         let distinct: BTreeSet<usize> = chosen.iter().map(|e| e.0).collect();
         let scored: Vec<&Scored> = chosen.iter().map(|e| &e.1).collect();
         Metrics::of(&scored, distinct.len(), bins)
@@ -412,7 +414,8 @@ pub fn compare(other_name: &str, this: &[ItemResult], other: &[ItemResult]) -> C
         let keys = |r: &QuestionResult| -> Vec<String> {
             r.probabilities.0.iter().map(|(k, _)| k.clone()).collect()
         };
-        if a.kind != b.kind || keys(a) != keys(b) {
+        // A file read from disk may hold anything: questions without options are not compared.
+        if a.kind != b.kind || keys(a) != keys(b) || a.probabilities.0.is_empty() {
             out.mismatched += 1;
             continue;
         }
@@ -483,5 +486,66 @@ impl EvalResults {
         let value =
             serde_json::to_value(&value).map_err(|e| ResultsError::BadResults(e.to_string()))?;
         serde_json::from_value(value).map_err(|e| ResultsError::BadResults(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn item(id: &str, probabilities: Vec<(&str, f64)>) -> ItemResult {
+        ItemResult {
+            id: id.into(),
+            line: 1,
+            tags: Vec::new(),
+            status: ItemStatus::Answered,
+            error: None,
+            answers: Ordered(vec![(
+                "q".into(),
+                QuestionResult {
+                    kind: QuestionType::Choice,
+                    label: None,
+                    decision: String::new(),
+                    correct: None,
+                    probabilities: Ordered(
+                        probabilities
+                            .into_iter()
+                            .map(|(k, p)| (k.to_string(), p))
+                            .collect(),
+                    ),
+                    expected_level: None,
+                },
+            )]),
+        }
+    }
+
+    #[test]
+    fn compare_counts_flips_drift_and_unmatched_questions() {
+        let here = [
+            item("a", vec![("x", 0.6), ("y", 0.4)]),
+            item("b", vec![("x", 0.2), ("y", 0.8)]),
+            item("c", vec![]),
+            item("d", vec![("x", 1.0)]),
+        ];
+        let there = [
+            item("a", vec![("x", 0.4), ("y", 0.6)]),
+            item("b", vec![("x", 0.1), ("y", 0.9)]),
+            item("c", vec![]),
+            item("e", vec![("x", 1.0)]),
+        ];
+        let c = compare("other", &here, &there);
+        assert_eq!((c.questions, c.agreeing, c.mismatched), (2, 1, 1));
+        assert_eq!((c.only_here, c.only_other), (1, 1));
+        assert_eq!(c.flipped.len(), 1);
+        assert_eq!(
+            (
+                c.flipped[0].decision.as_str(),
+                c.flipped[0].other_decision.as_str()
+            ),
+            ("x", "y")
+        );
+        let max = c.max_abs_dp.unwrap();
+        assert!((max - 0.2).abs() < 1e-12);
+        assert!((c.mean_abs_dp.unwrap() - 0.15).abs() < 1e-12);
     }
 }
