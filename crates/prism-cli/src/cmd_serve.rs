@@ -125,7 +125,7 @@ pub struct ServeArgs {
 
 /// The bundled demo model's directory: next to the binary's checkout (target/*/prism), else the source
 /// tree this binary was built from.
-fn bundled_model_dir() -> Option<PathBuf> {
+pub(crate) fn bundled_model_dir() -> Option<PathBuf> {
     let relative = ["tests", "fixtures", "qwen35-tiny"];
     let from_binary = std::env::current_exe().ok().and_then(|exe| {
         exe.ancestors()

@@ -11,6 +11,7 @@ mod cmd_bench;
 #[cfg(feature = "cuda")]
 mod cmd_cuda_check;
 mod cmd_decide;
+mod cmd_eval;
 #[cfg(feature = "cuda")]
 mod cmd_gemm_bench;
 mod cmd_gguf;
@@ -19,6 +20,7 @@ mod cmd_logits;
 mod cmd_render;
 mod cmd_serve;
 mod cmd_synth;
+mod eval_report;
 mod stack_dump;
 
 #[derive(Parser)]
@@ -50,6 +52,10 @@ enum Command {
     /// Load a /v1/systemone server with many clients; report throughput and latency, and check every
     /// answer under load against the same request alone.
     Loadgen(cmd_loadgen::LoadgenArgs),
+    /// Run a labelled suite (one JSON request a line with its labels) in bulk, in-process or against a
+    /// server; report accuracy, calibration (ECE, Brier, log loss) and, against an earlier run, agreement
+    /// and probability drift (results.json, report.md, reliability.png).
+    Eval(cmd_eval::EvalArgs),
     /// Write a random-weight model directory with the real Qwen3.5 shapes of a size (GGUF + small files).
     Synth(SynthArgs),
     /// Latency of the decision path (short question, shared evidence, long question) against its floors.
@@ -254,6 +260,7 @@ fn main() -> Result<()> {
         Command::Decide(args) => cmd_decide::run(&args),
         Command::Serve(args) => cmd_serve::run(&args),
         Command::Loadgen(args) => cmd_loadgen::run(&args),
+        Command::Eval(args) => cmd_eval::run(&args),
         Command::Synth(args) => cmd_synth::run(&args),
         Command::Bench(args) => cmd_bench::run(&args),
         #[cfg(feature = "cuda")]

@@ -4,6 +4,7 @@ pub mod config;
 pub mod decide;
 pub mod engine;
 pub mod error;
+pub mod eval;
 pub mod model;
 pub mod pyjson;
 pub mod readout;

@@ -3,7 +3,7 @@
 //! The body is read with [`crate::pyjson`] so the evidence keeps Python's key order and number forms. Every
 //! problem found is reported with its field path; see [`crate::error`] for the 400 / 422 split.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{DecisionError, FieldError, FieldErrors, FieldPath};
 use crate::pyjson::{self, py_strip, PyObject, PyValue};
@@ -22,7 +22,7 @@ pub const MAX_CHOICE_OPTIONS: usize = 2000;
 pub const DEFAULT_NOUL_INSTRUCTIONS: &str = "Which answer fits the evidence?";
 
 /// The type of a question (`bool` is an alias of `noul`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum QuestionType {
     Choice,
