@@ -57,6 +57,10 @@ pub struct LoadgenArgs {
     /// Also write the results as JSON.
     #[arg(long)]
     pub json_out: Option<PathBuf>,
+    /// Draw throughput against latency (one point per client count: p50 and p95) as a PNG; its scale is
+    /// printed and written into the JSON (the picture has no text: see `sweep_png`).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
     /// After the load, send this many of the distinct requests answered under load again, one at a
     /// time, and compare the answers (0: no check).
     #[arg(long, default_value_t = 128)]
@@ -504,8 +508,32 @@ pub fn run(args: &LoadgenArgs) -> Result<()> {
             checked["checked"], checked["max_abs_difference"], checked["other_differences"]
         )?;
     }
+    let plot = match &args.plot {
+        Some(path) => {
+            let points: Vec<SweepPoint> = results
+                .iter()
+                .map(|r| SweepPoint {
+                    requests_per_s: r["requests_per_s"].as_f64().unwrap_or(0.0),
+                    p50_ms: r["latency_ms"]["p50"].as_f64().unwrap_or(0.0),
+                    p95_ms: r["latency_ms"]["p95"].as_f64().unwrap_or(0.0),
+                })
+                .collect();
+            let scale =
+                sweep_png(path, &points).with_context(|| format!("drawing {}", path.display()))?;
+            writeln!(
+                out,
+                "plot {}: x latency 0–{:.0} ms, y 0–{:.2} req/s, grid lines every tenth; p50 blue, p95 orange",
+                path.display(),
+                scale.x_max_ms,
+                scale.y_max_requests_per_s
+            )?;
+            json!({"path": path.display().to_string(), "x_max_ms": scale.x_max_ms, "y_max_requests_per_s": scale.y_max_requests_per_s})
+        }
+        None => Value::Null,
+    };
     if let Some(path) = &args.json_out {
         let report = json!({
+            "plot": plot,
             "url": url,
             "distinct_requests": requests.len(),
             "distinct_answered": answered.len(),
@@ -520,4 +548,81 @@ pub fn run(args: &LoadgenArgs) -> Result<()> {
         bail!("{mismatches} answers under load differ from the same request alone");
     }
     Ok(())
+}
+
+/// One client count of a sweep, as [`sweep_png`] draws it.
+pub struct SweepPoint {
+    pub requests_per_s: f64,
+    pub p50_ms: f64,
+    pub p95_ms: f64,
+}
+
+/// The axes' ends of a [`sweep_png`] picture.
+pub struct SweepScale {
+    pub x_max_ms: f64,
+    pub y_max_requests_per_s: f64,
+}
+
+/// Colours of the sweep picture's two series.
+pub const SWEEP_P50: plotters::style::RGBColor = plotters::style::RGBColor(31, 119, 180);
+pub const SWEEP_P95: plotters::style::RGBColor = plotters::style::RGBColor(255, 127, 14);
+
+/// Throughput against latency as a 640 × 480 PNG on white, without text (no font is needed on any
+/// machine; the numbers are in the table and the JSON): the plot area x 40..600 (latency from 0 to the
+/// largest p95 plus a tenth) by y 20..400 (requests/s from 0 to the largest plus a tenth), framed in gray
+/// with light grid lines every tenth of each axis; per client count, in the order given, a blue point
+/// (p50) and an orange one (p95) at that level's requests/s, each series joined by a line.
+pub fn sweep_png(path: &std::path::Path, points: &[SweepPoint]) -> Result<SweepScale> {
+    use plotters::prelude::*;
+    const GRID: RGBColor = RGBColor(232, 232, 232);
+    const FRAME: RGBColor = RGBColor(128, 128, 128);
+    let (left, top, right, bottom) = (40i32, 20i32, 600i32, 400i32);
+    let finite = |v: f64| if v.is_finite() && v > 0.0 { v } else { 0.0 };
+    let x_max = points
+        .iter()
+        .map(|p| finite(p.p95_ms).max(finite(p.p50_ms)))
+        .fold(0.0, f64::max)
+        * 1.1;
+    let y_max = points
+        .iter()
+        .map(|p| finite(p.requests_per_s))
+        .fold(0.0, f64::max)
+        * 1.1;
+    let (x_max, y_max) = (
+        if x_max > 0.0 { x_max } else { 1.0 },
+        if y_max > 0.0 { y_max } else { 1.0 },
+    );
+    let x = |v: f64| left + ((finite(v) / x_max) * (right - left) as f64).round() as i32;
+    let y = |v: f64| bottom - ((finite(v) / y_max) * (bottom - top) as f64).round() as i32;
+    let root = BitMapBackend::new(path, (640, 480)).into_drawing_area();
+    let draw = |r: Result<(), DrawingAreaErrorKind<_>>| r.map_err(|e| anyhow::anyhow!("{e:?}"));
+    draw(root.fill(&WHITE))?;
+    for i in 1..10 {
+        let fx = left + (right - left) * i / 10;
+        let fy = bottom - (bottom - top) * i / 10;
+        draw(root.draw(&PathElement::new(vec![(fx, top), (fx, bottom)], GRID)))?;
+        draw(root.draw(&PathElement::new(vec![(left, fy), (right, fy)], GRID)))?;
+    }
+    draw(root.draw(&Rectangle::new([(left, top), (right, bottom)], FRAME)))?;
+    for (color, latency) in [
+        (
+            SWEEP_P50,
+            &(|p: &SweepPoint| p.p50_ms) as &dyn Fn(&SweepPoint) -> f64,
+        ),
+        (SWEEP_P95, &|p: &SweepPoint| p.p95_ms),
+    ] {
+        let series: Vec<(i32, i32)> = points
+            .iter()
+            .map(|p| (x(latency(p)), y(p.requests_per_s)))
+            .collect();
+        draw(root.draw(&PathElement::new(series.clone(), color.stroke_width(2))))?;
+        for &(px, py) in &series {
+            draw(root.draw(&Circle::new((px, py), 5, color.filled())))?;
+        }
+    }
+    draw(root.present())?;
+    Ok(SweepScale {
+        x_max_ms: x_max,
+        y_max_requests_per_s: y_max,
+    })
 }

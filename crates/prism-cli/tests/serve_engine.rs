@@ -298,12 +298,15 @@ print(json.dumps(families))
 fn loadgen_checks_every_answer_under_load_and_reports() {
     let server = Server::start(&["--timeout", "600"]);
     let out = std::env::temp_dir().join(format!("prism-loadgen-{}.json", std::process::id()));
+    let png = out.with_extension("png");
     let run = Command::new(env!("CARGO_BIN_EXE_prism"))
         .args(["loadgen", "--url", &format!("http://{}", server.addr)])
         .args(["--sweep", "1,4", "--duration", "2", "--mix-size", "8"])
         .args(["--check", "8", "--expect-identical"])
         .arg("--json-out")
         .arg(&out)
+        .arg("--plot")
+        .arg(&png)
         .output()
         .unwrap();
     assert!(
@@ -315,6 +318,49 @@ fn loadgen_checks_every_answer_under_load_and_reports() {
     let report: Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
     let _ = std::fs::remove_file(&out);
     assert_eq!(report["distinct_requests"], 8);
+    // The sweep's picture: each level's p50 (blue) and p95 (orange) point where the scale puts it.
+    let image = image::open(&png).unwrap().to_rgb8();
+    let _ = std::fs::remove_file(&png);
+    assert_eq!(image.dimensions(), (640, 480));
+    let (x_max, y_max) = (
+        report["plot"]["x_max_ms"].as_f64().unwrap(),
+        report["plot"]["y_max_requests_per_s"].as_f64().unwrap(),
+    );
+    let centre = |level: &Value, key: &str| -> (u32, u32) {
+        let ms = level["latency_ms"][key].as_f64().unwrap();
+        let rps = level["requests_per_s"].as_f64().unwrap();
+        (
+            40 + ((ms / x_max) * 560.0).round() as u32,
+            400 - ((rps / y_max) * 380.0).round() as u32,
+        )
+    };
+    let levels_drawn = report["levels"].as_array().unwrap();
+    for (i, level) in levels_drawn.iter().enumerate() {
+        for (key, color) in [("p50", [31u8, 119, 180]), ("p95", [255, 127, 14])] {
+            let (px, py) = centre(level, key);
+            // Points drawn later (the p95 series after the p50 one) may cover it: only a point with
+            // no other point within 12 pixels must show its own colour.
+            let covered = levels_drawn.iter().enumerate().any(|(j, other)| {
+                ["p50", "p95"].iter().any(|&k| {
+                    (j, k) != (i, key) && {
+                        let (ox, oy) = centre(other, k);
+                        ox.abs_diff(px) < 12 && oy.abs_diff(py) < 12
+                    }
+                })
+            });
+            if !covered {
+                assert_eq!(
+                    image.get_pixel(px, py).0,
+                    color,
+                    "{key} point of {level} at ({px}, {py})"
+                );
+            }
+        }
+    }
+    // At least one point of each series shows its colour somewhere in the plot area.
+    for color in [[31u8, 119, 180], [255, 127, 14]] {
+        assert!(image.pixels().any(|p| p.0 == color), "no {color:?} pixel");
+    }
     let levels = report["levels"].as_array().unwrap();
     assert_eq!(levels.len(), 2);
     for (level, clients) in levels.iter().zip([1, 4]) {
