@@ -43,10 +43,15 @@ pub struct ServeArgs {
     /// visible, else the CPU), `cpu` or `cuda`.
     #[arg(long, default_value = "auto")]
     pub device: String,
-    /// Which GPU (`--gpus 0`). One GPU per server for now; several (data parallel replicas) are not
-    /// implemented yet.
+    /// Which GPUs (`--gpus 0`, or `--gpus 0,1,2,3`: one engine replica per GPU behind the one server,
+    /// each request sent to the replica that last took its evidence, else to the least loaded).
     #[arg(long, value_delimiter = ',')]
     pub gpus: Vec<usize>,
+    /// Engine replicas on each device (each loads the model and runs its own passes and prefix cache):
+    /// several on one GPU or on the CPU share it (for functional tests; a replica per GPU is the fast
+    /// layout).
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
     /// Arithmetic of the forward pass: f32, bf16, int8, w4a8 or auto (as `prism decide`). Default: f32
     /// on the CPU; `auto` on a GPU, which runs a Q8_0 file at int8 (exact, batch-invariant) and any
     /// other file at bf16 (w4a8 on a GPU has only its simple kernel so far: ask for it by name).
@@ -196,16 +201,31 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             bail!("the API key must be printable ASCII without spaces");
         }
     }
-    let device = open_device(&args.device, &args.gpus)?;
+    if args.replicas == 0 {
+        bail!("--replicas must be at least 1");
+    }
+    let devices = open_devices(&args.device, &args.gpus)?;
+    let device = devices[0].clone();
     let on_gpu = !device.is_cpu();
     let asked = args
         .precision
         .clone()
         .unwrap_or_else(|| if on_gpu { "auto" } else { "f32" }.to_string());
-    let device_name = if on_gpu {
-        format!("CUDA GPU {}", args.gpus.first().copied().unwrap_or(0))
-    } else {
-        "CPU".to_string()
+    let device_name = match (on_gpu, args.gpus.len()) {
+        (true, 0 | 1) => format!("CUDA GPU {}", args.gpus.first().copied().unwrap_or(0)),
+        (true, _) => format!(
+            "CUDA GPUs {}",
+            args.gpus
+                .iter()
+                .map(|g| g.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        ),
+        (false, _) => "CPU".to_string(),
+    };
+    let device_name = match devices.len() * args.replicas {
+        1 => device_name,
+        n => format!("{device_name}, {n} engine replicas"),
     };
 
     say!(
@@ -283,17 +303,29 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             );
         }
     }));
-    let options = LoadOptions {
-        device: device.clone(),
-        precision,
-        progress: Some(progress),
-        load_threads: args.load_threads,
-        ..LoadOptions::default()
-    };
-    let loaded = DecoderLetterModel::load(&source, &options, args.max_tokens)
-        .with_context(|| format!("loading the decision model {}", source.gguf.display()))?;
-    let model = loaded.model;
-    let config = loaded.config;
+    // One model per replica: `--replicas` on each device.
+    let mut models = Vec::with_capacity(devices.len() * args.replicas);
+    let mut config = None;
+    for (d, replica_device) in devices.iter().enumerate() {
+        for r in 0..args.replicas {
+            if devices.len() * args.replicas > 1 {
+                say!("      replica {} (device {d}, copy {r}):", models.len());
+            }
+            let options = LoadOptions {
+                device: replica_device.clone(),
+                precision,
+                progress: Some(progress.clone()),
+                load_threads: args.load_threads,
+                ..LoadOptions::default()
+            };
+            let loaded = DecoderLetterModel::load(&source, &options, args.max_tokens)
+                .with_context(|| format!("loading the decision model {}", source.gguf.display()))?;
+            models.push(loaded.model);
+            config = Some(loaded.config);
+        }
+    }
+    let config = config.context("no replica was loaded")?;
+    let model = &models[0];
     let name = model.model_name().to_string();
     let layers = model.decoder().config().n_layers;
     let config_note = match &source.model_dir {
@@ -316,8 +348,10 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         );
     }
 
+    // Budgets are per replica; replicas sharing a device share its free memory.
+    let per_device = args.replicas as u64;
     let cache_bytes = args.prefix_cache_bytes.unwrap_or(match free_memory {
-        Some((free, _)) => free / 8,
+        Some((free, _)) => free / 8 / per_device,
         None => 2 << 30,
     });
     // One sequence state, as each prompt of a pass makes (without its K/V rows, which grow with it).
@@ -334,7 +368,8 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             // A sixth of what the cache leaves: measured on the H200 (27B bf16, 2026-12-01), half
             // of it ran out of memory under 16 and 64 clients (the pool's fragments, the pass's
             // activations and the delta rule's buffers come on top of the states).
-            (free.saturating_sub(cache_bytes) / 6 / state_bytes).clamp(8, 1024) as usize
+            (free.saturating_sub(cache_bytes * per_device) / 6 / per_device / state_bytes)
+                .clamp(8, 1024) as usize
         }
         (None, None) => 1024,
     };
@@ -356,8 +391,9 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let encoder = model.encoder();
     let metrics = Arc::new(Metrics::default());
     let observer: Arc<dyn EngineObserver> = metrics.clone();
-    let (engine, worker) = Engine::start(model, encoder, config, engine_options, Some(observer))
-        .context("cannot start the engine")?;
+    let (engine, worker) =
+        Engine::start_replicas(models, encoder, config, engine_options, Some(observer))
+            .context("cannot start the engine")?;
 
     say!("[2/3] Warm-up: one question through the whole path ...");
     let started = Instant::now();
@@ -501,13 +537,22 @@ async fn wait_for_signal() {
     }
 }
 
+/// The devices `--device` and `--gpus` name: one, or each GPU of a list of several.
+pub fn open_devices(name: &str, gpus: &[usize]) -> Result<Vec<Device>> {
+    if gpus.len() <= 1 {
+        return Ok(vec![open_device(name, gpus)?]);
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    if let Some(twice) = gpus.iter().find(|&&g| !seen.insert(g)) {
+        bail!("--gpus {gpus:?}: GPU {twice} is named twice (use --replicas for several replicas on one GPU)");
+    }
+    gpus.iter().map(|&g| open_device(name, &[g])).collect()
+}
+
 /// The device `--device` and `--gpus` name.
 pub fn open_device(name: &str, gpus: &[usize]) -> Result<Device> {
     if gpus.len() > 1 {
-        bail!(
-            "--gpus {gpus:?}: one GPU per server for now (data parallel replicas are not implemented yet); \
-             run one server per GPU"
-        );
+        bail!("--gpus {gpus:?}: this command runs on one GPU");
     }
     let ordinal = gpus.first().copied().unwrap_or(0);
     match name {

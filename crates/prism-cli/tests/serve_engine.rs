@@ -587,3 +587,70 @@ fn text_too_long_by_its_length_alone_is_refused_without_tokenizing() {
         br#"{"state": "s", "questions": {"q": {"type": "noul", "instructions": "Is it?"}}}"#;
     assert_eq!(server.post_json("/v1/systemone", small).status, 200);
 }
+
+/// Issue #25's data-parallel layout on one device: two engine replicas behind one server. Every answer
+/// is the bytes of one replica alone; both replicas take work under concurrent load; a request on an
+/// evidence seen before goes to the replica that took it (its prefix cache hits).
+#[test]
+fn two_replicas_answer_as_one_and_keep_evidence_affinity() {
+    let requests = requests();
+    let expected = alone_bodies(&requests);
+    let server = Server::start(&["--replicas", "2", "--timeout", "600"]);
+    let addr = server.addr;
+    // The sixteen requests at once from sixteen clients, twice over (the second round on evidence
+    // the first round computed).
+    for round in 0..2 {
+        let clients: Vec<_> = (0..requests.len())
+            .map(|c| {
+                let body = requests[c].clone();
+                std::thread::spawn(move || {
+                    let reply = serve_common::send(
+                        addr,
+                        "POST",
+                        "/v1/systemone",
+                        &[("Content-Type", "application/json")],
+                        &body,
+                    );
+                    (c, reply)
+                })
+            })
+            .collect();
+        for client in clients {
+            let (c, reply) = client.join().unwrap();
+            assert_eq!(
+                reply.status,
+                200,
+                "{}",
+                String::from_utf8_lossy(&reply.body)
+            );
+            assert_eq!(
+                String::from_utf8_lossy(reply.answer_bytes()),
+                String::from_utf8_lossy(&expected[c]),
+                "round {round}, client {c}"
+            );
+        }
+    }
+    let stats = server.get("/stats").json();
+    let replicas = stats["replicas"].as_array().unwrap();
+    assert_eq!(replicas.len(), 2, "{stats}");
+    for replica in replicas {
+        assert!(replica["passes"].as_u64().unwrap() >= 1, "{replica}");
+        assert!(replica["answered"].as_u64().unwrap() >= 1, "{replica}");
+    }
+    let answered: u64 = replicas
+        .iter()
+        .map(|r| r["answered"].as_u64().unwrap())
+        .sum();
+    assert_eq!(answered, stats["engine"]["answered"].as_u64().unwrap());
+    // The two rounds and the server's warm-up question.
+    assert_eq!(answered, 2 * requests.len() as u64 + 1, "{stats}");
+    // The second round's requests found their evidence on the replica the dispatcher sent them to:
+    // every one of the sixteen is a hit there (the first round's own evidences share nothing across
+    // the eight tickets, so it cannot have made them).
+    let hits: u64 = replicas
+        .iter()
+        .map(|r| r["prefix_cache"]["hits"].as_u64().unwrap())
+        .sum();
+    assert!(hits >= requests.len() as u64, "{stats}");
+    assert_eq!(stats["queue"]["capacity"], 2 * 64);
+}

@@ -741,11 +741,34 @@ async fn health(State(state): State<AppState>) -> Response {
 }
 
 async fn stats_page(State(state): State<AppState>) -> Response {
-    json_response(state.stats.snapshot(
+    let mut body = state.stats.snapshot(
         &state.config.model.name,
         state.engine.queue_state(),
         &state.engine.stats(),
-    ))
+    );
+    // Each replica's engine and prefix-cache counters (the totals above are their sums).
+    let replicas: Vec<serde_json::Value> = state
+        .engine
+        .replica_stats()
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            serde_json::json!({
+                "replica": i,
+                "passes": s.passes,
+                "prompts": s.prompts,
+                "tokens_computed": s.tokens_computed,
+                "answered": s.answered,
+                "max_requests_per_pass": s.max_requests_per_pass,
+                "prefix_cache": s.prefix_cache,
+                "gpu_memory_bytes": s.device_memory,
+            })
+        })
+        .collect();
+    if let Some(object) = body.as_object_mut() {
+        object.insert("replicas".into(), replicas.into());
+    }
+    json_response(body)
 }
 
 /// The OpenAPI 3.1 description of this API (a document kept next to the routes; a test checks that it

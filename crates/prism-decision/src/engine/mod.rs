@@ -227,6 +227,52 @@ pub struct EngineStats {
     pub device_memory: Option<DeviceMemory>,
 }
 
+impl EngineStats {
+    /// Adds `other`'s counts to these (the engine's total over replicas): counts and histograms sum,
+    /// maxima take the larger, the prefix cache's budgets and the device memory add up (one cache and one
+    /// device a replica; replicas sharing a device report it once each).
+    pub fn merge(&mut self, other: &EngineStats) {
+        self.passes += other.passes;
+        self.prompts += other.prompts;
+        self.tokens_computed += other.tokens_computed;
+        for (k, v) in &other.requests_per_pass {
+            *self.requests_per_pass.entry(*k).or_default() += v;
+        }
+        for (k, v) in &other.prompts_per_pass {
+            *self.prompts_per_pass.entry(*k).or_default() += v;
+        }
+        self.max_requests_per_pass = self.max_requests_per_pass.max(other.max_requests_per_pass);
+        self.max_prompts_per_pass = self.max_prompts_per_pass.max(other.max_prompts_per_pass);
+        self.max_tokens_per_pass = self.max_tokens_per_pass.max(other.max_tokens_per_pass);
+        self.evidence_chunks += other.evidence_chunks;
+        self.answered += other.answered;
+        self.failed += other.failed;
+        self.cancelled += other.cancelled;
+        self.deadline_exceeded += other.deadline_exceeded;
+        self.passes_split_after_error += other.passes_split_after_error;
+        let (a, b) = (&mut self.prefix_cache, &other.prefix_cache);
+        a.hits += b.hits;
+        a.misses += b.misses;
+        a.cached_tokens += b.cached_tokens;
+        a.bytes += b.bytes;
+        a.entries += b.entries;
+        a.evictions += b.evictions;
+        a.tokens_saved += b.tokens_saved;
+        a.too_large += b.too_large;
+        self.prefix_cache_max_tokens += other.prefix_cache_max_tokens;
+        self.prefix_cache_max_bytes += other.prefix_cache_max_bytes;
+        self.max_batch_tokens = self.max_batch_tokens.max(other.max_batch_tokens);
+        self.device_memory = match (self.device_memory, other.device_memory) {
+            (Some(a), Some(b)) => Some(DeviceMemory {
+                used_bytes: a.used_bytes + b.used_bytes,
+                total_bytes: a.total_bytes + b.total_bytes,
+                max_used_bytes: a.max_used_bytes + b.max_used_bytes,
+            }),
+            (a, b) => a.or(b),
+        };
+    }
+}
+
 /// A GPU's memory as the engine saw it after its passes ([`EngineStats::device_memory`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct DeviceMemory {
@@ -261,24 +307,39 @@ impl Shared {
     }
 }
 
-/// A handle on a running engine.
-#[derive(Clone)]
-pub struct Engine {
+/// One step loop and its model: a replica of the engine.
+struct Replica {
     sender: SyncSender<Job>,
     shared: Arc<Shared>,
+}
+
+/// A handle on a running engine: one step loop per replica (one model each, e.g. one per GPU) behind
+/// one queue interface. A request goes to the replica that last took its evidence (whose prefix cache
+/// may hold it), otherwise to the least loaded one; every replica computes the same bits for a request,
+/// so which one answers changes nothing in the answer.
+#[derive(Clone)]
+pub struct Engine {
+    replicas: Arc<[Replica]>,
+    /// Evidence hash → the replica that last took that evidence (bounded: cleared when full).
+    affinity: Arc<Mutex<std::collections::HashMap<u64, usize>>>,
     encoder: Arc<dyn PromptEncoder>,
     config: Arc<DecisionConfig>,
     options: EngineOptions,
     model_name: Arc<str>,
 }
 
-/// The step loop's thread; [`EngineWorker::join`] waits for it once every [`Engine`] is dropped.
-pub struct EngineWorker(JoinHandle<()>);
+/// Most evidences the dispatcher remembers before it forgets them all.
+const AFFINITY_ENTRIES: usize = 1 << 16;
+
+/// The step loops' threads; [`EngineWorker::join`] waits for them once every [`Engine`] is dropped.
+pub struct EngineWorker(Vec<JoinHandle<()>>);
 
 impl EngineWorker {
     pub fn join(self) {
-        if self.0.join().is_err() {
-            tracing::error!("the engine's step loop panicked outside a pass");
+        for handle in self.0 {
+            if handle.join().is_err() {
+                tracing::error!("an engine step loop panicked outside a pass");
+            }
         }
     }
 }
@@ -292,49 +353,134 @@ impl Engine {
         options: EngineOptions,
         observer: Option<Arc<dyn EngineObserver>>,
     ) -> Result<(Engine, EngineWorker), DecisionError> {
+        Self::start_replicas(vec![model], encoder, config, options, observer)
+    }
+
+    /// Starts one step loop per model (replicas of one model, e.g. one per GPU), each on its own thread
+    /// with its own queue of `options.queue_size`, passes and prefix cache. The models must be the same
+    /// model (the answers do not depend on the replica; their names must agree).
+    pub fn start_replicas<M: PassModel + 'static>(
+        models: Vec<M>,
+        encoder: Arc<dyn PromptEncoder>,
+        config: DecisionConfig,
+        options: EngineOptions,
+        observer: Option<Arc<dyn EngineObserver>>,
+    ) -> Result<(Engine, EngineWorker), DecisionError> {
         config.validate()?;
+        let Some(first) = models.first() else {
+            return Err(DecisionError::Model(ModelError::Backend(
+                "an engine needs at least one model".into(),
+            )));
+        };
+        let model_name: Arc<str> = first.model_name().into();
+        if let Some(other) = models.iter().find(|m| m.model_name() != &*model_name) {
+            return Err(DecisionError::Model(ModelError::Backend(format!(
+                "engine replicas must run one model: {:?} and {:?}",
+                &*model_name,
+                other.model_name()
+            ))));
+        }
         let options = EngineOptions {
             max_batch_tokens: options.max_batch_tokens.max(1),
             max_prompts_per_pass: options.max_prompts_per_pass.max(1),
             queue_size: options.queue_size.max(1),
             ..options
         };
-        let (sender, receiver) = sync_channel(options.queue_size);
-        let shared = Arc::new(Shared {
-            waiting: AtomicUsize::new(0),
-            running: AtomicUsize::new(0),
-            stats: Mutex::new(EngineStats {
-                prefix_cache_max_tokens: options.prefix_cache.max_tokens,
-                prefix_cache_max_bytes: options.prefix_cache.max_bytes,
-                max_batch_tokens: options.max_batch_tokens,
-                ..EngineStats::default()
-            }),
-        });
-        let model_name: Arc<str> = model.model_name().into();
-        let loop_shared = shared.clone();
-        let loop_encoder = encoder.clone();
-        let handle = std::thread::Builder::new()
-            .name("prism-engine".into())
-            .spawn(move || {
-                step::StepLoop::new(model, loop_encoder, options, loop_shared, observer)
+        let mut replicas = Vec::with_capacity(models.len());
+        let mut handles = Vec::with_capacity(models.len());
+        for (index, model) in models.into_iter().enumerate() {
+            let (sender, receiver) = sync_channel(options.queue_size);
+            let shared = Arc::new(Shared {
+                waiting: AtomicUsize::new(0),
+                running: AtomicUsize::new(0),
+                stats: Mutex::new(EngineStats {
+                    prefix_cache_max_tokens: options.prefix_cache.max_tokens,
+                    prefix_cache_max_bytes: options.prefix_cache.max_bytes,
+                    max_batch_tokens: options.max_batch_tokens,
+                    ..EngineStats::default()
+                }),
+            });
+            let loop_shared = shared.clone();
+            let loop_encoder = encoder.clone();
+            let loop_observer = observer.clone();
+            let loop_options = options;
+            let handle = std::thread::Builder::new()
+                .name(format!("prism-engine-{index}"))
+                .spawn(move || {
+                    step::StepLoop::new(
+                        model,
+                        loop_encoder,
+                        loop_options,
+                        loop_shared,
+                        loop_observer,
+                    )
                     .run(receiver)
-            })
-            .map_err(|e| {
-                DecisionError::Model(ModelError::Backend(format!(
-                    "cannot start the engine's thread: {e}"
-                )))
-            })?;
+                })
+                .map_err(|e| {
+                    DecisionError::Model(ModelError::Backend(format!(
+                        "cannot start the engine's thread: {e}"
+                    )))
+                })?;
+            replicas.push(Replica { sender, shared });
+            handles.push(handle);
+        }
         Ok((
             Engine {
-                sender,
-                shared,
+                replicas: replicas.into(),
+                affinity: Arc::default(),
                 encoder,
                 config: Arc::new(config),
                 options,
                 model_name,
             },
-            EngineWorker(handle),
+            EngineWorker(handles),
         ))
+    }
+
+    /// How many replicas (step loops) serve this engine.
+    pub fn replicas(&self) -> usize {
+        self.replicas.len()
+    }
+
+    /// The replica for evidence `key`: the one that last took it while it is not fuller than the least
+    /// loaded by a whole queue's worth, otherwise the least loaded (waiting + running, lowest index on
+    /// ties); remembered for the next request on that evidence.
+    fn dispatch(&self, key: &[u32]) -> usize {
+        if self.replicas.len() == 1 {
+            return 0;
+        }
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        key.hash(&mut hasher);
+        let hash = hasher.finish();
+        let load = |r: &Replica| {
+            r.shared.waiting.load(Ordering::SeqCst) + r.shared.running.load(Ordering::SeqCst)
+        };
+        let (least, least_load) = self
+            .replicas
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (i, load(r)))
+            .min_by_key(|&(i, l)| (l, i))
+            .unwrap_or((0, 0));
+        let mut affinity = self
+            .affinity
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let chosen = match affinity.get(&hash) {
+            Some(&i)
+                if i < self.replicas.len()
+                    && load(&self.replicas[i]) < least_load + self.options.queue_size =>
+            {
+                i
+            }
+            _ => least,
+        };
+        if affinity.len() >= AFFINITY_ENTRIES {
+            affinity.clear();
+        }
+        affinity.insert(hash, chosen);
+        chosen
     }
 
     pub fn model_name(&self) -> &str {
@@ -413,7 +559,8 @@ impl Engine {
         deadline: Option<Instant>,
         cancel: CancelToken,
     ) -> Result<(), SubmitError> {
-        self.shared.waiting.fetch_add(1, Ordering::SeqCst);
+        let replica = &self.replicas[self.dispatch(&prepared.key)];
+        replica.shared.waiting.fetch_add(1, Ordering::SeqCst);
         let job = Job {
             prepared,
             reply,
@@ -421,10 +568,10 @@ impl Engine {
             cancel,
             enqueued: Instant::now(),
         };
-        match self.sender.try_send(job) {
+        match replica.sender.try_send(job) {
             Ok(()) => Ok(()),
             Err(error) => {
-                self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+                replica.shared.waiting.fetch_sub(1, Ordering::SeqCst);
                 Err(match error {
                     TrySendError::Full(_) => SubmitError::QueueFull {
                         capacity: self.options.queue_size,
@@ -458,18 +605,39 @@ impl Engine {
         }
     }
 
-    /// The queue right now.
+    /// The queues right now, summed over the replicas.
     pub fn queue_state(&self) -> QueueState {
         QueueState {
-            depth: self.shared.waiting.load(Ordering::SeqCst),
-            capacity: self.options.queue_size,
-            running: self.shared.running.load(Ordering::SeqCst),
+            depth: self
+                .replicas
+                .iter()
+                .map(|r| r.shared.waiting.load(Ordering::SeqCst))
+                .sum(),
+            capacity: self.options.queue_size * self.replicas.len(),
+            running: self
+                .replicas
+                .iter()
+                .map(|r| r.shared.running.load(Ordering::SeqCst))
+                .sum(),
         }
     }
 
-    /// The engine's counters right now.
+    /// The engine's counters right now, over all replicas ([`EngineStats::merge`]).
     pub fn stats(&self) -> EngineStats {
-        self.shared.stats(|s| s.clone())
+        let mut all = self.replica_stats().into_iter();
+        let first = all.next().unwrap_or_default();
+        all.fold(first, |mut total, s| {
+            total.merge(&s);
+            total
+        })
+    }
+
+    /// Each replica's counters right now, in replica order.
+    pub fn replica_stats(&self) -> Vec<EngineStats> {
+        self.replicas
+            .iter()
+            .map(|r| r.shared.stats(|s| s.clone()))
+            .collect()
     }
 }
 
