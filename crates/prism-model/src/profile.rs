@@ -95,7 +95,7 @@ mod tests {
 
     #[test]
     fn sections_add_up_when_enabled() {
-        STATE.store(2, Ordering::Relaxed);
+        set_enabled(true);
         let dev = Device::Cpu;
         for _ in 0..3 {
             time::<_, candle_core::Error>("test.section", &dev, || {
@@ -116,6 +116,6 @@ mod tests {
             take().iter().all(|(n, _, _)| *n != "test.section"),
             "take() clears the table"
         );
-        STATE.store(0, Ordering::Relaxed);
+        set_enabled(false);
     }
 }
