@@ -68,16 +68,17 @@ fn alone_bodies(requests: &[Vec<u8>]) -> Vec<Vec<u8>> {
         .collect()
 }
 
-#[test]
-fn sixty_four_clients_get_their_alone_bytes_and_share_passes() {
-    let requests = requests();
-    let expected = alone_bodies(&requests);
-    // Bytes are checked, not speed: a slow CI machine must not turn answers into 504s.
-    let server = Server::start(&["--timeout", "600"]);
-    let addr = server.addr;
-    let clients: Vec<_> = (0..64)
-        .map(|c| {
-            let body = requests[c % requests.len()].clone();
+/// Each body POSTed to /v1/systemone from its own client thread, all at once; the replies in body
+/// order with their index.
+fn post_all_at_once(
+    addr: std::net::SocketAddr,
+    bodies: &[Vec<u8>],
+) -> Vec<(usize, serve_common::Reply)> {
+    let clients: Vec<_> = bodies
+        .iter()
+        .cloned()
+        .enumerate()
+        .map(|(c, body)| {
             std::thread::spawn(move || {
                 let reply = serve_common::send(
                     addr,
@@ -90,8 +91,19 @@ fn sixty_four_clients_get_their_alone_bytes_and_share_passes() {
             })
         })
         .collect();
-    for client in clients {
-        let (c, reply) = client.join().unwrap();
+    clients.into_iter().map(|c| c.join().unwrap()).collect()
+}
+
+#[test]
+fn sixty_four_clients_get_their_alone_bytes_and_share_passes() {
+    let requests = requests();
+    let expected = alone_bodies(&requests);
+    // Bytes are checked, not speed: a slow CI machine must not turn answers into 504s.
+    let server = Server::start(&["--timeout", "600"]);
+    let bodies: Vec<Vec<u8>> = (0..64)
+        .map(|c| requests[c % requests.len()].clone())
+        .collect();
+    for (c, reply) in post_all_at_once(server.addr, &bodies) {
         assert_eq!(
             reply.status,
             200,
@@ -596,27 +608,10 @@ fn two_replicas_answer_as_one_and_keep_evidence_affinity() {
     let requests = requests();
     let expected = alone_bodies(&requests);
     let server = Server::start(&["--replicas", "2", "--timeout", "600"]);
-    let addr = server.addr;
     // The sixteen requests at once from sixteen clients, twice over (the second round on evidence
     // the first round computed).
     for round in 0..2 {
-        let clients: Vec<_> = (0..requests.len())
-            .map(|c| {
-                let body = requests[c].clone();
-                std::thread::spawn(move || {
-                    let reply = serve_common::send(
-                        addr,
-                        "POST",
-                        "/v1/systemone",
-                        &[("Content-Type", "application/json")],
-                        &body,
-                    );
-                    (c, reply)
-                })
-            })
-            .collect();
-        for client in clients {
-            let (c, reply) = client.join().unwrap();
+        for (c, reply) in post_all_at_once(server.addr, &requests) {
             assert_eq!(
                 reply.status,
                 200,

@@ -396,15 +396,7 @@ impl Qwen35Model {
         options: &LoadOptions,
         transform: std::sync::Arc<crate::linear::InputTransform>,
     ) -> Result<Self> {
-        if options.precision.is_integer() {
-            return Err(ModelError::InvalidInput(format!(
-                "a simulation runs at a float precision, not {}",
-                options.precision.as_str()
-            )));
-        }
-        let w = WeightLoader::new(gguf, &options.device, options.precision)
-            .with_input_transform(transform);
-        Self::from_loader(gguf, &w, options)
+        Self::simulated(gguf, options, transform, false)
     }
 
     /// [`Self::from_gguf_simulated`] on the integer path's weights (Q8_0 re-blocked per run of 128,
@@ -415,15 +407,26 @@ impl Qwen35Model {
         options: &LoadOptions,
         transform: std::sync::Arc<crate::linear::InputTransform>,
     ) -> Result<Self> {
+        Self::simulated(gguf, options, transform, true)
+    }
+
+    fn simulated(
+        gguf: &GgufFile,
+        options: &LoadOptions,
+        transform: std::sync::Arc<crate::linear::InputTransform>,
+        on_integer_weights: bool,
+    ) -> Result<Self> {
         if options.precision.is_integer() {
             return Err(ModelError::InvalidInput(format!(
                 "a simulation runs at a float precision, not {}",
                 options.precision.as_str()
             )));
         }
-        let w = WeightLoader::new(gguf, &options.device, options.precision)
-            .with_input_transform(transform)
-            .simulating_on_integer_weights();
+        let mut w = WeightLoader::new(gguf, &options.device, options.precision)
+            .with_input_transform(transform);
+        if on_integer_weights {
+            w = w.simulating_on_integer_weights();
+        }
         Self::from_loader(gguf, &w, options)
     }
 
