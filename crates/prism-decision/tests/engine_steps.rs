@@ -546,3 +546,41 @@ fn passes_hold_at_most_max_prompts_per_pass() {
     drop(engine);
     worker.join();
 }
+
+#[test]
+fn replica_counters_merge_into_the_engines_totals() {
+    use prism_decision::engine::DeviceMemory;
+    use prism_decision::EngineStats;
+    let mut a = EngineStats {
+        passes: 3,
+        answered: 5,
+        max_requests_per_pass: 4,
+        prefix_cache_max_tokens: 100,
+        device_memory: Some(DeviceMemory {
+            used_bytes: 10,
+            total_bytes: 100,
+            max_used_bytes: 20,
+        }),
+        ..EngineStats::default()
+    };
+    a.requests_per_pass.insert(1, 2);
+    a.prefix_cache.hits = 7;
+    let mut b = EngineStats {
+        passes: 4,
+        answered: 6,
+        max_requests_per_pass: 9,
+        prefix_cache_max_tokens: 100,
+        ..EngineStats::default()
+    };
+    b.requests_per_pass.insert(1, 1);
+    b.requests_per_pass.insert(3, 1);
+    b.prefix_cache.hits = 1;
+    a.merge(&b);
+    assert_eq!((a.passes, a.answered, a.max_requests_per_pass), (7, 11, 9));
+    assert_eq!(a.requests_per_pass.get(&1), Some(&3));
+    assert_eq!(a.requests_per_pass.get(&3), Some(&1));
+    assert_eq!(a.prefix_cache.hits, 8);
+    assert_eq!(a.prefix_cache_max_tokens, 200);
+    // A replica without device memory (the CPU) leaves the other's.
+    assert_eq!(a.device_memory.map(|m| m.used_bytes), Some(10));
+}

@@ -232,37 +232,69 @@ impl EngineStats {
     /// maxima take the larger, the prefix cache's budgets and the device memory add up (one cache and one
     /// device a replica; replicas sharing a device report it once each).
     pub fn merge(&mut self, other: &EngineStats) {
-        self.passes += other.passes;
-        self.prompts += other.prompts;
-        self.tokens_computed += other.tokens_computed;
-        for (k, v) in &other.requests_per_pass {
+        // Every field named, so a new one cannot be forgotten here.
+        let EngineStats {
+            passes,
+            prompts,
+            tokens_computed,
+            requests_per_pass,
+            prompts_per_pass,
+            max_requests_per_pass,
+            max_prompts_per_pass,
+            max_tokens_per_pass,
+            evidence_chunks,
+            answered,
+            failed,
+            cancelled,
+            deadline_exceeded,
+            passes_split_after_error,
+            prefix_cache,
+            prefix_cache_max_tokens,
+            prefix_cache_max_bytes,
+            max_batch_tokens,
+            device_memory,
+        } = other;
+        self.passes += passes;
+        self.prompts += prompts;
+        self.tokens_computed += tokens_computed;
+        for (k, v) in requests_per_pass {
             *self.requests_per_pass.entry(*k).or_default() += v;
         }
-        for (k, v) in &other.prompts_per_pass {
+        for (k, v) in prompts_per_pass {
             *self.prompts_per_pass.entry(*k).or_default() += v;
         }
-        self.max_requests_per_pass = self.max_requests_per_pass.max(other.max_requests_per_pass);
-        self.max_prompts_per_pass = self.max_prompts_per_pass.max(other.max_prompts_per_pass);
-        self.max_tokens_per_pass = self.max_tokens_per_pass.max(other.max_tokens_per_pass);
-        self.evidence_chunks += other.evidence_chunks;
-        self.answered += other.answered;
-        self.failed += other.failed;
-        self.cancelled += other.cancelled;
-        self.deadline_exceeded += other.deadline_exceeded;
-        self.passes_split_after_error += other.passes_split_after_error;
-        let (a, b) = (&mut self.prefix_cache, &other.prefix_cache);
-        a.hits += b.hits;
-        a.misses += b.misses;
-        a.cached_tokens += b.cached_tokens;
-        a.bytes += b.bytes;
-        a.entries += b.entries;
-        a.evictions += b.evictions;
-        a.tokens_saved += b.tokens_saved;
-        a.too_large += b.too_large;
-        self.prefix_cache_max_tokens += other.prefix_cache_max_tokens;
-        self.prefix_cache_max_bytes += other.prefix_cache_max_bytes;
-        self.max_batch_tokens = self.max_batch_tokens.max(other.max_batch_tokens);
-        self.device_memory = match (self.device_memory, other.device_memory) {
+        self.max_requests_per_pass = self.max_requests_per_pass.max(*max_requests_per_pass);
+        self.max_prompts_per_pass = self.max_prompts_per_pass.max(*max_prompts_per_pass);
+        self.max_tokens_per_pass = self.max_tokens_per_pass.max(*max_tokens_per_pass);
+        self.evidence_chunks += evidence_chunks;
+        self.answered += answered;
+        self.failed += failed;
+        self.cancelled += cancelled;
+        self.deadline_exceeded += deadline_exceeded;
+        self.passes_split_after_error += passes_split_after_error;
+        let PrefixCacheStats {
+            hits,
+            misses,
+            cached_tokens,
+            bytes,
+            entries,
+            evictions,
+            tokens_saved,
+            too_large,
+        } = prefix_cache;
+        let a = &mut self.prefix_cache;
+        a.hits += hits;
+        a.misses += misses;
+        a.cached_tokens += cached_tokens;
+        a.bytes += bytes;
+        a.entries += entries;
+        a.evictions += evictions;
+        a.tokens_saved += tokens_saved;
+        a.too_large += too_large;
+        self.prefix_cache_max_tokens += prefix_cache_max_tokens;
+        self.prefix_cache_max_bytes += prefix_cache_max_bytes;
+        self.max_batch_tokens = self.max_batch_tokens.max(*max_batch_tokens);
+        self.device_memory = match (self.device_memory, *device_memory) {
             (Some(a), Some(b)) => Some(DeviceMemory {
                 used_bytes: a.used_bytes + b.used_bytes,
                 total_bytes: a.total_bytes + b.total_bytes,
