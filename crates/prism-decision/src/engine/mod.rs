@@ -420,6 +420,7 @@ impl Engine {
         };
         let mut replicas = Vec::with_capacity(models.len());
         let mut handles = Vec::with_capacity(models.len());
+        let several = models.len() > 1;
         for (index, model) in models.into_iter().enumerate() {
             let (sender, receiver) = sync_channel(options.queue_size);
             let shared = Arc::new(Shared {
@@ -437,7 +438,12 @@ impl Engine {
             let loop_observer = observer.clone();
             let loop_options = options;
             let handle = std::thread::Builder::new()
-                .name(format!("prism-engine-{index}"))
+                // `prism-engine`, or `prism-engine-N` for replica N of several (Linux shows 15 bytes).
+                .name(if several {
+                    format!("prism-engine-{index}")
+                } else {
+                    "prism-engine".into()
+                })
                 .spawn(move || {
                     step::StepLoop::new(
                         model,
