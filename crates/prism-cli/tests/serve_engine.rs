@@ -648,4 +648,22 @@ fn two_replicas_answer_as_one_and_keep_evidence_affinity() {
         .sum();
     assert!(hits >= requests.len() as u64, "{stats}");
     assert_eq!(stats["queue"]["capacity"], 2 * 64);
+    // /metrics counts each replica's passes and tokens (label `replica`), as /stats does.
+    let metrics = String::from_utf8(server.get("/metrics").body).unwrap();
+    for (i, replica) in replicas.iter().enumerate() {
+        for (name, key) in [
+            ("prism_replica_passes_total", "passes"),
+            ("prism_replica_tokens_computed_total", "tokens_computed"),
+        ] {
+            let prefix = format!("{name}{{replica=\"{i}\"}} ");
+            let value: u64 = metrics
+                .lines()
+                .find_map(|l| l.strip_prefix(&prefix))
+                .unwrap_or_else(|| panic!("no {prefix}in\n{metrics}"))
+                .trim()
+                .parse()
+                .unwrap();
+            assert_eq!(value, replica[key].as_u64().unwrap(), "{prefix}");
+        }
+    }
 }

@@ -35,6 +35,9 @@ pub struct Metrics {
     cache_tokens: Gauge,
     cache_bytes: Gauge,
     cache_evictions: Gauge,
+    /// Passes and tokens computed by each engine replica (label `replica`).
+    replica_passes: Family<Labels, Counter>,
+    replica_tokens: Family<Labels, Counter>,
     /// `render` sets gauges and encodes; one at a time.
     render_lock: Mutex<()>,
 }
@@ -138,7 +141,21 @@ impl Default for Metrics {
             "Prefix cache entries evicted since start",
             cache_evictions.clone(),
         );
+        let replica_passes = Family::<Labels, Counter>::default();
+        registry.register(
+            "replica_passes",
+            "Forward passes by engine replica",
+            replica_passes.clone(),
+        );
+        let replica_tokens = Family::<Labels, Counter>::default();
+        registry.register(
+            "replica_tokens_computed",
+            "Tokens computed by engine replica",
+            replica_tokens.clone(),
+        );
         Metrics {
+            replica_passes,
+            replica_tokens,
             registry,
             requests,
             latency,
@@ -215,5 +232,10 @@ impl EngineObserver for Metrics {
         self.pass_seconds.observe(seconds);
         self.cache_hits.inc_by(record.cache_hits as u64);
         self.cache_misses.inc_by(record.cache_misses as u64);
+        let replica = vec![("replica".to_string(), record.replica.to_string())];
+        self.replica_passes.get_or_create(&replica).inc();
+        self.replica_tokens
+            .get_or_create(&replica)
+            .inc_by(record.tokens as u64);
     }
 }

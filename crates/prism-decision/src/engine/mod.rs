@@ -178,6 +178,8 @@ pub(crate) struct Job {
 /// One pass as the engine ran it, for observers (metrics).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PassRecord {
+    /// The replica that ran the pass (0 with one).
+    pub replica: usize,
     /// Distinct requests with prompts or evidence chunks in the pass.
     pub requests: usize,
     /// Prompts read out.
@@ -451,6 +453,7 @@ impl Engine {
                         loop_options,
                         loop_shared,
                         loop_observer,
+                        index,
                     )
                     .run(receiver)
                 })

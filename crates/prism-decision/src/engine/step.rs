@@ -80,6 +80,8 @@ pub(crate) struct StepLoop<M: PassModel> {
     options: EngineOptions,
     shared: Arc<Shared>,
     observer: Option<Arc<dyn EngineObserver>>,
+    /// This loop's replica index (`PassRecord::replica`).
+    replica: usize,
     cache: PrefixCache<M::State>,
     active: Vec<Active<M::State>>,
 }
@@ -91,8 +93,10 @@ impl<M: PassModel> StepLoop<M> {
         options: EngineOptions,
         shared: Arc<Shared>,
         observer: Option<Arc<dyn EngineObserver>>,
+        replica: usize,
     ) -> Self {
         StepLoop {
+            replica,
             model,
             encoder,
             cache: PrefixCache::new(options.prefix_cache),
@@ -220,6 +224,7 @@ impl<M: PassModel> StepLoop<M> {
         let mut prompt_room = self.options.max_prompts_per_pass;
         let mut groups: Vec<Planned> = Vec::new();
         let mut record = PassRecord {
+            replica: self.replica,
             requests: 0,
             prompts: 0,
             groups: 0,
