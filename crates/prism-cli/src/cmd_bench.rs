@@ -46,6 +46,7 @@ struct Scenario {
 }
 
 /// Measured timings of a scenario, seconds, and what its runs answered.
+#[derive(Default)]
 struct Timings {
     runs: Vec<f64>,
     /// SHA-256 (hex) of the first run's answers as JSON (shortest round-trip floats, so equal digests
@@ -58,6 +59,33 @@ struct Timings {
 }
 
 impl Timings {
+    /// Takes one run's answers: the first run's are kept with their digest, a later run's digest only
+    /// compared with it.
+    fn record_answers(&mut self, answers: &impl serde::Serialize) -> Result<()> {
+        let digest = answers_digest(answers)?;
+        match &self.answers_sha256 {
+            None => {
+                self.answers_sha256 = Some(digest);
+                self.answers = serde_json::to_value(answers)?;
+            }
+            Some(first) => self.answers_differ |= *first != digest,
+        }
+        Ok(())
+    }
+
+    /// The integer path promises bit-identical answers for the same request; a benchmark that saw
+    /// otherwise measured something broken.
+    fn check_same(&self, scenario: &str, precision: Precision) -> Result<()> {
+        if self.answers_differ && precision.is_integer() {
+            bail!(
+                "scenario {scenario}: the answers differed between runs of the same request at {}, which \
+                 must give the same bits every time",
+                precision.as_str()
+            );
+        }
+        Ok(())
+    }
+
     fn sorted(&self) -> Vec<f64> {
         let mut s = self.runs.clone();
         s.sort_by(f64::total_cmp);
@@ -558,12 +586,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let scenarios = scenarios(&model, args.long_tokens)?;
     let mut timed = Vec::new();
     for scenario in &scenarios {
-        let mut timings = Timings {
-            runs: Vec::new(),
-            answers_sha256: None,
-            answers_differ: false,
-            answers: Value::Null,
-        };
+        let mut timings = Timings::default();
         for run in 0..args.warmup + args.runs {
             let mut range = if args.profiler_range && run + 1 == args.warmup + args.runs {
                 Some(ProfilerRange::start()?)
@@ -593,25 +616,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                     scenario.request.questions.len()
                 );
             }
-            let digest = answers_digest(&response.answers)?;
-            match &timings.answers_sha256 {
-                None => {
-                    timings.answers_sha256 = Some(digest);
-                    timings.answers = serde_json::to_value(&response.answers)?;
-                }
-                Some(first) => timings.answers_differ |= *first != digest,
-            }
+            timings.record_answers(&response.answers)?;
         }
-        // The integer path promises bit-identical answers for the same request; a benchmark that saw
-        // otherwise measured something broken.
-        if timings.answers_differ && precision.is_integer() {
-            bail!(
-                "scenario {}: the answers differed between runs of the same request at {}, which must \
-                 give the same bits every time",
-                scenario.name,
-                precision.as_str()
-            );
-        }
+        timings.check_same(scenario.name, precision)?;
         timed.push(timings);
     }
     let mut profiles = serde_json::Map::new();
@@ -656,7 +663,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     // The same requests through the engine the server runs (its step loop, one request at a time, the
     // prefix cache off so every run computes its evidence): what the engine adds to the decision path.
     let engine_runs = if args.engine {
-        engine_timings(model, &loaded.config, &scenarios, args)?
+        engine_timings(model, &loaded.config, &scenarios, args, precision)?
     } else {
         drop(model);
         Vec::new()
@@ -761,6 +768,7 @@ fn engine_timings(
     config: &prism_decision::DecisionConfig,
     scenarios: &[Scenario],
     args: &BenchArgs,
+    precision: Precision,
 ) -> Result<Vec<Timings>> {
     use prism_decision::{Engine, EngineOptions, PrefixCacheLimits};
     let encoder = model.encoder();
@@ -781,12 +789,7 @@ fn engine_timings(
     )?;
     let mut all = Vec::new();
     for scenario in scenarios {
-        let mut timings = Timings {
-            runs: Vec::new(),
-            answers_sha256: None,
-            answers_differ: false,
-            answers: Value::Null,
-        };
+        let mut timings = Timings::default();
         for run in 0..args.warmup + args.runs {
             let start = Instant::now();
             let output = engine.decide(scenario.request.clone(), None).map_err(|e| {
@@ -796,12 +799,9 @@ fn engine_timings(
             if run >= args.warmup {
                 timings.runs.push(secs);
             }
-            let digest = answers_digest(&output.response.answers)?;
-            match &timings.answers_sha256 {
-                None => timings.answers_sha256 = Some(digest),
-                Some(first) => timings.answers_differ |= *first != digest,
-            }
+            timings.record_answers(&output.response.answers)?;
         }
+        timings.check_same(scenario.name, precision)?;
         all.push(timings);
     }
     drop(engine);

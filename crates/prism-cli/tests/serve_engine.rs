@@ -94,6 +94,21 @@ fn post_all_at_once(
     clients.into_iter().map(|c| c.join().unwrap()).collect()
 }
 
+/// A 200 whose answer bytes are `expected` (the same request's alone).
+fn assert_alone_bytes(reply: &serve_common::Reply, expected: &[u8], what: &str) {
+    assert_eq!(
+        reply.status,
+        200,
+        "{what}: {}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(reply.answer_bytes()),
+        String::from_utf8_lossy(expected),
+        "{what}"
+    );
+}
+
 #[test]
 fn sixty_four_clients_get_their_alone_bytes_and_share_passes() {
     let requests = requests();
@@ -104,16 +119,10 @@ fn sixty_four_clients_get_their_alone_bytes_and_share_passes() {
         .map(|c| requests[c % requests.len()].clone())
         .collect();
     for (c, reply) in post_all_at_once(server.addr, &bodies) {
-        assert_eq!(
-            reply.status,
-            200,
-            "{}",
-            String::from_utf8_lossy(&reply.body)
-        );
-        assert_eq!(
-            String::from_utf8_lossy(reply.answer_bytes()),
-            String::from_utf8_lossy(&expected[c % requests.len()]),
-            "client {c}"
+        assert_alone_bytes(
+            &reply,
+            &expected[c % requests.len()],
+            &format!("client {c}"),
         );
     }
     let stats = server.get("/stats").json();
@@ -612,17 +621,7 @@ fn two_replicas_answer_as_one_and_keep_evidence_affinity() {
     // the first round computed).
     for round in 0..2 {
         for (c, reply) in post_all_at_once(server.addr, &requests) {
-            assert_eq!(
-                reply.status,
-                200,
-                "{}",
-                String::from_utf8_lossy(&reply.body)
-            );
-            assert_eq!(
-                String::from_utf8_lossy(reply.answer_bytes()),
-                String::from_utf8_lossy(&expected[c]),
-                "round {round}, client {c}"
-            );
+            assert_alone_bytes(&reply, &expected[c], &format!("round {round}, client {c}"));
         }
     }
     let stats = server.get("/stats").json();
