@@ -1,36 +1,48 @@
-//! The v1 decision procedure: render every question, read the letters through a [`LetterModel`], turn the
-//! read-outs into answers.
+//! The decision procedure: render every question, read the letters through a [`LetterModel`], think
+//! when unsure (v1.1 AutoThink), turn the read-outs into answers.
 //!
-//! v1 semantics: one read-out per question. A choice with one option answers itself (probability 1,
-//! no prompt); a choice with more than 26 options is read in wide-choice rounds. Not implemented yet, and
-//! refused or ignored openly rather than faked:
-//! - AutoThink: `think_mode: "always"` is refused (422); `auto` and `never` give the single read-out (a v1
-//!   model never thinks), and `gate`, `mix`, `think_budget`, `return_thought` have no effect;
-//! - the none option (v1.1): `none_check` and `allow_none` are accepted and have no effect; answers carry
-//!   no `none_probability`;
-//! - images: any image is refused (422) as the engine has no vision tower yet.
+//! - v1: one read-out per question. A choice with one option answers itself (probability 1, no prompt);
+//!   a choice with more than 26 options is read in wide-choice rounds.
+//! - v1.1 (both families): with `none_check` a choice question gets the none option, an extra last
+//!   option worded by the release (`decision_config.json` `none_option.text`); its probability is the
+//!   answer's `none_probability`, and with `allow_none` the answer's `choice` is `null` when it is more
+//!   likely than every listed option. (A one-option choice is then read too: the option or none.)
+//! - v1.1 AutoThink: after the first read-out a question thinks when `think_mode` is `always`, or `auto`
+//!   and the read-out's top probability is below `gate`: its thought is decoded
+//!   ([`LetterModel::think`]), the letters are read again after it and the answer is
+//!   `mix · p_after + (1 − mix) · p_first`. Questions read in wide-choice rounds do not think.
+//! - v1.1 Instant: every prompt is read twice, with the options in the given order and reversed (the none
+//!   option stays last), and the two read-outs are averaged per option; it never thinks.
+//!
+//! A v1 or Instant model refuses `think_mode: "always"` (422). Images are refused (422): the engine has
+//! no vision tower yet.
 
 use std::time::Instant;
 
-use crate::config::DecisionConfig;
+use crate::config::{DecisionConfig, Family};
 use crate::error::{DecisionError, FieldError, FieldPath, ModelError};
-use crate::model::{LetterLogits, LetterModel, LetterPrompt};
+use crate::model::{LetterLogits, LetterModel, LetterPrompt, ThoughtOutcome, ThoughtRequest};
 use crate::readout::{
     argmax, choice_confidence, expected_score, score_confidence, softmax, WideChoice,
 };
-use crate::render::{option_labels, render_options, state_text};
+use crate::render::{option_labels, state_text, user_text, SYSTEM_PROMPT};
 use crate::request::{DecisionRequest, Question, QuestionType, ThinkMode};
 use crate::response::{
-    Answer, AnswerDetails, ChoiceAnswer, DecisionResponse, NoulAnswer, OrderedMap, ScoreAnswer,
-    Usage,
+    Answer, AnswerDetails, AnswerTimings, ChoiceAnswer, DecisionResponse, NoulAnswer, OrderedMap,
+    ScoreAnswer, Usage,
 };
+use crate::thought::{seed_from_request, StopReason};
+
+/// The option id the none option carries in a [`LetterPrompt`]'s `option_ids`. It starts with a control
+/// character, so it is never a client's id.
+pub const NONE_OPTION_ID: &str = "\u{0}none";
 
 /// How a question is read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReadMode {
     /// A choice with a single option: probability 1, no prompt.
     SelfAnswered,
-    /// One prompt (2 to 26 options).
+    /// One prompt (2 to 26 options; two prompts for Instant).
     Single,
     /// More than 26 options: group rounds, then a final round.
     Wide,
@@ -43,12 +55,12 @@ pub struct RenderedQuestion {
     pub kind: QuestionType,
     pub mode: ReadMode,
     /// The prompt (Single), the first-round group prompts (Wide; the later rounds depend on the
-    /// read-outs), or nothing (SelfAnswered).
+    /// read-outs), or nothing (SelfAnswered). Instant reads each twice: the given order, then reversed.
     pub prompts: Vec<LetterPrompt>,
 }
 
-/// Refuses what this engine cannot do yet (422), naming the field.
-fn check_supported(request: &DecisionRequest, reading: bool) -> Result<(), DecisionError> {
+/// Refuses what this engine or this model cannot do (422), naming the field.
+fn check_supported(request: &DecisionRequest, family: Family) -> Result<(), DecisionError> {
     let mut errors = Vec::new();
     if !request.images.is_empty() {
         errors.push(FieldError::unanswerable(
@@ -57,12 +69,14 @@ fn check_supported(request: &DecisionRequest, reading: bool) -> Result<(), Decis
             "images need a vision model (an mmproj file); this engine has no vision support yet",
         ));
     }
-    if reading && request.think_mode == ThinkMode::Always {
+    if request.think_mode == ThinkMode::Always && !family.thinks() {
         errors.push(FieldError::unanswerable(
             FieldPath::root().key("think_mode"),
             "not_supported",
-            "thinking (AutoThink) is not implemented in this engine yet: use think_mode \"auto\" or \"never\" \
-             (one read-out per question)",
+            format!(
+                "this model is a {family} model, which does not think: think_mode \"always\" needs a v1.1 \
+                 AutoThink model (use \"auto\" or \"never\")"
+            ),
         ));
     }
     if errors.is_empty() {
@@ -78,14 +92,14 @@ pub fn render_request(
     config: &DecisionConfig,
 ) -> Result<Vec<RenderedQuestion>, DecisionError> {
     config.validate()?;
-    check_supported(request, false)?;
+    check_supported(request, config.family)?;
     let state = state_text(&request.state);
     Ok(request
         .questions
         .iter()
         .enumerate()
         .map(|(index, question)| {
-            let task = Task::new(index, question, config);
+            let task = Task::new(index, question, request, config);
             let mode = match &task.wide {
                 None => ReadMode::SelfAnswered,
                 Some(wide) if wide.groups().len() == 1 => ReadMode::Single,
@@ -105,79 +119,243 @@ pub fn render_request(
 struct Task {
     /// Index of the question in the request.
     question: usize,
+    /// The option lines and ids in letter order; the none option last when it is read.
     labels: Vec<String>,
+    ids: Vec<String>,
+    /// Whether the last letter is the none option.
+    none: bool,
+    /// Instant: every prompt read in both orders.
+    both_orders: bool,
     temperature: f64,
     /// `None` for a self-answered question.
     wide: Option<WideChoice>,
+    /// The answer's probabilities (per letter), once known.
     probabilities: Option<Vec<f64>>,
     prompts_read: usize,
+    think: Think,
+    first: Option<Vec<f64>>,
+    after: Option<Vec<f64>>,
+    thought: Option<ThoughtSummary>,
+    /// When the first read-out came back.
+    read_at: Option<Instant>,
+}
+
+/// Where a question stands with thinking.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Think {
+    /// It will not think.
+    No,
+    /// It may think, after its first read-out.
+    Maybe,
+    /// It thinks: its thought is to be handed out.
+    Wanted,
+    /// Its thought is being decoded.
+    Asked,
+    /// It thought.
+    Done,
+}
+
+struct ThoughtSummary {
+    text: String,
+    tokens: u64,
+    stop: StopReason,
+    ms: f64,
 }
 
 impl Task {
-    fn new(index: usize, question: &Question, config: &DecisionConfig) -> Self {
-        let n = question.options.len();
-        let self_answered = question.kind == QuestionType::Choice && n == 1;
+    fn new(
+        index: usize,
+        question: &Question,
+        request: &DecisionRequest,
+        config: &DecisionConfig,
+    ) -> Self {
+        let family = config.family;
+        let none =
+            family.has_none_option() && request.none_check && question.kind == QuestionType::Choice;
+        let mut labels = option_labels(question);
+        let mut ids: Vec<String> = question.options.iter().map(|o| o.id.clone()).collect();
+        if none {
+            labels.push(config.none_option.text.clone());
+            ids.push(NONE_OPTION_ID.to_string());
+        }
+        let n = labels.len();
+        let self_answered = n == 1;
+        let wide = (!self_answered).then(|| WideChoice::new(n, &config.wide_choice));
+        let single = wide.as_ref().is_some_and(|w| w.groups().len() == 1);
+        let think = if family.thinks()
+            && single
+            && request.think_mode != ThinkMode::Never
+            && request.think_budget > 0
+        {
+            Think::Maybe
+        } else {
+            Think::No
+        };
         Task {
             question: index,
-            labels: option_labels(question),
+            labels,
+            ids,
+            none,
+            both_orders: family == Family::Instant,
             temperature: config.temperature(question.kind),
-            wide: (!self_answered).then(|| WideChoice::new(n, &config.wide_choice)),
+            wide,
             probabilities: self_answered.then(|| vec![1.0]),
             prompts_read: 0,
+            think,
+            first: self_answered.then(|| vec![1.0]),
+            after: None,
+            thought: None,
+            read_at: None,
         }
     }
 
-    fn prompts(&self, question: &Question, state: &str) -> Vec<LetterPrompt> {
-        match (&self.wide, &self.probabilities) {
-            (Some(wide), None) => wide
-                .groups()
-                .iter()
-                .map(|group| render_options(state, question, &self.labels, group))
-                .collect(),
-            _ => Vec::new(),
+    /// Whether the task waits for letter read-outs.
+    fn reading(&self) -> bool {
+        self.wide.is_some()
+            && self.probabilities.is_none()
+            && matches!(self.think, Think::No | Think::Maybe)
+            && self.first.is_none()
+    }
+
+    /// The letters at `indices` in that order as a prompt.
+    fn render(&self, question: &Question, state: &str, indices: &[usize]) -> LetterPrompt {
+        let shown: Vec<&str> = indices.iter().map(|&i| self.labels[i].as_str()).collect();
+        LetterPrompt {
+            system: SYSTEM_PROMPT.to_string(),
+            user: user_text(state, &question.instructions, &shown),
+            option_ids: indices.iter().map(|&i| self.ids[i].clone()).collect(),
         }
+    }
+
+    /// A group's letters reversed, the none option kept last.
+    fn reversed(&self, group: &[usize]) -> Vec<usize> {
+        let none = self.none.then(|| self.labels.len() - 1);
+        let mut order: Vec<usize> = group
+            .iter()
+            .rev()
+            .copied()
+            .filter(|&i| Some(i) != none)
+            .collect();
+        if let Some(none) = none.filter(|n| group.contains(n)) {
+            order.push(none);
+        }
+        order
+    }
+
+    fn prompts(&self, question: &Question, state: &str) -> Vec<LetterPrompt> {
+        if !self.reading() {
+            return Vec::new();
+        }
+        let Some(wide) = &self.wide else {
+            return Vec::new();
+        };
+        let mut prompts = Vec::new();
+        for group in wide.groups() {
+            prompts.push(self.render(question, state, group));
+            if self.both_orders {
+                prompts.push(self.render(question, state, &self.reversed(group)));
+            }
+        }
+        prompts
+    }
+
+    /// Letter-order read-outs of the current round's prompts → one probability vector per group (Instant:
+    /// the two orders averaged per option).
+    fn per_group(&self, read_outs: Vec<Vec<f64>>) -> Vec<Vec<f64>> {
+        if !self.both_orders {
+            return read_outs;
+        }
+        let groups = self.wide.as_ref().map(|w| w.groups()).unwrap_or_default();
+        groups
+            .iter()
+            .zip(read_outs.chunks(2))
+            .map(|(group, pair)| {
+                let reversed = self.reversed(group);
+                group
+                    .iter()
+                    .enumerate()
+                    .map(|(j, option)| {
+                        let r = reversed.iter().position(|o| o == option).unwrap_or(j);
+                        let backward = pair.get(1).and_then(|p| p.get(r)).copied();
+                        let forward = pair[0][j];
+                        backward.map_or(forward, |b| (forward + b) / 2.0)
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The read-out of the whole question is in: think, or answer.
+    fn read_done(&mut self, probabilities: Vec<f64>, request: &DecisionRequest) {
+        self.read_at = Some(Instant::now());
+        if self.think == Think::Maybe {
+            let top = probabilities.iter().copied().fold(0.0, f64::max);
+            if request.think_mode == ThinkMode::Always || top < request.gate {
+                self.think = Think::Wanted;
+                self.first = Some(probabilities);
+                return;
+            }
+            self.think = Think::No;
+        }
+        self.first = Some(probabilities.clone());
+        self.probabilities = Some(probabilities);
+    }
+}
+
+/// Identifies a thought handed out by [`DecisionTask::next_thoughts`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ThoughtId(usize);
+
+impl ThoughtId {
+    pub(crate) fn new(index: usize) -> Self {
+        ThoughtId(index)
     }
 }
 
 /// The decision procedure for one request as a resumable task: it says which prompts it needs read
-/// ([`DecisionTask::next_prompts`]), takes their letter logits back ([`DecisionTask::feed`]) and, when
-/// nothing is left to read, gives the response ([`DecisionTask::finish`]).
+/// ([`DecisionTask::next_prompts`]) and which thoughts decoded ([`DecisionTask::next_thoughts`]), takes
+/// the results back ([`DecisionTask::feed`], [`DecisionTask::feed_thought`]) and, when nothing is left,
+/// gives the response ([`DecisionTask::finish`]).
 ///
 /// It never calls a model itself, so whoever drives it decides how prompts are computed: [`decide`]
 /// reads them with a [`LetterModel`] one step at a time; the engine (`crate::engine`) packs the ready
-/// prompts of many requests into shared forward passes. The answers depend only on the logits fed
-/// back, so both give the same response for the same logits.
+/// prompts and thought steps of many requests into shared forward passes. The answers depend only on
+/// the logits and thoughts fed back, so both give the same response for the same model outputs.
 pub struct DecisionTask {
     request: DecisionRequest,
+    config: DecisionConfig,
     state: String,
     tasks: Vec<Task>,
     usage: Usage,
     /// Per prompt handed out by the last `next_prompts` and not yet fed back: the task it belongs to.
     pending: Vec<usize>,
     started: Instant,
+    first_pass: Option<Instant>,
 }
 
 impl DecisionTask {
-    /// Validates what this engine supports and renders the first prompts. Fails with the same errors
-    /// [`decide`] gives (422 for what the engine cannot answer).
+    /// Validates what this engine and model support and renders the first prompts. Fails with the same
+    /// errors [`decide`] gives (422 for what the model cannot answer).
     pub fn new(request: DecisionRequest, config: &DecisionConfig) -> Result<Self, DecisionError> {
         let started = Instant::now();
         config.validate()?;
-        check_supported(&request, true)?;
+        check_supported(&request, config.family)?;
         let state = state_text(&request.state);
         let tasks = request
             .questions
             .iter()
             .enumerate()
-            .map(|(i, q)| Task::new(i, q, config))
+            .map(|(i, q)| Task::new(i, q, &request, config))
             .collect();
         Ok(DecisionTask {
             request,
+            config: config.clone(),
             state,
             tasks,
             usage: Usage::default(),
             pending: Vec::new(),
             started,
+            first_pass: None,
         })
     }
 
@@ -186,8 +364,14 @@ impl DecisionTask {
         &self.request
     }
 
+    /// Records when the first model work for this request started (the end of its queueing; the
+    /// answers' `timings.queue_ms`). Later calls are ignored.
+    pub fn mark_first_pass(&mut self, at: Instant) {
+        self.first_pass.get_or_insert(at);
+    }
+
     /// Every prompt that is ready now (all questions' prompts first, then each further wide-choice
-    /// round), in a fixed order. Empty when the task is done. The prompts stay pending until
+    /// round), in a fixed order. Empty when nothing is to be read now. The prompts stay pending until
     /// [`Self::feed`] gets their logits; asking again before that returns the same prompts.
     pub fn next_prompts(&mut self) -> Vec<LetterPrompt> {
         let mut prompts = Vec::new();
@@ -200,6 +384,35 @@ impl DecisionTask {
         }
         self.pending = owners;
         prompts
+    }
+
+    /// The thoughts to decode now (questions whose first read-out says to think), each handed out once.
+    pub fn next_thoughts(&mut self) -> Vec<(ThoughtId, ThoughtRequest)> {
+        let mut thoughts = Vec::new();
+        for t in 0..self.tasks.len() {
+            if self.tasks[t].think != Think::Wanted {
+                continue;
+            }
+            self.tasks[t].think = Think::Asked;
+            let task = &self.tasks[t];
+            let question = &self.request.questions[task.question];
+            let all: Vec<usize> = (0..task.labels.len()).collect();
+            thoughts.push((
+                ThoughtId(t),
+                ThoughtRequest {
+                    question: question.name.clone(),
+                    prompt: task.render(question, &self.state, &all),
+                    budget: self.request.think_budget as usize,
+                    seed: self
+                        .request
+                        .seed
+                        .map(|seed| seed_from_request(seed, &question.name)),
+                    sampling: self.config.thought_sampling.clone(),
+                    loop_detector: self.config.loop_detector.clone(),
+                },
+            ));
+        }
+        thoughts
     }
 
     /// True when every question has its probabilities.
@@ -226,10 +439,15 @@ impl DecisionTask {
         for (index, (logits, &t)) in read.logits.iter().zip(&owners).enumerate() {
             let task = &self.tasks[t];
             let question = &self.request.questions[task.question];
+            let group = if task.both_orders {
+                seen[t] / 2
+            } else {
+                seen[t]
+            };
             let expected = task
                 .wide
                 .as_ref()
-                .and_then(|w| w.groups().get(seen[t]))
+                .and_then(|w| w.groups().get(group))
                 .map(Vec::len)
                 .unwrap_or(0);
             seen[t] += 1;
@@ -253,53 +471,134 @@ impl DecisionTask {
                 continue;
             }
             task.prompts_read += read_outs.len();
+            let per_group = task.per_group(read_outs);
             let Some(wide) = task.wide.as_mut() else {
                 continue;
             };
             let name = &self.request.questions[task.question].name;
             if let Some(final_probabilities) = wide
-                .feed(&read_outs)
+                .feed(&per_group)
                 .map_err(|e| DecisionError::ModelOutput(format!("question {name:?}: {e}")))?
             {
-                task.probabilities = Some(final_probabilities);
+                task.read_done(final_probabilities, &self.request);
             }
         }
         Ok(())
     }
 
-    /// A model error for the prompts last handed out: a prompt the model cannot take becomes a 422
-    /// naming its question; anything else is internal.
+    /// A thought handed out by [`Self::next_thoughts`] is decoded: mixes the read-out after it with the
+    /// first (`mix · p_after + (1 − mix) · p_first`).
+    pub fn feed_thought(
+        &mut self,
+        id: ThoughtId,
+        outcome: ThoughtOutcome,
+    ) -> Result<(), DecisionError> {
+        let mix = self.request.mix;
+        let Some(task) = self.tasks.get_mut(id.0).filter(|t| t.think == Think::Asked) else {
+            return Err(DecisionError::ModelOutput(format!(
+                "a thought for question #{} that was not asked for",
+                id.0
+            )));
+        };
+        let name = &self.request.questions[task.question].name;
+        if outcome.logits.len() != task.labels.len() {
+            return Err(DecisionError::ModelOutput(format!(
+                "question {name:?}: expected {} letter logits after the thought, got {:?}",
+                task.labels.len(),
+                outcome.logits
+            )));
+        }
+        if outcome.logits.iter().any(|l| !l.is_finite()) {
+            return Err(DecisionError::NonFiniteLogits {
+                question: name.clone(),
+                prompt: 0,
+                logits: outcome.logits,
+            });
+        }
+        let after = softmax(&outcome.logits, task.temperature);
+        let first = task.first.clone().unwrap_or_default();
+        let mixed = after
+            .iter()
+            .zip(&first)
+            .map(|(a, f)| mix * a + (1.0 - mix) * f)
+            .collect();
+        self.usage.input_tokens += outcome.input_tokens;
+        self.usage.output_tokens += outcome.tokens.len() as u64;
+        task.prompts_read += 1;
+        task.after = Some(after);
+        task.probabilities = Some(mixed);
+        task.think = Think::Done;
+        task.thought = Some(ThoughtSummary {
+            text: outcome.text,
+            tokens: outcome.tokens.len() as u64,
+            stop: outcome.stop,
+            ms: outcome.ms,
+        });
+        Ok(())
+    }
+
+    /// A model error for the prompts or thoughts last handed out: a prompt the model cannot take becomes
+    /// a 422 naming its question, a model that cannot think a 422 naming `think_mode`; anything else is
+    /// internal.
     pub fn model_error(&self, error: ModelError) -> DecisionError {
-        if let ModelError::PromptTooLong {
-            prompt,
-            tokens,
-            limit,
-        } = error
-        {
-            if let Some(&t) = self.pending.get(prompt) {
-                return prompt_too_long(
+        match error {
+            ModelError::PromptTooLong {
+                prompt,
+                tokens,
+                limit,
+            } => match self.pending.get(prompt) {
+                Some(&t) => prompt_too_long(
                     &self.request.questions[self.tasks[t].question].name,
                     tokens,
                     limit,
-                );
-            }
+                ),
+                None => DecisionError::Model(ModelError::PromptTooLong {
+                    prompt,
+                    tokens,
+                    limit,
+                }),
+            },
+            ModelError::CannotThink => FieldError::unanswerable(
+                FieldPath::root().key("think_mode"),
+                "not_supported",
+                "this model cannot decode thoughts (its chat template has no thinking mode): use \
+                 think_mode \"never\"",
+            )
+            .into(),
+            other => DecisionError::Model(other),
         }
-        DecisionError::Model(error)
     }
 
     /// The response (answers in the request's question order). `latency_ms` is the time since the task
     /// was made.
     pub fn finish(self, model_name: &str) -> DecisionResponse {
+        let now = Instant::now();
+        let first_pass = self.first_pass.unwrap_or(self.started);
+        let ms =
+            |from: Instant, to: Instant| to.saturating_duration_since(from).as_secs_f64() * 1e3;
         let return_details = self.request.return_details;
+        let return_thought = self.request.return_thought;
         let answers = self
             .tasks
             .iter()
             .map(|task| {
                 let question = &self.request.questions[task.question];
-                let probabilities = task.probabilities.clone().unwrap_or_default();
+                let timings = AnswerTimings {
+                    queue_ms: ms(self.started, first_pass),
+                    read_ms: task.read_at.map_or(0.0, |at| ms(first_pass, at)),
+                    thought_ms: task.thought.as_ref().map_or(0.0, |t| t.ms),
+                    total_ms: ms(self.started, now),
+                };
                 (
                     question.name.clone(),
-                    answer(task, question, &probabilities, return_details),
+                    answer(
+                        task,
+                        question,
+                        &self.request,
+                        timings,
+                        return_details,
+                        return_thought,
+                    ),
                 )
             })
             .collect();
@@ -307,7 +606,7 @@ impl DecisionTask {
             answers: OrderedMap(answers),
             usage: self.usage,
             model: model_name.to_string(),
-            latency_ms: self.started.elapsed().as_secs_f64() * 1e3,
+            latency_ms: ms(self.started, now),
         }
     }
 }
@@ -324,61 +623,130 @@ pub fn prompt_too_long(question: &str, tokens: usize, limit: usize) -> DecisionE
 
 /// Answers a request with `model`: a [`DecisionTask`] driven one model call per step (all questions'
 /// prompts in one call, so the model can share their evidence prefix, then one call per further
-/// wide-choice round).
+/// wide-choice round, then the thoughts in one [`LetterModel::think`] call).
 pub fn decide(
     request: &DecisionRequest,
     config: &DecisionConfig,
     model: &mut dyn LetterModel,
 ) -> Result<DecisionResponse, DecisionError> {
     let mut task = DecisionTask::new(request.clone(), config)?;
+    task.mark_first_pass(Instant::now());
     loop {
         let prompts = task.next_prompts();
-        if prompts.is_empty() {
+        if !prompts.is_empty() {
+            let read = model
+                .letter_logits(&prompts)
+                .map_err(|error| task.model_error(error))?;
+            task.feed(read)?;
+            continue;
+        }
+        let thoughts = task.next_thoughts();
+        if thoughts.is_empty() {
             break;
         }
-        let read = model
-            .letter_logits(&prompts)
+        let requests: Vec<ThoughtRequest> = thoughts.iter().map(|(_, r)| r.clone()).collect();
+        let outcomes = model
+            .think(&requests)
             .map_err(|error| task.model_error(error))?;
-        task.feed(read)?;
+        if outcomes.len() != thoughts.len() {
+            return Err(DecisionError::ModelOutput(format!(
+                "{} thoughts for {} asked",
+                outcomes.len(),
+                thoughts.len()
+            )));
+        }
+        for ((id, _), outcome) in thoughts.into_iter().zip(outcomes) {
+            task.feed_thought(id, outcome)?;
+        }
     }
     Ok(task.finish(model.model_name()))
 }
 
-fn answer(task: &Task, question: &Question, probabilities: &[f64], return_details: bool) -> Answer {
-    let by_id = || -> OrderedMap<f64> {
+/// Per listed option, its probability; and the none option's, when it was read.
+fn split_none(task: &Task, probabilities: &[f64]) -> (Vec<f64>, Option<f64>) {
+    if task.none {
+        let n = probabilities.len().saturating_sub(1);
+        (probabilities[..n].to_vec(), probabilities.get(n).copied())
+    } else {
+        (probabilities.to_vec(), None)
+    }
+}
+
+fn answer(
+    task: &Task,
+    question: &Question,
+    request: &DecisionRequest,
+    timings: AnswerTimings,
+    return_details: bool,
+    return_thought: bool,
+) -> Answer {
+    let probabilities = task.probabilities.clone().unwrap_or_default();
+    let by_id = |p: &[f64]| -> OrderedMap<f64> {
         OrderedMap(
             question
                 .options
                 .iter()
-                .zip(probabilities)
+                .zip(p)
                 .map(|(o, &p)| (o.id.clone(), p))
                 .collect(),
         )
     };
-    let details = return_details.then(|| AnswerDetails {
-        first: by_id(),
-        prompts: task.prompts_read,
+    let (listed, none_probability) = split_none(task, &probabilities);
+    let details = return_details.then(|| {
+        let (first, first_none) = split_none(task, task.first.as_deref().unwrap_or_default());
+        let after = task.after.as_deref().map(|a| split_none(task, a));
+        AnswerDetails {
+            first: by_id(&first),
+            first_none,
+            after_thought: after.as_ref().map(|(a, _)| by_id(a)),
+            after_thought_none: after.and_then(|(_, n)| n),
+            thought_tokens: task.thought.as_ref().map(|t| t.tokens),
+            stop_reason: task.thought.as_ref().map(|t| t.stop),
+            prompts: task.prompts_read,
+            timings,
+        }
     });
+    let thought = if return_thought {
+        task.thought.as_ref().map(|t| t.text.clone())
+    } else {
+        None
+    };
     match question.kind {
-        QuestionType::Choice => Answer::Choice(ChoiceAnswer {
-            choice: question
-                .options
-                .get(argmax(probabilities))
-                .map(|o| o.id.clone())
-                .unwrap_or_default(),
-            confidence: choice_confidence(probabilities),
-            probabilities: by_id(),
-            none_probability: None,
-            details,
-        }),
+        QuestionType::Choice => {
+            let best = argmax(&listed);
+            let letters = probabilities.len().max(1) as f64;
+            let (choice, p_chosen) = match none_probability {
+                Some(none) if request.allow_none && listed.iter().all(|&p| none > p) => {
+                    (None, none)
+                }
+                _ => (
+                    question.options.get(best).map(|o| o.id.clone()),
+                    listed.get(best).copied().unwrap_or(1.0),
+                ),
+            };
+            let confidence = if none_probability.is_some() {
+                ((p_chosen - 1.0 / letters) / (1.0 - 1.0 / letters)).max(0.0)
+            } else {
+                choice_confidence(&listed)
+            };
+            Answer::Choice(ChoiceAnswer {
+                choice,
+                confidence,
+                probabilities: by_id(&listed),
+                none_probability,
+                thought,
+                details,
+            })
+        }
         // Options are [true, false]: P(yes) is the first.
         QuestionType::Noul => Answer::Noul(NoulAnswer {
-            noul: probabilities.first().copied().unwrap_or(0.0),
+            noul: listed.first().copied().unwrap_or(0.0),
+            thought,
             details,
         }),
         QuestionType::Score => Answer::Score(ScoreAnswer {
-            score: expected_score(probabilities),
-            confidence: score_confidence(probabilities),
+            score: expected_score(&listed),
+            confidence: score_confidence(&listed),
             legend: OrderedMap(
                 question
                     .options
@@ -393,7 +761,8 @@ fn answer(task: &Task, question: &Question, probabilities: &[f64], return_detail
                     })
                     .collect(),
             ),
-            probabilities: by_id(),
+            probabilities: by_id(&listed),
+            thought,
             details,
         }),
     }

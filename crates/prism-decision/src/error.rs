@@ -169,6 +169,10 @@ pub enum ModelError {
     /// later retry may fit).
     #[error("the GPU has no memory left for this request: {0}")]
     OutOfMemory(String),
+    /// The model cannot decode thoughts (its chat template has no thinking mode, or the model is a
+    /// read-out only [`crate::model::LetterModel`]): a request that needs one gets a 422.
+    #[error("this model cannot decode thoughts")]
+    CannotThink,
     /// Anything else (device, kernel, tokenizer): an internal error.
     #[error("{0}")]
     Backend(String),

@@ -12,16 +12,19 @@ pub mod render;
 pub mod request;
 pub mod response;
 pub mod synth_files;
+pub mod thought;
 pub mod tokenizer;
 
-pub use config::{DecisionConfig, WideChoiceConfig};
-pub use decide::{decide, render_request, DecisionTask, ReadMode, RenderedQuestion};
+pub use config::{DecisionConfig, Family, WideChoiceConfig};
+pub use decide::{
+    decide, render_request, DecisionTask, ReadMode, RenderedQuestion, ThoughtId, NONE_OPTION_ID,
+};
 pub use engine::{
     CancelToken, DecoderLetterModel, Engine, EngineError, EngineOptions, EngineStats, EngineWorker,
     JobError, JobOutput, LoadedDecisionModel, ModelSource, PassModel, PrefixCacheLimits, Prepared,
     SubmitError,
 };
 pub use error::{DecisionError, ErrorBody, FieldError, FieldErrors, ModelError};
-pub use model::{LetterLogits, LetterModel, LetterPrompt};
+pub use model::{LetterLogits, LetterModel, LetterPrompt, ThoughtOutcome, ThoughtRequest};
 pub use request::{DecisionRequest, Question, QuestionType, RequestDefaults};
 pub use response::{Answer, DecisionResponse};

@@ -30,6 +30,41 @@ pub struct LetterLogits {
     pub output_tokens: u64,
 }
 
+/// A thought to decode (v1.1 AutoThink): the question's prompt with thinking on, decoded until the
+/// model closes the thought, the budget is spent or the loop detector stops it; then the thought is
+/// closed and the letters are read again.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ThoughtRequest {
+    /// The question's name (for errors).
+    pub question: String,
+    /// The prompt of the first read-out (the same system and user message; the chat template is
+    /// rendered with thinking on).
+    pub prompt: LetterPrompt,
+    /// The most tokens the thought may decode (at least 1).
+    pub budget: usize,
+    /// The thought's seed; `None`: derived from the thinking prompt's tokens
+    /// ([`crate::thought::seed_from_tokens`]).
+    pub seed: Option<u64>,
+    pub sampling: crate::config::SamplingConfig,
+    pub loop_detector: crate::config::LoopDetectorConfig,
+}
+
+/// A decoded thought and the read-out after it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ThoughtOutcome {
+    /// The letter logits after the thought (as many as the prompt has options).
+    pub logits: Vec<f64>,
+    /// The tokens the model decoded (the closing `</think>` included when it wrote it).
+    pub tokens: Vec<u32>,
+    /// The thought as text (without the closing `</think>`).
+    pub text: String,
+    pub stop: crate::thought::StopReason,
+    /// Tokens read that are not decoded: the thinking prompt and the closing tokens.
+    pub input_tokens: u64,
+    /// Wall time from the thought's first pass to its read-out, in milliseconds.
+    pub ms: f64,
+}
+
 /// A decision model reduced to its read-out.
 ///
 /// `letter_logits` gets every prompt that is ready at one step of the procedure: all questions of a request
@@ -42,6 +77,13 @@ pub trait LetterModel {
     /// The letter logits of each prompt (see [`LetterLogits`]). A prompt the model cannot take (too long)
     /// is reported as [`ModelError::PromptTooLong`] with its index in `prompts`.
     fn letter_logits(&mut self, prompts: &[LetterPrompt]) -> Result<LetterLogits, ModelError>;
+
+    /// Decodes thoughts and reads the letters after each (v1.1 AutoThink), one outcome per request in
+    /// order. The default: this model cannot think ([`ModelError::CannotThink`]).
+    fn think(&mut self, thoughts: &[ThoughtRequest]) -> Result<Vec<ThoughtOutcome>, ModelError> {
+        let _ = thoughts;
+        Err(ModelError::CannotThink)
+    }
 }
 
 impl<M: LetterModel + ?Sized> LetterModel for &mut M {
@@ -52,6 +94,10 @@ impl<M: LetterModel + ?Sized> LetterModel for &mut M {
     fn letter_logits(&mut self, prompts: &[LetterPrompt]) -> Result<LetterLogits, ModelError> {
         (**self).letter_logits(prompts)
     }
+
+    fn think(&mut self, thoughts: &[ThoughtRequest]) -> Result<Vec<ThoughtOutcome>, ModelError> {
+        (**self).think(thoughts)
+    }
 }
 
 impl<M: LetterModel + ?Sized> LetterModel for Box<M> {
@@ -61,5 +107,9 @@ impl<M: LetterModel + ?Sized> LetterModel for Box<M> {
 
     fn letter_logits(&mut self, prompts: &[LetterPrompt]) -> Result<LetterLogits, ModelError> {
         (**self).letter_logits(prompts)
+    }
+
+    fn think(&mut self, thoughts: &[ThoughtRequest]) -> Result<Vec<ThoughtOutcome>, ModelError> {
+        (**self).think(thoughts)
     }
 }

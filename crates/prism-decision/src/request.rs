@@ -115,6 +115,9 @@ pub struct DecisionRequest {
     pub allow_none: bool,
     pub return_details: bool,
     pub return_thought: bool,
+    /// The seed of the request's thoughts (each question's is this mixed with its name); without one a
+    /// thought's seed comes from its prompt's tokens. Either way the same request gets the same thoughts.
+    pub seed: Option<u64>,
     /// TypeSafe clients name a model; it is accepted and not checked (one server serves one model).
     pub model: Option<String>,
     /// Top-level fields this engine does not know, ignored (forward compatibility, as the reference
@@ -134,6 +137,7 @@ const REQUEST_FIELDS: &[&str] = &[
     "allow_none",
     "return_details",
     "return_thought",
+    "seed",
     "model",
 ];
 
@@ -298,6 +302,21 @@ impl DecisionRequest {
         let allow_none = flag(object, "allow_none", defaults.allow_none, &mut errors);
         let return_details = flag(object, "return_details", false, &mut errors);
         let return_thought = flag(object, "return_thought", false, &mut errors);
+        let seed = match object.get("seed") {
+            None | Some(PyValue::Null) => None,
+            Some(PyValue::Int(int)) if int.to_u64().is_some() => int.to_u64(),
+            Some(other) => {
+                errors.push(FieldError::malformed(
+                    root.key("seed"),
+                    "value_error",
+                    format!(
+                        "must be an integer from 0 to 2^64 - 1, got {}",
+                        other.dumps()
+                    ),
+                ));
+                None
+            }
+        };
         let model = match object.get("model") {
             None | Some(PyValue::Null) => None,
             Some(PyValue::Str(name)) => Some(name.clone()),
@@ -326,6 +345,7 @@ impl DecisionRequest {
             allow_none,
             return_details,
             return_thought,
+            seed,
             model,
             ignored_fields,
         })

@@ -68,14 +68,21 @@ pub enum Answer {
 /// `{"type": "choice", "choice": id, "confidence": c, "probabilities": {id: p, ...}}`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ChoiceAnswer {
-    /// The most likely option (the first on a tie).
-    pub choice: String,
+    /// The most likely option (the first on a tie); `null` (v1.1, `allow_none`) when the none option is
+    /// more likely than every listed one.
+    pub choice: Option<String>,
+    /// `(p − 1/m) / (1 − 1/m)` for the chosen letter's probability `p` among the prompt's `m` letters
+    /// (the none option counts as one when it is read).
     pub confidence: f64,
-    /// Every option's probability, in the criteria's order.
+    /// Every listed option's probability, in the criteria's order. With the none option these and
+    /// `none_probability` sum to 1.
     pub probabilities: OrderedMap<f64>,
-    /// v1.1's none option; absent in v1.
+    /// v1.1's none option (`none_check`); absent in v1 and when it was not read.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub none_probability: Option<f64>,
+    /// The thought's text (`return_thought`, when the question thought).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub thought: Option<String>,
     /// `return_details`; an extension field, serialized as `x_details`.
     #[serde(rename = "x_details", skip_serializing_if = "Option::is_none")]
     pub details: Option<AnswerDetails>,
@@ -85,6 +92,9 @@ pub struct ChoiceAnswer {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct NoulAnswer {
     pub noul: f64,
+    /// The thought's text (`return_thought`, when the question thought).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub thought: Option<String>,
     /// `return_details`; an extension field, serialized as `x_details`.
     #[serde(rename = "x_details", skip_serializing_if = "Option::is_none")]
     pub details: Option<AnswerDetails>,
@@ -98,17 +108,50 @@ pub struct ScoreAnswer {
     /// Each level's description as sent, keyed `"0"`..`"n-1"`.
     pub legend: OrderedMap<PyValue>,
     pub probabilities: OrderedMap<f64>,
+    /// The thought's text (`return_thought`, when the question thought).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub thought: Option<String>,
     /// `return_details`; an extension field, serialized as `x_details`.
     #[serde(rename = "x_details", skip_serializing_if = "Option::is_none")]
     pub details: Option<AnswerDetails>,
 }
 
-/// `return_details`: the answer's read-outs. v1 has one read-out per question (`first`); `after_thought`
-/// comes with AutoThink (v1.1).
+/// `return_details`: the answer's read-outs. Every question has its first read-out (`first`); a question
+/// that thought (v1.1 AutoThink) also has the read-out after the thought and the thought's facts.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct AnswerDetails {
-    /// The read-out's probabilities keyed by option id (`true`/`false` for a noul, `"0"`.. for a score).
+    /// The first read-out's probabilities keyed by option id (`true`/`false` for a noul, `"0"`.. for a
+    /// score).
     pub first: OrderedMap<f64>,
-    /// Prompts read for this answer (0 for a single option, several for a wide choice).
+    /// The none option's probability in the first read-out (when it was read).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_none: Option<f64>,
+    /// The read-out after the thought, keyed like `first`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub after_thought: Option<OrderedMap<f64>>,
+    /// The none option's probability after the thought.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub after_thought_none: Option<f64>,
+    /// Tokens the thought decoded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub thought_tokens: Option<u64>,
+    /// Why the thought ended.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<crate::thought::StopReason>,
+    /// Prompts read for this answer (0 for a single option, several for a wide choice, two per group
+    /// for Instant).
     pub prompts: usize,
+    /// Where the time went, in milliseconds.
+    pub timings: AnswerTimings,
+}
+
+/// An answer's timings, in milliseconds: `queue` (submission to the first pass of the request),
+/// `read` (from then to this question's first read-out), `thought` (decoding its thought and reading
+/// again; 0 without one) and `total` (submission to the answer).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct AnswerTimings {
+    pub queue_ms: f64,
+    pub read_ms: f64,
+    pub thought_ms: f64,
+    pub total_ms: f64,
 }

@@ -53,7 +53,7 @@ fn three_questions_in_one_model_call() {
         panic!()
     };
     let p = expect(3, 0.5);
-    assert_eq!(team.choice, "tech");
+    assert_eq!(team.choice.as_deref(), Some("tech"));
     for (id, want) in ["billing", "tech", "sales"].iter().zip(&p) {
         assert!(rel_diff(*team.probabilities.get(id).unwrap(), *want) < 1e-14);
     }
@@ -158,7 +158,10 @@ fn a_single_option_answers_itself_without_the_model() {
     let Some(Answer::Choice(answer)) = response.answers.get("only") else {
         panic!()
     };
-    assert_eq!((answer.choice.as_str(), answer.confidence), ("yes", 1.0));
+    assert_eq!(
+        (answer.choice.as_deref(), answer.confidence),
+        (Some("yes"), 1.0)
+    );
     assert_eq!(answer.probabilities.0, vec![("yes".to_string(), 1.0)]);
     assert_eq!(response.usage.input_tokens, 0);
 }
@@ -203,7 +206,7 @@ fn wide_choices_share_calls_with_other_questions() {
         .map(|id| pick.probabilities.get(id).unwrap())
         .sum();
     assert!((finalist_mass - 0.999).abs() < 1e-12);
-    assert!(finalists.contains(&pick.choice));
+    assert!(pick.choice.as_ref().is_some_and(|c| finalists.contains(c)));
 }
 
 #[test]
@@ -218,12 +221,25 @@ fn unsupported_features_are_refused_not_faked() {
     .unwrap_err();
     assert_eq!(error.status(), 422);
     assert_eq!(error.field_errors()[0].path.to_string(), "images");
+    // A v1 model does not think.
     let thinking = THREE_QUESTIONS.replacen('{', r#"{"think_mode": "always", "#, 1);
     let error = decide(&request(&thinking), &DecisionConfig::default(), &mut model).unwrap_err();
     assert_eq!(error.status(), 422);
     assert_eq!(error.field_errors()[0].path.to_string(), "think_mode");
-    assert!(error.to_string().contains("not implemented"), "{error}");
+    assert!(error.to_string().contains("does not think"), "{error}");
     assert!(model.calls.is_empty());
+    // A v1.1 AutoThink release served by a read-out-only model cannot think either.
+    let autothink = DecisionConfig {
+        family: prism_decision::Family::AutoThink,
+        ..DecisionConfig::default()
+    };
+    let error = decide(&request(&thinking), &autothink, &mut model).unwrap_err();
+    assert_eq!(error.status(), 422);
+    assert_eq!(error.field_errors()[0].path.to_string(), "think_mode");
+    assert!(
+        error.to_string().contains("cannot decode thoughts"),
+        "{error}"
+    );
     // "never" and the default "auto" give the single read-out.
     let never = THREE_QUESTIONS.replacen('{', r#"{"think_mode": "never", "#, 1);
     assert!(decide(&request(&never), &DecisionConfig::default(), &mut model).is_ok());
@@ -392,7 +408,7 @@ fn the_trait_is_object_safe() {
         panic!()
     };
     // Equal logits: uniform probabilities, zero confidence, the first option chosen.
-    assert_eq!(team.choice, "billing");
+    assert_eq!(team.choice.as_deref(), Some("billing"));
     assert!(team.confidence.abs() < 1e-15);
     assert_eq!(softmax(&[0.0, 0.0], 1.0), [0.5, 0.5]);
 }

@@ -288,3 +288,138 @@ fn the_gguf_alone_serves_the_same_read_out() {
     let b = with_dir.letter_logits(&prompts).expect("read-out");
     assert_eq!(a.logits, b.logits);
 }
+
+/// Greedy thoughts (temperature 0) from the fixture's three thinking-on prompts are transformers'
+/// greedy tokens (`ref_generate.json`, 24 each): the thinking prompt is rendered by the engine's own
+/// chat template and each step's next-token logits come from the engine's pass with the thought's
+/// state carried from step to step.
+#[test]
+fn greedy_thoughts_are_transformers_tokens() {
+    let (mut model, config) = load("tiny-BF16.gguf", 4096);
+    let reference = read_json("ref_generate.json");
+    let prompts = fixture_prompts();
+    let mut requests = Vec::new();
+    let mut wants = Vec::new();
+    for generation in reference["generations"].as_array().expect("generations") {
+        let from = generation["from_prompt"].as_u64().expect("from_prompt") as usize;
+        let (_, prompt) = prompts
+            .iter()
+            .find(|(i, _)| *i == from)
+            .expect("the thinking prompt's conversation");
+        let want: Vec<u32> = generation["generated_ids"]
+            .as_array()
+            .expect("generated_ids")
+            .iter()
+            .map(|v| v.as_u64().expect("id") as u32)
+            .collect();
+        requests.push(prism_decision::ThoughtRequest {
+            question: generation["name"].as_str().unwrap_or("q").to_string(),
+            prompt: prompt.clone(),
+            budget: want.len(),
+            seed: Some(1),
+            sampling: prism_decision::config::SamplingConfig {
+                temperature: 0.0,
+                ..config.thought_sampling.clone()
+            },
+            loop_detector: config.loop_detector.clone(),
+        });
+        wants.push(want);
+    }
+    assert_eq!(requests.len(), 3);
+    // All three decoded together (one pass per step), then each alone: the same tokens.
+    let together = model.think(&requests).expect("thoughts");
+    for ((outcome, want), request) in together.iter().zip(&wants).zip(&requests) {
+        assert_eq!(&outcome.tokens, want, "{}", request.question);
+        assert_eq!(outcome.stop, prism_decision::thought::StopReason::Budget);
+        assert_eq!(outcome.logits.len(), 26);
+        let alone = model.think(std::slice::from_ref(request)).expect("alone");
+        assert_eq!(alone[0], *outcome_without_time(outcome, &alone[0]));
+    }
+}
+
+/// `outcome` with `other`'s wall time (the only field allowed to differ between two runs).
+fn outcome_without_time<'a>(
+    outcome: &prism_decision::ThoughtOutcome,
+    other: &'a prism_decision::ThoughtOutcome,
+) -> &'a prism_decision::ThoughtOutcome {
+    let mut same = outcome.clone();
+    same.ms = other.ms;
+    assert_eq!(&same, other);
+    other
+}
+
+/// A sampled thought (the release's sampling settings, v1.1 AutoThink) through the engine: the same
+/// request gets the same thought and the same bits alone, again, and among other thinking requests.
+#[test]
+fn sampled_thoughts_are_the_same_alone_and_among_others() {
+    use prism_decision::engine::{Engine, EngineOptions};
+    let (model, mut config) = load("tiny-Q8_0.gguf", 4096);
+    config.family = prism_decision::Family::AutoThink;
+    let encoder = model.encoder();
+    let (engine, worker) =
+        Engine::start(model, encoder, config, EngineOptions::default(), None).expect("engine");
+    let body = |state: &str, seed: &str| {
+        format!(
+            r#"{{"state": {state:?}, "think_mode": "always", "think_budget": 20, "return_thought": true{seed},
+               "questions": {{"renew": {{"type": "choice", "instructions": "Should we renew?",
+                 "criteria": {{"yes": "Renew", "no": "Do not renew"}}}},
+                 "late": {{"type": "noul", "instructions": "Was it late?"}}}}}}"#
+        )
+    };
+    let parse = |text: String| {
+        DecisionRequest::parse(text.as_bytes(), &RequestDefaults::default()).expect("request")
+    };
+    let mine = parse(body("The supplier missed two deadlines.", ""));
+    let answer = |r: &prism_decision::DecisionResponse| serde_json::to_value(&r.answers).unwrap();
+    let alone = engine.decide(mine.clone(), None).expect("alone").response;
+    let again = engine.decide(mine.clone(), None).expect("again").response;
+    assert_eq!(answer(&alone), answer(&again));
+    assert!(alone.usage.output_tokens > 0);
+    let json = answer(&alone);
+    let thought = json["renew"]["thought"].as_str().expect("a thought");
+    assert!(!thought.is_empty());
+    // Among others (different evidence, seeds and questions), submitted at once.
+    let mut receivers = Vec::new();
+    let others = [
+        ("A parcel arrived crushed.", r#", "seed": 3"#),
+        ("The invoice was paid twice.", ""),
+        ("The supplier missed two deadlines.", r#", "seed": 11"#),
+    ];
+    for (state, seed) in others {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let prepared = engine.prepare(parse(body(state, seed))).expect("prepared");
+        engine
+            .submit(
+                prepared,
+                Box::new(move |r| {
+                    let _ = tx.send(r);
+                }),
+                None,
+                Default::default(),
+            )
+            .expect("queued");
+        receivers.push(rx);
+    }
+    let among = engine.decide(mine, None).expect("among").response;
+    assert_eq!(answer(&among), answer(&alone));
+    for rx in receivers {
+        rx.recv().expect("reply").expect("answered");
+    }
+    // A request seed gives another thought than the prompt-derived one.
+    let seeded = engine
+        .decide(
+            parse(body(
+                "The supplier missed two deadlines.",
+                r#", "seed": 11"#,
+            )),
+            None,
+        )
+        .expect("seeded")
+        .response;
+    assert_ne!(
+        answer(&seeded)["renew"]["thought"],
+        json["renew"]["thought"]
+    );
+    drop(engine);
+    worker.join();
+}

@@ -9,16 +9,23 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use prism_decision::engine::{
-    Branch, CancelToken, Engine, EngineOptions, GroupInput, GroupOutput, JobError, JobResult,
-    PassModel, PrefixCacheLimits, PromptEncoder, SubmitError,
+    thinking::think_alone, Branch, CancelToken, Engine, EngineOptions, GroupInput, GroupOutput,
+    JobError, JobResult, PassModel, PrefixCacheLimits, PromptEncoder, SubmitError, ThoughtMarkers,
 };
 use prism_decision::{
-    decide, DecisionConfig, DecisionRequest, DecisionResponse, LetterLogits, LetterModel,
-    LetterPrompt, ModelError, RequestDefaults,
+    decide, Answer, DecisionConfig, DecisionRequest, DecisionResponse, Family, LetterLogits,
+    LetterModel, LetterPrompt, ModelError, RequestDefaults, ThoughtOutcome, ThoughtRequest,
 };
 
-/// One token per byte of `system \n user`.
+/// One token per byte of `system \n user`; with thinking on, the token 258 (`<think>`) after them.
+/// Tokens 256 (`</think>`) and 257 (end of sequence) end a thought.
 struct ByteEncoder;
+
+const END_THINK: u32 = 256;
+const END_OF_SEQUENCE: u32 = 257;
+const THINK: u32 = 258;
+/// The fake's vocabulary.
+const VOCAB: usize = 259;
 
 impl PromptEncoder for ByteEncoder {
     fn encode(&self, prompt: &LetterPrompt) -> Result<Vec<u32>, ModelError> {
@@ -27,6 +34,45 @@ impl PromptEncoder for ByteEncoder {
             .map(u32::from)
             .collect())
     }
+
+    fn encode_thinking(&self, prompt: &LetterPrompt) -> Result<Vec<u32>, ModelError> {
+        let mut tokens = self.encode(prompt)?;
+        tokens.push(THINK);
+        Ok(tokens)
+    }
+
+    fn thought_markers(&self) -> Option<ThoughtMarkers> {
+        Some(ThoughtMarkers {
+            end_think: END_THINK,
+            end_of_sequence: vec![END_OF_SEQUENCE],
+            after_end: vec![10, 10],
+            close: vec![10, END_THINK, 10, 10],
+        })
+    }
+
+    fn decode(&self, tokens: &[u32]) -> String {
+        let bytes: Vec<u8> = tokens
+            .iter()
+            .filter(|&&t| t < 256)
+            .map(|&t| t as u8)
+            .collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
+/// The next-token logits over the fake's vocabulary after a whole token sequence: pseudo-random, with
+/// `</think>` and the end of sequence growing likelier as a thought gets longer.
+fn next_token_logits(tokens: &[u32]) -> Vec<f32> {
+    let since_think = tokens.iter().rev().position(|&t| t == THINK).unwrap_or(0);
+    let base = letter_logits(tokens, VOCAB);
+    base.iter()
+        .enumerate()
+        .map(|(i, &l)| match i as u32 {
+            END_THINK => l as f32 + since_think as f32 * 0.15,
+            END_OF_SEQUENCE => l as f32 + since_think as f32 * 0.05 - 2.0,
+            _ => l as f32,
+        })
+        .collect()
 }
 
 /// The letter logits of a whole token sequence.
@@ -65,6 +111,26 @@ impl LetterModel for Reference {
             output_tokens: 0,
         })
     }
+
+    /// Each thought alone, on the engine's fake model.
+    fn think(&mut self, thoughts: &[ThoughtRequest]) -> Result<Vec<ThoughtOutcome>, ModelError> {
+        let mut fake = Fake {
+            log: Arc::default(),
+            hold_first: None,
+            entered: Arc::default(),
+            poison: None,
+        };
+        let mut outcomes = Vec::new();
+        for thought in thoughts {
+            outcomes.extend(think_alone(
+                &mut fake,
+                &ByteEncoder,
+                std::slice::from_ref(thought),
+                EngineOptions::default().max_prompt_tokens,
+            )?);
+        }
+        Ok(outcomes)
+    }
 }
 
 /// What the fake saw of one pass.
@@ -73,6 +139,8 @@ struct PassLog {
     groups: usize,
     branches: usize,
     tokens: usize,
+    /// Groups that asked for next-token logits (thought steps).
+    thought_steps: usize,
 }
 
 /// The engine's model: the state is the token history.
@@ -106,6 +174,7 @@ impl PassModel for Fake {
             groups: groups.len(),
             branches: 0,
             tokens: 0,
+            thought_steps: 0,
         };
         for group in groups {
             let mut history = group.start.cloned().unwrap_or_default();
@@ -131,9 +200,11 @@ impl PassModel for Fake {
                 log.tokens += tokens.len();
                 log.branches += 1;
             }
+            log.thought_steps += usize::from(group.want_logits);
             outputs.push(GroupOutput {
                 state: group.want_state.then(|| history.clone()),
                 logits,
+                next_logits: group.want_logits.then(|| next_token_logits(&history)),
             });
         }
         self.log.lock().unwrap().push(log);
@@ -161,6 +232,20 @@ fn start(
     Arc<Mutex<Vec<PassLog>>>,
     Arc<AtomicUsize>,
 ) {
+    start_with(options, DecisionConfig::default(), hold_first, poison)
+}
+
+fn start_with(
+    options: EngineOptions,
+    config: DecisionConfig,
+    hold_first: Option<mpsc::Receiver<()>>,
+    poison: Option<&str>,
+) -> (
+    Engine,
+    prism_decision::EngineWorker,
+    Arc<Mutex<Vec<PassLog>>>,
+    Arc<AtomicUsize>,
+) {
     let log = Arc::new(Mutex::new(Vec::new()));
     let entered = Arc::new(AtomicUsize::new(0));
     let fake = Fake {
@@ -169,14 +254,8 @@ fn start(
         entered: entered.clone(),
         poison: poison.map(|p| p.bytes().map(u32::from).collect()),
     };
-    let (engine, worker) = Engine::start(
-        fake,
-        Arc::new(ByteEncoder),
-        DecisionConfig::default(),
-        options,
-        None,
-    )
-    .unwrap();
+    let (engine, worker) =
+        Engine::start(fake, Arc::new(ByteEncoder), config, options, None).unwrap();
     (engine, worker, log, entered)
 }
 
@@ -583,4 +662,161 @@ fn replica_counters_merge_into_the_engines_totals() {
     assert_eq!(a.prefix_cache_max_tokens, 200);
     // A replica without device memory (the CPU) leaves the other's.
     assert_eq!(a.device_memory.map(|m| m.used_bytes), Some(10));
+}
+
+fn autothink() -> DecisionConfig {
+    DecisionConfig {
+        family: Family::AutoThink,
+        ..DecisionConfig::default()
+    }
+}
+
+/// A request with thoughts: `extra` is added to the body's top level.
+fn thinking_request(state: &str, questions: &[(&str, &str)], extra: &str) -> DecisionRequest {
+    let mut body = format!("{{\"state\": {state:?}, {extra}, \"questions\": {{");
+    for (i, (name, q)) in questions.iter().enumerate() {
+        if i > 0 {
+            body.push_str(", ");
+        }
+        body.push_str(&format!("{name:?}: {q}"));
+    }
+    body.push_str("}}");
+    DecisionRequest::parse(body.as_bytes(), &RequestDefaults::default()).unwrap()
+}
+
+fn thought_requests() -> Vec<DecisionRequest> {
+    let extras = [
+        r#""think_mode": "always", "think_budget": 40, "return_thought": true"#,
+        r#""think_mode": "always", "think_budget": 25, "seed": 7, "return_thought": true"#,
+        r#""think_mode": "auto", "gate": 0.9, "think_budget": 30, "mix": 0.5"#,
+        r#""think_mode": "never""#,
+    ];
+    (0..16)
+        .map(|i| {
+            let state = format!("Ticket {}: the parcel arrived late and crushed.", i % 5);
+            let questions: Vec<(&str, &str)> = match i % 3 {
+                0 => vec![("late", NOUL), ("team", CHOICE), ("mood", SCORE)],
+                1 => vec![("team", CHOICE), ("one", ONE)],
+                _ => vec![("mood", SCORE)],
+            };
+            thinking_request(&state, &questions, extras[i % extras.len()])
+        })
+        .collect()
+}
+
+fn alone_with(request: &DecisionRequest, config: &DecisionConfig) -> DecisionResponse {
+    decide(request, config, &mut Reference).unwrap()
+}
+
+#[test]
+fn thoughts_decode_in_shared_passes_and_answer_as_alone() {
+    let (go, gate) = mpsc::channel();
+    let (engine, worker, log, _) =
+        start_with(EngineOptions::default(), autothink(), Some(gate), None);
+    let requests = thought_requests();
+    let receivers: Vec<_> = requests
+        .iter()
+        .map(|r| submit(&engine, r.clone()))
+        .collect();
+    go.send(()).unwrap();
+    let mut thoughts = 0;
+    for (request, rx) in requests.iter().zip(receivers) {
+        let output = rx.recv().unwrap().unwrap();
+        let want = alone_with(request, &autothink());
+        same_answer(&output.response, &want);
+        // The thoughts' tokens count as output.
+        let with_thought = want
+            .answers
+            .iter()
+            .filter(|(_, a)| match a {
+                Answer::Choice(c) => c.thought.is_some(),
+                Answer::Noul(n) => n.thought.is_some(),
+                Answer::Score(s) => s.thought.is_some(),
+            })
+            .count();
+        if request.return_thought {
+            assert!(with_thought > 0, "think_mode always gives thoughts");
+            assert!(want.usage.output_tokens > 0);
+        }
+        thoughts += with_thought;
+    }
+    assert!(thoughts >= 8, "{thoughts} thoughts");
+    let stats = engine.stats();
+    assert!(stats.thoughts_finished >= thoughts as u64);
+    assert_eq!(stats.thoughts_started, stats.thoughts_finished);
+    // Thoughts of different requests decoded in the same passes.
+    let passes = log.lock().unwrap().clone();
+    let most = passes.iter().map(|p| p.thought_steps).max().unwrap_or(0);
+    assert!(most >= 4, "at most {most} thought steps in a pass");
+    drop(engine);
+    worker.join();
+}
+
+#[test]
+fn think_seqs_bounds_the_thoughts_decoded_at_once() {
+    let options = EngineOptions {
+        think_seqs: 2,
+        ..EngineOptions::default()
+    };
+    let (go, gate) = mpsc::channel();
+    let (engine, worker, log, _) = start_with(options, autothink(), Some(gate), None);
+    let requests = thought_requests();
+    let receivers: Vec<_> = requests
+        .iter()
+        .map(|r| submit(&engine, r.clone()))
+        .collect();
+    go.send(()).unwrap();
+    for (request, rx) in requests.iter().zip(receivers) {
+        same_answer(
+            &rx.recv().unwrap().unwrap().response,
+            &alone_with(request, &autothink()),
+        );
+    }
+    let passes = log.lock().unwrap().clone();
+    let most = passes.iter().map(|p| p.thought_steps).max().unwrap_or(0);
+    assert_eq!(most, 2, "thought steps in a pass");
+    drop(engine);
+    worker.join();
+}
+
+#[test]
+fn a_thought_reports_its_stop_and_a_v1_model_refuses_always() {
+    let (engine, worker, _, _) = start_with(EngineOptions::default(), autothink(), None, None);
+    let mut reasons = std::collections::BTreeSet::new();
+    for i in 0..12 {
+        let request = thinking_request(
+            &format!("Case {i}: a refund was asked twice."),
+            &[("team", CHOICE)],
+            r#""think_mode": "always", "think_budget": 12, "return_details": true, "return_thought": true"#,
+        );
+        let response = engine.decide(request, None).unwrap().response;
+        let Some(Answer::Choice(team)) = response.answers.get("team") else {
+            panic!("no choice answer");
+        };
+        let details = team.details.as_ref().expect("details");
+        let tokens = details.thought_tokens.expect("thought tokens");
+        assert!((1..=12).contains(&tokens), "{tokens} thought tokens");
+        assert_eq!(response.usage.output_tokens, tokens);
+        assert!(details.after_thought.is_some());
+        // p = mix · p_after + (1 − mix) · p_first with the default mix 0.75.
+        for (id, p) in team.probabilities.iter() {
+            let first = details.first.get(id).unwrap();
+            let after = details.after_thought.as_ref().unwrap().get(id).unwrap();
+            assert!((p - (0.75 * after + 0.25 * first)).abs() < 1e-12);
+        }
+        reasons.insert(format!("{:?}", details.stop_reason.expect("stop reason")));
+    }
+    // The fake's `</think>` grows likelier with length: some thoughts end by themselves, others at
+    // the budget.
+    assert!(reasons.contains("EndOfThought"), "{reasons:?}");
+    assert!(reasons.contains("Budget"), "{reasons:?}");
+    drop(engine);
+    worker.join();
+
+    let (engine, worker, _, _) = start(EngineOptions::default(), None, None);
+    let request = thinking_request("x", &[("late", NOUL)], r#""think_mode": "always""#);
+    let error = engine.prepare(request).err().expect("refused");
+    assert!(error.to_string().contains("does not think"), "{error}");
+    drop(engine);
+    worker.join();
 }

@@ -12,10 +12,12 @@ use std::sync::Arc;
 use prism_gguf::{GgufError, GgufFile};
 use prism_model::{BatchItem, LoadOptions, Qwen35Model, SequenceState};
 
-use super::pass::{GroupInput, GroupOutput, PassModel, PromptEncoder};
+use super::pass::{GroupInput, GroupOutput, PassModel, PromptEncoder, ThoughtMarkers};
 use crate::chat_template::{ChatMessage, PromptFormat, PromptFormatError};
 use crate::config::{ConfigError, DecisionConfig};
-use crate::model::{LetterLogits, LetterModel, LetterPrompt, ModelError};
+use crate::model::{
+    LetterLogits, LetterModel, LetterPrompt, ModelError, ThoughtOutcome, ThoughtRequest,
+};
 
 /// Why a decision model could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -138,11 +140,16 @@ impl DecoderLetterModel {
 
     /// The prompt encoder the engine uses off its step loop (shares this model's prompt format).
     pub fn encoder(&self) -> Arc<dyn PromptEncoder> {
-        Arc::new(FormatEncoder {
+        Arc::new(self.format_encoder())
+    }
+
+    fn format_encoder(&self) -> FormatEncoder {
+        FormatEncoder {
             format: self.format.clone(),
             max_token_bytes: keeps_user_text_whole(&self.format)
                 .then(|| self.format.tokenizer().max_token_bytes()),
-        })
+            markers: thought_markers(&self.format),
+        }
     }
 
     /// The decoder.
@@ -187,10 +194,28 @@ fn keeps_user_text_whole(format: &PromptFormat) -> bool {
         .is_ok_and(|text| text.contains(&user))
 }
 
+/// The tokens around a thought in this prompt format; `None` when its chat template has no thinking
+/// mode or its tokenizer no `</think>`.
+fn thought_markers(format: &PromptFormat) -> Option<ThoughtMarkers> {
+    if !format.supports_thinking() {
+        return None;
+    }
+    let end_think = format.special_tokens().end_think?;
+    let after_end = format.encode("\n\n").ok()?;
+    let close = format.encode("\n</think>\n\n").ok()?;
+    Some(ThoughtMarkers {
+        end_think,
+        end_of_sequence: format.eos_ids().to_vec(),
+        after_end,
+        close,
+    })
+}
+
 /// [`PromptEncoder`] over a prompt format.
 struct FormatEncoder {
     format: Arc<PromptFormat>,
     max_token_bytes: Option<usize>,
+    markers: Option<ThoughtMarkers>,
 }
 
 impl PromptEncoder for FormatEncoder {
@@ -201,6 +226,32 @@ impl PromptEncoder for FormatEncoder {
 
     fn max_token_bytes(&self) -> Option<usize> {
         self.max_token_bytes
+    }
+
+    fn encode_thinking(&self, prompt: &LetterPrompt) -> Result<Vec<u32>, ModelError> {
+        if self.markers.is_none() {
+            return Err(ModelError::CannotThink);
+        }
+        let messages = [
+            ChatMessage::system(prompt.system.as_str()),
+            ChatMessage::user(prompt.user.as_str()),
+        ];
+        Ok(self
+            .format
+            .render_and_encode(&messages, true)
+            .map_err(|e| ModelError::Backend(format!("tokenizer: {e}")))?
+            .ids)
+    }
+
+    fn thought_markers(&self) -> Option<ThoughtMarkers> {
+        self.markers.clone()
+    }
+
+    fn decode(&self, tokens: &[u32]) -> String {
+        self.format.decode(tokens, true).unwrap_or_else(|e| {
+            tracing::warn!("cannot decode a thought's tokens: {e}");
+            String::new()
+        })
     }
 }
 
@@ -244,6 +295,8 @@ impl PassModel for DecoderLetterModel {
         let mut parents: Vec<Option<usize>> = Vec::new();
         let mut keep: Vec<bool> = Vec::new();
         let mut roots: Vec<Option<usize>> = Vec::with_capacity(groups.len());
+        // Items whose last position's whole-vocabulary logits are wanted (thought steps).
+        let mut next_items: Vec<usize> = Vec::new();
         let mut branch_items: Vec<(usize, usize)> = Vec::new(); // (item, letters)
         for group in groups {
             let start = || group.start.cloned().unwrap_or_else(|| fresh.clone());
@@ -255,6 +308,16 @@ impl PassModel for DecoderLetterModel {
                 states.len() - 1
             });
             roots.push(root);
+            if group.want_logits {
+                match root {
+                    Some(item) => next_items.push(item),
+                    None => {
+                        return Err(ModelError::Backend(
+                            "next-token logits need a prefix to read".into(),
+                        ))
+                    }
+                }
+            }
             for branch in &group.branches {
                 if branch.letters == 0 || branch.letters > 26 {
                     return Err(ModelError::Backend(format!(
@@ -275,6 +338,7 @@ impl PassModel for DecoderLetterModel {
             }
         }
         let mut logits_rows: Vec<Vec<f32>> = Vec::new();
+        let mut next_rows: Vec<Vec<f32>> = Vec::new();
         {
             let mut items: Vec<BatchItem<'_>> = states
                 .iter_mut()
@@ -290,6 +354,25 @@ impl PassModel for DecoderLetterModel {
                 .collect();
             if !items.is_empty() {
                 let out = self.decoder.forward(&mut items).map_err(backend)?;
+                let last_rows = |chosen: &mut dyn Iterator<Item = usize>| {
+                    let rows: Vec<u32> = chosen
+                        .map(|item| {
+                            let segment = &out.segments[item];
+                            (segment.start + segment.len - 1) as u32
+                        })
+                        .collect();
+                    let n = rows.len();
+                    let index = candle_core::Tensor::from_vec(rows, n, out.hidden.device())?;
+                    out.hidden.index_select(&index, 0)
+                };
+                if !next_items.is_empty() {
+                    let hidden = last_rows(&mut next_items.iter().copied()).map_err(backend)?;
+                    next_rows = self
+                        .decoder
+                        .logits(&hidden)
+                        .and_then(|t| Ok(t.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?))
+                        .map_err(backend)?;
+                }
                 if !branch_items.is_empty() {
                     let rows: Vec<u32> = branch_items
                         .iter()
@@ -313,6 +396,7 @@ impl PassModel for DecoderLetterModel {
         let mut rows = logits_rows
             .into_iter()
             .zip(branch_items.iter().map(|&(_, n)| n));
+        let mut next_rows = next_rows.into_iter();
         let mut outputs = Vec::with_capacity(groups.len());
         for (group, root) in groups.iter().zip(roots) {
             let state = match (group.want_state, root) {
@@ -324,7 +408,16 @@ impl PassModel for DecoderLetterModel {
                 .take(group.branches.len())
                 .map(|(row, letters)| row.into_iter().take(letters).map(f64::from).collect())
                 .collect();
-            outputs.push(GroupOutput { state, logits });
+            let next_logits = if group.want_logits {
+                next_rows.next()
+            } else {
+                None
+            };
+            outputs.push(GroupOutput {
+                state,
+                logits,
+                next_logits,
+            });
         }
         Ok(outputs)
     }
@@ -387,6 +480,13 @@ impl LetterModel for DecoderLetterModel {
             input_tokens,
             output_tokens: 0,
         })
+    }
+
+    /// Decodes the thoughts together, each from its own prompt ([`super::thinking::think_alone`]).
+    fn think(&mut self, thoughts: &[ThoughtRequest]) -> Result<Vec<ThoughtOutcome>, ModelError> {
+        let encoder = self.format_encoder();
+        let max_tokens = self.max_prompt_tokens;
+        super::thinking::think_alone(self, &encoder, thoughts, max_tokens)
     }
 }
 

@@ -22,6 +22,7 @@ pub mod decoder;
 pub mod pass;
 pub mod prefix_cache;
 pub mod step;
+pub mod thinking;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
@@ -30,7 +31,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub use decoder::{DecoderLetterModel, EngineError, LoadedDecisionModel, ModelSource};
-pub use pass::{Branch, GroupInput, GroupOutput, PassModel, PromptEncoder};
+pub use pass::{Branch, GroupInput, GroupOutput, PassModel, PromptEncoder, ThoughtMarkers};
 pub use prefix_cache::{PrefixCache, PrefixCacheLimits, PrefixCacheStats};
 
 use crate::config::DecisionConfig;
@@ -65,6 +66,9 @@ pub struct EngineOptions {
     pub max_request_tokens: usize,
     /// The prefix cache's budgets (`--prefix-cache-tokens`, `--prefix-cache-bytes`).
     pub prefix_cache: PrefixCacheLimits,
+    /// Most thoughts decoded at once (`--think-seqs`); each holds a sequence state until it is done.
+    /// Further thoughts wait for a seat.
+    pub think_seqs: usize,
 }
 
 impl Default for EngineOptions {
@@ -80,6 +84,7 @@ impl Default for EngineOptions {
                 max_tokens: 65536,
                 max_bytes: 2 << 30,
             },
+            think_seqs: 64,
         }
     }
 }
@@ -191,6 +196,8 @@ pub struct PassRecord {
     /// Prefix-cache lookups of the pass that hit / missed.
     pub cache_hits: usize,
     pub cache_misses: usize,
+    /// Thought steps (prefills, decode steps, closing read-outs) in the pass.
+    pub thought_steps: usize,
 }
 
 /// Receives every pass (for metrics); called on the engine's thread, so keep it cheap.
@@ -227,6 +234,12 @@ pub struct EngineStats {
     /// in bytes (`None` on the CPU). The driver's count for the whole device: the memory pool keeps what
     /// a pass freed, so "in use" is close to the peak of the passes so far.
     pub device_memory: Option<DeviceMemory>,
+    /// Thoughts whose prompt was read / that finished, and the tokens finished thoughts decoded.
+    pub thoughts_started: u64,
+    pub thoughts_finished: u64,
+    pub thought_tokens: u64,
+    /// Thought steps run (one per thought per pass it was in).
+    pub thought_steps: u64,
 }
 
 impl EngineStats {
@@ -255,7 +268,15 @@ impl EngineStats {
             prefix_cache_max_bytes,
             max_batch_tokens,
             device_memory,
+            thoughts_started,
+            thoughts_finished,
+            thought_tokens,
+            thought_steps,
         } = other;
+        self.thoughts_started += thoughts_started;
+        self.thoughts_finished += thoughts_finished;
+        self.thought_tokens += thought_tokens;
+        self.thought_steps += thought_steps;
         self.passes += passes;
         self.prompts += prompts;
         self.tokens_computed += tokens_computed;

@@ -29,6 +29,9 @@ pub struct GroupInput<'a, S> {
     pub branches: Vec<Branch<'a>>,
     /// Whether the state after the prefix is wanted back ([`GroupOutput::state`]).
     pub want_state: bool,
+    /// Whether the whole vocabulary's next-token logits at the prefix's last token are wanted back
+    /// ([`GroupOutput::next_logits`]; a thought's decode step). Needs a non-empty prefix.
+    pub want_logits: bool,
 }
 
 /// What a pass returns for one group.
@@ -38,6 +41,8 @@ pub struct GroupOutput<S> {
     pub state: Option<S>,
     /// Per branch, in order, the letter logits (`letters` of them).
     pub logits: Vec<Vec<f64>>,
+    /// The next-token logits over the whole vocabulary after the prefix, when they were asked for.
+    pub next_logits: Option<Vec<f32>>,
 }
 
 /// A model that runs passes for the engine.
@@ -84,4 +89,36 @@ pub trait PromptEncoder: Send + Sync {
     fn max_token_bytes(&self) -> Option<usize> {
         None
     }
+
+    /// A prompt's token ids with thinking on (the chat template's assistant turn opens `<think>\n`),
+    /// for a thought. The default: [`ModelError::CannotThink`].
+    fn encode_thinking(&self, prompt: &LetterPrompt) -> Result<Vec<u32>, ModelError> {
+        let _ = prompt;
+        Err(ModelError::CannotThink)
+    }
+
+    /// The tokens that end and close a thought; `None` (the default): this model cannot think.
+    fn thought_markers(&self) -> Option<ThoughtMarkers> {
+        None
+    }
+
+    /// Token ids back to text (a thought's), special tokens left out.
+    fn decode(&self, tokens: &[u32]) -> String {
+        let _ = tokens;
+        String::new()
+    }
+}
+
+/// The tokens around a thought.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ThoughtMarkers {
+    /// `</think>`: the model closes its thought.
+    pub end_think: u32,
+    /// Tokens that end the model's turn (a thought that reaches one is closed in its place).
+    pub end_of_sequence: Vec<u32>,
+    /// Fed after a `</think>` the model wrote: the blank line the chat template puts after a thought
+    /// (`\n\n`).
+    pub after_end: Vec<u32>,
+    /// Fed to close a thought the model did not close: `\n</think>\n\n`.
+    pub close: Vec<u32>,
 }

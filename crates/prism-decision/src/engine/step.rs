@@ -22,6 +22,7 @@ use std::time::Instant;
 
 use super::pass::{Branch, GroupInput, PassModel, PromptEncoder};
 use super::prefix_cache::PrefixCache;
+use super::thinking::{Phase, ThoughtRun};
 use super::{
     encode_all, EngineObserver, EngineOptions, Job, JobError, JobOutput, PassRecord, Shared,
 };
@@ -53,6 +54,8 @@ struct Active<S> {
     looked_up: bool,
     /// Runs alone (after a pass it was in failed).
     solo: bool,
+    /// Its questions' thoughts in progress (v1.1 AutoThink).
+    thoughts: Vec<ThoughtRun<S>>,
 }
 
 impl<S> Active<S> {
@@ -158,6 +161,7 @@ impl<M: PassModel> StepLoop<M> {
             held: None,
             looked_up: false,
             solo: false,
+            thoughts: Vec::new(),
         });
     }
 
@@ -216,26 +220,69 @@ impl<M: PassModel> StepLoop<M> {
         }
     }
 
-    /// Packs the pass: oldest first, within the token budget.
-    fn plan(&mut self) -> (Vec<Planned>, PassRecord) {
+    /// Packs the pass: thoughts' steps first (a decode step is one token, and a thought holds its
+    /// seat until it is done), then evidence and read-outs, oldest request first, within the token
+    /// budget.
+    fn plan(&mut self) -> (Vec<Planned>, Vec<(usize, usize)>, PassRecord) {
         let mut budget = self.options.max_batch_tokens;
         // States still allowed in this pass: one per prompt read out, one per evidence computed (a
-        // request's prompts go in together or not at all).
+        // request's prompts go in together or not at all), one per thought step.
         let mut prompt_room = self.options.max_prompts_per_pass;
         let mut groups: Vec<Planned> = Vec::new();
+        let mut thoughts: Vec<(usize, usize)> = Vec::new();
+        let mut seats = self
+            .active
+            .iter()
+            .flat_map(|a| &a.thoughts)
+            .filter(|t| t.holds_state())
+            .count();
+        let mut thought_tokens = 0;
+        let any_solo = self.active.first().is_some_and(|a| a.solo);
+        for i in 0..self.active.len() {
+            if any_solo && i > 0 {
+                break;
+            }
+            let a = &self.active[i];
+            let evidence = a.held.as_ref().map_or(0, |(_, n)| *n).min(a.key.len());
+            for (t, run) in a.thoughts.iter().enumerate() {
+                let from = if run.prompt().starts_with(&a.key[..evidence]) {
+                    evidence
+                } else {
+                    0
+                };
+                let tokens = run.next_tokens(from);
+                let fits = (tokens <= budget || (thoughts.is_empty() && groups.is_empty()))
+                    && prompt_room > 0;
+                let go = match run.phase {
+                    Phase::Done => false,
+                    Phase::Decode | Phase::Close => fits,
+                    Phase::Prefill => fits && seats < self.options.think_seqs,
+                };
+                if go {
+                    if run.phase == Phase::Prefill {
+                        seats += 1;
+                    }
+                    thoughts.push((i, t));
+                    budget = budget.saturating_sub(tokens);
+                    prompt_room -= 1;
+                    thought_tokens += tokens;
+                }
+            }
+        }
         let mut record = PassRecord {
             replica: self.replica,
             requests: 0,
             prompts: 0,
             groups: 0,
-            tokens: 0,
+            tokens: thought_tokens,
             cache_hits: 0,
             cache_misses: 0,
+            thought_steps: thoughts.len(),
         };
         let any_solo_first = self.active.first().is_some_and(|a| a.solo);
         let others_waiting = self.active.iter().filter(|a| !a.prompts.is_empty()).count() > 1;
         for i in 0..self.active.len() {
-            let empty = groups.is_empty();
+            let empty = groups.is_empty() && thoughts.is_empty();
             if !empty && (any_solo_first || self.active[i].solo) {
                 break;
             }
@@ -329,9 +376,15 @@ impl<M: PassModel> StepLoop<M> {
             });
             budget = budget.saturating_sub(chunk);
         }
-        let mut requests = 0;
+        let mut in_pass: Vec<usize> = groups
+            .iter()
+            .flat_map(|g| g.members.iter().map(|&(i, _)| i))
+            .chain(thoughts.iter().map(|&(i, _)| i))
+            .collect();
+        in_pass.sort_unstable();
+        in_pass.dedup();
+        let requests = in_pass.len();
         for g in &groups {
-            requests += g.members.len();
             record.tokens += g.to - g.from;
             for &(i, reads) in &g.members {
                 if reads {
@@ -342,21 +395,30 @@ impl<M: PassModel> StepLoop<M> {
         }
         record.requests = requests;
         record.groups = groups.len();
-        (groups, record)
+        (groups, thoughts, record)
     }
 
     fn step(&mut self) {
-        let (groups, record) = self.plan();
-        if groups.is_empty() {
+        let (groups, thoughts, record) = self.plan();
+        if groups.is_empty() && thoughts.is_empty() {
             return;
         }
         let started = Instant::now();
-        for g in &groups {
-            for &(i, _) in &g.members {
-                let a = &mut self.active[i];
-                a.first_pass.get_or_insert(started);
-                a.passes += 1;
-            }
+        let mut members: Vec<usize> = groups
+            .iter()
+            .flat_map(|g| g.members.iter().map(|&(i, _)| i))
+            .chain(thoughts.iter().map(|&(i, _)| i))
+            .collect();
+        members.sort_unstable();
+        members.dedup();
+        for &i in &members {
+            let a = &mut self.active[i];
+            a.first_pass.get_or_insert(started);
+            a.task.mark_first_pass(started);
+            a.passes += 1;
+        }
+        for &(i, t) in &thoughts {
+            self.active[i].thoughts[t].mark_started(started);
         }
         let result = {
             let inputs: Vec<GroupInput<'_, M::State>> = groups
@@ -386,8 +448,20 @@ impl<M: PassModel> StepLoop<M> {
                         prefix: &lead.key[g.from..g.to],
                         branches,
                         want_state: g.to > g.from,
+                        want_logits: false,
                     }
                 })
+                .chain(thoughts.iter().map(|&(i, t)| {
+                    let a = &self.active[i];
+                    let evidence = a
+                        .held
+                        .as_ref()
+                        .filter(|(_, n)| {
+                            *n <= a.key.len() && a.thoughts[t].prompt().starts_with(&a.key[..*n])
+                        })
+                        .map(|(s, n)| (s, *n));
+                    a.thoughts[t].input(evidence)
+                }))
                 .collect();
             let model = &mut self.model;
             catch_unwind(AssertUnwindSafe(|| model.run_pass(&inputs))).unwrap_or_else(|panic| {
@@ -403,22 +477,23 @@ impl<M: PassModel> StepLoop<M> {
             })
         };
         let seconds = started.elapsed().as_secs_f64();
-        let outputs = match result {
-            Ok(outputs) if outputs.len() == groups.len() => outputs,
+        let mut outputs = match result {
+            Ok(outputs) if outputs.len() == groups.len() + thoughts.len() => outputs,
             Ok(outputs) => {
                 let error = ModelError::Backend(format!(
                     "the model returned {} groups for a pass of {}",
                     outputs.len(),
-                    groups.len()
+                    groups.len() + thoughts.len()
                 ));
-                self.fail_pass(&groups, record.requests, error);
+                self.fail_pass(&members, record.requests, error);
                 return;
             }
             Err(error) => {
-                self.fail_pass(&groups, record.requests, error);
+                self.fail_pass(&members, record.requests, error);
                 return;
             }
         };
+        let thought_outputs = outputs.split_off(groups.len());
         let memory = self.model.device_memory();
         self.shared.stats(|s| {
             if let Some((used, total)) = memory {
@@ -441,6 +516,7 @@ impl<M: PassModel> StepLoop<M> {
                 .iter()
                 .filter(|g| g.members.iter().all(|&(_, reads)| !reads))
                 .count() as u64;
+            s.thought_steps += record.thought_steps as u64;
         });
         if let Some(observer) = &self.observer {
             observer.pass(&record, seconds);
@@ -482,7 +558,22 @@ impl<M: PassModel> StepLoop<M> {
                 }
             }
         }
+        // Thought steps: sample, stop, and hand finished thoughts to their tasks.
+        for (&(i, t), output) in thoughts.iter().zip(thought_outputs) {
+            if finished.iter().any(|f| f.0 == i) {
+                continue;
+            }
+            let result = self.advance_thought(i, t, output);
+            if result.is_err() || self.active[i].task.is_done() {
+                finished.push((i, result));
+            }
+        }
+        for a in &mut self.active {
+            a.thoughts.retain(|run| run.phase != Phase::Done);
+        }
         self.shared.stats(|s| s.prefix_cache = self.cache.stats());
+        finished.sort_by_key(|f| f.0);
+        finished.dedup_by_key(|f| f.0);
         // Answer, highest index first so the others keep theirs.
         finished.sort_by_key(|f| std::cmp::Reverse(f.0));
         for (i, result) in finished {
@@ -493,7 +584,33 @@ impl<M: PassModel> StepLoop<M> {
         }
     }
 
-    /// Feeds request `i` its read-outs and prepares its next round's prompts.
+    /// Applies a thought step's output to thought `t` of request `i`; a finished thought goes to the
+    /// task, and a thought that just started counts.
+    fn advance_thought(
+        &mut self,
+        i: usize,
+        t: usize,
+        output: super::pass::GroupOutput<M::State>,
+    ) -> Result<(), DecisionError> {
+        let a = &mut self.active[i];
+        let run = &mut a.thoughts[t];
+        let phase = run.phase;
+        run.apply(output).map_err(|e| a.task.model_error(e))?;
+        if let Some(outcome) = run.take_outcome(&*self.encoder) {
+            let id = run.id;
+            let tokens = outcome.tokens.len() as u64;
+            a.task.feed_thought(id, outcome)?;
+            self.shared.stats(|s| {
+                s.thoughts_finished += 1;
+                s.thought_tokens += tokens;
+            });
+        } else if phase == Phase::Prefill {
+            self.shared.stats(|s| s.thoughts_started += 1);
+        }
+        Ok(())
+    }
+
+    /// Feeds request `i` its read-outs and prepares its next round's prompts or its thoughts.
     fn feed(&mut self, i: usize, logits: Vec<Vec<f64>>) -> Result<(), DecisionError> {
         let a = &mut self.active[i];
         let input_tokens = a.tokens.iter().map(|t| t.len() as u64).sum();
@@ -506,6 +623,12 @@ impl<M: PassModel> StepLoop<M> {
         })?;
         if a.task.is_done() {
             return Ok(());
+        }
+        // Questions that think now.
+        for (id, request) in a.task.next_thoughts() {
+            let run = ThoughtRun::new(id, &request, &*self.encoder, self.options.max_prompt_tokens)
+                .map_err(|e| a.task.model_error(e))?;
+            a.thoughts.push(run);
         }
         // A further wide-choice round: same evidence, other options.
         let prompts = a.task.next_prompts();
@@ -528,11 +651,8 @@ impl<M: PassModel> StepLoop<M> {
         Ok(())
     }
 
-    fn fail_pass(&mut self, groups: &[Planned], requests: usize, error: ModelError) {
-        let mut members: Vec<usize> = groups
-            .iter()
-            .flat_map(|g| g.members.iter().map(|&(i, _)| i))
-            .collect();
+    fn fail_pass(&mut self, members: &[usize], requests: usize, error: ModelError) {
+        let mut members = members.to_vec();
         if requests > 1 {
             tracing::warn!(
                 "a pass of {requests} requests failed ({error}); retrying them one at a time"
