@@ -16,7 +16,7 @@ use candle_core::Device;
 use clap::{ArgAction, Args};
 use prism_decision::engine::{Engine, EngineObserver, EngineOptions, PrefixCacheLimits};
 use prism_decision::{
-    DecisionRequest, DecoderLetterModel, LetterModel, ModelSource, RequestDefaults,
+    DecisionRequest, DecoderLetterModel, Family, LetterModel, ModelSource, RequestDefaults,
 };
 use prism_model::{LoadOptions, LoadProgress, Precision};
 use prism_server::{
@@ -123,9 +123,23 @@ pub struct ServeArgs {
     /// Default `none_check` of requests that give none.
     #[arg(long, default_value_t = true, action = ArgAction::Set)]
     pub none_check: bool,
-    /// Default `allow_none` of requests that give none.
+    /// Default `allow_none` of requests that give none (v1.1). Note: typesafe-sdk 0.7.5 cannot read
+    /// a `null` choice; `--allow-none false` serves its users a listed option instead (see the README).
     #[arg(long, default_value_t = true, action = ArgAction::Set)]
     pub allow_none: bool,
+    /// Default `think_budget` of requests that give none, in tokens. Default: 4096; 64 for the demo
+    /// model (its thoughts are random tokens that rarely end by themselves).
+    #[arg(long)]
+    pub think_budget: Option<u32>,
+    /// Most thoughts decoded at once (v1.1 AutoThink); further ones wait for a seat. Default: 64 on the
+    /// CPU; on a GPU as many as an eighth of the memory the prefix cache leaves holds (8 to 512).
+    #[arg(long)]
+    pub think_seqs: Option<usize>,
+    /// The family the bundled demo model is served as: `v1` (one read-out), `v1.1` (AutoThink: thoughts
+    /// and the none option) or `instant` (v1.1 Instant: both option orders, the none option). Only
+    /// without --gguf: a release's own decision_config.json says its family.
+    #[arg(long, value_parser = ["v1", "v1.1", "instant"])]
+    pub demo: Option<String>,
 }
 
 /// The bundled demo model's directory: next to the binary's checkout (target/*/prism), else the source
@@ -324,7 +338,26 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             config = Some(loaded.config);
         }
     }
-    let config = config.context("no replica was loaded")?;
+    let mut config = config.context("no replica was loaded")?;
+    match (&args.demo, demo) {
+        (Some(_), false) => bail!(
+            "--demo chooses the family of the bundled demo model; with --gguf the release's \
+             decision_config.json says its family"
+        ),
+        (family, true) => {
+            config.family = match family.as_deref().unwrap_or("v1.1") {
+                "v1" => Family::V1,
+                "instant" => Family::Instant,
+                _ => Family::AutoThink,
+            };
+            say!(
+                "      the demo model is served as a {} model (--demo)",
+                config.family
+            );
+        }
+        (None, false) => {}
+    }
+    let family = config.family;
     let model = &models[0];
     let name = model.model_name().to_string();
     let layers = model.decoder().config().n_layers;
@@ -373,7 +406,17 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         }
         (None, None) => 1024,
     };
+    let think_seqs = match (args.think_seqs, free_memory) {
+        (Some(0), _) => bail!("--think-seqs must be at least 1"),
+        (Some(n), _) => n,
+        (None, Some((free, _))) => {
+            (free.saturating_sub(cache_bytes * per_device) / 8 / per_device / state_bytes)
+                .clamp(8, 512) as usize
+        }
+        (None, None) => 64,
+    };
     let engine_options = EngineOptions {
+        think_seqs,
         max_batch_tokens: args.max_batch_tokens.unwrap_or(8192),
         max_prompts_per_pass,
         queue_size: args.queue_size,
@@ -417,6 +460,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             gate: args.gate,
             none_check: args.none_check,
             allow_none: args.allow_none,
+            think_budget: args.think_budget.unwrap_or(if demo { 64 } else { 4096 }),
             ..RequestDefaults::default()
         },
         model: ModelInfo {
@@ -430,6 +474,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             precision: precision_name.clone(),
             max_prompt_tokens: args.max_tokens,
             demo,
+            family,
         },
     };
     let counters = Counters {

@@ -305,3 +305,57 @@ fn autothink_thinks_below_the_gate_and_mixes_the_read_outs() {
     noul_with(r#""think_mode": "always", "think_budget": 0"#, &mut model);
     assert!(model.thoughts.is_empty());
 }
+
+/// The loop detector on real text, tokenized by the fixture's Qwen3.5 tokenizer: a thought that falls
+/// into repeating one sentence is caught once the sentence has come round four times (and 64 tokens);
+/// varied prose, and a list with a repeated shape but changing words, are not.
+#[test]
+fn the_loop_detector_catches_runaway_repetition_in_real_text() {
+    use prism_decision::config::LoopDetectorConfig;
+    use prism_decision::thought::LoopDetector;
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny");
+    let tokenizer =
+        prism_decision::tokenizer::PromptTokenizer::from_model_dir(&dir).expect("tokenizer");
+    let detect = |text: &str| -> Option<(usize, prism_decision::thought::Repetition)> {
+        let mut detector = LoopDetector::new(LoopDetectorConfig::default());
+        let tokens = tokenizer.encode(text).expect("encode");
+        tokens
+            .iter()
+            .enumerate()
+            .find_map(|(i, &t)| detector.push(t).map(|r| (i + 1, r)))
+    };
+    let opening = "The customer was charged twice, so billing should look at it first. ";
+    let sentence = "Wait, let me check the invoice again to be sure. ";
+    // The sentence's tokens once it repeats (its trailing space joins the next word).
+    let repeated = |n: usize| tokenizer.encode(&sentence.repeat(n)).expect("encode").len();
+    let unit = (repeated(12) - repeated(2)) / 10;
+    let looping = format!("{opening}{}", sentence.repeat(12));
+    let (at, repetition) = detect(&looping).expect("a loop");
+    assert_eq!(repetition.period, unit, "{repetition:?}");
+    assert!(
+        repetition.span >= 64 && repetition.span >= 4 * unit,
+        "{repetition:?}"
+    );
+    // Caught as soon as both bounds hold (within a unit of the 64 tokens after the opening), long
+    // before the text ends.
+    let opening_tokens = tokenizer.encode(opening).expect("encode").len();
+    assert!(at <= opening_tokens + 64 + unit, "{at} {repetition:?}");
+    assert!(at < tokenizer.encode(&looping).unwrap().len() - 4 * unit);
+
+    let prose = "Evidence first: the invoice from March lists two identical charges of 12.50, \
+        one on the 3rd and one on the 4th. The customer's card was later declined, which fits a \
+        hold placed by the bank after the double charge. Billing owns refunds; technical support \
+        owns the app's payment screen, which only reported the decline. So the first step is a \
+        refund of the duplicate, and then a note to the customer explaining the hold. ";
+    assert_eq!(detect(prose), None);
+    let list: String = (1..=30)
+        .map(|i| {
+            format!(
+                "Step {i}: check the charge of day {} against the ledger.\n",
+                i * 7 % 31
+            )
+        })
+        .collect();
+    assert_eq!(detect(&list), None);
+}

@@ -470,9 +470,62 @@ fn part_headers<'a>(block: &[u8], data: &'a [u8], index: usize) -> Result<Part<'
 #[derive(Debug, Clone)]
 pub struct ParsedRequest {
     pub request: DecisionRequest,
-    /// Settings the client sent that this engine accepts but cannot honour yet (reported in `x_notes`).
+    /// Notes for the response's `x_notes` (the server adds [`Self::family_notes`] and the unknown
+    /// fields).
     pub notes: Vec<String>,
+    /// The thinking and none-option settings the client sent (`think_mode` only when `auto`).
+    pub sent: Vec<&'static str>,
 }
+
+impl ParsedRequest {
+    /// Notes for the settings the client sent that a model of `family` accepts but does not honour.
+    pub fn family_notes(&self, family: prism_decision::Family) -> Vec<String> {
+        let listed = |keys: &[&str]| {
+            keys.iter()
+                .map(|k| format!("`{k}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let mut notes = Vec::new();
+        if !family.thinks() {
+            let thinking: Vec<&str> = self
+                .sent
+                .iter()
+                .copied()
+                .filter(|k| THINKING_FIELDS.contains(k))
+                .collect();
+            if !thinking.is_empty() {
+                notes.push(format!(
+                    "{} accepted but without effect: a {family} model does not think (one read-out per question)",
+                    listed(&thinking)
+                ));
+            }
+            if self.sent.contains(&"think_mode") {
+                notes.push(format!(
+                    "think_mode \"auto\" reads each question once: a {family} model does not think"
+                ));
+            }
+        }
+        if !family.has_none_option() {
+            let none: Vec<&str> = self
+                .sent
+                .iter()
+                .copied()
+                .filter(|k| NONE_FIELDS.contains(k))
+                .collect();
+            if !none.is_empty() {
+                notes.push(format!(
+                    "{} accepted but without effect: a {family} model has no none option; answers carry no none_probability",
+                    listed(&none)
+                ));
+            }
+        }
+        notes
+    }
+}
+
+const THINKING_FIELDS: &[&str] = &["gate", "mix", "think_budget", "return_thought", "seed"];
+const NONE_FIELDS: &[&str] = &["none_check", "allow_none"];
 
 /// Reads and validates a (decoded) request body.
 pub fn parse_request(
@@ -528,6 +581,7 @@ fn validate(
             Ok(request) => Ok(ParsedRequest {
                 request,
                 notes: Vec::new(),
+                sent: Vec::new(),
             }),
             Err(error) => Err(ApiError::from_decision(&error)),
         };
@@ -542,7 +596,8 @@ fn validate(
     match DecisionRequest::from_json(&PyValue::Object(without_assets), defaults) {
         Ok(request) if errors.is_empty() => Ok(ParsedRequest {
             request,
-            notes: notes(object),
+            notes: Vec::new(),
+            sent: sent(object),
         }),
         Ok(_) => Err(ApiError::from_decision(&DecisionError::Request(
             FieldErrors(errors),
@@ -712,36 +767,19 @@ fn check_assets(assets: Option<&PyValue>, parts: Option<&[Part]>, errors: &mut V
     }
 }
 
-/// Fields the client set that are accepted and validated but have no effect on this engine yet.
-fn notes(object: &PyObject) -> Vec<String> {
+/// The thinking and none-option fields the client set (`think_mode` only when it is `auto`).
+fn sent(object: &PyObject) -> Vec<&'static str> {
     let set = |key: &str| object.get(key).is_some_and(|v| *v != PyValue::Null);
-    let mut notes = Vec::new();
-    let thinking: Vec<&str> = ["gate", "mix", "think_budget", "return_thought"]
-        .into_iter()
+    let mut sent: Vec<&'static str> = THINKING_FIELDS
+        .iter()
+        .chain(NONE_FIELDS)
+        .copied()
         .filter(|key| set(key))
         .collect();
-    if !thinking.is_empty() {
-        notes.push(format!(
-            "{} accepted but without effect: this engine has no AutoThink yet (one read-out per question)",
-            thinking.iter().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ")
-        ));
-    }
     if matches!(object.get("think_mode"), Some(PyValue::Str(mode)) if mode == "auto") {
-        notes.push(
-            "think_mode \"auto\" reads each question once: AutoThink is not implemented yet".into(),
-        );
+        sent.push("think_mode");
     }
-    let none: Vec<&str> = ["none_check", "allow_none"]
-        .into_iter()
-        .filter(|key| set(key))
-        .collect();
-    if !none.is_empty() {
-        notes.push(format!(
-            "{} accepted but without effect: the none option (v1.1) is not implemented; answers carry no none_probability",
-            none.iter().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ")
-        ));
-    }
-    notes
+    sent
 }
 
 /// The `loc` of a field error, for tests and logs.
@@ -1036,8 +1074,15 @@ mod tests {
             &RequestDefaults::default(),
         )
         .unwrap();
-        assert_eq!(parsed.notes.len(), 3, "{:?}", parsed.notes);
-        assert!(parsed.notes[0].contains("`gate`"));
+        let v1 = parsed.family_notes(prism_decision::Family::V1);
+        assert_eq!(v1.len(), 3, "{v1:?}");
+        assert!(v1[0].contains("`gate`"));
+        // An Instant model has the none option but does not think; AutoThink honours all of them.
+        let instant = parsed.family_notes(prism_decision::Family::Instant);
+        assert_eq!(instant.len(), 2, "{instant:?}");
+        assert!(parsed
+            .family_notes(prism_decision::Family::AutoThink)
+            .is_empty());
         let body = format!(r#"{{"state": "s", {QUESTIONS}}}"#);
         assert!(parse_request(
             &BodyKind::Json,
@@ -1045,7 +1090,7 @@ mod tests {
             &RequestDefaults::default()
         )
         .unwrap()
-        .notes
+        .family_notes(prism_decision::Family::V1)
         .is_empty());
     }
 }

@@ -46,6 +46,8 @@ pub struct ModelInfo {
     pub max_prompt_tokens: usize,
     /// True for the bundled random-weight demo model.
     pub demo: bool,
+    /// The release family (`decision_config.json`'s `family`, or `--demo`'s).
+    pub family: prism_decision::Family,
 }
 
 /// Settings of the HTTP layer.
@@ -538,6 +540,7 @@ async fn decide(
     // Decompression, multipart, JSON parsing, rendering and tokenization are CPU work on untrusted
     // input: off the async threads, and off the engine's.
     let defaults = config.defaults.clone();
+    let family = config.model.family;
     let engine = state.engine.clone();
     let (prepared, notes, questions): (Prepared, Vec<String>, usize) =
         tokio::task::spawn_blocking(move || -> Result<_, ApiError> {
@@ -547,6 +550,8 @@ async fn decide(
                 bytes
             };
             let mut parsed: ParsedRequest = parse_request(&kind, &decoded, &defaults)?;
+            let family_notes = parsed.family_notes(family);
+            parsed.notes.extend(family_notes);
             for field in &parsed.request.ignored_fields {
                 parsed
                     .notes
@@ -710,18 +715,28 @@ async fn models(State(state): State<AppState>) -> Response {
             "precision": m.precision,
             "max_prompt_tokens": m.max_prompt_tokens,
             "demo": m.demo,
+            "family": m.family.as_str(),
             "supports": {
                 "question_types": ["choice", "noul", "score"],
                 "wide_choice": true,
                 "single_option_choice": true,
                 "return_details": true,
-                "think_mode": {
-                    "auto": "accepted: one read-out per question (AutoThink is not implemented yet)",
-                    "never": "yes",
-                    "always": "no: refused with 422 (AutoThink is not implemented yet)",
+                "think_mode": match m.family {
+                    prism_decision::Family::AutoThink => json!({
+                        "auto": "yes: a thought when the first read-out's top probability is below gate",
+                        "never": "yes",
+                        "always": "yes",
+                    }),
+                    _ => json!({
+                        "auto": format!("accepted: one read-out per question (a {} model does not think)", m.family),
+                        "never": "yes",
+                        "always": format!("no: refused with 422 (a {} model does not think)", m.family),
+                    }),
                 },
-                "gate_mix_think_budget_return_thought": "accepted and validated, without effect (no AutoThink yet)",
-                "none_option": "no: none_check and allow_none are accepted and validated, without effect (v1.1)",
+                "thoughts": m.family.thinks(),
+                "none_option": m.family.has_none_option(),
+                "both_orders": m.family == prism_decision::Family::Instant,
+                "seed": "yes: the seed of the request's thoughts",
                 "images": "no: parsed (JSON `images`, `assets`, multipart parts) and refused with 422 (no vision tower yet)",
                 "content_encoding": ["identity", "zstd"],
                 "content_type": ["application/json", "multipart/form-data"],

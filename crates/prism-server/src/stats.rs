@@ -213,7 +213,13 @@ impl Stats {
                 },
                 "queue": {"depth": queue.depth, "capacity": queue.capacity, "running": queue.running},
                 "cache_hit_rate": if lookups == 0 { Value::Null } else { json!(cache.hits as f64 / lookups as f64) },
-                "thoughts": null,
+                "thoughts": {
+                    "started": engine.thoughts_started,
+                    "finished": engine.thoughts_finished,
+                    "tokens": engine.thought_tokens,
+                    "steps": engine.thought_steps,
+                    "think_seqs": engine.think_seqs,
+                },
                 "gpu_memory_bytes": engine.device_memory.map(|m| json!({
                     "used": m.used_bytes,
                     "total": m.total_bytes,
@@ -222,7 +228,7 @@ impl Stats {
                 "notes": [
                     format!("latency percentiles are over the last {LATENCY_WINDOW} answered requests"),
                     "engine.requests_per_pass / prompts_per_pass: forward passes by how many requests / prompts they held",
-                    "thoughts is null: AutoThink is not implemented yet",
+                    "thoughts: v1.1 AutoThink thoughts whose prompt was read / that finished, the tokens the finished ones decoded, the thought steps run (one per thought per pass), and --think-seqs",
                     "gpu_memory_bytes: the device's memory in use and in all after the last pass, and the most in use after any pass (the driver's count; null on the CPU or before the first pass)",
                 ],
             })

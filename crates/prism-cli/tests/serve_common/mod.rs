@@ -73,11 +73,15 @@ impl Server {
         Server::start_with_env(args, &[])
     }
 
+    /// Without `--gguf` or `--demo` in `args`, the demo model is served as a v1 model (`--demo v1`:
+    /// these tests check v1's answers; the v1.1 families have their own tests).
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Server {
         let mut command = Command::new(env!("CARGO_BIN_EXE_prism"));
+        command.arg("serve").args(["--port", "0"]);
+        if !args.iter().any(|a| *a == "--gguf" || *a == "--demo") {
+            command.args(["--demo", "v1"]);
+        }
         command
-            .arg("serve")
-            .args(["--port", "0"])
             .args(args)
             .env("RUST_BACKTRACE", "0")
             .env_remove("PRISM_API_KEY")

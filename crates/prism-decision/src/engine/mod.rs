@@ -240,6 +240,8 @@ pub struct EngineStats {
     pub thought_tokens: u64,
     /// Thought steps run (one per thought per pass it was in).
     pub thought_steps: u64,
+    /// Most thoughts decoded at once (`--think-seqs`).
+    pub think_seqs: usize,
 }
 
 impl EngineStats {
@@ -272,7 +274,9 @@ impl EngineStats {
             thoughts_finished,
             thought_tokens,
             thought_steps,
+            think_seqs,
         } = other;
+        self.think_seqs += think_seqs;
         self.thoughts_started += thoughts_started;
         self.thoughts_finished += thoughts_finished;
         self.thought_tokens += thought_tokens;
@@ -439,6 +443,7 @@ impl Engine {
             max_batch_tokens: options.max_batch_tokens.max(1),
             max_prompts_per_pass: options.max_prompts_per_pass.max(1),
             queue_size: options.queue_size.max(1),
+            think_seqs: options.think_seqs.max(1),
             ..options
         };
         let mut replicas = Vec::with_capacity(models.len());
@@ -453,6 +458,7 @@ impl Engine {
                     prefix_cache_max_tokens: options.prefix_cache.max_tokens,
                     prefix_cache_max_bytes: options.prefix_cache.max_bytes,
                     max_batch_tokens: options.max_batch_tokens,
+                    think_seqs: options.think_seqs,
                     ..EngineStats::default()
                 }),
             });
