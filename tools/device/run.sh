@@ -26,6 +26,13 @@
 #               $LOAD_S seconds (default 60); after each, answers re-sent alone and compared (int8 with
 #               --expect-identical); /stats and /metrics at the end; outputs serve-*.log, loadgen-*.json,
 #               stats-*.json
+#   think27     thought decoding of /tmp/s27 at int8 through the engine (prism bench --think): one thought
+#               of $THINK tokens (default 128) alone, then 64 at once (think-27b-int8.json)
+#   serve27-think  prism serve on /tmp/s27 at int8 as a v1.1 AutoThink model (the synthetic directory's
+#               decision_config.json gets "family": "v1.1") and loadgen from 64 clients for $LOAD_S seconds:
+#               the three-question requests of shared.jsonl made 512 distinct, with think_mode auto, gate 0.9,
+#               think_budget $THINK_LOAD (default 256) and return_thought; answers (thoughts included)
+#               re-sent alone and compared (--expect-identical); outputs loadgen-think-64.*, stats-think.json
 # Any step: PRISM_STACKS_ON_SIGQUIT=1 in the environment and `kill -QUIT PID` on a hung prism write
 # every thread's stack to its stderr (crates/prism-cli/src/stack_dump.rs; carry an unstripped build).
 # The binary is taken from .device-carry/prism.xz (xz of a stripped `--features cuda` build; unpacked
@@ -48,6 +55,44 @@ fi
 F=tests/fixtures
 R="--ranks $F/qwen35-vocab/qwen3_6.tiktoken --chat-template $F/qwen35-tiny/chat_template.jinja"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+# prism serve on /tmp/s27 as a v1.1 AutoThink model at int8, 64 clients with thoughts.
+serve27_think() {
+    local port=18701 url=http://127.0.0.1:18701
+    python3 - /tmp/s27/decision_config.json <<'PY'
+import json, sys
+path = sys.argv[1]
+config = json.load(open(path))
+config["family"] = "v1.1"
+json.dump(config, open(path, "w"))
+PY
+    python3 - tools/device/shared.jsonl /tmp/thoughts.jsonl "${THINK_LOAD:-256}" <<'PY'
+import json, sys
+base = [json.loads(line) for line in open(sys.argv[1])]
+with open(sys.argv[2], "w") as out:
+    for i in range(512):
+        request = json.loads(json.dumps(base[i % len(base)]))
+        request["state"]["ticket"] = f"Ticket {5000 + i}: " + request["state"]["ticket"].split(": ", 1)[-1]
+        request.update({"think_mode": "auto", "gate": 0.9, "think_budget": int(sys.argv[3]), "return_thought": True})
+        out.write(json.dumps(request) + "\n")
+PY
+    /tmp/prism serve --gguf /tmp/s27/model.gguf --model-dir /tmp/s27 --device cuda --precision int8 \
+        --port $port > "$OUT/serve-think.log" 2>&1 &
+    local pid=$! waited=0
+    until grep -q "Ready on" "$OUT/serve-think.log" 2> /dev/null; do
+        sleep 1; waited=$((waited + 1))
+        if [ $waited -gt 400 ] || ! kill -0 $pid 2> /dev/null; then
+            echo "serve think not ready after ${waited}s"; kill $pid 2> /dev/null; return 1
+        fi
+    done
+    echo "serve think ready after ${waited}s"
+    /tmp/prism loadgen --url $url --requests /tmp/thoughts.jsonl --clients 64 --duration "${LOAD_S:-60}" \
+        --check 32 --expect-identical --json-out "$OUT/loadgen-think-64.json" > "$OUT/loadgen-think-64.txt" 2>&1
+    echo "loadgen think 64 clients rc=$?"
+    python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' \
+        $url/stats > "$OUT/stats-think.json"
+    kill -TERM $pid; wait $pid
+    echo "serve think exit rc=$?"
+}
 # prism serve on /tmp/s27 at precision $1, loadgen runs against it (outputs tagged $2).
 serve27() {
     local precision=$1 tag=$2 port=18700 url=http://127.0.0.1:18700 check=""
@@ -91,6 +136,11 @@ for step in "$@"; do
             echo "cuda-check rc=$?" | tee -a "$OUT/cuda-check.log" ;;
         serve27-int8) serve27 int8 int8 ;;
         serve27-bf16) serve27 bf16 bf16 ;;
+        serve27-think) serve27_think ;;
+        think27)
+            /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --think "${THINK:-128}" \
+                --think-batch 1,64 --runs 1 > "$OUT/think-27b-int8.json" 2> "$OUT/think-27b-int8.log"
+            echo "think27 rc=$?" ;;
         synth27) /tmp/prism synth --shape 27b --type q8_0 --out /tmp/s27 $R > "$OUT/synth27.log" 2>&1 ;;
         synth27q4) /tmp/prism synth --shape 27b --type q4_k_m --out /tmp/s27q4 $R > "$OUT/synth27q4.log" 2>&1 ;;
         synth9) /tmp/prism synth --shape 9b --type bf16 --out /tmp/s9 $R > "$OUT/synth9.log" 2>&1 ;;

@@ -583,6 +583,25 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let mut model = loaded.model;
     let cost = ModelCost::new(&gguf, precision)?;
 
+    if let Some(budget) = args.think {
+        let rows = crate::cmd_bench_think::thought_rows(
+            model,
+            &loaded.config,
+            budget,
+            &args.think_batch,
+            args.runs,
+        )?;
+        let report = json!({
+            "model": gguf_path.display().to_string(),
+            "device": args.device,
+            "precision": precision.as_str(),
+            "load_s": load_secs,
+            "device_memory_bytes": device_memory(&device).map(|m| json!({"used": m.0, "total": m.1})),
+            "thoughts": rows,
+        });
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
     let scenarios = scenarios(&model, args.long_tokens)?;
     let mut timed = Vec::new();
     for scenario in &scenarios {

@@ -8,6 +8,7 @@ use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 
 mod cmd_bench;
+mod cmd_bench_think;
 #[cfg(feature = "cuda")]
 mod cmd_cuda_check;
 mod cmd_decide;
@@ -231,6 +232,13 @@ pub struct BenchArgs {
     /// of each scenario and nothing of the load or the floor measurements.
     #[arg(long)]
     pub profiler_range: bool,
+    /// Instead of the read-out scenarios, measure thought decoding (v1.1 AutoThink) through the engine:
+    /// requests thinking up to this many tokens each, `--think-batch` of them at once.
+    #[arg(long)]
+    pub think: Option<usize>,
+    /// With --think: how many thinking requests run at once, one measurement each.
+    #[arg(long, value_delimiter = ',', default_value = "1,64")]
+    pub think_batch: Vec<usize>,
 }
 
 fn main() -> Result<()> {

@@ -113,34 +113,18 @@ impl Sampler {
         if logits.is_empty() {
             return Err(SampleError::Empty);
         }
-        // Candidates: (logit, id), best first, ties by id.
-        let better = |a: &(f32, u32), b: &(f32, u32)| {
-            b.0.partial_cmp(&a.0)
-                .unwrap_or(std::cmp::Ordering::Equal)
-                .then(a.1.cmp(&b.1))
-        };
-        let mut candidates: Vec<(f32, u32)> = logits
-            .iter()
-            .enumerate()
-            .filter(|(_, l)| l.is_finite())
-            .map(|(i, &l)| (l, i as u32))
-            .collect();
-        if candidates.is_empty() {
-            return Err(SampleError::NotFinite);
-        }
         let greedy = self.config.temperature == 0.0;
         let k = if greedy {
             1
         } else if self.config.top_k == 0 {
-            candidates.len()
+            logits.len()
         } else {
-            self.config.top_k.min(candidates.len())
+            self.config.top_k
         };
-        if k < candidates.len() {
-            candidates.select_nth_unstable_by(k - 1, better);
-            candidates.truncate(k);
+        let candidates = best_tokens(logits, k);
+        if candidates.is_empty() {
+            return Err(SampleError::NotFinite);
         }
-        candidates.sort_unstable_by(better);
         if greedy || candidates.len() == 1 {
             return Ok(candidates[0].1);
         }
@@ -182,6 +166,38 @@ impl Sampler {
         }
         Ok(candidates[weights.len() - 1].1)
     }
+}
+
+/// The `k` best finite logits as (logit, token id), best first, ties by the smaller id: one pass over the
+/// row keeping a sorted buffer of `k` (a whole sort only when `k` is the whole row).
+fn best_tokens(logits: &[f32], k: usize) -> Vec<(f32, u32)> {
+    // `a` ranks before `b`.
+    let before = |a: &(f32, u32), b: &(f32, u32)| a.0 > b.0 || (a.0 == b.0 && a.1 < b.1);
+    let finite = logits
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.is_finite())
+        .map(|(i, &l)| (l, i as u32));
+    if k >= logits.len() / 8 {
+        let mut all: Vec<(f32, u32)> = finite.collect();
+        all.sort_unstable_by(|a, b| {
+            b.0.partial_cmp(&a.0)
+                .unwrap_or(std::cmp::Ordering::Equal)
+                .then(a.1.cmp(&b.1))
+        });
+        all.truncate(k);
+        return all;
+    }
+    let mut best: Vec<(f32, u32)> = Vec::with_capacity(k + 1);
+    for candidate in finite {
+        if best.len() == k && !before(&candidate, &best[k - 1]) {
+            continue;
+        }
+        let at = best.partition_point(|b| before(b, &candidate));
+        best.insert(at, candidate);
+        best.truncate(k);
+    }
+    best
 }
 
 /// A runaway repetition the detector saw: the last `span` tokens repeat a unit of `period` tokens.
@@ -303,6 +319,26 @@ mod tests {
         });
         let best: Vec<u32> = order[..20].to_vec();
         assert!(draw(9).iter().all(|t| best.contains(t)));
+    }
+
+    #[test]
+    fn the_streaming_top_k_is_the_sorted_prefix() {
+        let logits: Vec<f32> = (0..5000u32)
+            .map(|i| ((i.wrapping_mul(2_654_435_761) >> 7) % 1000) as f32 * 0.01)
+            .collect();
+        let mut sorted: Vec<(f32, u32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (l, i as u32))
+            .collect();
+        sorted.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap().then(a.1.cmp(&b.1)));
+        for k in [1, 2, 20, 100, 5000] {
+            assert_eq!(best_tokens(&logits, k), sorted[..k], "k = {k}");
+        }
+        assert_eq!(
+            best_tokens(&[f32::NAN, 1.0, f32::INFINITY, 1.0], 3),
+            [(1.0, 1), (1.0, 3)]
+        );
     }
 
     #[test]

@@ -1,0 +1,154 @@
+//! `prism bench --think BUDGET`: thought decoding through the engine the server runs (v1.1 AutoThink),
+//! for each batch size of `--think-batch`: that many requests submitted at once, each one noul question
+//! about its own evidence with `think_mode: "always"` and `think_budget: BUDGET`, so every request decodes
+//! one thought of up to BUDGET tokens. The loop detector is off (a random-weight model's thoughts are
+//! noise), so thoughts end at the budget unless the model writes `</think>` or an end of sequence.
+//!
+//! Reported per batch size: the thoughts' tokens and stop reasons, the wall time from submission to the
+//! last answer, and two rates — `decode_tokens_per_s` (all thought tokens over the longest thought's
+//! decode time, `timings.thought_ms`: the decode phase itself) and `wall_tokens_per_s` (over the whole
+//! wall time, prefills included) — plus each request's own rate (tokens / its thought time).
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use prism_decision::config::LoopDetectorConfig;
+use prism_decision::engine::{CancelToken, Engine, EngineOptions, PrefixCacheLimits};
+use prism_decision::{Answer, DecisionConfig, DecisionRequest, DecoderLetterModel, Family};
+use serde_json::{json, Value};
+
+/// Runs the thought measurement; the report's `thoughts` rows.
+pub fn thought_rows(
+    model: DecoderLetterModel,
+    config: &DecisionConfig,
+    budget: usize,
+    batches: &[usize],
+    runs: usize,
+) -> Result<Vec<Value>> {
+    if budget == 0 {
+        bail!("--think must be at least 1 token");
+    }
+    let most = batches.iter().copied().max().unwrap_or(1).max(1);
+    let config = DecisionConfig {
+        family: Family::AutoThink,
+        loop_detector: LoopDetectorConfig {
+            min_span: budget + 1,
+            ..config.loop_detector.clone()
+        },
+        ..config.clone()
+    };
+    let encoder = model.encoder();
+    let (engine, worker) = Engine::start(
+        model,
+        encoder,
+        config,
+        EngineOptions {
+            think_seqs: most,
+            queue_size: most.max(64),
+            max_prompt_tokens: 1 << 20,
+            max_request_tokens: 1 << 22,
+            prefix_cache: PrefixCacheLimits {
+                max_tokens: 0,
+                max_bytes: 0,
+            },
+            ..EngineOptions::default()
+        },
+        None,
+    )?;
+    let request = |i: usize, run: usize| -> Result<DecisionRequest> {
+        let body = json!({
+            "state": format!("Ticket {i} (run {run}): the customer was charged twice for the March invoice and the card was declined afterwards."),
+            "questions": {"refund": {"type": "noul", "instructions": "Should billing refund the second charge today?"}},
+            "think_mode": "always",
+            "think_budget": budget,
+            "return_details": true,
+        });
+        DecisionRequest::parse(body.to_string().as_bytes(), &Default::default())
+            .map_err(|e| anyhow::anyhow!("the thought request: {e}"))
+    };
+    let mut rows = Vec::new();
+    // Run 0 warms the path up (its row is not reported).
+    for run in 0..=runs {
+        for &batch in batches {
+            if batch == 0 {
+                bail!("--think-batch sizes must be at least 1");
+            }
+            let started = Instant::now();
+            let mut receivers = Vec::with_capacity(batch);
+            for i in 0..batch {
+                let prepared = engine.prepare(request(i, run)?)?;
+                let (tx, rx) = std::sync::mpsc::channel();
+                engine
+                    .submit(
+                        prepared,
+                        Box::new(move |r| {
+                            let _ = tx.send(r);
+                        }),
+                        None,
+                        CancelToken::default(),
+                    )
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                receivers.push(rx);
+            }
+            let mut tokens = Vec::with_capacity(batch);
+            let mut thought_ms = Vec::with_capacity(batch);
+            let mut stops = std::collections::BTreeMap::<String, usize>::new();
+            for rx in receivers {
+                let output = rx
+                    .recv()
+                    .context("the engine stopped")?
+                    .map_err(|e| anyhow::anyhow!("a thought request failed: {e}"))?;
+                let Some(Answer::Noul(answer)) = output.response.answers.get("refund") else {
+                    bail!("no noul answer");
+                };
+                let details = answer.details.as_ref().context("no x_details")?;
+                tokens.push(details.thought_tokens.unwrap_or(0));
+                thought_ms.push(details.timings.thought_ms);
+                let stop = details
+                    .stop_reason
+                    .map_or("none".to_string(), |s| s.as_str().to_string());
+                *stops.entry(stop).or_default() += 1;
+            }
+            let wall = started.elapsed().as_secs_f64();
+            if run == 0 {
+                continue;
+            }
+            let total: u64 = tokens.iter().sum();
+            let longest_ms = thought_ms.iter().copied().fold(0.0, f64::max);
+            let per_request: Vec<f64> = tokens
+                .iter()
+                .zip(&thought_ms)
+                .map(|(&t, &ms)| t as f64 / (ms / 1e3).max(1e-9))
+                .collect();
+            let mut sorted = per_request.clone();
+            sorted.sort_by(f64::total_cmp);
+            let line = json!({
+                "run": run,
+                "sequences": batch,
+                "budget": budget,
+                "thought_tokens": total,
+                "stop_reasons": stops,
+                "wall_ms": wall * 1e3,
+                "longest_thought_ms": longest_ms,
+                "decode_tokens_per_s": total as f64 / (longest_ms / 1e3).max(1e-9),
+                "wall_tokens_per_s": total as f64 / wall,
+                "per_sequence_tokens_per_s_median": sorted[sorted.len() / 2],
+            });
+            eprintln!(
+                "thoughts: {batch:>3} sequences x {budget} tokens: {total} tokens, decode {:.1} tokens/s ({:.1} a sequence), wall {:.0} ms",
+                line["decode_tokens_per_s"].as_f64().unwrap_or(0.0),
+                line["per_sequence_tokens_per_s_median"].as_f64().unwrap_or(0.0),
+                wall * 1e3
+            );
+            rows.push(line);
+        }
+    }
+    let stats = engine.stats();
+    drop(engine);
+    worker.join();
+    eprintln!(
+        "engine: {} passes, {} thought steps, {} thoughts",
+        stats.passes, stats.thought_steps, stats.thoughts_finished
+    );
+    Ok(rows)
+}
