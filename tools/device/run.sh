@@ -27,7 +27,7 @@
 #               --expect-identical); /stats and /metrics at the end; outputs serve-*.log, loadgen-*.json,
 #               stats-*.json
 #   think27     thought decoding of /tmp/s27 at int8 through the engine (prism bench --think): one thought
-#               of $THINK tokens (default 128) alone, then 64 at once (think-27b-int8.json)
+#               of $THINK tokens (default 128) alone, then 64 at once, then 64 profiled (think-27b-int8.json)
 #   serve27-think  prism serve on /tmp/s27 at int8 as a v1.1 AutoThink model (the synthetic directory's
 #               decision_config.json gets "family": "v1.1") and loadgen from 64 clients for $LOAD_S seconds:
 #               the three-question requests of shared.jsonl made 512 distinct, with think_mode auto, gate 0.9,
@@ -139,7 +139,7 @@ for step in "$@"; do
         serve27-think) serve27_think ;;
         think27)
             /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --think "${THINK:-128}" \
-                --think-batch 1,64 --runs 1 > "$OUT/think-27b-int8.json" 2> "$OUT/think-27b-int8.log"
+                --think-batch 1,64 --runs 1 --profile > "$OUT/think-27b-int8.json" 2> "$OUT/think-27b-int8.log"
             echo "think27 rc=$?" ;;
         synth27) /tmp/prism synth --shape 27b --type q8_0 --out /tmp/s27 $R > "$OUT/synth27.log" 2>&1 ;;
         synth27q4) /tmp/prism synth --shape 27b --type q4_k_m --out /tmp/s27q4 $R > "$OUT/synth27q4.log" 2>&1 ;;

@@ -584,12 +584,13 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let cost = ModelCost::new(&gguf, precision)?;
 
     if let Some(budget) = args.think {
-        let rows = crate::cmd_bench_think::thought_rows(
+        let (rows, profile) = crate::cmd_bench_think::thought_rows(
             model,
             &loaded.config,
             budget,
             &args.think_batch,
             args.runs,
+            args.profile,
         )?;
         let report = json!({
             "model": gguf_path.display().to_string(),
@@ -598,6 +599,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "load_s": load_secs,
             "device_memory_bytes": device_memory(&device).map(|m| json!({"used": m.0, "total": m.1})),
             "thoughts": rows,
+            "profile": profile,
         });
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());

@@ -18,13 +18,18 @@ use prism_decision::{Answer, DecisionConfig, DecisionRequest, DecoderLetterModel
 use serde_json::{json, Value};
 
 /// Runs the thought measurement; the report's `thoughts` rows.
+///
+/// With `profile`, one more batch of the largest size runs with a device synchronization around every
+/// section of the forward pass; the sections' times over that batch are returned too (slower than a
+/// plain run).
 pub fn thought_rows(
     model: DecoderLetterModel,
     config: &DecisionConfig,
     budget: usize,
     batches: &[usize],
     runs: usize,
-) -> Result<Vec<Value>> {
+    profile: bool,
+) -> Result<(Vec<Value>, Value)> {
     if budget == 0 {
         bail!("--think must be at least 1 token");
     }
@@ -67,9 +72,20 @@ pub fn thought_rows(
             .map_err(|e| anyhow::anyhow!("the thought request: {e}"))
     };
     let mut rows = Vec::new();
-    // Run 0 warms the path up (its row is not reported).
-    for run in 0..=runs {
-        for &batch in batches {
+    let mut profiled = Value::Null;
+    // Run 0 warms the path up (its row is not reported); with `profile`, a last run of the largest
+    // batch is profiled.
+    let plan: Vec<(usize, usize)> = (0..=runs)
+        .flat_map(|run| batches.iter().map(move |&b| (run, b)))
+        .chain(profile.then_some((runs + 1, most)))
+        .collect();
+    for (run, batch) in plan {
+        {
+            let profiling = run > runs;
+            if profiling {
+                prism_model::profile::set_enabled(true);
+                prism_model::profile::take();
+            }
             if batch == 0 {
                 bail!("--think-batch sizes must be at least 1");
             }
@@ -110,6 +126,22 @@ pub fn thought_rows(
                 *stops.entry(stop).or_default() += 1;
             }
             let wall = started.elapsed().as_secs_f64();
+            if profiling {
+                prism_model::profile::set_enabled(false);
+                let sections = prism_model::profile::take();
+                eprintln!(
+                    "profile of {batch} thoughts at once ({:.1} ms, every section synchronized):",
+                    wall * 1e3
+                );
+                let mut list = Vec::new();
+                for (name, time, calls) in &sections {
+                    let ms = time.as_secs_f64() * 1e3;
+                    eprintln!("  {name:<45} {ms:>10.2} ms {calls:>7} calls");
+                    list.push(json!({"section": name, "ms": ms, "calls": calls}));
+                }
+                profiled = json!({"sequences": batch, "wall_ms": wall * 1e3, "sections": list});
+                continue;
+            }
             if run == 0 {
                 continue;
             }
@@ -150,5 +182,5 @@ pub fn thought_rows(
         "engine: {} passes, {} thought steps, {} thoughts",
         stats.passes, stats.thought_steps, stats.thoughts_finished
     );
-    Ok(rows)
+    Ok((rows, profiled))
 }

@@ -820,3 +820,55 @@ fn a_thought_reports_its_stop_and_a_v1_model_refuses_always() {
     drop(engine);
     worker.join();
 }
+
+/// A pass that fails runs its requests alone once; a thinking request then goes back to sharing passes
+/// (its thought is not decoded alone to the end).
+#[test]
+fn thoughts_share_passes_again_after_a_failed_pass() {
+    let (go, gate) = mpsc::channel();
+    let (engine, worker, log, _) = start_with(
+        EngineOptions::default(),
+        autothink(),
+        Some(gate),
+        Some("POISON"),
+    );
+    let thinking: Vec<DecisionRequest> = (0..6)
+        .map(|i| {
+            thinking_request(
+                &format!("Fine evidence {i}."),
+                &[("late", NOUL)],
+                r#""think_mode": "always", "think_budget": 30"#,
+            )
+        })
+        .collect();
+    let receivers: Vec<_> = thinking
+        .iter()
+        .map(|r| submit(&engine, r.clone()))
+        .collect();
+    let rx_bad = submit(
+        &engine,
+        request("POISON in the evidence.", &[("late", NOUL)]),
+    );
+    go.send(()).unwrap();
+    assert!(rx_bad.recv().unwrap().is_err());
+    for (rx, r) in receivers.into_iter().zip(&thinking) {
+        same_answer(
+            &rx.recv().unwrap().unwrap().response,
+            &alone_with(r, &autothink()),
+        );
+    }
+    assert!(engine.stats().passes_split_after_error >= 1);
+    let most = log
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|p| p.thought_steps)
+        .max()
+        .unwrap_or(0);
+    assert!(
+        most >= 3,
+        "at most {most} thought steps in a pass after the failure"
+    );
+    drop(engine);
+    worker.join();
+}

@@ -367,11 +367,17 @@ impl PassModel for DecoderLetterModel {
                 };
                 if !next_items.is_empty() {
                     let hidden = last_rows(&mut next_items.iter().copied()).map_err(backend)?;
-                    next_rows = self
-                        .decoder
-                        .logits(&hidden)
-                        .and_then(|t| Ok(t.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?))
-                        .map_err(backend)?;
+                    let device = hidden.device().clone();
+                    next_rows = prism_model::profile::time(
+                        "output head: whole vocabulary, to the host",
+                        &device,
+                        || {
+                            self.decoder.logits(&hidden).and_then(|t| {
+                                Ok(t.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?)
+                            })
+                        },
+                    )
+                    .map_err(backend)?;
                 }
                 if !branch_items.is_empty() {
                     let rows: Vec<u32> = branch_items

@@ -52,7 +52,8 @@ struct Active<S> {
     held: Option<(S, usize)>,
     /// Whether the prefix cache was asked for the key already.
     looked_up: bool,
-    /// Runs alone (after a pass it was in failed).
+    /// Runs alone in its next pass (a pass it was in failed); cleared once a pass of it succeeds, so a
+    /// long-lived request (a thought) goes back to sharing passes.
     solo: bool,
     /// Its questions' thoughts in progress (v1.1 AutoThink).
     thoughts: Vec<ThoughtRun<S>>,
@@ -494,6 +495,9 @@ impl<M: PassModel> StepLoop<M> {
             }
         };
         let thought_outputs = outputs.split_off(groups.len());
+        for &i in &members {
+            self.active[i].solo = false;
+        }
         let memory = self.model.device_memory();
         self.shared.stats(|s| {
             if let Some((used, total)) = memory {
@@ -582,6 +586,8 @@ impl<M: PassModel> StepLoop<M> {
                 Err(error) => self.answer(i, Some(JobError::Decision(error))),
             }
         }
+        // Requests still waiting to run alone go first (stable: the others keep their order).
+        self.active.sort_by_key(|a| !a.solo);
     }
 
     /// Applies a thought step's output to thought `t` of request `i`; a finished thought goes to the
