@@ -24,7 +24,7 @@ use prism_decision::{
     decide, render_request, DecisionRequest, DecoderLetterModel, ModelSource, RequestDefaults,
 };
 use prism_gguf::{GgmlType, GgufFile};
-use prism_model::{LayerKind, LoadOptions, Precision, Qwen35Config};
+use prism_model::{KvStorage, LayerKind, LoadOptions, Precision, Qwen35Config};
 use rayon::prelude::*;
 use serde_json::{json, Value};
 
@@ -566,10 +566,16 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         gguf: gguf_path.clone(),
         model_dir: Some(args.model_dir.clone()),
     };
+    let kv_storage = if args.kv_fp8 {
+        KvStorage::Fp8
+    } else {
+        KvStorage::Native
+    };
     let options = LoadOptions {
         device: device.clone(),
         precision,
         load_threads: args.load_threads,
+        kv_storage,
         ..LoadOptions::default()
     };
     let memory_before = process_memory();
@@ -750,6 +756,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         "gguf": gguf_path.display().to_string(),
         "device": args.device,
         "precision": precision.as_str(),
+        "kv_storage": kv_storage.as_str(),
         "threads": rayon::current_num_threads(),
         "layers": cost.config.n_layers,
         "hidden_size": cost.config.hidden_size,
@@ -847,13 +854,14 @@ fn print_table(report: &Value) {
             .map_or("n/a".to_string(), |b| format!("{:.2} GB", b / 1e9))
     };
     println!(
-        "model {} ({} layers, d {}, {:.3} B matrix params) on {} / {}, {} threads",
+        "model {} ({} layers, d {}, {:.3} B matrix params) on {} / {}, {} K/V, {} threads",
         report["model"].as_str().unwrap_or("?"),
         report["layers"],
         report["hidden_size"],
         report["matrix_params"].as_f64().unwrap_or(0.0) / 1e9,
         report["device"].as_str().unwrap_or("?"),
         report["precision"].as_str().unwrap_or("?"),
+        report["kv_storage"].as_str().unwrap_or("native"),
         report["threads"]
     );
     println!(

@@ -3,7 +3,8 @@
 //! The device machine has no Rust toolchain, so these tests ship inside the binary. Each kernel runs on
 //! fresh random inputs next to its CPU twin (the one CI tests) and reports ‖Δ‖/‖ref‖ and max |Δ|; the
 //! split- and batch-invariance of the GPU kernels is checked bit for bit; the model runs the fixture
-//! prompts in bf16 on CUDA against transformers' reference logits and against the CPU bf16 path.
+//! prompts in bf16 on CUDA against transformers' reference logits and against the CPU bf16 path; the
+//! fp8 K/V cache (`--kv-fp8`) is checked against its CPU twin (bytes and scales bit for bit).
 //! Exit status 1 if any check fails its bound.
 
 use std::path::PathBuf;
@@ -29,6 +30,11 @@ mod delta;
 mod fused;
 #[path = "cmd_cuda_check_quant.rs"]
 mod quant;
+
+/// The fp8 K/V cache's checks (quantize/dequantize bit for bit against the CPU twin, the fp8 flash
+/// kernel, the fixture model with fp8 K/V, timings).
+#[path = "cmd_cuda_check_kv_fp8.rs"]
+mod kv_fp8;
 
 /// Deterministic pseudo-random numbers (xorshift64*), uniform in [-1, 1).
 struct Rng(u64);
@@ -763,6 +769,7 @@ pub fn run(fixtures: Option<PathBuf>, json_out: Option<PathBuf>) -> Result<()> {
     quant::checks(&mut report, &gpu)?;
     let prompts = fixture_prompts(&fixtures)?;
     integer_model_checks(&mut report, &gpu, &fixtures, &prompts)?;
+    kv_fp8::checks(&mut report, &gpu, &fixtures, &prompts)?;
     if let Some(path) = json_out {
         std::fs::write(&path, serde_json::to_string_pretty(&report.rows)?)
             .with_context(|| format!("writing {}", path.display()))?;

@@ -18,7 +18,7 @@ use prism_decision::engine::{Engine, EngineObserver, EngineOptions, PrefixCacheL
 use prism_decision::{
     DecisionRequest, DecoderLetterModel, Family, LetterModel, ModelSource, RequestDefaults,
 };
-use prism_model::{LoadOptions, LoadProgress, Precision};
+use prism_model::{KvStorage, LoadOptions, LoadProgress, Precision};
 use prism_server::{
     router, serve, ConnectionLimits, Counters, Metrics, ModelInfo, ServerConfig, Stats,
 };
@@ -60,6 +60,12 @@ pub struct ServeArgs {
     /// Threads that load decoder layers at once (default: the machine's cores, at most 8).
     #[arg(long)]
     pub load_threads: Option<usize>,
+    /// Store attention keys and values as fp8 (e4m3, one f32 scale per token and KV head): about half
+    /// the K/V memory of bf16, so more thoughts and cached evidence fit; answers stay batch-invariant
+    /// but move slightly (docs/kv-fp8.md). On the CPU and on GPUs of compute capability 8.9 or newer
+    /// (Ada, Hopper); refused at load on older GPUs.
+    #[arg(long)]
+    pub kv_fp8: bool,
     /// Most questions in one request; more are refused (HTTP 422 naming `questions`).
     #[arg(long, default_value_t = 128)]
     pub max_questions: usize,
@@ -294,7 +300,17 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     } else {
         Precision::parse(&asked)?
     };
+    let kv_storage = if args.kv_fp8 {
+        KvStorage::Fp8
+    } else {
+        KvStorage::Native
+    };
     let precision_name = precision.as_str().to_string();
+    // For the progress lines: the precision, and the K/V storage where it is not the default.
+    let precision_label = match kv_storage {
+        KvStorage::Fp8 => format!("{precision_name}, fp8 K/V"),
+        KvStorage::Native => precision_name.clone(),
+    };
     let size = std::fs::metadata(&source.gguf)
         .with_context(|| format!("cannot read the model file {}", source.gguf.display()))?
         .len();
@@ -302,7 +318,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         "[1/3] Loading {} ({:.1} MB): GGUF, tokenizer, chat template, decision config, decoder weights ({}) ...",
         source.gguf.display(),
         size as f64 / 1e6,
-        precision_name
+        precision_label
     );
     let started = Instant::now();
     // A line every tenth of the decoder's layers: layers done and the file's bytes a second so far.
@@ -330,6 +346,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
                 precision,
                 progress: Some(progress.clone()),
                 load_threads: args.load_threads,
+                kv_storage,
                 ..LoadOptions::default()
             };
             let loaded = DecoderLetterModel::load(&source, &options, args.max_tokens)
@@ -505,7 +522,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         say!("  WARNING: listening on {address}, reachable from other machines, without an API key (--api-key).");
     }
     say!(
-        "Ready on {base}  ({device_name}, {precision_name}, {} tokens and {} prompts a pass, prefix cache {} tokens / {:.2} GB, queue {}, timeout {} s, {} connections, body limit {} bytes, API key {})",
+        "Ready on {base}  ({device_name}, {precision_label}, {} tokens and {} prompts a pass, prefix cache {} tokens / {:.2} GB, queue {}, timeout {} s, {} connections, body limit {} bytes, API key {})",
         engine_options.max_batch_tokens,
         engine_options.max_prompts_per_pass,
         engine_options.prefix_cache.max_tokens,

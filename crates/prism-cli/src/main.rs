@@ -62,7 +62,8 @@ enum Command {
     /// Latency of the decision path (short question, shared evidence, long question) against its floors.
     Bench(BenchArgs),
     /// Device tests (CUDA builds only): our kernels against their CPU twins on random inputs, their
-    /// split/batch invariance, and the fixture model in bf16 on the GPU against the references.
+    /// split/batch invariance, the fixture model in bf16 on the GPU against the references, and the fp8
+    /// K/V cache (`--kv-fp8`) against its CPU twin.
     #[cfg(feature = "cuda")]
     CudaCheck {
         /// The tiny fixture model's folder (tiny-BF16.gguf, prompts.json, ref_transformers.json).
@@ -201,6 +202,11 @@ pub struct BenchArgs {
     /// Arithmetic of the forward pass, as for `prism decide` (`auto` included).
     #[arg(long, default_value = "f32")]
     pub precision: String,
+    /// Store attention keys and values as fp8 (e4m3, one f32 scale per token and KV head), as
+    /// `prism serve --kv-fp8` does; the report says which storage ran (`kv_storage`). On the CPU and on
+    /// GPUs of compute capability 8.9 or newer.
+    #[arg(long)]
+    pub kv_fp8: bool,
     /// cpu or cuda (device 0; needs a build with the `cuda` feature).
     #[arg(long, default_value = "cpu")]
     pub device: String,

@@ -3,13 +3,15 @@
 //! Per head, `attn_q` produces `[query | gate]`; query and key get a zero-centred RMSNorm and partial
 //! M-RoPE; keys/values are grouped (GQA); the softmax runs in f32; the output is multiplied by
 //! `σ(gate)` before `attn_output`. Projections run on the packed batch, the attention itself per sequence
-//! against that sequence's K/V cache.
+//! against that sequence's K/V cache, stored as computed or as e4m3 with per-row scales
+//! ([`crate::kv_fp8`]).
 
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::config::Qwen35Config;
-use crate::error::Result;
+use crate::error::{ModelError, Result};
+use crate::kv_fp8::{self, KvStorage};
 use crate::linear::{FusedLinear, Linear};
 use crate::matmul::{self, Float};
 use crate::ops::{sigmoid_gate, softmax_last_dim};
@@ -35,6 +37,8 @@ pub struct Attention {
     n_kv: usize,
     hd: usize,
     eps: f64,
+    /// How the layer stores keys and values in its [`KvCache`].
+    kv: KvStorage,
 }
 
 impl Attention {
@@ -43,7 +47,13 @@ impl Attention {
     pub const K: usize = 1;
     pub const V: usize = 2;
 
-    pub fn load(w: &WeightLoader<'_>, cfg: &Qwen35Config, layer: usize) -> Result<Self> {
+    /// Layer `layer`'s weights; keys and values will be stored as `kv` says.
+    pub fn load(
+        w: &WeightLoader<'_>,
+        cfg: &Qwen35Config,
+        layer: usize,
+        kv: KvStorage,
+    ) -> Result<Self> {
         let d = cfg.hidden_size;
         let (n_h, n_kv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
         let n = |s: &str| format!("blk.{layer}.{s}");
@@ -57,10 +67,21 @@ impl Attention {
             n_kv,
             hd,
             eps: cfg.rms_norm_eps,
+            kv,
         })
     }
 
+    /// How this layer stores keys and values.
+    pub fn kv_storage(&self) -> KvStorage {
+        self.kv
+    }
+
     /// `x`: normed packed activation `[N, d]`; `cos`/`sin`: `[N, rotary_dim/2]` for the same rows.
+    ///
+    /// Appends each sequence's new keys and values to its cache (quantized first with fp8 storage, so
+    /// that a token's own attention reads the same stored keys as every later token's) and attends
+    /// over the whole cache. A cache in the other storage (a state of a model loaded otherwise) is
+    /// refused.
     pub fn forward(
         &self,
         x: &Tensor,
@@ -94,8 +115,10 @@ impl Attention {
         // serves the head dim on CUDA, q, k and v come in bf16 and the K/V cache is kept in bf16: the
         // kernel would round f32 operands to the same bf16 (RNE) on every call, the cached keys and
         // values included, so the bits are the same and nothing is converted twice.
+        // With fp8 storage the keys stay f32 until they are quantized (one rounding, not two).
+        let fp8 = self.kv.is_fp8();
         let kv_bf16 =
-            x.device().is_cuda() && qg.dtype() == DType::F32 && flash_serves(hd, n_h, n_kv);
+            !fp8 && x.device().is_cuda() && qg.dtype() == DType::F32 && flash_serves(hd, n_h, n_kv);
         let out_dtype = if kv_bf16 { DType::BF16 } else { qg.dtype() };
         let (q, k) = rope.norm_and_rotate(
             &qg.narrow(2, 0, hd)?,
@@ -116,6 +139,13 @@ impl Attention {
 
         let attend_timer =
             crate::profile::Section::start("attention: kernel + cache append", x.device())?;
+        // fp8: every new row of the packed batch quantized at once ([N, n_kv, hd] bytes, [N, n_kv]
+        // scales); a row's bytes depend on that row alone.
+        let quantized = if fp8 {
+            Some((kv_fp8::quantize(&k)?, kv_fp8::quantize(&v.contiguous()?)?))
+        } else {
+            None
+        };
         let scale = 1.0 / (hd as f64).sqrt();
         let mut outs = Vec::with_capacity(segments.len());
         for (i, seg) in segments.iter().enumerate() {
@@ -125,9 +155,40 @@ impl Attention {
                 *caches[i] = parent;
             }
             let cache = &mut *caches[i];
+            if !cache.is_empty() && cache.is_fp8() != fp8 {
+                return Err(ModelError::InvalidInput(format!(
+                    "attention: the state's K/V cache is {} but this model stores {} keys and values \
+                     (a state made by a model loaded with other options)",
+                    if cache.is_fp8() { "fp8" } else { "native" },
+                    self.kv.as_str()
+                )));
+            }
             let t = seg.len;
             let past = cache.len();
             let q_s = q.narrow(0, seg.start, t)?.contiguous()?; // [T, n_h, hd]
+            if let Some(((kq, ks), (vq, vs))) = &quantized {
+                // [n_kv, T, hd] bytes and [n_kv, T] scales of this sequence's new tokens.
+                let rows = |x: &Tensor| -> Result<Tensor> {
+                    Ok(x.narrow(0, seg.start, t)?.transpose(0, 1)?.contiguous()?)
+                };
+                let append = |old: &Option<Tensor>, new: Tensor| -> Result<Tensor> {
+                    Ok(match old {
+                        Some(old) => Tensor::cat(&[old, &new], 1)?,
+                        None => new,
+                    })
+                };
+                let k_all = append(&cache.k, rows(kq)?)?;
+                let v_all = append(&cache.v, rows(vq)?)?;
+                let ks_all = append(&cache.k_scale, rows(ks)?)?;
+                let vs_all = append(&cache.v_scale, rows(vs)?)?;
+                let o = attend_segment_fp8(&q_s, [&k_all, &ks_all, &v_all, &vs_all], past, scale)?;
+                outs.push(o);
+                cache.k = Some(k_all);
+                cache.v = Some(v_all);
+                cache.k_scale = Some(ks_all);
+                cache.v_scale = Some(vs_all);
+                continue;
+            }
             let k_s = k.narrow(0, seg.start, t)?.transpose(0, 1)?.contiguous()?; // [n_kv, T, hd]
             let v_s = v.narrow(0, seg.start, t)?.transpose(0, 1)?.contiguous()?;
             let (k_all, v_all) = match (&cache.k, &cache.v) {
@@ -152,6 +213,30 @@ impl Attention {
         let attn = sigmoid_gate(&attn, &gate, self.o.input_dtype(attn.dtype()))?;
         Ok(self.o.forward(&attn)?)
     }
+}
+
+/// [`attend_segment`] against an fp8 cache: `kv = [k, k_scale, v, v_scale]`, the e4m3 bytes `[n_kv,
+/// past + T, hd]` (`U8`) and their scales `[n_kv, past + T]` (`F32`). On CUDA where the flash kernel
+/// serves the head dim, its fp8 variant reads the bytes and scales and dequantizes in shared memory
+/// ([`crate::cuda_flash::flash_attention_fp8`]: the same bits as dequantizing to bf16 first and running
+/// the bf16 kernel); elsewhere (the CPU twin, other head dims) the keys and values are dequantized
+/// into `q`'s dtype ([`kv_fp8::dequantize`]) and attended as in [`attend_segment`]. Every path reads
+/// the dequantized value `decode(byte) · scale` (bf16-rounded by the flash kernels), so a row's
+/// output is as batch-invariant as [`attend_segment`]'s.
+pub fn attend_segment_fp8(q: &Tensor, kv: [&Tensor; 4], past: usize, scale: f64) -> Result<Tensor> {
+    let [k, k_scale, v, v_scale] = kv;
+    if q.device().is_cuda() {
+        if let Some(o) = cuda_flash_fp8(q, kv, past, scale)? {
+            return Ok(o);
+        }
+    }
+    let dtype = match q.dtype() {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    };
+    let k = kv_fp8::dequantize(k, k_scale, dtype)?;
+    let v = kv_fp8::dequantize(v, v_scale, dtype)?;
+    Ok(attend_segment(&q.to_dtype(dtype)?, &k, &v, past, scale)?)
 }
 
 /// Causal attention of one sequence's `T` new queries `q: [T, n_h, hd]` against its `past + T` keys and
@@ -231,6 +316,32 @@ fn cuda_flash(
         return Ok(None);
     }
     crate::cuda_flash::flash_attention(q, k, v, past, scale).map(Some)
+}
+
+/// The fp8 flash kernel ([`crate::cuda_flash::flash_attention_fp8`]) where it supports the head
+/// layout, else `None`.
+#[cfg(feature = "cuda")]
+fn cuda_flash_fp8(
+    q: &Tensor,
+    kv: [&Tensor; 4],
+    past: usize,
+    scale: f64,
+) -> candle_core::Result<Option<Tensor>> {
+    let (_, n_h, hd) = q.dims3()?;
+    if !crate::cuda_flash::supports(hd, n_h, kv[0].dim(0)?) {
+        return Ok(None);
+    }
+    crate::cuda_flash::flash_attention_fp8(q, kv, past, scale).map(Some)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_flash_fp8(
+    _: &Tensor,
+    _: [&Tensor; 4],
+    _: usize,
+    _: f64,
+) -> candle_core::Result<Option<Tensor>> {
+    Ok(None)
 }
 
 /// Whether [`attend_segment`] runs the flash kernel for this head layout on CUDA.

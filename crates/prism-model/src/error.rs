@@ -98,6 +98,11 @@ pub enum ModelError {
         source: prism_quant::QuantError,
     },
 
+    /// A feature the device or build cannot run (e.g. `--kv-fp8` on a GPU below compute capability
+    /// 8.9); the message says what and why.
+    #[error("{0}")]
+    Unsupported(String),
+
     #[error(transparent)]
     Hf(#[from] crate::hf::HfError),
 

@@ -23,10 +23,13 @@ pub mod cuda;
 pub mod cuda_delta;
 #[cfg(feature = "cuda")]
 pub mod cuda_flash;
+#[cfg(feature = "cuda")]
+pub mod cuda_kv_fp8;
 pub mod delta_net;
 pub mod delta_rule;
 pub mod error;
 pub mod hf;
+pub mod kv_fp8;
 pub mod linear;
 pub mod matmul;
 pub mod ops;
@@ -40,6 +43,7 @@ pub mod weights;
 pub use config::{read_hf_config, LayerKind, Metadata, Qwen35Config};
 pub use error::{ModelError, Result};
 pub use hf::{HfCheckpoint, HfError, HfTextConfig};
+pub use kv_fp8::KvStorage;
 pub use prism_quant::Q8Scales;
 pub use qwen35::{
     argmax, shared_prefix_len, BatchItem, BatchOutput, LoadOptions, LoadProgress, Qwen35Model,

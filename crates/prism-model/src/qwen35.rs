@@ -15,6 +15,7 @@ use crate::attention::Attention;
 use crate::config::{hf_text_config, read_hf_config, LayerKind, Qwen35Config};
 use crate::delta_net::DeltaNet;
 use crate::error::{ModelError, Result};
+use crate::kv_fp8::KvStorage;
 use crate::linear::{FusedLinear, Linear};
 use crate::ops::{add_rms_norm, rms_norm_as};
 use crate::profile;
@@ -50,6 +51,10 @@ pub struct LoadOptions {
     /// `Some(0)` is refused). On a GPU one loader thread at a time does device work, whatever the count
     /// (`weights::DEVICE_WORK`).
     pub load_threads: Option<usize>,
+    /// How the attention layers store keys and values: [`KvStorage::Native`] (the default) or
+    /// [`KvStorage::Fp8`] (e4m3 with a scale per token and KV head, [`crate::kv_fp8`]; the load is
+    /// refused on a CUDA GPU below compute capability 8.9).
+    pub kv_storage: KvStorage,
 }
 
 impl Default for LoadOptions {
@@ -60,6 +65,7 @@ impl Default for LoadOptions {
             hf_config: None,
             progress: None,
             load_threads: None,
+            kv_storage: KvStorage::Native,
         }
     }
 }
@@ -163,11 +169,17 @@ pub struct DecoderLayer {
 impl DecoderLayer {
     /// Layer `i`'s tensors, in the order a sequential load has always read them (so its first error is
     /// the same one).
-    fn load(w: &WeightLoader<'_>, cfg: &Qwen35Config, i: usize, kind: LayerKind) -> Result<Self> {
+    fn load(
+        w: &WeightLoader<'_>,
+        cfg: &Qwen35Config,
+        i: usize,
+        kind: LayerKind,
+        kv: KvStorage,
+    ) -> Result<Self> {
         let d = cfg.hidden_size;
         let mixer = match kind {
             LayerKind::DeltaNet => Mixer::DeltaNet(DeltaNet::load(w, cfg, i)?),
-            LayerKind::Attention => Mixer::Attention(Attention::load(w, cfg, i)?),
+            LayerKind::Attention => Mixer::Attention(Attention::load(w, cfg, i, kv)?),
         };
         Ok(Self {
             attn_norm: w.vector(&format!("blk.{i}.attn_norm.weight"), d)?,
@@ -348,6 +360,8 @@ pub struct Qwen35Model {
     config: Qwen35Config,
     device: Device,
     precision: Precision,
+    /// How the attention layers store keys and values.
+    kv_storage: KvStorage,
     /// `token_embd`: `[vocab, d]`.
     embed: Tensor,
     /// `output` (or `token_embd` when the embeddings are tied): `[vocab, d]`. On the integer path it
@@ -465,6 +479,10 @@ impl Qwen35Model {
     ) -> Result<Self> {
         let d = config.hidden_size;
         let threads = options.load_threads()?;
+        // Refused before any weight is read: a GPU that cannot hold fp8 keys and values.
+        if options.kv_storage.is_fp8() {
+            crate::kv_fp8::check_device(&options.device)?;
+        }
         let started = std::time::Instant::now();
         let embed = w.matrix("token_embd.weight", config.vocab_size, d)?;
         let embed_s = started.elapsed().as_secs_f64();
@@ -486,7 +504,7 @@ impl Qwen35Model {
                     layer: i,
                     reason: "no such layer in the configuration".into(),
                 })?;
-            let layer = DecoderLayer::load(w, &config, i, *kind)?;
+            let layer = DecoderLayer::load(w, &config, i, *kind, options.kv_storage)?;
             if let Some(progress) = &options.progress {
                 (progress.0)(loaded.fetch_add(1, Ordering::SeqCst) + 1, total);
             }
@@ -514,6 +532,7 @@ impl Qwen35Model {
             vocab = config.vocab_size,
             tied,
             precision = ?options.precision,
+            kv = options.kv_storage.as_str(),
             "loaded the decoder in {total_s:.2} s: embedding {embed_s:.2} s, output head {head_s:.2} s, \
              layers {:.2} s on {threads} threads",
             total_s - embed_s - head_s
@@ -522,6 +541,7 @@ impl Qwen35Model {
             config,
             device: options.device.clone(),
             precision: options.precision,
+            kv_storage: options.kv_storage,
             embed,
             lm_head,
             tied_embeddings: tied,
@@ -541,6 +561,11 @@ impl Qwen35Model {
 
     pub fn precision(&self) -> Precision {
         self.precision
+    }
+
+    /// How the attention layers store keys and values ([`LoadOptions::kv_storage`]).
+    pub fn kv_storage(&self) -> KvStorage {
+        self.kv_storage
     }
 
     pub fn vocab_size(&self) -> usize {

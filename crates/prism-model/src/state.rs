@@ -23,18 +23,28 @@ pub struct DeltaNetState {
     pub rule: RuleState,
 }
 
-/// K/V cache of one attention layer for one sequence.
+/// K/V cache of one attention layer for one sequence, in the storage the model was loaded with
+/// ([`crate::kv_fp8::KvStorage`]).
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
-    /// Keys after k-norm and RoPE, `[n_kv, len, head_dim]`; `None` before the first token. In the
-    /// activation dtype, except on CUDA where the flash kernel serves the head dim: bf16 there (the
-    /// kernel's operand dtype, rounded to nearest even from the f32 keys; see `Attention::forward`).
+    /// Keys after k-norm and RoPE, `[n_kv, len, head_dim]`; `None` before the first token.
+    /// - Native storage: in the activation dtype, except on CUDA where the flash kernel serves the head
+    ///   dim: bf16 there (the kernel's operand dtype, rounded to nearest even from the f32 keys; see
+    ///   `Attention::forward`).
+    /// - fp8 storage: `U8`, each byte an e4m3 value ([`crate::kv_fp8`]); the key is
+    ///   `decode(byte) · k_scale[head, token]`.
     pub k: Option<Tensor>,
-    /// Values, `[n_kv, len, head_dim]`, in the keys' dtype.
+    /// Values, `[n_kv, len, head_dim]`, stored like the keys.
     pub v: Option<Tensor>,
+    /// fp8 storage only: the keys' scales, one f32 per KV head and token, `[n_kv, len]`; `None` for
+    /// native storage.
+    pub k_scale: Option<Tensor>,
+    /// fp8 storage only: the values' scales, `[n_kv, len]`.
+    pub v_scale: Option<Tensor>,
 }
 
 impl KvCache {
+    /// Tokens held.
     pub fn len(&self) -> usize {
         self.k.as_ref().and_then(|k| k.dim(1).ok()).unwrap_or(0)
     }
@@ -42,6 +52,24 @@ impl KvCache {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Whether the cache holds e4m3 bytes with scales (an empty cache is neither: `false`).
+    pub fn is_fp8(&self) -> bool {
+        self.k_scale.is_some()
+    }
+
+    /// Bytes its tensors take (keys, values and, with fp8 storage, their scales).
+    pub fn bytes(&self) -> usize {
+        [&self.k, &self.v, &self.k_scale, &self.v_scale]
+            .into_iter()
+            .flatten()
+            .map(tensor_bytes)
+            .sum()
+    }
+}
+
+fn tensor_bytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
 }
 
 /// One layer's state.
@@ -106,24 +134,31 @@ impl SequenceState {
     }
 
     /// Device or host memory the state's tensors take, in bytes (shared tensors counted once per
-    /// state: a cache that keeps clones of one state counts it each time, an overestimate).
+    /// state: a cache that keeps clones of one state counts it each time, an overestimate). K/V caches
+    /// count what they hold: with fp8 storage one byte a value plus the f32 scales.
     pub fn bytes(&self) -> usize {
-        fn size(t: &Tensor) -> usize {
-            t.elem_count() * t.dtype().size_in_bytes()
-        }
         self.layers
             .iter()
             .map(|layer| match layer {
                 LayerState::DeltaNet(d) => {
-                    size(&d.conv)
-                        + size(&d.rule.chunk_start)
-                        + size(&d.rule.pending_k)
-                        + size(&d.rule.pending_u)
-                        + size(&d.rule.pending_gamma)
+                    tensor_bytes(&d.conv)
+                        + tensor_bytes(&d.rule.chunk_start)
+                        + tensor_bytes(&d.rule.pending_k)
+                        + tensor_bytes(&d.rule.pending_u)
+                        + tensor_bytes(&d.rule.pending_gamma)
                 }
-                LayerState::Attention(kv) => {
-                    kv.k.as_ref().map_or(0, size) + kv.v.as_ref().map_or(0, size)
-                }
+                LayerState::Attention(kv) => kv.bytes(),
+            })
+            .sum()
+    }
+
+    /// Bytes of the attention layers' K/V caches alone (part of [`SequenceState::bytes`]).
+    pub fn kv_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|layer| match layer {
+                LayerState::Attention(kv) => kv.bytes(),
+                LayerState::DeltaNet(_) => 0,
             })
             .sum()
     }
