@@ -138,7 +138,8 @@ pub struct ServeArgs {
     #[arg(long)]
     pub think_budget: Option<u32>,
     /// Most thoughts decoded at once (v1.1 AutoThink); further ones wait for a seat. Default: 64 on the
-    /// CPU; on a GPU as many as an eighth of the memory the prefix cache leaves holds (8 to 512).
+    /// CPU; on a GPU as many as a quarter of the memory the prefix cache leaves holds at eight fresh
+    /// sequence states a thought (4 to 512; about 20 for a 27B model on an H200).
     #[arg(long)]
     pub think_seqs: Option<usize>,
     /// The family the bundled demo model is served as: `v1` (one read-out), `v1.1` (AutoThink: thoughts
@@ -427,8 +428,13 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         (Some(0), _) => bail!("--think-seqs must be at least 1"),
         (Some(n), _) => n,
         (None, Some((free, _))) => {
-            (free.saturating_sub(cache_bytes * per_device) / 8 / per_device / state_bytes)
-                .clamp(8, 512) as usize
+            // A quarter of what the cache leaves, at eight fresh states a thought: measured on the
+            // H200 (27B int8, 2026-12-02), 64 thoughts held ~1.2 GB each (their state with a chunk
+            // of pending delta-rule rows, the next step's state, the pool's fragments) against a
+            // fresh state's ~150 MB; with an eighth of the memory a seat at one state each, 64
+            // clients with thoughts ran out of memory.
+            (free.saturating_sub(cache_bytes * per_device) / 4 / per_device / (8 * state_bytes))
+                .clamp(4, 512) as usize
         }
         (None, None) => 64,
     };

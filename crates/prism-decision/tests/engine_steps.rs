@@ -61,15 +61,18 @@ impl PromptEncoder for ByteEncoder {
 }
 
 /// The next-token logits over the fake's vocabulary after a whole token sequence: pseudo-random, with
-/// `</think>` and the end of sequence growing likelier as a thought gets longer.
+/// `</think>` and the end of sequence growing likelier as a thought gets longer, and after 10 thought
+/// tokens a pull towards the token three back (a thought that drifts into a loop of period 3).
 fn next_token_logits(tokens: &[u32]) -> Vec<f32> {
     let since_think = tokens.iter().rev().position(|&t| t == THINK).unwrap_or(0);
+    let echo = (since_think > 10).then(|| tokens[tokens.len() - 3]);
     let base = letter_logits(tokens, VOCAB);
     base.iter()
         .enumerate()
         .map(|(i, &l)| match i as u32 {
             END_THINK => l as f32 + since_think as f32 * 0.15,
             END_OF_SEQUENCE => l as f32 + since_think as f32 * 0.05 - 2.0,
+            t if Some(t) == echo => l as f32 + 12.0,
             _ => l as f32,
         })
         .collect()
@@ -869,6 +872,45 @@ fn thoughts_share_passes_again_after_a_failed_pass() {
         most >= 3,
         "at most {most} thought steps in a pass after the failure"
     );
+    drop(engine);
+    worker.join();
+}
+
+/// The loop detector stops thoughts on the engine: the fake's thoughts drift into a loop of period 3,
+/// which a detector of short periods (three rounds over 9 tokens) stops; the answers are still
+/// `decide`'s.
+#[test]
+fn the_loop_detector_stops_thoughts_on_the_engine() {
+    let mut config = autothink();
+    config.loop_detector = prism_decision::config::LoopDetectorConfig {
+        max_period: 4,
+        min_repeats: 3,
+        min_span: 9,
+    };
+    let (engine, worker, _, _) = start_with(EngineOptions::default(), config.clone(), None, None);
+    let mut loops = 0;
+    for i in 0..12 {
+        let request = thinking_request(
+            &format!("Case {i}: the parcel never came."),
+            &[("late", NOUL)],
+            r#""think_mode": "always", "think_budget": 200, "return_details": true"#,
+        );
+        let response = engine.decide(request.clone(), None).unwrap().response;
+        let Some(Answer::Noul(late)) = response.answers.get("late") else {
+            panic!("no noul answer");
+        };
+        let details = late.details.as_ref().expect("details");
+        if details.stop_reason == Some(prism_decision::thought::StopReason::Loop) {
+            loops += 1;
+            assert!(details.thought_tokens.unwrap() >= 2);
+        }
+        let want = alone_with(&request, &config);
+        let Some(Answer::Noul(want)) = want.answers.get("late") else {
+            panic!("no noul answer");
+        };
+        assert_eq!(late.noul, want.noul);
+    }
+    assert!(loops >= 3, "{loops} of 12 thoughts stopped as loops");
     drop(engine);
     worker.join();
 }
