@@ -106,8 +106,31 @@ impl Sampler {
         (bits >> 11) as f64 / (1u64 << 53) as f64
     }
 
-    /// Draws the next token. NaN logits are never drawn; a non-finite row is an error.
+    /// How many of a row's best logits a draw needs: 1 when greedy, `top_k` (0: the whole row).
+    pub fn needs(&self) -> usize {
+        if self.config.temperature == 0.0 {
+            1
+        } else {
+            self.config.top_k
+        }
+    }
+
+    /// Draws the next token from a whole row of logits (`logits[t]` is token `t`'s).
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32, SampleError> {
+        self.draw(logits, None)
+    }
+
+    /// Draws the next token from candidates (`values[i]` is token `ids[i]`'s) that include the row's
+    /// [`Self::needs`] best logits: the same token as from the whole row.
+    pub fn sample_candidates(&mut self, values: &[f32], ids: &[u32]) -> Result<u32, SampleError> {
+        if values.len() != ids.len() {
+            return Err(SampleError::Empty);
+        }
+        self.draw(values, Some(ids))
+    }
+
+    /// NaN logits are never drawn; a non-finite row is an error.
+    fn draw(&mut self, logits: &[f32], ids: Option<&[u32]>) -> Result<u32, SampleError> {
         let step = self.step;
         self.step += 1;
         if logits.is_empty() {
@@ -121,7 +144,7 @@ impl Sampler {
         } else {
             self.config.top_k
         };
-        let candidates = best_tokens(logits, k);
+        let candidates = best_tokens(logits, ids, k);
         if candidates.is_empty() {
             return Err(SampleError::NotFinite);
         }
@@ -170,14 +193,15 @@ impl Sampler {
 
 /// The `k` best finite logits as (logit, token id), best first, ties by the smaller id: one pass over the
 /// row keeping a sorted buffer of `k` (a whole sort only when `k` is the whole row).
-fn best_tokens(logits: &[f32], k: usize) -> Vec<(f32, u32)> {
+fn best_tokens(logits: &[f32], ids: Option<&[u32]>, k: usize) -> Vec<(f32, u32)> {
     // `a` ranks before `b`.
     let before = |a: &(f32, u32), b: &(f32, u32)| a.0 > b.0 || (a.0 == b.0 && a.1 < b.1);
+    let id = |i: usize| ids.map_or(i as u32, |ids| ids[i]);
     let finite = logits
         .iter()
         .enumerate()
         .filter(|(_, l)| l.is_finite())
-        .map(|(i, &l)| (l, i as u32));
+        .map(|(i, &l)| (l, id(i)));
     if k >= logits.len() / 8 {
         let mut all: Vec<(f32, u32)> = finite.collect();
         all.sort_unstable_by(|a, b| {

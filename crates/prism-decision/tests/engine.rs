@@ -423,3 +423,57 @@ fn sampled_thoughts_are_the_same_alone_and_among_others() {
     drop(engine);
     worker.join();
 }
+
+/// A sampled thought through the engine's pass (next-token candidates picked on the device in blocks)
+/// has the tokens of a plain loop that samples each whole row of logits with the same seed: the
+/// candidates always hold the sampler's `top_k` best. `top_k` 3 here, so that only a few of the tiny
+/// vocabulary's 17 blocks come back.
+#[test]
+fn sampled_thought_tokens_are_those_of_the_whole_rows() {
+    use prism_decision::chat_template::ChatMessage;
+    use prism_decision::thought::Sampler;
+    let (mut model, config) = load("tiny-Q8_0.gguf", 4096);
+    let (_, prompt) = fixture_prompts()[0].clone();
+    let sampling = prism_decision::config::SamplingConfig {
+        top_k: 3,
+        ..config.thought_sampling.clone()
+    };
+    let budget = 40;
+    let request = prism_decision::ThoughtRequest {
+        question: "q".into(),
+        prompt: prompt.clone(),
+        budget,
+        seed: Some(42),
+        sampling: sampling.clone(),
+        loop_detector: config.loop_detector.clone(),
+    };
+    let outcome = model.think(&[request]).expect("thought").remove(0);
+
+    let format = model.prompt_format();
+    let messages = [
+        ChatMessage::system(prompt.system.as_str()),
+        ChatMessage::user(prompt.user.as_str()),
+    ];
+    let tokens = format.render_and_encode(&messages, true).expect("thinking prompt").ids;
+    let end_think = format.special_tokens().end_think.expect("</think>");
+    let decoder = model.decoder();
+    let mut state = decoder.new_state().expect("state");
+    let mut hidden = decoder.prefill(&mut state, &tokens).expect("prefill");
+    let mut sampler = Sampler::new(sampling, 42);
+    let mut want = Vec::new();
+    loop {
+        let row: Vec<f32> = decoder
+            .logits(&hidden)
+            .and_then(|l| Ok(l.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?))
+            .expect("logits")
+            .remove(0);
+        let token = sampler.sample(&row).expect("a token");
+        want.push(token);
+        if token == end_think || format.eos_ids().contains(&token) || want.len() >= budget {
+            break;
+        }
+        hidden = decoder.prefill(&mut state, &[token]).expect("decode");
+    }
+    assert_eq!(outcome.tokens, want);
+    assert!(want.len() >= 5, "{want:?}");
+}

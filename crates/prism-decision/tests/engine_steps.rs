@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use prism_decision::engine::{
     thinking::think_alone, Branch, CancelToken, Engine, EngineOptions, GroupInput, GroupOutput,
-    JobError, JobResult, PassModel, PrefixCacheLimits, PromptEncoder, SubmitError, ThoughtMarkers,
+    JobError, JobResult, NextLogits, PassModel, PrefixCacheLimits, PromptEncoder, SubmitError,
+    ThoughtMarkers,
 };
 use prism_decision::{
     decide, Answer, DecisionConfig, DecisionRequest, DecisionResponse, Family, LetterLogits,
@@ -203,11 +204,14 @@ impl PassModel for Fake {
                 log.tokens += tokens.len();
                 log.branches += 1;
             }
-            log.thought_steps += usize::from(group.want_logits);
+            log.thought_steps += usize::from(group.want_logits.is_some());
             outputs.push(GroupOutput {
                 state: group.want_state.then(|| history.clone()),
                 logits,
-                next_logits: group.want_logits.then(|| next_token_logits(&history)),
+                next_logits: group.want_logits.map(|_| NextLogits {
+                    values: next_token_logits(&history),
+                    ids: None,
+                }),
             });
         }
         self.log.lock().unwrap().push(log);

@@ -38,6 +38,7 @@ pub mod qwen35;
 pub mod rope;
 pub mod state;
 pub mod synth;
+pub mod top;
 pub mod weights;
 
 pub use config::{read_hf_config, LayerKind, Metadata, Qwen35Config};
@@ -51,6 +52,7 @@ pub use qwen35::{
 };
 pub use rope::Position3;
 pub use state::SequenceState;
+pub use top::{top_candidates, Candidates};
 pub use weights::Precision;
 
 /// Memory of `device` in use and in all, in bytes (the driver's count for the whole device, this process's

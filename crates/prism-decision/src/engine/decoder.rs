@@ -12,7 +12,7 @@ use std::sync::Arc;
 use prism_gguf::{GgufError, GgufFile};
 use prism_model::{BatchItem, LoadOptions, Qwen35Model, SequenceState};
 
-use super::pass::{GroupInput, GroupOutput, PassModel, PromptEncoder, ThoughtMarkers};
+use super::pass::{GroupInput, GroupOutput, NextLogits, PassModel, PromptEncoder, ThoughtMarkers};
 use crate::chat_template::{ChatMessage, PromptFormat, PromptFormatError};
 use crate::config::{ConfigError, DecisionConfig};
 use crate::model::{
@@ -295,8 +295,9 @@ impl PassModel for DecoderLetterModel {
         let mut parents: Vec<Option<usize>> = Vec::new();
         let mut keep: Vec<bool> = Vec::new();
         let mut roots: Vec<Option<usize>> = Vec::with_capacity(groups.len());
-        // Items whose last position's whole-vocabulary logits are wanted (thought steps).
+        // Items whose last position's next-token logits are wanted (thought steps).
         let mut next_items: Vec<usize> = Vec::new();
+        let mut next_k: Option<usize> = None;
         let mut branch_items: Vec<(usize, usize)> = Vec::new(); // (item, letters)
         for group in groups {
             let start = || group.start.cloned().unwrap_or_else(|| fresh.clone());
@@ -308,7 +309,14 @@ impl PassModel for DecoderLetterModel {
                 states.len() - 1
             });
             roots.push(root);
-            if group.want_logits {
+            if let Some(k) = group.want_logits {
+                // One k for the pass: the largest asked for (0, the whole row, when any asks it).
+                next_k = Some(match next_k {
+                    None => k,
+                    Some(0) => 0,
+                    Some(_) if k == 0 => 0,
+                    Some(other) => other.max(k),
+                });
                 match root {
                     Some(item) => next_items.push(item),
                     None => {
@@ -338,7 +346,7 @@ impl PassModel for DecoderLetterModel {
             }
         }
         let mut logits_rows: Vec<Vec<f32>> = Vec::new();
-        let mut next_rows: Vec<Vec<f32>> = Vec::new();
+        let mut next_rows: Vec<NextLogits> = Vec::new();
         {
             let mut items: Vec<BatchItem<'_>> = states
                 .iter_mut()
@@ -368,13 +376,19 @@ impl PassModel for DecoderLetterModel {
                 if !next_items.is_empty() {
                     let hidden = last_rows(&mut next_items.iter().copied()).map_err(backend)?;
                     let device = hidden.device().clone();
+                    let k = next_k.unwrap_or(0);
                     next_rows = prism_model::profile::time(
-                        "output head: whole vocabulary, to the host",
+                        "output head: next-token candidates, to the host",
                         &device,
-                        || {
-                            self.decoder.logits(&hidden).and_then(|t| {
-                                Ok(t.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?)
-                            })
+                        || -> prism_model::Result<Vec<NextLogits>> {
+                            let logits = self.decoder.logits(&hidden)?;
+                            Ok(prism_model::top_candidates(&logits, k)?
+                                .into_iter()
+                                .map(|c| NextLogits {
+                                    values: c.values,
+                                    ids: Some(c.ids),
+                                })
+                                .collect())
                         },
                     )
                     .map_err(backend)?;
@@ -414,7 +428,7 @@ impl PassModel for DecoderLetterModel {
                 .take(group.branches.len())
                 .map(|(row, letters)| row.into_iter().take(letters).map(f64::from).collect())
                 .collect();
-            let next_logits = if group.want_logits {
+            let next_logits = if group.want_logits.is_some() {
                 next_rows.next()
             } else {
                 None

@@ -31,7 +31,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub use decoder::{DecoderLetterModel, EngineError, LoadedDecisionModel, ModelSource};
-pub use pass::{Branch, GroupInput, GroupOutput, PassModel, PromptEncoder, ThoughtMarkers};
+pub use pass::{
+    Branch, GroupInput, GroupOutput, NextLogits, PassModel, PromptEncoder, ThoughtMarkers,
+};
 pub use prefix_cache::{PrefixCache, PrefixCacheLimits, PrefixCacheStats};
 
 use crate::config::DecisionConfig;

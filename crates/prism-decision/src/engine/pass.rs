@@ -29,9 +29,11 @@ pub struct GroupInput<'a, S> {
     pub branches: Vec<Branch<'a>>,
     /// Whether the state after the prefix is wanted back ([`GroupOutput::state`]).
     pub want_state: bool,
-    /// Whether the whole vocabulary's next-token logits at the prefix's last token are wanted back
-    /// ([`GroupOutput::next_logits`]; a thought's decode step). Needs a non-empty prefix.
-    pub want_logits: bool,
+    /// Whether the next-token logits at the prefix's last token are wanted back
+    /// ([`GroupOutput::next_logits`]; a thought's decode step), and how many of the best: `Some(k)`
+    /// asks for candidates that include the `k` best logits, `Some(0)` for the whole vocabulary. Needs
+    /// a non-empty prefix.
+    pub want_logits: Option<usize>,
 }
 
 /// What a pass returns for one group.
@@ -41,8 +43,16 @@ pub struct GroupOutput<S> {
     pub state: Option<S>,
     /// Per branch, in order, the letter logits (`letters` of them).
     pub logits: Vec<Vec<f64>>,
-    /// The next-token logits over the whole vocabulary after the prefix, when they were asked for.
-    pub next_logits: Option<Vec<f32>>,
+    /// The next-token logits after the prefix, when they were asked for.
+    pub next_logits: Option<NextLogits>,
+}
+
+/// Next-token logits: the whole vocabulary's (`ids` `None`: `values[t]` is token `t`'s), or candidates
+/// that include the `k` best asked for, with their token ids.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NextLogits {
+    pub values: Vec<f32>,
+    pub ids: Option<Vec<u32>>,
 }
 
 /// A model that runs passes for the engine.

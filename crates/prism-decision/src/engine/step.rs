@@ -449,7 +449,7 @@ impl<M: PassModel> StepLoop<M> {
                         prefix: &lead.key[g.from..g.to],
                         branches,
                         want_state: g.to > g.from,
-                        want_logits: false,
+                        want_logits: None,
                     }
                 })
                 .chain(thoughts.iter().map(|&(i, t)| {

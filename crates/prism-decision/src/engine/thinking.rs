@@ -128,7 +128,7 @@ impl<S: Clone> ThoughtRun<S> {
                     prefix: &self.prompt[from..],
                     branches: Vec::new(),
                     want_state: true,
-                    want_logits: true,
+                    want_logits: Some(self.sampler.needs()),
                 }
             }
             Phase::Decode => GroupInput {
@@ -136,7 +136,7 @@ impl<S: Clone> ThoughtRun<S> {
                 prefix: std::slice::from_ref(self.generated.last().unwrap_or(&0)),
                 branches: Vec::new(),
                 want_state: true,
-                want_logits: true,
+                want_logits: Some(self.sampler.needs()),
             },
             Phase::Close | Phase::Done => GroupInput {
                 start: self.state.as_ref(),
@@ -146,7 +146,7 @@ impl<S: Clone> ThoughtRun<S> {
                     letters: self.letters,
                 }],
                 want_state: false,
-                want_logits: false,
+                want_logits: None,
             },
         }
     }
@@ -167,7 +167,11 @@ impl<S: Clone> ThoughtRun<S> {
                     ModelError::Backend("a thought step returned no logits".into())
                 })?;
                 self.state = Some(state);
-                let token = self.sampler.sample(&logits).map_err(|e| {
+                let token = match &logits.ids {
+                    None => self.sampler.sample(&logits.values),
+                    Some(ids) => self.sampler.sample_candidates(&logits.values, ids),
+                }
+                .map_err(|e| {
                     ModelError::Backend(format!("question {:?}: thought: {e}", self.question))
                 })?;
                 self.generated.push(token);
