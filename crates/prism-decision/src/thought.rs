@@ -357,12 +357,16 @@ mod tests {
             .collect();
         sorted.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap().then(a.1.cmp(&b.1)));
         for k in [1, 2, 20, 100, 5000] {
-            assert_eq!(best_tokens(&logits, k), sorted[..k], "k = {k}");
+            assert_eq!(best_tokens(&logits, None, k), sorted[..k], "k = {k}");
         }
         assert_eq!(
-            best_tokens(&[f32::NAN, 1.0, f32::INFINITY, 1.0], 3),
+            best_tokens(&[f32::NAN, 1.0, f32::INFINITY, 1.0], None, 3),
             [(1.0, 1), (1.0, 3)]
         );
+        // Candidates with their ids: the same best as the whole row when they include them.
+        let ids: Vec<u32> = (0..5000).rev().collect();
+        let values: Vec<f32> = ids.iter().map(|&i| logits[i as usize]).collect();
+        assert_eq!(best_tokens(&values, Some(&ids), 20), sorted[..20]);
     }
 
     #[test]
