@@ -380,6 +380,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let name = model.model_name().to_string();
     let layers = model.decoder().config().n_layers;
     let config_note = match &source.model_dir {
+        Some(_) if demo => " (decision config: the defaults, the family from --demo)",
         Some(dir) if !dir.join("decision_config.json").is_file() => {
             " (decision config: the defaults, as the model directory has no decision_config.json)"
         }
@@ -528,7 +529,12 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         say!("  WARNING: listening on {address}, reachable from other machines, without an API key (--api-key).");
     }
     say!(
-        "Ready on {base}  ({device_name}, {precision_label}, {} tokens and {} prompts a pass, prefix cache {} tokens / {:.2} GB, queue {}, timeout {} s, {} connections, body limit {} bytes, API key {})",
+        "Ready on {base}  ({device_name}, {precision_label}, family {family}{}, {} tokens and {} prompts a pass, prefix cache {} tokens / {:.2} GB, queue {}, timeout {} s, {} connections, body limit {} bytes, API key {})",
+        if family.thinks() {
+            format!(", {} thoughts at once", engine_options.think_seqs)
+        } else {
+            String::new()
+        },
         engine_options.max_batch_tokens,
         engine_options.max_prompts_per_pass,
         engine_options.prefix_cache.max_tokens,
