@@ -454,7 +454,10 @@ fn sampled_thought_tokens_are_those_of_the_whole_rows() {
         ChatMessage::system(prompt.system.as_str()),
         ChatMessage::user(prompt.user.as_str()),
     ];
-    let tokens = format.render_and_encode(&messages, true).expect("thinking prompt").ids;
+    let tokens = format
+        .render_and_encode(&messages, true)
+        .expect("thinking prompt")
+        .ids;
     let end_think = format.special_tokens().end_think.expect("</think>");
     let decoder = model.decoder();
     let mut state = decoder.new_state().expect("state");
