@@ -231,6 +231,8 @@ struct Tally {
     latencies_ms: Vec<f64>,
     statuses: BTreeMap<u16, u64>,
     input_tokens: u64,
+    /// Tokens decoded (thoughts) by the answered requests.
+    output_tokens: u64,
     transport_errors: u64,
 }
 
@@ -299,6 +301,8 @@ fn run_level(level: Level<'_>) -> Value {
                                 if let Ok(v) = serde_json::from_slice::<Value>(&sent.body) {
                                     t.input_tokens +=
                                         v["usage"]["input_tokens"].as_u64().unwrap_or(0);
+                                    t.output_tokens +=
+                                        v["usage"]["output_tokens"].as_u64().unwrap_or(0);
                                 }
                                 answered
                                     .lock()
@@ -344,6 +348,7 @@ fn run_level(level: Level<'_>) -> Value {
         "answered": sorted.len(),
         "requests_per_s": ok / elapsed,
         "input_tokens_per_s": t.input_tokens as f64 / elapsed,
+        "output_tokens_per_s": t.output_tokens as f64 / elapsed,
         "latency_ms": {
             "mean": if sorted.is_empty() { Value::Null } else { json!(sorted.iter().sum::<f64>() / ok) },
             "p50": percentile(&sorted, 0.50),
@@ -483,17 +488,18 @@ pub fn run(args: &LoadgenArgs) -> Result<()> {
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "{:>8} {:>10} {:>12} {:>9} {:>9} {:>9}  statuses",
-        "clients", "req/s", "in tok/s", "p50 ms", "p95 ms", "p99 ms"
+        "{:>8} {:>10} {:>12} {:>12} {:>9} {:>9} {:>9}  statuses",
+        "clients", "req/s", "in tok/s", "out tok/s", "p50 ms", "p95 ms", "p99 ms"
     )?;
     for r in &results {
         let ms = |k: &str| r["latency_ms"][k].as_f64().unwrap_or(f64::NAN);
         writeln!(
             out,
-            "{:>8} {:>10.2} {:>12.0} {:>9.1} {:>9.1} {:>9.1}  {}",
+            "{:>8} {:>10.2} {:>12.0} {:>12.0} {:>9.1} {:>9.1} {:>9.1}  {}",
             r["clients"].as_u64().unwrap_or(0),
             r["requests_per_s"].as_f64().unwrap_or(0.0),
             r["input_tokens_per_s"].as_f64().unwrap_or(0.0),
+            r["output_tokens_per_s"].as_f64().unwrap_or(0.0),
             ms("p50"),
             ms("p95"),
             ms("p99"),

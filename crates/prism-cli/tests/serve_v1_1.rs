@@ -84,6 +84,28 @@ fn demo_v1_1_thinks_end_to_end() {
         }
     }
     assert_eq!(body["usage"]["output_tokens"], thought_tokens);
+    // Every field of these answers is in /openapi.json's schemas.
+    let doc = server.get("/openapi.json").json();
+    let schemas = &doc["components"]["schemas"];
+    for (name, schema) in [
+        ("team", "ChoiceAnswer"),
+        ("urgent", "NoulAnswer"),
+        ("mood", "ScoreAnswer"),
+    ] {
+        let answer = body["answers"][name].as_object().unwrap();
+        for key in answer.keys() {
+            assert!(
+                schemas[schema]["properties"].get(key).is_some(),
+                "{schema} lacks {key}"
+            );
+        }
+        for key in answer["x_details"].as_object().unwrap().keys() {
+            assert!(
+                schemas["AnswerDetails"]["properties"].get(key).is_some(),
+                "AnswerDetails lacks {key}"
+            );
+        }
+    }
     assert!(body["answers"]["team"]["none_probability"].is_f64());
     // No note: a v1.1 model honours every setting sent.
     assert!(body.get("x_notes").is_none(), "{body}");
@@ -99,6 +121,15 @@ fn demo_v1_1_thinks_end_to_end() {
     let stats = server.get("/stats").json();
     assert_eq!(stats["thoughts"]["finished"], 6, "{}", stats["thoughts"]);
     assert_eq!(stats["thoughts"]["tokens"], 2 * thought_tokens);
+
+    // And in /metrics.
+    let metrics = String::from_utf8(server.get("/metrics").body).unwrap();
+    assert!(metrics.contains("prism_thoughts_finished 6"), "{metrics}");
+    assert!(
+        metrics.contains(&format!("prism_thought_tokens {}", 2 * thought_tokens)),
+        "{metrics}"
+    );
+    assert!(metrics.contains("prism_thought_steps_total"), "{metrics}");
 
     // auto with gate 0: no question is below it, so nothing thinks.
     let never = post(

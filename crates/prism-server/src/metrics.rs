@@ -38,6 +38,10 @@ pub struct Metrics {
     /// Passes and tokens computed by each engine replica (label `replica`).
     replica_passes: Family<Labels, Counter>,
     replica_tokens: Family<Labels, Counter>,
+    /// Thought steps run (v1.1 AutoThink: one per thought per pass), thoughts finished and their tokens.
+    thought_steps: Counter,
+    thoughts_finished: Gauge,
+    thought_tokens: Gauge,
     /// `render` sets gauges and encodes; one at a time.
     render_lock: Mutex<()>,
 }
@@ -153,7 +157,28 @@ impl Default for Metrics {
             "Tokens computed by engine replica",
             replica_tokens.clone(),
         );
+        let thought_steps = Counter::default();
+        registry.register(
+            "thought_steps",
+            "Thought steps run (one per thought per forward pass it was in)",
+            thought_steps.clone(),
+        );
+        let thoughts_finished = Gauge::default();
+        registry.register(
+            "thoughts_finished",
+            "Thoughts finished since start",
+            thoughts_finished.clone(),
+        );
+        let thought_tokens = Gauge::default();
+        registry.register(
+            "thought_tokens",
+            "Tokens decoded by the thoughts finished since start",
+            thought_tokens.clone(),
+        );
         Metrics {
+            thought_steps,
+            thoughts_finished,
+            thought_tokens,
             replica_passes,
             replica_tokens,
             registry,
@@ -218,6 +243,8 @@ impl Metrics {
         self.cache_bytes.set(as_i64(engine.prefix_cache.bytes));
         self.cache_evictions
             .set(as_i64(engine.prefix_cache.evictions));
+        self.thoughts_finished.set(as_i64(engine.thoughts_finished));
+        self.thought_tokens.set(as_i64(engine.thought_tokens));
         let mut text = String::new();
         encode(&mut text, &self.registry)?;
         Ok(text)
@@ -232,6 +259,7 @@ impl EngineObserver for Metrics {
         self.pass_seconds.observe(seconds);
         self.cache_hits.inc_by(record.cache_hits as u64);
         self.cache_misses.inc_by(record.cache_misses as u64);
+        self.thought_steps.inc_by(record.thought_steps as u64);
         let replica = vec![("replica".to_string(), record.replica.to_string())];
         self.replica_passes.get_or_create(&replica).inc();
         self.replica_tokens
