@@ -10,10 +10,9 @@
 mod serve_common;
 
 use std::path::PathBuf;
-use std::process::Command;
 
-use serde_json::{json, Value};
-use serve_common::{repo_path, send, Server};
+use serde_json::json;
+use serve_common::{repo_path, run_sdk_check, send, Server};
 
 fn sdk_python() -> Option<PathBuf> {
     let python = std::env::var_os("PRISM_SDK_PYTHON")
@@ -34,23 +33,13 @@ fn the_typesafe_python_sdk_works_unchanged() {
         return;
     };
     let server = Server::start(&["--api-key", "sdk-test-key"]);
-    let output = Command::new(&python)
-        .arg(repo_path("tests/sdk/check_sdk.py"))
-        .env("TYPESAFE_BASE_URL", format!("http://{}", server.addr))
-        .env("TYPESAFE_API_KEY", "sdk-test-key")
-        .env("PRISM_EXPECTED_MODEL", "Qwen35 Tiny")
-        .env_remove("TYPESAFE_DEFAULT_MODEL")
-        .output()
-        .expect("run the SDK check");
-    assert!(
-        output.status.success(),
-        "the SDK check failed:\n{}\n{}\n{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr),
-        server.output()
+    let report = run_sdk_check(
+        &python,
+        "check_sdk.py",
+        &server,
+        "sdk-test-key",
+        &[("PRISM_EXPECTED_MODEL", "Qwen35 Tiny".to_string())],
     );
-    let report: Value = serde_json::from_slice(&output.stdout).expect("the SDK check prints JSON");
-    assert_eq!(report["sdk_version"], "0.7.5", "the version .ci/run pins");
 
     // The same request as plain JSON (what the SDK sends, uncompressed): the same answers.
     let criteria =

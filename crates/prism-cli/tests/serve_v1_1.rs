@@ -5,7 +5,7 @@
 mod serve_common;
 
 use serde_json::{json, Value};
-use serve_common::{repo_path, venv_program, Server};
+use serve_common::{repo_path, run_sdk_check, venv_program, Server};
 
 fn post(server: &Server, body: &Value) -> serve_common::Reply {
     server.post_json("/v1/systemone", &serde_json::to_vec(body).unwrap())
@@ -256,25 +256,17 @@ fn what_the_typesafe_sdk_sees_of_v1_1() {
     };
     let server = Server::start(&["--demo", "v1.1"]);
     let (state, instructions, criteria) = find_null_choice(&server);
-    let output = std::process::Command::new(&python)
-        .arg(repo_path("tests/sdk/check_sdk_v1_1.py"))
-        .env("TYPESAFE_BASE_URL", format!("http://{}", server.addr))
-        .env("TYPESAFE_API_KEY", "unused")
-        .env("NULL_STATE", &state)
-        .env("NULL_INSTRUCTIONS", &instructions)
-        .env("NULL_CRITERIA", criteria.to_string())
-        .env_remove("TYPESAFE_DEFAULT_MODEL")
-        .output()
-        .expect("run the SDK check");
-    assert!(
-        output.status.success(),
-        "the SDK check failed:\n{}\n{}\n{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr),
-        server.output()
+    let report = run_sdk_check(
+        &python,
+        "check_sdk_v1_1.py",
+        &server,
+        "unused",
+        &[
+            ("NULL_STATE", state),
+            ("NULL_INSTRUCTIONS", instructions),
+            ("NULL_CRITERIA", criteria.to_string()),
+        ],
     );
-    let report: Value = serde_json::from_slice(&output.stdout).expect("the SDK check prints JSON");
-    assert_eq!(report["sdk_version"], "0.7.5");
     // What the README says: a null choice fails the SDK's validation.
     let error = report["null_choice_error"].as_str().unwrap();
     eprintln!(

@@ -715,11 +715,12 @@ fn alone_with(request: &DecisionRequest, config: &DecisionConfig) -> DecisionRes
     decide(request, config, &mut Reference).unwrap()
 }
 
-#[test]
-fn thoughts_decode_in_shared_passes_and_answer_as_alone() {
+/// The thinking requests of [`thought_requests`], submitted at once behind a held first pass: each
+/// answers as `decide` does alone. Returns the most thought steps any pass held, the thoughts the
+/// answers hold and the engine's stats.
+fn thoughts_at_once(options: EngineOptions) -> (usize, usize, prism_decision::EngineStats) {
     let (go, gate) = mpsc::channel();
-    let (engine, worker, log, _) =
-        start_with(EngineOptions::default(), autothink(), Some(gate), None);
+    let (engine, worker, log, _) = start_with(options, autothink(), Some(gate), None);
     let requests = thought_requests();
     let receivers: Vec<_> = requests
         .iter()
@@ -747,43 +748,36 @@ fn thoughts_decode_in_shared_passes_and_answer_as_alone() {
         }
         thoughts += with_thought;
     }
-    assert!(thoughts >= 8, "{thoughts} thoughts");
     let stats = engine.stats();
+    let most = log
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|p| p.thought_steps)
+        .max()
+        .unwrap_or(0);
+    drop(engine);
+    worker.join();
+    (most, thoughts, stats)
+}
+
+#[test]
+fn thoughts_decode_in_shared_passes_and_answer_as_alone() {
+    let (most, thoughts, stats) = thoughts_at_once(EngineOptions::default());
+    assert!(thoughts >= 8, "{thoughts} thoughts");
     assert!(stats.thoughts_finished >= thoughts as u64);
     assert_eq!(stats.thoughts_started, stats.thoughts_finished);
     // Thoughts of different requests decoded in the same passes.
-    let passes = log.lock().unwrap().clone();
-    let most = passes.iter().map(|p| p.thought_steps).max().unwrap_or(0);
     assert!(most >= 4, "at most {most} thought steps in a pass");
-    drop(engine);
-    worker.join();
 }
 
 #[test]
 fn think_seqs_bounds_the_thoughts_decoded_at_once() {
-    let options = EngineOptions {
+    let (most, _, _) = thoughts_at_once(EngineOptions {
         think_seqs: 2,
         ..EngineOptions::default()
-    };
-    let (go, gate) = mpsc::channel();
-    let (engine, worker, log, _) = start_with(options, autothink(), Some(gate), None);
-    let requests = thought_requests();
-    let receivers: Vec<_> = requests
-        .iter()
-        .map(|r| submit(&engine, r.clone()))
-        .collect();
-    go.send(()).unwrap();
-    for (request, rx) in requests.iter().zip(receivers) {
-        same_answer(
-            &rx.recv().unwrap().unwrap().response,
-            &alone_with(request, &autothink()),
-        );
-    }
-    let passes = log.lock().unwrap().clone();
-    let most = passes.iter().map(|p| p.thought_steps).max().unwrap_or(0);
+    });
     assert_eq!(most, 2, "thought steps in a pass");
-    drop(engine);
-    worker.join();
 }
 
 #[test]

@@ -47,6 +47,39 @@ pub fn venv_program(name: &str, check: &[&str], what: &str) -> Option<PathBuf> {
     found
 }
 
+/// Runs an SDK check script (`tests/sdk/NAME.py`) with the virtualenv's `python` against `server`
+/// (`TYPESAFE_BASE_URL`, `TYPESAFE_API_KEY` = `api_key`, plus `env`); fails the test with the script's
+/// and the server's output unless it succeeds; the JSON object it prints, whose `sdk_version` must be
+/// the one `.ci/run` pins.
+pub fn run_sdk_check(
+    python: &std::path::Path,
+    script: &str,
+    server: &Server,
+    api_key: &str,
+    env: &[(&str, String)],
+) -> Value {
+    let mut command = Command::new(python);
+    command
+        .arg(repo_path(&format!("tests/sdk/{script}")))
+        .env("TYPESAFE_BASE_URL", format!("http://{}", server.addr))
+        .env("TYPESAFE_API_KEY", api_key)
+        .env_remove("TYPESAFE_DEFAULT_MODEL");
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    let output = command.output().expect("run the SDK check");
+    assert!(
+        output.status.success(),
+        "the SDK check {script} failed:\n{}\n{}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+        server.output()
+    );
+    let report: Value = serde_json::from_slice(&output.stdout).expect("the SDK check prints JSON");
+    assert_eq!(report["sdk_version"], "0.7.5", "the version .ci/run pins");
+    report
+}
+
 /// A running `prism serve`, killed when dropped.
 pub struct Server {
     child: Child,
