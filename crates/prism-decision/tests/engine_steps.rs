@@ -267,7 +267,12 @@ fn start_with(
 }
 
 fn request(state: &str, questions: &[(&str, &str)]) -> DecisionRequest {
-    let mut body = format!("{{\"state\": {state:?}, \"questions\": {{");
+    request_with(state, questions, "")
+}
+
+/// A request body with `extra` (top-level fields, each followed by `, `) before its questions.
+fn request_with(state: &str, questions: &[(&str, &str)], extra: &str) -> DecisionRequest {
+    let mut body = format!("{{\"state\": {state:?}, {extra}\"questions\": {{");
     for (i, (name, q)) in questions.iter().enumerate() {
         if i > 0 {
             body.push_str(", ");
@@ -678,17 +683,9 @@ fn autothink() -> DecisionConfig {
     }
 }
 
-/// A request with thoughts: `extra` is added to the body's top level.
+/// A request with thoughts: `extra` (fields) is added to the body's top level.
 fn thinking_request(state: &str, questions: &[(&str, &str)], extra: &str) -> DecisionRequest {
-    let mut body = format!("{{\"state\": {state:?}, {extra}, \"questions\": {{");
-    for (i, (name, q)) in questions.iter().enumerate() {
-        if i > 0 {
-            body.push_str(", ");
-        }
-        body.push_str(&format!("{name:?}: {q}"));
-    }
-    body.push_str("}}");
-    DecisionRequest::parse(body.as_bytes(), &RequestDefaults::default()).unwrap()
+    request_with(state, questions, &format!("{extra}, "))
 }
 
 fn thought_requests() -> Vec<DecisionRequest> {
