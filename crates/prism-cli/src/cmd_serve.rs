@@ -147,6 +147,10 @@ pub struct ServeArgs {
     /// without --gguf: a release's own decision_config.json says its family.
     #[arg(long, value_parser = ["v1", "v1.1", "instant"])]
     pub demo: Option<String>,
+    /// Do not serve the playground page at `GET /` (a page to try the model in a browser; served
+    /// without the API key, it asks for the key and sends it with its requests).
+    #[arg(long)]
+    pub no_playground: bool,
 }
 
 /// The bundled demo model's directory: next to the binary's checkout (target/*/prism), else the source
@@ -500,6 +504,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             demo,
             family,
         },
+        playground: !args.no_playground,
     };
     let counters = Counters {
         stats: stats.clone(),
@@ -545,6 +550,9 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         args.max_body_bytes,
         if api_key.is_some() { "required" } else { "off" }
     );
+    if !args.no_playground {
+        say!("  Playground: open {base}/ in a browser");
+    }
     say!("  POST {base}/v1/systemone   (alias /v1/decisions)");
     say!("  GET  {base}/v1/models");
     say!("  GET  {base}/health");

@@ -103,7 +103,7 @@ impl ApiError {
             StatusCode::NOT_FOUND,
             loc(["path"]),
             "not_found",
-            format!("no such endpoint {path:?}: POST /v1/systemone (or /v1/decisions), GET /v1/models, GET /health, GET /stats, GET /metrics, GET /openapi.json"),
+            format!("no such endpoint {path:?}: POST /v1/systemone (or /v1/decisions), GET /v1/models, GET /health, GET /stats, GET /metrics, GET /openapi.json, GET / (the playground page, unless --no-playground)"),
         )
     }
 

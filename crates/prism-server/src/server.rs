@@ -62,7 +62,13 @@ pub struct ServerConfig {
     /// The request defaults (`--gate`, `--none-check`, `--allow-none`).
     pub defaults: RequestDefaults,
     pub model: ModelInfo,
+    /// Serve the playground page at `GET /` (without the API key: the page itself holds nothing; it
+    /// asks for the key and sends it with its requests). `--no-playground` turns it off.
+    pub playground: bool,
 }
+
+/// The playground page: HTML, CSS and JS in one file, nothing fetched from elsewhere.
+const PLAYGROUND: &str = include_str!("playground.html");
 
 struct Shared {
     config: ServerConfig,
@@ -88,7 +94,14 @@ pub fn router(
         metrics,
     });
     let decide_route = || -> MethodRouter<AppState> { post(decide).fallback(method_not_allowed) };
-    Router::new()
+    let playground = state.config.playground;
+    let router = Router::new();
+    let router = if playground {
+        router.route("/", get(playground_page).fallback(method_not_allowed))
+    } else {
+        router
+    };
+    router
         .route("/v1/systemone", decide_route())
         .route("/v1/decisions", decide_route())
         .route("/v1/models", get(models).fallback(method_not_allowed))
@@ -410,10 +423,12 @@ async fn around_every_request(
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
             response
         }
-        (Ok(()), Some(key), p) if p != "/health" => match authorized(request.headers(), key) {
-            Ok(()) => next.run(request).await,
-            Err(error) => error.into_response(),
-        },
+        (Ok(()), Some(key), p) if p != "/health" && !(p == "/" && state.config.playground) => {
+            match authorized(request.headers(), key) {
+                Ok(()) => next.run(request).await,
+                Err(error) => error.into_response(),
+            }
+        }
         (Ok(()), _, _) => next.run(request).await,
     };
     if let Ok(value) = HeaderValue::from_str(&id) {
@@ -789,6 +804,20 @@ async fn stats_page(State(state): State<AppState>) -> Response {
 /// The OpenAPI 3.1 description of this API (a document kept next to the routes; a test checks that it
 /// lists every route).
 const OPENAPI: &str = include_str!("openapi.json");
+
+async fn playground_page() -> Response {
+    (
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/html; charset=utf-8"),
+            ),
+            (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
+        ],
+        PLAYGROUND,
+    )
+        .into_response()
+}
 
 async fn openapi() -> Response {
     (
