@@ -411,6 +411,38 @@ extern "C" __global__ void causal_conv_silu_f32(const float* __restrict__ x, lon
 #undef PADDED
 }
 
+// The conv + SiLU of many one-token segments at once (decode steps): segment s reads its input row
+// args.row[s] of x (at x_stride), its own window args.window[s] ([K-1, C], anywhere on the device), writes
+// output row args.row[s] of out ([N, C]) and its new window to new_windows[s] ([count, K-1, C]). The same
+// products and sums in the same order as causal_conv_silu_f32 for T = 1, so bit for bit the same.
+#define CONV_DECODE_MAX 64
+struct ConvDecodeArgs {
+    const float* window[CONV_DECODE_MAX];
+    int row[CONV_DECODE_MAX];
+    int count;
+};
+
+extern "C" __global__ void causal_conv_silu_decode_f32(const float* __restrict__ x, long long x_stride,
+                                                       ConvDecodeArgs args, const float* __restrict__ taps,
+                                                       float* __restrict__ out, float* __restrict__ new_windows,
+                                                       int C, int K) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const int s = blockIdx.y;
+    if (c >= C || s >= args.count) return;
+    const float* __restrict__ w = args.window[s];
+    const int r = args.row[s];
+    const float xv = x[(size_t)r * x_stride + c];
+    float acc = __fmul_rn(w[c], taps[c]);
+    for (int tap = 1; tap < K; ++tap) {
+        const float v = tap < K - 1 ? w[(size_t)tap * C + c] : xv;
+        acc = __fadd_rn(acc, __fmul_rn(v, taps[(size_t)tap * C + c]));
+    }
+    out[(size_t)r * C + c] = silu(acc);
+    float* __restrict__ nw = new_windows + (size_t)s * (K - 1) * C;
+    for (int j = 0; j + 1 < K - 1; ++j) nw[(size_t)j * C + c] = w[(size_t)(j + 1) * C + c];
+    nw[(size_t)(K - 2) * C + c] = xv;
+}
+
 // The attention layer's q and k heads: the zero-centred RMSNorm of each head (weights as stored), then
 // the partial M-RoPE rotation of its first `rot` dims (NeoX halves: element i pairs with i + rot/2),
 // the remaining dims passed through. One warp per head row; q rows (N·n_h) first, then k rows

@@ -387,6 +387,41 @@ fn conv_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
         &window_after_one_call,
     )?;
 
+    // Decode steps: 100 one-token segments in one call (two launches of at most 64), each from its own
+    // window, rows in a shuffled order, against each alone through `segment` — bit for bit.
+    for (k, width) in [(4usize, c), (3, 64)] {
+        let n = 100usize;
+        let rows_in = on(gpu, &rng.tensor(&[n, width], 2.0)?)?;
+        let taps_k = on(gpu, &rng.tensor(&[k, width], 1.0)?)?;
+        let wins: Vec<Tensor> = (0..n)
+            .map(|_| on(gpu, &rng.tensor(&[k - 1, width], 2.0)?))
+            .collect::<Result<_>>()?;
+        let order: Vec<usize> = (0..n).map(|i| (i * 37) % n).collect();
+        let refs: Vec<&Tensor> = order.iter().map(|&i| &wins[i]).collect();
+        let mut batched = prism_model::cuda::ConvSiluOutput::new(&rows_in, n, width)?;
+        let new_b = batched.decode_rows(&rows_in, &order, &refs, &taps_k)?;
+        let out_b = batched.finish()?;
+        let mut alone_rows = Vec::new();
+        let mut alone_windows = Vec::new();
+        for &i in &order {
+            let mut one = prism_model::cuda::ConvSiluOutput::new(&rows_in, 1, width)?;
+            alone_windows.push(one.segment(&rows_in.narrow(0, i, 1)?, 0, &wins[i], &taps_k)?);
+            alone_rows.push((i, one.finish()?));
+        }
+        alone_rows.sort_by_key(|(i, _)| *i);
+        let alone = Tensor::cat(&alone_rows.into_iter().map(|(_, t)| t).collect::<Vec<_>>(), 0)?;
+        r.identical(
+            &format!("conv + silu (GPU) decode: {n} one-token segments K={k} in one call vs each alone"),
+            &out_b,
+            &alone,
+        )?;
+        r.identical(
+            &format!("conv + silu (GPU) decode K={k}: new windows vs each alone"),
+            &Tensor::stack(&new_b, 0)?,
+            &Tensor::stack(&alone_windows, 0)?,
+        )?;
+    }
+
     // Another tap count (the generic loop).
     let k = 3;
     let taps3 = rng.tensor(&[k, 64], 1.0)?;

@@ -651,9 +651,27 @@ pub struct ConvSiluOutput {
     out: CudaSlice<f32>,
     rows: usize,
     channels: usize,
-    /// Rows written so far: segments come in order, each right after the previous one.
+    /// Rows written so far (segments write disjoint rows, in any order).
     filled: usize,
 }
+
+/// Most one-token segments of one [`ConvSiluOutput::decode_rows`] launch (`CONV_DECODE_MAX` in ops.cu).
+const CONV_DECODE_MAX: usize = 64;
+
+/// The segments of one decode launch: the C layout of `ConvDecodeArgs` in ops.cu, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ConvDecodeArgs {
+    window: [u64; CONV_DECODE_MAX],
+    row: [i32; CONV_DECODE_MAX],
+    count: i32,
+}
+
+// SAFETY: plain integers in the layout of the kernel's `ConvDecodeArgs` (64 pointers, 65 ints, tail
+// padding to 8 bytes: 776 bytes, checked below).
+unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for ConvDecodeArgs {}
+
+const _: () = assert!(std::mem::size_of::<ConvDecodeArgs>() == 776);
 
 impl ConvSiluOutput {
     /// An output for `rows` rows of `channels`, on `like`'s device.
@@ -689,7 +707,7 @@ impl ConvSiluOutput {
                 self.channels
             );
         }
-        if start != self.filled || start + t_len > self.rows {
+        if start + t_len > self.rows || self.filled + t_len > self.rows {
             bail!(
                 "conv + silu: segment at row {start} of {t_len} rows after {} of {} rows written",
                 self.filled,
@@ -743,6 +761,99 @@ impl ConvSiluOutput {
         }
         self.filled += t_len;
         Ok(wrap(new_window, &self.dev, (k - 1, c)))
+    }
+
+    /// Output rows `rows[s]` of one-token segments (decode steps), each from input row `rows[s]` of
+    /// `x: [N, C]` (any row stride) after its own `windows[s]: [K−1, C]`, with `taps: [K, C]`, in one
+    /// launch per 64 segments; returns the new windows (views of one `[S, K−1, C]` tensor). Bit for bit
+    /// what [`Self::segment`] gives each of them alone.
+    pub fn decode_rows(
+        &mut self,
+        x: &Tensor,
+        rows: &[usize],
+        windows: &[&Tensor],
+        taps: &Tensor,
+    ) -> Result<Vec<Tensor>> {
+        let (n, c) = x.dims2()?;
+        let (k, c_taps) = taps.dims2()?;
+        if c != self.channels || c_taps != c || k < 2 || rows.len() != windows.len() {
+            bail!(
+                "conv + silu (decode): x {:?}, taps {:?}, {} rows and {} windows do not fit {} channels",
+                x.dims(),
+                taps.dims(),
+                rows.len(),
+                windows.len(),
+                self.channels
+            );
+        }
+        if let Some(&bad) = rows.iter().find(|&&r| r >= n.min(self.rows)) {
+            bail!("conv + silu (decode): row {bad} outside the call's {n} rows");
+        }
+        let count = rows.len();
+        if self.filled + count > self.rows {
+            bail!("conv + silu (decode): {count} rows after {} of {} written", self.filled, self.rows);
+        }
+        let windows: Vec<Tensor> = windows
+            .iter()
+            .map(|w| {
+                if w.dims() != [k - 1, c] {
+                    bail!("conv + silu (decode): window {:?}, not [{}, {c}]", w.dims(), k - 1);
+                }
+                w.contiguous()
+            })
+            .collect::<Result<_>>()?;
+        let mut new_windows = alloc::<f32>(&self.dev, count * (k - 1) * c)?;
+        let x = readable_rows(x, c)?;
+        let taps = taps.contiguous()?;
+        let func = load_kernel(&self.dev, "prism_ops", OPS_IMAGE, "causal_conv_silu_decode_f32")?;
+        let stream = self.dev.cuda_stream();
+        let ix = RowsInput::new(&x, c, "conv input")?;
+        let it = Input::new(&taps, DType::F32, "conv taps")?;
+        let iws = windows
+            .iter()
+            .map(|w| Input::new(w, DType::F32, "conv window"))
+            .collect::<Result<Vec<_>>>()?;
+        let views = iws
+            .iter()
+            .map(|w| w.view::<f32>())
+            .collect::<Result<Vec<_>>>()?;
+        let x_stride = ix.strides()?.2;
+        let vx = ix.view()?;
+        let vt = it.view::<f32>()?;
+        let (c_i, k_i) = (i32_arg(c, "channels")?, i32_arg(k, "taps")?);
+        for first in (0..count).step_by(CONV_DECODE_MAX) {
+            let part = first..(first + CONV_DECODE_MAX).min(count);
+            let mut args = ConvDecodeArgs {
+                window: [0; CONV_DECODE_MAX],
+                row: [0; CONV_DECODE_MAX],
+                count: i32_arg(part.len(), "segments")?,
+            };
+            let mut guards = Vec::with_capacity(part.len());
+            for (j, s) in part.clone().enumerate() {
+                let (pointer, guard) = views[s].device_ptr(&stream);
+                guards.push(guard);
+                args.window[j] = pointer;
+                args.row[j] = i32_arg(rows[s], "row")?;
+            }
+            let mut out_windows =
+                new_windows.slice_mut((first * (k - 1) * c)..(part.end * (k - 1) * c));
+            let cfg = LaunchConfig {
+                grid_dim: ((c as u32).div_ceil(CONV_SILU_THREADS), part.len() as u32, 1),
+                block_dim: (CONV_SILU_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = func.builder();
+            b.arg(&vx).arg(&x_stride).arg(&args).arg(&vt).arg(&mut self.out);
+            b.arg(&mut out_windows).arg(&c_i).arg(&k_i);
+            // SAFETY: x holds N rows of C at its row stride and every row index is below N; each
+            // window pointer is a live contiguous [K−1, C] f32 tensor (guards held); the output holds
+            // N rows of C and the new windows `count` windows; the kernel touches nothing else.
+            unsafe { b.launch(cfg) }.map_err(launch_err)?;
+            drop(guards);
+        }
+        self.filled += count;
+        let all = wrap(new_windows, &self.dev, (count, k - 1, c));
+        (0..count).map(|s| all.get(s)).collect()
     }
 
     /// The whole `[N, C]` output; every row must have been written.
