@@ -409,9 +409,14 @@ fn conv_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
             alone_rows.push((i, one.finish()?));
         }
         alone_rows.sort_by_key(|(i, _)| *i);
-        let alone = Tensor::cat(&alone_rows.into_iter().map(|(_, t)| t).collect::<Vec<_>>(), 0)?;
+        let alone = Tensor::cat(
+            &alone_rows.into_iter().map(|(_, t)| t).collect::<Vec<_>>(),
+            0,
+        )?;
         r.identical(
-            &format!("conv + silu (GPU) decode: {n} one-token segments K={k} in one call vs each alone"),
+            &format!(
+                "conv + silu (GPU) decode: {n} one-token segments K={k} in one call vs each alone"
+            ),
             &out_b,
             &alone,
         )?;

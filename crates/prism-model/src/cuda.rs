@@ -763,6 +763,10 @@ impl ConvSiluOutput {
         Ok(wrap(new_window, &self.dev, (k - 1, c)))
     }
 
+    /// Not yet dispatched by the DeltaNet layer: `prism cuda-check` compares it with [`Self::segment`]
+    /// and has not run on a GPU yet (2026-12-02); once it passes there, `DeltaNet::conv_silu` sends its
+    /// one-token segments here (a decode step's 64 per-segment launches become one).
+    ///
     /// Output rows `rows[s]` of one-token segments (decode steps), each from input row `rows[s]` of
     /// `x: [N, C]` (any row stride) after its own `windows[s]: [K−1, C]`, with `taps: [K, C]`, in one
     /// launch per 64 segments; returns the new windows (views of one `[S, K−1, C]` tensor). Bit for bit
@@ -791,13 +795,21 @@ impl ConvSiluOutput {
         }
         let count = rows.len();
         if self.filled + count > self.rows {
-            bail!("conv + silu (decode): {count} rows after {} of {} written", self.filled, self.rows);
+            bail!(
+                "conv + silu (decode): {count} rows after {} of {} written",
+                self.filled,
+                self.rows
+            );
         }
         let windows: Vec<Tensor> = windows
             .iter()
             .map(|w| {
                 if w.dims() != [k - 1, c] {
-                    bail!("conv + silu (decode): window {:?}, not [{}, {c}]", w.dims(), k - 1);
+                    bail!(
+                        "conv + silu (decode): window {:?}, not [{}, {c}]",
+                        w.dims(),
+                        k - 1
+                    );
                 }
                 w.contiguous()
             })
@@ -805,7 +817,12 @@ impl ConvSiluOutput {
         let mut new_windows = alloc::<f32>(&self.dev, count * (k - 1) * c)?;
         let x = readable_rows(x, c)?;
         let taps = taps.contiguous()?;
-        let func = load_kernel(&self.dev, "prism_ops", OPS_IMAGE, "causal_conv_silu_decode_f32")?;
+        let func = load_kernel(
+            &self.dev,
+            "prism_ops",
+            OPS_IMAGE,
+            "causal_conv_silu_decode_f32",
+        )?;
         let stream = self.dev.cuda_stream();
         let ix = RowsInput::new(&x, c, "conv input")?;
         let it = Input::new(&taps, DType::F32, "conv taps")?;
@@ -843,7 +860,11 @@ impl ConvSiluOutput {
                 shared_mem_bytes: 0,
             };
             let mut b = func.builder();
-            b.arg(&vx).arg(&x_stride).arg(&args).arg(&vt).arg(&mut self.out);
+            b.arg(&vx)
+                .arg(&x_stride)
+                .arg(&args)
+                .arg(&vt)
+                .arg(&mut self.out);
             b.arg(&mut out_windows).arg(&c_i).arg(&k_i);
             // SAFETY: x holds N rows of C at its row stride and every row index is below N; each
             // window pointer is a live contiguous [K−1, C] f32 tensor (guards held); the output holds

@@ -213,24 +213,7 @@ impl DeltaNet {
             // One kernel per segment (conv + SiLU), writing its rows of one output.
             let (n, c) = mixed.dims2()?;
             let mut out = crate::cuda::ConvSiluOutput::new(mixed, n, c)?;
-            // One-token segments of their own (decode steps) in one launch; the others one by one.
-            let single = |seg: &Segment| seg.len == 1 && seg.parent.is_none();
-            let singles: Vec<usize> = (0..segments.len())
-                .filter(|&i| single(&segments[i]))
-                .collect();
-            if singles.len() >= 2 {
-                let rows: Vec<usize> = singles.iter().map(|&i| segments[i].start).collect();
-                let windows: Vec<Tensor> = singles.iter().map(|&i| states[i].conv.clone()).collect();
-                let refs: Vec<&Tensor> = windows.iter().collect();
-                let new = out.decode_rows(mixed, &rows, &refs, &self.conv_taps)?;
-                for (&i, window) in singles.iter().zip(new) {
-                    states[i].conv = window;
-                }
-            }
             for (i, seg) in segments.iter().enumerate() {
-                if singles.len() >= 2 && single(seg) {
-                    continue;
-                }
                 if let Some(p) = seg.parent.filter(|&p| p < i) {
                     let window = states[p].conv.clone();
                     states[i].conv = window;
