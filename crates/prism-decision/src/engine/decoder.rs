@@ -289,7 +289,22 @@ impl PassModel for DecoderLetterModel {
         }
         // One decoder batch: per group its prefix item (when it has prefix tokens), then its branches,
         // which continue the prefix item in the same pass or, without one, start from the group's state.
-        let fresh = self.decoder.new_state().map_err(backend)?;
+        // A fresh state (a new sequence, and the placeholders of branches that continue a prefix item
+        // of the pass), made only when some group needs one: a pass of decode steps needs none.
+        let needs_fresh = groups.iter().any(|g| {
+            (g.start.is_none() && !(g.prefix.is_empty() && g.branches.is_empty()))
+                || (!g.prefix.is_empty() && !g.branches.is_empty())
+        });
+        let fresh = if needs_fresh {
+            Some(self.decoder.new_state().map_err(backend)?)
+        } else {
+            None
+        };
+        let fresh_state = || {
+            fresh.clone().ok_or_else(|| {
+                ModelError::Backend("a pass needed a fresh state it did not make".into())
+            })
+        };
         let mut states: Vec<SequenceState> = Vec::new();
         let mut tokens: Vec<&[u32]> = Vec::new();
         let mut parents: Vec<Option<usize>> = Vec::new();
@@ -300,14 +315,21 @@ impl PassModel for DecoderLetterModel {
         let mut next_k: Option<usize> = None;
         let mut branch_items: Vec<(usize, usize)> = Vec::new(); // (item, letters)
         for group in groups {
-            let start = || group.start.cloned().unwrap_or_else(|| fresh.clone());
-            let root = (!group.prefix.is_empty()).then(|| {
-                states.push(start());
+            let start = || -> Result<SequenceState, ModelError> {
+                match group.start {
+                    Some(state) => Ok(state.clone()),
+                    None => fresh_state(),
+                }
+            };
+            let root = if group.prefix.is_empty() {
+                None
+            } else {
+                states.push(start()?);
                 tokens.push(group.prefix);
                 parents.push(None);
                 keep.push(group.want_state);
-                states.len() - 1
-            });
+                Some(states.len() - 1)
+            };
             roots.push(root);
             if let Some(k) = group.want_logits {
                 // One k for the pass: the largest asked for (0, the whole row, when any asks it).
@@ -334,9 +356,9 @@ impl PassModel for DecoderLetterModel {
                     )));
                 }
                 states.push(if root.is_some() {
-                    fresh.clone()
+                    fresh_state()?
                 } else {
-                    start()
+                    start()?
                 });
                 tokens.push(branch.tokens);
                 parents.push(root);
