@@ -4,7 +4,7 @@
 Input: the CSV of `ncu -i REPORT.ncu-rep --page source --print-source sass --csv` (optionally gzipped),
 as recorded in docs/device-runs/. Prints the warp-stall samples and executed instructions by opcode,
 the samples by stall reason, and the instructions with the most samples (with their two main stall
-reasons). Used for the integer GEMM analysis in docs/benchmarks.md.
+reasons). Used for the integer GEMM analysis in docs/optimization-log.md.
 
     python3 tools/ncu_source_summary.py FILE.csv[.gz] [TOP] [--roles]
 

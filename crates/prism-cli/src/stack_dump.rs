@@ -2,7 +2,7 @@
 //! stack to stderr, then the process's memory map, and the process carries on.
 //!
 //! This is for hangs on machines without a debugger. The GPU machines have no gdb, and `cuda-gdb`'s
-//! attach hung there on a stalled load (docs/benchmarks.md, eighth session). The output is raw return
+//! attach hung there on a stalled load (docs/optimization-log.md, history: the eighth session). The output is raw return
 //! addresses, one line a thread, between `prism-stacks begin` and `prism-stacks end`:
 //!
 //! ```text

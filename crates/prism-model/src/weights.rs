@@ -163,8 +163,8 @@ fn dequantize_parallel(gguf: &GgufFile, info: &TensorInfo) -> Result<Vec<f32>, G
 /// time, one waiting on a thread it had started), from 8 threads every time; neither a lock around
 /// the copies alone nor eager CUDA module loading prevented it. With this lock (and bf16 rounded on
 /// the host) 9B and 27B bf16 loads from 8 threads complete, 9B ones from 4 / 8 / 16 threads in
-/// 10.3 / 10.7 / 7.3 s against 14.3 s from one, with the same answers (docs/benchmarks.md, eighth
-/// session). The driver's side of the stall was not seen (no stacks could be taken on the device).
+/// 10.3 / 10.7 / 7.3 s against 14.3 s from one, with the same answers (docs/optimization-log.md,
+/// history: the eighth session of 2026-11-30). The driver's side of the stall was not seen (no stacks could be taken on the device).
 static DEVICE_WORK: Mutex<()> = Mutex::new(());
 
 /// `work` run under [`DEVICE_WORK`] when `device` is a GPU. `work` should own the tensors it
