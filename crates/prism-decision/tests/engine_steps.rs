@@ -909,3 +909,44 @@ fn the_loop_detector_stops_thoughts_on_the_engine() {
     drop(engine);
     worker.join();
 }
+
+/// A prompt encoder that cannot think (the default `PromptEncoder` methods).
+struct NoThinking;
+
+impl PromptEncoder for NoThinking {
+    fn encode(&self, prompt: &LetterPrompt) -> Result<Vec<u32>, ModelError> {
+        ByteEncoder.encode(prompt)
+    }
+}
+
+/// An AutoThink release whose chat template cannot think is refused when the engine starts, not at
+/// the first unsure question; a v1 one starts.
+#[test]
+fn a_thinking_family_without_a_thinking_template_is_refused_at_start() {
+    let fake = || Fake {
+        log: Arc::default(),
+        hold_first: None,
+        entered: Arc::default(),
+        poison: None,
+    };
+    let error = Engine::start(
+        fake(),
+        Arc::new(NoThinking),
+        autothink(),
+        EngineOptions::default(),
+        None,
+    )
+    .err()
+    .expect("refused");
+    assert!(error.to_string().contains("no thinking mode"), "{error}");
+    let (engine, worker) = Engine::start(
+        fake(),
+        Arc::new(NoThinking),
+        DecisionConfig::default(),
+        EngineOptions::default(),
+        None,
+    )
+    .expect("a v1 engine starts");
+    drop(engine);
+    worker.join();
+}

@@ -428,6 +428,15 @@ impl Engine {
         observer: Option<Arc<dyn EngineObserver>>,
     ) -> Result<(Engine, EngineWorker), DecisionError> {
         config.validate()?;
+        // A release that thinks needs a chat template that can: refused here, not at the first
+        // question below the gate.
+        if config.family.thinks() && encoder.thought_markers().is_none() {
+            return Err(DecisionError::Model(ModelError::Backend(format!(
+                "decision_config.json says this is a {} model, which thinks, but its chat template has \
+                 no thinking mode (or its tokenizer no </think>): thoughts cannot be decoded",
+                config.family
+            ))));
+        }
         let Some(first) = models.first() else {
             return Err(DecisionError::Model(ModelError::Backend(
                 "an engine needs at least one model".into(),
