@@ -798,23 +798,7 @@ fn engine_timings(
     args: &BenchArgs,
     precision: Precision,
 ) -> Result<Vec<Timings>> {
-    use prism_decision::{Engine, EngineOptions, PrefixCacheLimits};
-    let encoder = model.encoder();
-    let (engine, worker) = Engine::start(
-        model,
-        encoder,
-        config.clone(),
-        EngineOptions {
-            max_prompt_tokens: usize::MAX / 2,
-            max_request_tokens: usize::MAX / 2,
-            prefix_cache: PrefixCacheLimits {
-                max_tokens: 0,
-                max_bytes: 0,
-            },
-            ..EngineOptions::default()
-        },
-        None,
-    )?;
+    let (engine, worker) = bench_engine(model, config.clone(), 64)?;
     let mut all = Vec::new();
     for scenario in scenarios {
         let mut timings = Timings::default();
@@ -835,6 +819,34 @@ fn engine_timings(
     drop(engine);
     worker.join();
     Ok(all)
+}
+
+/// An engine for the benchmarks on `model`: the prefix cache off (every run computes its evidence),
+/// no prompt-length limits, `seats` thoughts decoded at once and a queue that holds them.
+pub(crate) fn bench_engine(
+    model: DecoderLetterModel,
+    config: prism_decision::DecisionConfig,
+    seats: usize,
+) -> Result<(prism_decision::Engine, prism_decision::EngineWorker)> {
+    use prism_decision::{Engine, EngineOptions, PrefixCacheLimits};
+    let encoder = model.encoder();
+    Ok(Engine::start(
+        model,
+        encoder,
+        config,
+        EngineOptions {
+            think_seqs: seats,
+            queue_size: seats.max(64),
+            max_prompt_tokens: usize::MAX / 2,
+            max_request_tokens: usize::MAX / 2,
+            prefix_cache: PrefixCacheLimits {
+                max_tokens: 0,
+                max_bytes: 0,
+            },
+            ..EngineOptions::default()
+        },
+        None,
+    )?)
 }
 
 /// SHA-256 (hex) of `answers` as JSON: serde_json writes each float as its shortest round-trip

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use prism_decision::config::LoopDetectorConfig;
-use prism_decision::engine::{CancelToken, Engine, EngineOptions, PrefixCacheLimits};
+use prism_decision::engine::CancelToken;
 use prism_decision::{Answer, DecisionConfig, DecisionRequest, DecoderLetterModel, Family};
 use serde_json::{json, Value};
 
@@ -42,24 +42,7 @@ pub fn thought_rows(
         },
         ..config.clone()
     };
-    let encoder = model.encoder();
-    let (engine, worker) = Engine::start(
-        model,
-        encoder,
-        config,
-        EngineOptions {
-            think_seqs: most,
-            queue_size: most.max(64),
-            max_prompt_tokens: 1 << 20,
-            max_request_tokens: 1 << 22,
-            prefix_cache: PrefixCacheLimits {
-                max_tokens: 0,
-                max_bytes: 0,
-            },
-            ..EngineOptions::default()
-        },
-        None,
-    )?;
+    let (engine, worker) = crate::cmd_bench::bench_engine(model, config, most)?;
     let request = |i: usize, run: usize| -> Result<DecisionRequest> {
         let body = json!({
             "state": format!("Ticket {i} (run {run}): the customer was charged twice for the March invoice and the card was declined afterwards."),

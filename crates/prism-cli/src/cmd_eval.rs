@@ -23,8 +23,8 @@ use prism_decision::eval::{
     answers_from_response, compare, parse_suite, summarize, EvalResults, ItemResult, ItemStatus,
     SuiteItem,
 };
-use prism_decision::{CancelToken, DecoderLetterModel, JobError, ModelSource, SubmitError};
-use prism_model::{LoadOptions, Precision};
+use prism_decision::{CancelToken, DecoderLetterModel, JobError, SubmitError};
+use prism_model::LoadOptions;
 use serde_json::json;
 
 use crate::eval_report;
@@ -280,49 +280,28 @@ fn print_summary(results: &EvalResults, out: &Path) {
 }
 
 fn run_in_process(args: &EvalArgs, items: &[SuiteItem], stop: &AtomicBool) -> Result<Run> {
-    let (source, demo) = match (&args.gguf, &args.model_dir) {
-        (Some(gguf), dir) => (
-            ModelSource {
-                gguf: gguf.clone(),
-                model_dir: dir.clone(),
-            },
-            false,
-        ),
-        (None, Some(_)) => bail!("--model-dir needs --gguf (the model file)"),
-        (None, None) => {
-            let Some(dir) = crate::cmd_serve::bundled_model_dir() else {
-                bail!(
-                    "the bundled demo model (tests/fixtures/qwen35-tiny) is not next to this binary or its source \
-                     tree; pass --gguf FILE [--model-dir DIR] or --url URL"
-                );
-            };
-            eprintln!(
-                "eval: no --gguf or --url given, so this runs the bundled DEMO model ({}): random weights, \
-                 meaningless answers",
-                dir.display()
-            );
-            (
-                ModelSource {
-                    gguf: dir.join("tiny-Q8_0.gguf"),
-                    model_dir: Some(dir),
-                },
-                true,
-            )
-        }
-    };
+    let (source, demo) = crate::cmd_serve::model_source(
+        &args.gguf,
+        &args.model_dir,
+        "pass --gguf FILE [--model-dir DIR] or --url URL",
+    )?;
+    if demo {
+        eprintln!(
+            "eval: no --gguf or --url given, so this runs the bundled DEMO model ({}): random weights, \
+             meaningless answers",
+            source.gguf.display()
+        );
+    }
     let device = crate::cmd_serve::open_device(args.device.as_deref().unwrap_or("auto"), &[])?;
     let on_gpu = !device.is_cpu();
     let asked = args
         .precision
         .clone()
         .unwrap_or_else(|| if on_gpu { "auto" } else { "f32" }.to_string());
-    let precision = if asked == "auto" {
-        let gguf = prism_gguf::GgufFile::open(&source.gguf)
-            .with_context(|| format!("opening {}", source.gguf.display()))?;
-        Precision::resolve("auto", &gguf)?
-    } else {
-        Precision::parse(&asked)?
-    };
+    let (precision, note) = crate::cmd_serve::resolve_precision(&asked, &source, on_gpu)?;
+    if let Some(note) = note {
+        eprintln!("eval: {note}");
+    }
     let options = LoadOptions {
         device,
         precision,

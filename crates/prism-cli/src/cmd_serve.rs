@@ -172,6 +172,62 @@ pub(crate) fn bundled_model_dir() -> Option<PathBuf> {
         .find(|dir| dir.join("tiny-Q8_0.gguf").is_file())
 }
 
+/// The model to load: `--gguf` (with `--model-dir` when given), or the bundled demo model (then the
+/// bool is true). `alternative` ends the error when the demo model is not there (what else to pass).
+pub(crate) fn model_source(
+    gguf: &Option<PathBuf>,
+    model_dir: &Option<PathBuf>,
+    alternative: &str,
+) -> Result<(ModelSource, bool)> {
+    match (gguf, model_dir) {
+        (Some(gguf), dir) => Ok((
+            ModelSource {
+                gguf: gguf.clone(),
+                model_dir: dir.clone(),
+            },
+            false,
+        )),
+        (None, Some(_)) => bail!("--model-dir needs --gguf (the model file)"),
+        (None, None) => {
+            let Some(dir) = bundled_model_dir() else {
+                bail!(
+                    "the bundled demo model (tests/fixtures/qwen35-tiny) is not next to this binary or its source \
+                     tree; {alternative}"
+                );
+            };
+            Ok((
+                ModelSource {
+                    gguf: dir.join("tiny-Q8_0.gguf"),
+                    model_dir: Some(dir),
+                },
+                true,
+            ))
+        }
+    }
+}
+
+/// `--precision` as asked: `auto` reads the file (Q8_0 → int8, K-quants → w4a8, except on a GPU, where
+/// a K-quant file runs at bf16: w4a8 there has only its simple, slow kernel so far, and the note says
+/// so).
+pub(crate) fn resolve_precision(
+    asked: &str,
+    source: &ModelSource,
+    on_gpu: bool,
+) -> Result<(Precision, Option<&'static str>)> {
+    if asked != "auto" {
+        return Ok((Precision::parse(asked)?, None));
+    }
+    let gguf = prism_gguf::GgufFile::open(&source.gguf)
+        .with_context(|| format!("opening {}", source.gguf.display()))?;
+    Ok(match Precision::resolve("auto", &gguf)? {
+        Precision::W4a8 if on_gpu => (
+            Precision::Bf16,
+            Some("a K-quant file on a GPU runs at bf16 (w4a8 there has only its simple, slow kernel so far; --precision w4a8 asks for it)"),
+        ),
+        p => (p, None),
+    })
+}
+
 /// One line of progress on stdout, flushed at once (a pipe would otherwise hold it back).
 macro_rules! say {
     ($($arg:tt)*) => {{
@@ -257,54 +313,30 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         "Prism {} — /v1/systemone server ({device_name}, precision {asked})",
         env!("CARGO_PKG_VERSION")
     );
-    let (source, demo) = match (&args.gguf, &args.model_dir) {
-        (Some(gguf), dir) => (
-            ModelSource {
-                gguf: gguf.clone(),
-                model_dir: dir.clone(),
-            },
-            false,
-        ),
-        (None, Some(_)) => bail!("--model-dir needs --gguf (the model file)"),
-        (None, None) => {
-            let Some(dir) = bundled_model_dir() else {
-                bail!(
-                    "the bundled demo model (tests/fixtures/qwen35-tiny) is not next to this binary or its source \
-                     tree; pass --gguf FILE [--model-dir DIR]"
-                );
-            };
-            say!("");
-            say!(
-                "  NOTE: no --gguf given, so this serves the bundled DEMO model ({}).",
-                dir.display()
-            );
-            say!("  Its weights are random: its answers are meaningless. It is here to try the API and run the tests.");
-            say!("  To serve a real StartLux-Decision release:");
-            say!("    prism serve --gguf StartLux-Decision-v1-4B-Q8_0.gguf --model-dir DIR_WITH_ITS_TOKENIZER_AND_CONFIGS");
-            say!("");
-            (
-                ModelSource {
-                    gguf: dir.join("tiny-Q8_0.gguf"),
-                    model_dir: Some(dir),
-                },
-                true,
-            )
-        }
-    };
-
-    let precision = if asked == "auto" {
-        let gguf = prism_gguf::GgufFile::open(&source.gguf)
-            .with_context(|| format!("opening {}", source.gguf.display()))?;
-        match Precision::resolve("auto", &gguf)? {
-            Precision::W4a8 if on_gpu => {
-                say!("  NOTE: a K-quant file on a GPU runs at bf16 (w4a8 there has only its simple, slow kernel so far; --precision w4a8 asks for it)");
-                Precision::Bf16
-            }
-            p => p,
-        }
-    } else {
-        Precision::parse(&asked)?
-    };
+    let (source, demo) = model_source(
+        &args.gguf,
+        &args.model_dir,
+        "pass --gguf FILE [--model-dir DIR]",
+    )?;
+    if demo {
+        say!("");
+        say!(
+            "  NOTE: no --gguf given, so this serves the bundled DEMO model ({}).",
+            source
+                .model_dir
+                .as_deref()
+                .unwrap_or(&source.gguf)
+                .display()
+        );
+        say!("  Its weights are random: its answers are meaningless. It is here to try the API and run the tests.");
+        say!("  To serve a real StartLux-Decision release:");
+        say!("    prism serve --gguf StartLux-Decision-v1-4B-Q8_0.gguf --model-dir DIR_WITH_ITS_TOKENIZER_AND_CONFIGS");
+        say!("");
+    }
+    let (precision, note) = resolve_precision(&asked, &source, on_gpu)?;
+    if let Some(note) = note {
+        say!("  NOTE: {note}");
+    }
     let kv_storage = if args.kv_fp8 {
         KvStorage::Fp8
     } else {

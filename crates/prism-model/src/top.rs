@@ -44,8 +44,16 @@ pub fn top_candidates(logits: &Tensor, k: usize) -> Result<Vec<Candidates>> {
         Ok(out)
     };
     if k == 0 || k >= blocks || rows == 0 {
-        let all: Vec<usize> = (0..rows).collect();
-        return Ok(whole_rows(&all)?.into_iter().map(|(_, c)| c).collect());
+        // Every row whole: one copy to the host.
+        let ids: Vec<u32> = (0..vocab as u32).collect();
+        return Ok(logits
+            .to_vec2::<f32>()?
+            .into_iter()
+            .map(|values| Candidates {
+                ids: ids.clone(),
+                values,
+            })
+            .collect());
     }
     let padded = if vocab % BLOCK == 0 {
         logits.clone()
