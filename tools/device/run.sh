@@ -26,6 +26,9 @@
 #               $LOAD_S seconds (default 60); after each, answers re-sent alone and compared (int8 with
 #               --expect-identical); /stats and /metrics at the end; outputs serve-*.log, loadgen-*.json,
 #               stats-*.json
+#   eval27      prism eval of a generated $EVAL_N-item suite (default 2,000; tools/device/make_suite.py) on
+#               /tmp/s27 at bf16, then at int8 with --compare against the bf16 run (outputs eval-bf16/,
+#               eval-int8/ with results.json, report.md, reliability.png; logs eval-*.log)
 #   think27     thought decoding of /tmp/s27 at int8 through the engine (prism bench --think): one thought
 #               of $THINK tokens (default 128) alone, then 64 at once, then 64 profiled (think-27b-int8.json)
 #   serve27-think  prism serve on /tmp/s27 at int8 as a v1.1 AutoThink model (the synthetic directory's
@@ -141,6 +144,15 @@ for step in "$@"; do
             /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --think "${THINK:-128}" \
                 --think-batch 1,64 --runs 1 --profile > "$OUT/think-27b-int8.json" 2> "$OUT/think-27b-int8.log"
             echo "think27 rc=$?" ;;
+        eval27)
+            python3 tools/device/make_suite.py "${EVAL_N:-2000}" /tmp/suite.jsonl
+            for p in bf16 int8; do
+                cmp=""
+                [ $p = int8 ] && cmp="--compare $OUT/eval-bf16/results.json"
+                /tmp/prism eval /tmp/suite.jsonl --gguf /tmp/s27/model.gguf --model-dir /tmp/s27 \
+                    --device cuda --precision $p --out "$OUT/eval-$p" $cmp > "$OUT/eval-$p.log" 2>&1
+                echo "eval27 $p rc=$?"
+            done ;;
         synth27) /tmp/prism synth --shape 27b --type q8_0 --out /tmp/s27 $R > "$OUT/synth27.log" 2>&1 ;;
         synth27q4) /tmp/prism synth --shape 27b --type q4_k_m --out /tmp/s27q4 $R > "$OUT/synth27q4.log" 2>&1 ;;
         synth9) /tmp/prism synth --shape 9b --type bf16 --out /tmp/s9 $R > "$OUT/synth9.log" 2>&1 ;;

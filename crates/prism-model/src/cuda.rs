@@ -763,10 +763,6 @@ impl ConvSiluOutput {
         Ok(wrap(new_window, &self.dev, (k - 1, c)))
     }
 
-    /// Not yet dispatched by the DeltaNet layer: `prism cuda-check` compares it with [`Self::segment`]
-    /// and has not run on a GPU yet (2026-12-02); once it passes there, `DeltaNet::conv_silu` sends its
-    /// one-token segments here (a decode step's 64 per-segment launches become one).
-    ///
     /// Output rows `rows[s]` of one-token segments (decode steps), each from input row `rows[s]` of
     /// `x: [N, C]` (any row stride) after its own `windows[s]: [K−1, C]`, with `taps: [K, C]`, in one
     /// launch per 64 segments; returns the new windows (views of one `[S, K−1, C]` tensor). Bit for bit

@@ -210,10 +210,36 @@ impl DeltaNet {
     ) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if mixed.device().is_cuda() && mixed.dtype() == candle_core::DType::F32 {
-            // One kernel per segment (conv + SiLU), writing its rows of one output.
+            // Conv + SiLU into one output: a decode step's one-token segments that start from their
+            // own window (no parent, nobody's parent) in one launch per 64, every other segment in a
+            // launch of its own. Both give each row the bits it gets alone.
             let (n, c) = mixed.dims2()?;
             let mut out = crate::cuda::ConvSiluOutput::new(mixed, n, c)?;
+            let mut is_parent = vec![false; segments.len()];
             for (i, seg) in segments.iter().enumerate() {
+                if let Some(p) = seg.parent.filter(|&p| p < i) {
+                    is_parent[p] = true;
+                }
+            }
+            let one_token: Vec<usize> = (0..segments.len())
+                .filter(|&i| {
+                    let seg = &segments[i];
+                    seg.len == 1 && seg.parent.filter(|&p| p < i).is_none() && !is_parent[i]
+                })
+                .collect();
+            let batched = one_token.len() > 1;
+            if batched {
+                let rows: Vec<usize> = one_token.iter().map(|&i| segments[i].start).collect();
+                let windows: Vec<&Tensor> = one_token.iter().map(|&i| &states[i].conv).collect();
+                let new = out.decode_rows(mixed, &rows, &windows, &self.conv_taps)?;
+                for (&i, window) in one_token.iter().zip(new) {
+                    states[i].conv = window;
+                }
+            }
+            for (i, seg) in segments.iter().enumerate() {
+                if batched && one_token.binary_search(&i).is_ok() {
+                    continue;
+                }
                 if let Some(p) = seg.parent.filter(|&p| p < i) {
                     let window = states[p].conv.clone();
                     states[i].conv = window;
