@@ -243,7 +243,7 @@ __device__ __forceinline__ void flash_attention(const __nv_bfloat16* __restrict_
                                                 const __nv_bfloat16* __restrict__ k,
                                                 const __nv_bfloat16* __restrict__ v, float* __restrict__ out,
                                                 int T, int n_h, int n_kv, int past, float scale_log2,
-                                                int first_block, int n_blocks) {
+                                                int first_block, int n_blocks, int kv_rows, int y) {
     static_assert(HD % 16 == 0 && BK % 16 == 0, "tiles are made of 16×16 mma steps");
     static_assert((FA_ROWS * HD / 8) % FA_THREADS == 0 && (BK * HD / 8) % FA_THREADS == 0,
                   "every thread copies the same number of 16-byte pieces");
@@ -258,7 +258,7 @@ __device__ __forceinline__ void flash_attention(const __nv_bfloat16* __restrict_
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // The blocks with the most key tiles first (they would finish last otherwise), all heads of a
     // position block next to each other (the heads of a KV group then read its tiles from L2 together).
-    const int blk = first_block + (n_blocks - 1 - static_cast<int>(blockIdx.y));
+    const int blk = first_block + (n_blocks - 1 - y);
     const int h = blockIdx.x;
     const int kv = h / (n_h / n_kv);
     const int total = past + T;
@@ -269,8 +269,9 @@ __device__ __forceinline__ void flash_attention(const __nv_bfloat16* __restrict_
     const int last_pos = min(block_pos + FA_ROWS, total) - 1;
     const int n_tiles = (block_pos + 16 * ((last_pos - block_pos) / 16)) / BK + 1;
 
-    const __nv_bfloat16* kb = k + static_cast<size_t>(kv) * total * HD;
-    const __nv_bfloat16* vb = v + static_cast<size_t>(kv) * total * HD;
+    // KV head kv starts kv_rows rows after head kv − 1 (kv_rows ≥ total: a cache with room to grow).
+    const __nv_bfloat16* kb = k + static_cast<size_t>(kv) * kv_rows * HD;
+    const __nv_bfloat16* vb = v + static_cast<size_t>(kv) * kv_rows * HD;
 
     // Q rows of the block's positions (zeros for dead rows).
 #pragma unroll
@@ -463,18 +464,80 @@ __device__ __forceinline__ void flash_attention_fp8(const __nv_bfloat16* __restr
 }  // namespace
 
 // Grid: (n_h, n_blocks); block: 128 threads; dynamic shared memory (64 + 4·BK)·(HD + 8)·2 bytes. Blocks
-// cover absolute positions [64·first_block, 64·(first_block + n_blocks)) ⊇ [past, past + T).
+// cover absolute positions [64·first_block, 64·(first_block + n_blocks)) ⊇ [past, past + T). k and v:
+// [n_kv, kv_rows, HD] with kv_rows ≥ past + T (rows past the end are never read).
 #define FLASH_ATTENTION_ENTRY(NAME, HD, BK)                                                                   \
     extern "C" __global__ void __launch_bounds__(FA_THREADS)                                                  \
         NAME(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,                       \
              const __nv_bfloat16* __restrict__ v, float* __restrict__ out, int T, int n_h, int n_kv, int past, \
-             float scale_log2, int first_block, int n_blocks) {                                               \
-        flash_attention<HD, BK>(q, k, v, out, T, n_h, n_kv, past, scale_log2, first_block, n_blocks);        \
+             float scale_log2, int first_block, int n_blocks, int kv_rows) {                                  \
+        flash_attention<HD, BK>(q, k, v, out, T, n_h, n_kv, past, scale_log2, first_block, n_blocks, kv_rows, \
+                                static_cast<int>(blockIdx.y));                                                \
     }
 
 FLASH_ATTENTION_ENTRY(flash_attention_hd256, 256, 32)
 FLASH_ATTENTION_ENTRY(flash_attention_hd128, 128, 64)
 FLASH_ATTENTION_ENTRY(flash_attention_hd64, 64, 64)
+
+// Several sequences' segments in one launch: segment z (blockIdx.z) is exactly the single-sequence call
+// above on its own q rows, cache and output rows — the same device function with the same arguments, so
+// the same bits. Grid: (n_h, the most blocks of any segment, segments); a segment's extra y blocks exit
+// at once. Passed by value (kernel parameters), at most FA_BATCH segments a launch.
+#define FA_BATCH 64
+struct FlashBatch {
+    const __nv_bfloat16* k[FA_BATCH];
+    const __nv_bfloat16* v[FA_BATCH];
+    // Per segment: its first row in q and out, T, past, first_block, n_blocks, kv_rows.
+    int row[FA_BATCH];
+    int T[FA_BATCH];
+    int past[FA_BATCH];
+    int first_block[FA_BATCH];
+    int n_blocks[FA_BATCH];
+    int kv_rows[FA_BATCH];
+};
+
+#define FLASH_ATTENTION_BATCH_ENTRY(NAME, HD, BK)                                                              \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                                   \
+        NAME(const __nv_bfloat16* __restrict__ q, const FlashBatch batch, float* __restrict__ out, int n_h,    \
+             int n_kv, float scale_log2) {                                                                     \
+        const int z = blockIdx.z;                                                                              \
+        const int y = blockIdx.y;                                                                              \
+        if (y >= batch.n_blocks[z]) return;                                                                    \
+        const size_t at = static_cast<size_t>(batch.row[z]) * n_h * HD;                                        \
+        flash_attention<HD, BK>(q + at, batch.k[z], batch.v[z], out + at, batch.T[z], n_h, n_kv, batch.past[z], \
+                                scale_log2, batch.first_block[z], batch.n_blocks[z], batch.kv_rows[z], y);     \
+    }
+
+FLASH_ATTENTION_BATCH_ENTRY(flash_attention_batch_hd256, 256, 32)
+FLASH_ATTENTION_BATCH_ENTRY(flash_attention_batch_hd128, 128, 64)
+FLASH_ATTENTION_BATCH_ENTRY(flash_attention_batch_hd64, 64, 64)
+
+// The new keys and values of several segments written into their caches in one launch: row t of
+// segment z (rows row[z] .. row[z] + T[z] of the packed k_new, v_new: [N, n_kv, HD] bf16, contiguous)
+// goes to position at[z] + t of each KV head of its cache ([n_kv, kv_rows[z], HD]). Grid: (n_kv, most
+// rows of a segment up to 65,535, segments); block: HD / 8 threads (16 bytes each) — plain copies.
+struct KvAppendBatch {
+    __nv_bfloat16* k[FA_BATCH];
+    __nv_bfloat16* v[FA_BATCH];
+    int row[FA_BATCH];
+    int T[FA_BATCH];
+    int at[FA_BATCH];
+    int kv_rows[FA_BATCH];
+};
+
+extern "C" __global__ void kv_append_batch_bf16(const __nv_bfloat16* __restrict__ k_new,
+                                                const __nv_bfloat16* __restrict__ v_new, const KvAppendBatch batch,
+                                                int n_kv, int hd) {
+    const int z = blockIdx.z, head = blockIdx.x;
+    for (int t = blockIdx.y; t < batch.T[z]; t += gridDim.y) {
+        const size_t src = (static_cast<size_t>(batch.row[z] + t) * n_kv + head) * hd;
+        const size_t dst = (static_cast<size_t>(head) * batch.kv_rows[z] + batch.at[z] + t) * hd;
+        for (int c = threadIdx.x * 8; c < hd; c += blockDim.x * 8) {
+            *reinterpret_cast<uint4*>(batch.k[z] + dst + c) = *reinterpret_cast<const uint4*>(k_new + src + c);
+            *reinterpret_cast<uint4*>(batch.v[z] + dst + c) = *reinterpret_cast<const uint4*>(v_new + src + c);
+        }
+    }
+}
 
 // The fp8 variants: grid and block as above; dynamic shared memory (64 + 2·BK)·(HD + 8)·2 bytes (Q and
 // the bf16 tile in use) + 4·BK·HD bytes (staged K/V bytes, two buffers) + 16·BK bytes (staged scales).

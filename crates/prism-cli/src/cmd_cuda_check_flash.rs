@@ -18,7 +18,9 @@ use std::time::Instant;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use prism_model::attention::attend_segment;
-use prism_model::cuda_flash::{flash_attention, supports};
+use prism_model::cuda_flash::{
+    flash_attention, flash_attention_batch, kv_append_batch, supports, FlashSegment, KvAppend,
+};
 use serde_json::json;
 
 use super::{Report, Rng};
@@ -219,6 +221,7 @@ fn invariance_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> 
         )?;
         r.identical(&format!("{tag}: bf16 keys/values vs f32"), &bf16, &full)?;
     }
+    batched(rng, gpu, r)?;
     // A long prompt: the second half after the first half cached, rows off every boundary.
     let (layout, n) = ((24, 4, 256), 4396usize);
     let x = on_gpu(&inputs(rng, n, 0, layout, 3.0)?, gpu)?;
@@ -374,4 +377,112 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
     accuracy_checks(r, gpu, &mut rng)?;
     invariance_checks(r, gpu, &mut rng)?;
     timing_checks(r, gpu)
+}
+
+/// Several sequences in one launch, bit for bit each alone: segments of 1 (decode steps), 7, 64 and 300
+/// rows after 0 to 1,000 cached keys, 70 of them (two launches of at most 64), their new keys and values
+/// written by `kv_append_batch` into caches with room to grow (heads `rows ≥ past + T` apart, read in
+/// place) — against `flash_attention` of each segment alone on contiguous copies.
+fn batched(rng: &mut Rng, gpu: &Device, r: &mut Report) -> Result<()> {
+    for (n_h, n_kv, hd) in LAYOUTS {
+        let lens: Vec<(usize, usize)> = (0..70)
+            .map(|i| {
+                let t = [1usize, 1, 1, 7, 64, 300][i % 6];
+                let past = [0usize, 1, 63, 64, 255, 1000][(i * 7) % 6];
+                (t, past)
+            })
+            .collect();
+        let n: usize = lens.iter().map(|(t, _)| t).sum();
+        let q = rng.tensor(&[n, n_h, hd], 3.0)?.to_device(gpu)?;
+        let k_new = rng
+            .tensor(&[n, n_kv, hd], 1.0)?
+            .to_dtype(DType::BF16)?
+            .to_device(gpu)?;
+        let v_new = rng
+            .tensor(&[n, n_kv, hd], 1.0)?
+            .to_dtype(DType::BF16)?
+            .to_device(gpu)?;
+        // Each sequence's cache: its past keys in a room of past + T + 37 rows.
+        let mut rooms = Vec::new();
+        for &(t, past) in &lens {
+            let rows = past + t + 37;
+            let k = rng
+                .tensor(&[n_kv, rows, hd], 1.0)?
+                .to_dtype(DType::BF16)?
+                .to_device(gpu)?;
+            let v = rng
+                .tensor(&[n_kv, rows, hd], 1.0)?
+                .to_dtype(DType::BF16)?
+                .to_device(gpu)?;
+            rooms.push((k, v));
+        }
+        let mut appends = Vec::new();
+        let mut row = 0;
+        for (&(t, past), (k, v)) in lens.iter().zip(&rooms) {
+            appends.push(KvAppend {
+                row,
+                len: t,
+                at: past,
+                k,
+                v,
+            });
+            row += t;
+        }
+        kv_append_batch(&k_new, &v_new, &appends)?;
+        let views: Vec<(Tensor, Tensor)> = lens
+            .iter()
+            .zip(&rooms)
+            .map(|(&(t, past), (k, v))| Ok((k.narrow(1, 0, past + t)?, v.narrow(1, 0, past + t)?)))
+            .collect::<Result<_>>()?;
+        let mut segments = Vec::new();
+        let mut row = 0;
+        for (&(t, past), (k, v)) in lens.iter().zip(&views) {
+            segments.push(FlashSegment {
+                row,
+                len: t,
+                past,
+                k,
+                v,
+            });
+            row += t;
+        }
+        let scale = 1.0 / (hd as f64).sqrt();
+        let got = flash_attention_batch(&q, &segments, scale)?;
+        let mut alone = Vec::new();
+        let (mut want_rows, mut got_rows) = (Vec::new(), Vec::new());
+        let mut row = 0;
+        for (&(t, past), (k, v)) in lens.iter().zip(&views) {
+            let (kc, vc) = (k.contiguous()?, v.contiguous()?);
+            // The appended rows are the new keys' and values' bits.
+            for (new, cache) in [(&k_new, &kc), (&v_new, &vc)] {
+                want_rows.push(
+                    new.narrow(0, row, t)?
+                        .transpose(0, 1)?
+                        .contiguous()?
+                        .flatten_all()?,
+                );
+                got_rows.push(cache.narrow(1, past, t)?.contiguous()?.flatten_all()?);
+            }
+            alone.push(flash_attention(
+                &q.narrow(0, row, t)?,
+                &kc,
+                &vc,
+                past,
+                scale,
+            )?);
+            row += t;
+        }
+        let tag = format!("flash attention (GPU) {n_h}/{n_kv} hd {hd}");
+        r.identical(
+            &format!("{tag}: kv_append_batch, 70 segments' rows at their positions"),
+            &Tensor::cat(&got_rows, 0)?,
+            &Tensor::cat(&want_rows, 0)?,
+        )?;
+        r.identical(
+            &format!("{tag}: 70 segments (T 1-300, past 0-1000, caches with room) in one batched call vs each alone"),
+            &got,
+            &Tensor::cat(&alone, 0)?,
+        )?;
+    }
+    Ok(())
 }

@@ -6,6 +6,8 @@
 //! against that sequence's K/V cache, stored as computed or as e4m3 with per-row scales
 //! ([`crate::kv_fp8`]).
 
+use std::sync::Arc;
+
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -17,7 +19,7 @@ use crate::matmul::{self, Float};
 use crate::ops::{sigmoid_gate, softmax_last_dim};
 use crate::qwen35::Segment;
 use crate::rope::{HeadNorms, MRope};
-use crate::state::KvCache;
+use crate::state::{KvCache, KvRoom};
 use crate::weights::WeightLoader;
 
 /// Weights of one attention layer (GGUF names in comments).
@@ -147,6 +149,160 @@ impl Attention {
             None
         };
         let scale = 1.0 / (hd as f64).sqrt();
+        let attn = match &quantized {
+            Some(quantized) => self.attend_fp8(&q, quantized, segments, caches, scale)?,
+            None => {
+                let flash = x.device().is_cuda() && flash_serves(hd, n_h, n_kv);
+                self.attend_native(&q, &k, &v, segments, caches, scale, flash)?
+            }
+        };
+        attend_timer.stop()?;
+        // attn · σ(gate), written in the dtype attn_output reads (bf16 for a bf16 GEMM on CUDA).
+        let attn = sigmoid_gate(&attn, &gate, self.o.input_dtype(attn.dtype()))?;
+        Ok(self.o.forward(&attn)?)
+    }
+
+    /// Every segment's attention on native (bf16 / activation-dtype) storage, its new keys and values
+    /// written into its cache's [`KvRoom`] in place; returns `[N, n_h·hd]`. Four phases, so that one
+    /// launch can serve all segments on CUDA: (1) each segment takes its rows in a room, in segment
+    /// order (a branch from its parent's cache after the parent's rows of this call): the room it shares
+    /// if nobody has claimed past its length, else a new room that gets its prefix copied; (2) every
+    /// segment's new rows written; (3) the prefixes copied (after (2): a branch's prefix may hold its
+    /// parent's new rows); (4) attention, each segment over its room's first `past + T` rows.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_native(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        segments: &[Segment],
+        caches: &mut [&mut KvCache],
+        scale: f64,
+        flash: bool,
+    ) -> Result<Tensor> {
+        let (n_kv, hd) = (self.n_kv, self.hd);
+        let dtype = k.dtype();
+        let dev = k.device();
+        struct Plan {
+            past: usize,
+            room: Arc<KvRoom>,
+            prefix: Option<(Tensor, Tensor)>,
+        }
+        let mut plans = Vec::with_capacity(segments.len());
+        for (i, seg) in segments.iter().enumerate() {
+            // A branch reads its parent's keys and values, the parent's own tokens of this call included.
+            if let Some(p) = seg.parent.filter(|&p| p < i) {
+                let parent = caches[p].clone();
+                *caches[i] = parent;
+            }
+            let cache = &mut *caches[i];
+            if cache.is_fp8() {
+                return Err(ModelError::InvalidInput(format!(
+                    "attention: the state's K/V cache is fp8 but this model stores {} keys and values \
+                     (a state made by a model loaded with other options)",
+                    self.kv.as_str()
+                )));
+            }
+            let (past, t) = (cache.len(), seg.len);
+            let shared = cache
+                .room
+                .as_ref()
+                .filter(|r| r.k.dtype() == dtype && r.claim(past, t))
+                .cloned();
+            let (room, prefix) = match shared {
+                Some(room) => (room, None),
+                None => {
+                    let room = KvRoom::new(
+                        n_kv,
+                        KvRoom::rows_for(past + t, past),
+                        hd,
+                        dtype,
+                        dev,
+                        past + t,
+                    )?;
+                    let prefix = match (&cache.k, &cache.v) {
+                        (Some(k), Some(v)) if past > 0 => Some((k.clone(), v.clone())),
+                        _ => None,
+                    };
+                    (room, prefix)
+                }
+            };
+            cache.k = Some(room.k.narrow(1, 0, past + t)?);
+            cache.v = Some(room.v.narrow(1, 0, past + t)?);
+            cache.room = Some(room.clone());
+            plans.push(Plan { past, room, prefix });
+        }
+        // (2) The new rows.
+        if !append_batch(
+            k,
+            v,
+            segments,
+            &plans.iter().map(|p| (p.past, &p.room)).collect::<Vec<_>>(),
+        )? {
+            for (seg, plan) in segments.iter().zip(&plans) {
+                if seg.len == 0 {
+                    continue;
+                }
+                let rows = |x: &Tensor| -> Result<Tensor> {
+                    Ok(x.narrow(0, seg.start, seg.len)?
+                        .transpose(0, 1)?
+                        .contiguous()?)
+                };
+                plan.room.k.slice_set(&rows(k)?, 1, plan.past)?;
+                plan.room.v.slice_set(&rows(v)?, 1, plan.past)?;
+            }
+        }
+        // (3) The prefixes (a cache written in another dtype: its values, converted).
+        for plan in &plans {
+            if let Some((pk, pv)) = &plan.prefix {
+                plan.room
+                    .k
+                    .slice_set(&pk.to_dtype(dtype)?.contiguous()?, 1, 0)?;
+                plan.room
+                    .v
+                    .slice_set(&pv.to_dtype(dtype)?.contiguous()?, 1, 0)?;
+            }
+        }
+        // (4) Attention.
+        if let Some(o) = attend_batch(q, segments, caches, scale, flash)? {
+            return Ok(o);
+        }
+        let mut outs = Vec::with_capacity(segments.len());
+        for (i, seg) in segments.iter().enumerate() {
+            let cache = &*caches[i];
+            let (Some(k_all), Some(v_all)) = (&cache.k, &cache.v) else {
+                return Err(ModelError::InvalidInput(
+                    "attention: a cache without keys".into(),
+                ));
+            };
+            let q_s = q.narrow(0, seg.start, seg.len)?.contiguous()?; // [T, n_h, hd]
+            let o = if dev.is_cpu() || flash {
+                attend_segment(&q_s, k_all, v_all, plans[i].past, scale)?
+            } else {
+                attend_segment(
+                    &q_s,
+                    &k_all.contiguous()?,
+                    &v_all.contiguous()?,
+                    plans[i].past,
+                    scale,
+                )?
+            };
+            outs.push(o);
+        }
+        Ok(Tensor::cat(&outs, 0)?)
+    }
+
+    /// Every segment's attention on fp8 storage: the segment's new rows (quantized with the whole
+    /// batch) appended to its cache by concatenation; returns `[N, n_h·hd]`.
+    fn attend_fp8(
+        &self,
+        q: &Tensor,
+        quantized: &((Tensor, Tensor), (Tensor, Tensor)),
+        segments: &[Segment],
+        caches: &mut [&mut KvCache],
+        scale: f64,
+    ) -> Result<Tensor> {
+        let ((kq, ks), (vq, vs)) = quantized;
         let mut outs = Vec::with_capacity(segments.len());
         for (i, seg) in segments.iter().enumerate() {
             // A branch reads its parent's keys and values, the parent's own tokens of this call included.
@@ -155,63 +311,39 @@ impl Attention {
                 *caches[i] = parent;
             }
             let cache = &mut *caches[i];
-            if !cache.is_empty() && cache.is_fp8() != fp8 {
+            if !cache.is_empty() && !cache.is_fp8() {
                 return Err(ModelError::InvalidInput(format!(
-                    "attention: the state's K/V cache is {} but this model stores {} keys and values \
+                    "attention: the state's K/V cache is native but this model stores {} keys and values \
                      (a state made by a model loaded with other options)",
-                    if cache.is_fp8() { "fp8" } else { "native" },
                     self.kv.as_str()
                 )));
             }
             let t = seg.len;
             let past = cache.len();
             let q_s = q.narrow(0, seg.start, t)?.contiguous()?; // [T, n_h, hd]
-            if let Some(((kq, ks), (vq, vs))) = &quantized {
-                // [n_kv, T, hd] bytes and [n_kv, T] scales of this sequence's new tokens.
-                let rows = |x: &Tensor| -> Result<Tensor> {
-                    Ok(x.narrow(0, seg.start, t)?.transpose(0, 1)?.contiguous()?)
-                };
-                let append = |old: &Option<Tensor>, new: Tensor| -> Result<Tensor> {
-                    Ok(match old {
-                        Some(old) => Tensor::cat(&[old, &new], 1)?,
-                        None => new,
-                    })
-                };
-                let k_all = append(&cache.k, rows(kq)?)?;
-                let v_all = append(&cache.v, rows(vq)?)?;
-                let ks_all = append(&cache.k_scale, rows(ks)?)?;
-                let vs_all = append(&cache.v_scale, rows(vs)?)?;
-                let o = attend_segment_fp8(&q_s, [&k_all, &ks_all, &v_all, &vs_all], past, scale)?;
-                outs.push(o);
-                cache.k = Some(k_all);
-                cache.v = Some(v_all);
-                cache.k_scale = Some(ks_all);
-                cache.v_scale = Some(vs_all);
-                continue;
-            }
-            let k_s = k.narrow(0, seg.start, t)?.transpose(0, 1)?.contiguous()?; // [n_kv, T, hd]
-            let v_s = v.narrow(0, seg.start, t)?.transpose(0, 1)?.contiguous()?;
-            let (k_all, v_all) = match (&cache.k, &cache.v) {
-                (Some(pk), Some(pv)) if pk.dtype() == k_s.dtype() && pv.dtype() == v_s.dtype() => {
-                    (Tensor::cat(&[pk, &k_s], 1)?, Tensor::cat(&[pv, &v_s], 1)?)
-                }
-                // A cache written in another dtype (not by this forward): its values, converted.
-                (Some(pk), Some(pv)) => (
-                    Tensor::cat(&[&pk.to_dtype(k_s.dtype())?, &k_s], 1)?,
-                    Tensor::cat(&[&pv.to_dtype(v_s.dtype())?, &v_s], 1)?,
-                ),
-                _ => (k_s, v_s),
+                                                                // [n_kv, T, hd] bytes and [n_kv, T] scales of this sequence's new tokens.
+            let rows = |x: &Tensor| -> Result<Tensor> {
+                Ok(x.narrow(0, seg.start, t)?.transpose(0, 1)?.contiguous()?)
             };
-            let o = attend_segment(&q_s, &k_all, &v_all, past, scale)?;
+            let append = |old: &Option<Tensor>, new: Tensor| -> Result<Tensor> {
+                Ok(match old {
+                    Some(old) => Tensor::cat(&[old, &new], 1)?,
+                    None => new,
+                })
+            };
+            let k_all = append(&cache.k, rows(kq)?)?;
+            let v_all = append(&cache.v, rows(vq)?)?;
+            let ks_all = append(&cache.k_scale, rows(ks)?)?;
+            let vs_all = append(&cache.v_scale, rows(vs)?)?;
+            let o = attend_segment_fp8(&q_s, [&k_all, &ks_all, &v_all, &vs_all], past, scale)?;
             outs.push(o);
             cache.k = Some(k_all);
             cache.v = Some(v_all);
+            cache.k_scale = Some(ks_all);
+            cache.v_scale = Some(vs_all);
+            cache.room = None;
         }
-        attend_timer.stop()?;
-        // attn · σ(gate), written in the dtype attn_output reads (bf16 for a bf16 GEMM on CUDA).
-        let attn = Tensor::cat(&outs, 0)?;
-        let attn = sigmoid_gate(&attn, &gate, self.o.input_dtype(attn.dtype()))?;
-        Ok(self.o.forward(&attn)?)
+        Ok(Tensor::cat(&outs, 0)?)
     }
 }
 
@@ -441,6 +573,7 @@ fn attend<F: Float>(
     k: &[F],
     v: &[F],
     (t_len, n_h, n_kv, hd): (usize, usize, usize, usize),
+    kv_rows: usize,
     past: usize,
     scale: F,
 ) -> Vec<F> {
@@ -451,8 +584,8 @@ fn attend<F: Float>(
         let (t, h) = (row / n_h, row % n_h);
         let kv = h / group;
         let q_row = &q[row * hd..(row + 1) * hd];
-        let keys = &k[kv * total * hd..(kv * total + past + t + 1) * hd];
-        let values = &v[kv * total * hd..(kv * total + past + t + 1) * hd];
+        let keys = &k[kv * kv_rows * hd..(kv * kv_rows + past + t + 1) * hd];
+        let values = &v[kv * kv_rows * hd..(kv * kv_rows + past + t + 1) * hd];
         probs.clear();
         probs.extend(
             keys.chunks_exact(hd)
@@ -486,6 +619,41 @@ fn contiguous<'a, T>(v: &'a [T], l: &Layout, what: &str) -> candle_core::Result<
     match l.contiguous_offsets() {
         Some((start, end)) => Ok(&v[start..end]),
         None => candle_core::bail!("causal attention: {what} must be contiguous"),
+    }
+}
+
+/// Keys and values of one head stride, with it.
+fn kv_rows<'a, T>(
+    (k, rk): (&'a [T], usize),
+    (v, rv): (&'a [T], usize),
+) -> candle_core::Result<(&'a [T], &'a [T], usize)> {
+    if rk != rv {
+        candle_core::bail!(
+            "causal attention: keys and values with head strides of {rk} and {rv} rows"
+        );
+    }
+    Ok((k, v, rk))
+}
+
+/// Keys or values `[n_kv, total, hd]` whose heads are `rows ≥ total` rows apart, each head's rows
+/// contiguous (a contiguous tensor, or a view of a [`crate::state::KvRoom`]): the elements from the
+/// first and `rows`.
+fn head_rows<'a, T>(v: &'a [T], l: &Layout, what: &str) -> candle_core::Result<(&'a [T], usize)> {
+    if let Some((start, end)) = l.contiguous_offsets() {
+        return Ok((&v[start..end], l.dims()[1]));
+    }
+    let (n_kv, total, hd) = l.shape().dims3()?;
+    let stride = l.stride();
+    if stride[2] != 1 || stride[1] != hd || hd == 0 || stride[0] % hd != 0 || stride[0] / hd < total
+    {
+        candle_core::bail!("causal attention: {what} must have contiguous rows of each head");
+    }
+    let rows = stride[0] / hd;
+    let start = l.start_offset();
+    let end = start + (n_kv.saturating_sub(1) * rows + total) * hd;
+    match v.get(start..end) {
+        Some(slice) => Ok((slice, rows)),
+        None => candle_core::bail!("causal attention: {what} reaches past its storage"),
     }
 }
 
@@ -524,21 +692,25 @@ impl CustomOp3 for CausalAttention {
         let dims = (t_len, n_h, n_kv, hd);
         let out = match (s1, s2, s3) {
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
+                let (k, v, rows) = kv_rows(head_rows(k, l2, "k")?, head_rows(v, l3, "v")?)?;
                 CpuStorage::F32(attend(
                     contiguous(q, l1, "q")?,
-                    contiguous(k, l2, "k")?,
-                    contiguous(v, l3, "v")?,
+                    k,
+                    v,
                     dims,
+                    rows,
                     self.past,
                     self.scale as f32,
                 ))
             }
             (CpuStorage::F64(q), CpuStorage::F64(k), CpuStorage::F64(v)) => {
+                let (k, v, rows) = kv_rows(head_rows(k, l2, "k")?, head_rows(v, l3, "v")?)?;
                 CpuStorage::F64(attend(
                     contiguous(q, l1, "q")?,
-                    contiguous(k, l2, "k")?,
-                    contiguous(v, l3, "v")?,
+                    k,
+                    v,
                     dims,
+                    rows,
                     self.past,
                     self.scale,
                 ))
@@ -622,4 +794,91 @@ mod tests {
         // Shapes that do not fit are refused.
         assert!(q.apply_op3_no_bwd(&k, &v, &op(1)).is_err());
     }
+}
+
+/// Phase (2) of [`Attention::attend_native`] in one launch per 64 segments on CUDA (bf16 rooms):
+/// segment `i`'s rows of `k, v: [N, n_kv, hd]` to positions `rooms[i].0..` of room `rooms[i].1`. `false`
+/// where it does not apply (the caller writes them one by one).
+#[cfg(feature = "cuda")]
+fn append_batch(
+    k: &Tensor,
+    v: &Tensor,
+    segments: &[Segment],
+    rooms: &[(usize, &Arc<KvRoom>)],
+) -> Result<bool> {
+    if !k.device().is_cuda()
+        || k.dtype() != DType::BF16
+        || v.dtype() != DType::BF16
+        || k.dim(2)? % 8 != 0
+    {
+        return Ok(false);
+    }
+    let appends: Vec<crate::cuda_flash::KvAppend<'_>> = segments
+        .iter()
+        .zip(rooms)
+        .map(|(seg, (past, room))| crate::cuda_flash::KvAppend {
+            row: seg.start,
+            len: seg.len,
+            at: *past,
+            k: &room.k,
+            v: &room.v,
+        })
+        .collect();
+    crate::cuda_flash::kv_append_batch(k, v, &appends)?;
+    Ok(true)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn append_batch(
+    _: &Tensor,
+    _: &Tensor,
+    _: &[Segment],
+    _: &[(usize, &Arc<KvRoom>)],
+) -> Result<bool> {
+    Ok(false)
+}
+
+/// Phase (4) of [`Attention::attend_native`] in one launch per 64 segments on CUDA where the flash
+/// kernel serves ([`crate::cuda_flash::flash_attention_batch`]: each segment's rows bit for bit its own
+/// call's); `None` elsewhere.
+#[cfg(feature = "cuda")]
+fn attend_batch(
+    q: &Tensor,
+    segments: &[Segment],
+    caches: &[&mut KvCache],
+    scale: f64,
+    flash: bool,
+) -> Result<Option<Tensor>> {
+    if !flash || !q.device().is_cuda() {
+        return Ok(None);
+    }
+    let mut parts = Vec::with_capacity(segments.len());
+    for (seg, cache) in segments.iter().zip(caches) {
+        let (Some(k), Some(v)) = (&cache.k, &cache.v) else {
+            return Err(ModelError::InvalidInput(
+                "attention: a cache without keys".into(),
+            ));
+        };
+        parts.push(crate::cuda_flash::FlashSegment {
+            row: seg.start,
+            len: seg.len,
+            past: cache.len() - seg.len,
+            k,
+            v,
+        });
+    }
+    Ok(Some(crate::cuda_flash::flash_attention_batch(
+        q, &parts, scale,
+    )?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn attend_batch(
+    _: &Tensor,
+    _: &[Segment],
+    _: &[&mut KvCache],
+    _: f64,
+    _: bool,
+) -> Result<Option<Tensor>> {
+    Ok(None)
 }

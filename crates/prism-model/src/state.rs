@@ -2,9 +2,15 @@
 //!
 //! A [`SequenceState`] holds everything a sequence needs to continue: the K/V cache of every attention
 //! layer, the conv window and delta-rule state of every DeltaNet layer, the number of tokens seen and the
-//! next M-RoPE position. Tensors are immutable and reference-counted, so `clone()` is cheap (no copy):
-//! that is how a shared prefix branches into several continuations. Updates always build new tensors, so
-//! branches never see each other's writes.
+//! next M-RoPE position. Tensors are reference-counted, so `clone()` is cheap (no copy): that is how a
+//! shared prefix branches into several continuations, and branches never see each other's writes.
+//! Conv windows and delta-rule states are replaced by new tensors on every update. The K/V caches of
+//! native storage live in [`KvRoom`]s with room to grow: a new token's keys and values are written in
+//! place, at positions that no other state can read (a room's rows are claimed in order; a state that
+//! would write rows someone else has claimed copies its prefix into a new room first).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
@@ -21,6 +27,62 @@ pub struct DeltaNetState {
     /// The delta-rule memory at the last 64-token boundary (`[n_v, dk, dv]`, key index on axis 1 as in
     /// transformers) and the rows of the chunk in progress.
     pub rule: RuleState,
+}
+
+/// Keys and values of one attention layer with room to grow: `k, v: [n_kv, rows, head_dim]`, of which
+/// the first `claimed` positions have been handed out. Shared (through `Arc`) by every [`KvCache`] that
+/// reads a prefix of it; only the state whose length equals `claimed` may write the next rows.
+#[derive(Debug)]
+pub struct KvRoom {
+    pub(crate) k: Tensor,
+    pub(crate) v: Tensor,
+    claimed: AtomicUsize,
+}
+
+impl KvRoom {
+    /// An empty room of `rows` positions for `n_kv` heads of `hd` in `dtype`, with `claimed` rows
+    /// handed out already (the caller writes them).
+    pub(crate) fn new(
+        n_kv: usize,
+        rows: usize,
+        hd: usize,
+        dtype: DType,
+        dev: &Device,
+        claimed: usize,
+    ) -> Result<Arc<Self>> {
+        Ok(Arc::new(Self {
+            k: Tensor::zeros((n_kv, rows, hd), dtype, dev)?,
+            v: Tensor::zeros((n_kv, rows, hd), dtype, dev)?,
+            claimed: AtomicUsize::new(claimed),
+        }))
+    }
+
+    /// Positions it holds.
+    pub fn rows(&self) -> usize {
+        self.k.dims().get(1).copied().unwrap_or(0)
+    }
+
+    /// Claims positions `len..len + t` for a state of length `len`: true if nobody has claimed past
+    /// `len` and they fit.
+    pub(crate) fn claim(&self, len: usize, t: usize) -> bool {
+        len + t <= self.rows()
+            && self
+                .claimed
+                .compare_exchange(len, len + t, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+    }
+
+    /// Rows of a new room for a sequence that needs `needed` positions, `past` of them there before
+    /// this call: a first allocation leaves 256 positions to spare (a question or the next steps after
+    /// a prefill), a growing one half its length again; whole multiples of 256.
+    pub fn rows_for(needed: usize, past: usize) -> usize {
+        let spare = if past == 0 { 256 } else { needed / 2 };
+        (needed + spare.max(1)).div_ceil(256) * 256
+    }
+
+    fn bytes(&self) -> usize {
+        tensor_bytes(&self.k) + tensor_bytes(&self.v)
+    }
 }
 
 /// K/V cache of one attention layer for one sequence, in the storage the model was loaded with
@@ -41,6 +103,9 @@ pub struct KvCache {
     pub k_scale: Option<Tensor>,
     /// fp8 storage only: the values' scales, `[n_kv, len]`.
     pub v_scale: Option<Tensor>,
+    /// Native storage: the room `k` and `v` are views of (their first `len` positions), shared with the
+    /// states this one branched from or into.
+    pub room: Option<Arc<KvRoom>>,
 }
 
 impl KvCache {
@@ -58,8 +123,13 @@ impl KvCache {
         self.k_scale.is_some()
     }
 
-    /// Bytes its tensors take (keys, values and, with fp8 storage, their scales).
+    /// Bytes its tensors take (keys, values and, with fp8 storage, their scales); for a cache in a
+    /// [`KvRoom`], the whole room (its spare positions too, and counted again by every state that
+    /// shares it: an upper bound).
     pub fn bytes(&self) -> usize {
+        if let Some(room) = &self.room {
+            return room.bytes();
+        }
         [&self.k, &self.v, &self.k_scale, &self.v_scale]
             .into_iter()
             .flatten()

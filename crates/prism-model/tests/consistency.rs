@@ -415,6 +415,77 @@ fn branches_do_not_see_each_other() {
     }
 }
 
+/// The attention layers' K/V rooms of a state (native storage).
+fn rooms(state: &SequenceState) -> Vec<std::sync::Arc<prism_model::state::KvRoom>> {
+    state
+        .layers()
+        .iter()
+        .filter_map(|l| match l {
+            LayerState::Attention(kv) => Some(kv.room.clone().expect("a native cache has a room")),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn kv_rooms_grow_in_place_and_branches_copy_their_prefix() {
+    // The first continuation of a state writes its keys and values into the state's room (no copy);
+    // a second continuation of the same state, and the state itself continued afterwards, find those
+    // positions claimed and copy their prefix into rooms of their own. Every one of them equals the
+    // same tokens computed in one call.
+    let p = &prompts()[1];
+    for model in models() {
+        let mut base = model.new_state().unwrap();
+        model.prefill(&mut base, &p[..30]).unwrap();
+        let (mut a, mut b, mut c) = (base.clone(), base.clone(), base.clone());
+        model.prefill(&mut a, &p[30..]).unwrap();
+        let shared = rooms(&base);
+        assert!(!shared.is_empty());
+        for (x, y) in rooms(&a).iter().zip(&shared) {
+            assert!(
+                std::sync::Arc::ptr_eq(x, y),
+                "the first branch grows in place"
+            );
+            assert!(y.rows() >= p.len(), "the room has room: {} rows", y.rows());
+        }
+        let hb = model.prefill(&mut b, &p[30..]).unwrap();
+        for (x, y) in rooms(&b).iter().zip(&shared) {
+            assert!(!std::sync::Arc::ptr_eq(x, y), "a second branch copies");
+        }
+        assert_identical(
+            model,
+            "second branch",
+            &hb,
+            &last_row(&one_shot_hidden(model, 1)),
+        );
+        assert_states_identical("first branch", &a, &one_shot(model, 1).1);
+        assert_states_identical("second branch", &b, &one_shot(model, 1).1);
+        // The base continued after both: copies too, and sees none of their rows.
+        let hc = model.prefill(&mut c, &p[30..]).unwrap();
+        assert_identical(
+            model,
+            "the base continued",
+            &hc,
+            &last_row(&one_shot_hidden(model, 1)),
+        );
+        // Token by token from the second branch: steps after the first grow its own room in place.
+        let before = rooms(&b);
+        let mut d = b.clone();
+        drop(b);
+        for &t in &[7u32, 8, 9] {
+            model.prefill(&mut d, &[t]).unwrap();
+        }
+        for (x, y) in rooms(&d).iter().zip(&before) {
+            assert!(std::sync::Arc::ptr_eq(x, y), "decode steps grow in place");
+        }
+        let mut whole = model.new_state().unwrap();
+        let mut tokens = p.clone();
+        tokens.extend([7u32, 8, 9]);
+        model.prefill(&mut whole, &tokens).unwrap();
+        assert_states_identical("decode steps in a room", &d, &whole);
+    }
+}
+
 #[test]
 fn thread_count_does_not_change_results() {
     // The test binaries run rayon with one thread; the kernels split work differently on more threads

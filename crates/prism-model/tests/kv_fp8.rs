@@ -1657,9 +1657,12 @@ fn fp8_kv_bytes_are_what_the_cache_holds() {
     let n = prompts()[3].len();
     let (_, fp8) = alone(int8_fp8(), 3);
     let (_, native) = alone(int8_native(), 3);
-    // Keys and values: one byte a value and one f32 scale per token and KV head, in every attention layer.
+    // Keys and values: one byte a value and one f32 scale per token and KV head, in every attention layer;
+    // native storage counts its rooms' positions (the tokens and the room to grow).
     let want_fp8 = attention_layers * 2 * n_kv * n * (hd + 4);
-    let want_f32 = attention_layers * 2 * n_kv * n * hd * 4;
+    let rows = prism_model::state::KvRoom::rows_for(n, 0);
+    assert!(rows >= n + 256 && rows % 256 == 0);
+    let want_f32 = attention_layers * 2 * n_kv * rows * hd * 4;
     assert_eq!(fp8.kv_bytes(), want_fp8);
     assert_eq!(native.kv_bytes(), want_f32);
     // The rest of the state (DeltaNet) is the same.
@@ -1669,7 +1672,7 @@ fn fp8_kv_bytes_are_what_the_cache_holds() {
     );
     // Against bf16 keys and values (the GPU's native cache): (hd + 4) / 2hd, 0.53 at head dim 64 and
     // 0.51 at 256.
-    let bf16 = want_f32 / 2;
+    let bf16 = attention_layers * 2 * n_kv * n * hd * 2;
     let ratio = fp8.kv_bytes() as f64 / bf16 as f64;
     eprintln!(
         "K/V bytes of prompt 3 ({n} tokens): fp8 {} vs bf16 {bf16} ({ratio:.3}) vs f32 {}",
