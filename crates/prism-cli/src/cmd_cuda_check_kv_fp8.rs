@@ -557,12 +557,14 @@ fn model_checks(
     // Memory: the fp8 cache against the GPU's native (bf16) one.
     let mut native_state = gpu_native.new_state()?;
     gpu_native.prefill(&mut native_state, p3)?;
+    // The native cache counts its room: the prompt's n positions and the room to grow.
     let ratio = whole.kv_bytes() as f64 / native_state.kv_bytes() as f64;
     let hd = gpu_fp8.config().head_dim as f64;
-    let want = (hd + 4.0) / (2.0 * hd);
+    let (n, rows) = (p3.len(), prism_model::state::KvRoom::rows_for(p3.len(), 0));
+    let want = (hd + 4.0) / (2.0 * hd) * n as f64 / rows as f64;
     let ok = (ratio - want).abs() < 1e-9;
     println!(
-        "{:<58} {ratio:.4} (expected (hd + 4) / 2hd = {want:.4})  {}",
+        "{:<58} {ratio:.4} (expected (hd + 4) / 2hd · n / room = {want:.4})  {}",
         "int8 (GPU): K/V bytes fp8 / bf16, prompt 3",
         if ok { "ok" } else { "FAIL" }
     );

@@ -317,3 +317,47 @@ pub fn has_avx2_fma() -> bool {
     #[cfg(not(target_arch = "x86_64"))]
     return false;
 }
+
+/// On a GPU: how many CTAs share each output tile's [`PARTS`] parts of K (1, 2 or 4), for `tiles` output tiles of `m`
+/// activation rows and `k` inputs on `sms` multiprocessors. A grid that fills its last wave badly (a
+/// decode step's 64 rows give the 27B's 5,120-wide projections 20 tiles for 132 SMs) takes the split
+/// whose waves are fullest, if that is at least 10 % better and its partials (a write and a read of
+/// `split · m` floats an output, against `k` weight bytes an output) stay under a quarter of the weight
+/// traffic. The join adds the parts in the contract's order, so the split changes no bit.
+pub fn k_split(tiles: usize, m: usize, k: usize, sms: usize) -> usize {
+    let fill = |ctas: usize| ctas as f64 / (ctas.div_ceil(sms.max(1)) * sms.max(1)) as f64;
+    let mut best = (1, fill(tiles));
+    for split in [2, 4] {
+        if split * m * 32 > k || tiles == 0 {
+            continue;
+        }
+        let f = fill(split * tiles);
+        if f > best.1 * 1.1 {
+            best = (split, f);
+        }
+    }
+    best.0
+}
+
+#[cfg(test)]
+mod k_split_tests {
+    use super::k_split;
+
+    #[test]
+    fn k_splits_where_a_grid_fills_its_waves_badly() {
+        // 27B projections on an H200 (132 SMs) at a 64-row decode step: the 5,120-wide ones (20 tiles
+        // of 256) split four ways, the fused DeltaNet input projection (65 tiles) two ways, gate|up
+        // (136 tiles, K = 5,120) two ways (four would write more partials than allowed).
+        assert_eq!(k_split(20, 64, 17408, 132), 4);
+        assert_eq!(k_split(20, 64, 6144, 132), 2);
+        assert_eq!(k_split(65, 64, 5120, 132), 2);
+        assert_eq!(k_split(136, 64, 5120, 132), 2);
+        // A short pass (276 rows): 100 tiles fill a wave as well split as not; whole waves stay.
+        assert_eq!(k_split(100, 276, 17408, 132), 1);
+        assert_eq!(k_split(680, 276, 5120, 132), 1);
+        assert_eq!(k_split(264, 64, 17408, 132), 1);
+        // Too few inputs for the partials to pay: no split.
+        assert_eq!(k_split(1, 200, 256, 132), 1);
+        assert_eq!(k_split(0, 1, 128, 132), 1);
+    }
+}
