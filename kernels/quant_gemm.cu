@@ -290,7 +290,6 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
                                                    const unsigned int* __restrict__ bad_rows, int M, int N,
                                                    int K, float* __restrict__ y, int split_arg) {
 #ifdef HAVE_WGMMA
-    const int split = SPLIT ? split_arg : 1;
     extern __shared__ unsigned char smem_raw[];
     using T = QwTile<BM>;
     unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -299,6 +298,11 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
     const int R = (K + 127) / 128;
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * T::BN;
     const int wg = threadIdx.x / 128;
+    // The runs this CTA reads: all of them, or (split) those of its parts [4z/split, 4(z+1)/split).
+    // Stages and barrier phases count from the first of them (i = r − r_begin).
+    const int z = SPLIT ? (int)blockIdx.z : 0, split = SPLIT ? split_arg : 1;
+    const int p_lo = z * 4 / split, p_hi = (z + 1) * 4 / split;
+    const int r_begin = p_lo * R / 4, r_end = p_hi * R / 4;
     if (threadIdx.x == 0) {
         for (int s = 0; s < T::STAGES; ++s) {
             mbar_init(full + s, 1);
@@ -312,9 +316,9 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
         if (threadIdx.x == 0) {
             tma_prefetch_desc(tmap_a);
             tma_prefetch_desc(tmap_b);
-            for (int r = 0; r < R; ++r) {
-                const int s = r % T::STAGES;
-                mbar_wait(empty + s, ((r / T::STAGES) & 1) ^ 1);
+            for (int r = r_begin; r < r_end; ++r) {
+                const int i = r - r_begin, s = i % T::STAGES;
+                mbar_wait(empty + s, ((i / T::STAGES) & 1) ^ 1);
                 unsigned char* st = smem + s * T::STAGE;
                 mbar_arrive_expect_tx(full + s, T::BYTES);
                 tma_load_2d(st + T::A, tmap_a, r * 128, m0, full + s);
@@ -341,15 +345,14 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
         // split 1: all four parts here. split 2 or 4: parts [4z/split, 4(z+1)/split) of CTA z = blockIdx.z,
         // their join ((p0 + p1) or (p2 + p3) for 2, the part itself for 4) written to partials[z]; the
         // joining kernel finishes (p0 + p1) + (p2 + p3).
-        const int z = blockIdx.z, p_lo = z * 4 / split, p_hi = (z + 1) * 4 / split;
 #pragma unroll 1
         for (int part = p_lo; part < p_hi; ++part) {
 #pragma unroll
             for (int i = 0; i < 64; ++i) facc[i] = 0.f;
 #pragma unroll 1
             for (int r = part * R / 4; r < (part + 1) * R / 4; ++r) {
-                const int s = r % T::STAGES;
-                mbar_wait(full + s, (r / T::STAGES) & 1);
+                const int i = r - r_begin, s = i % T::STAGES;
+                mbar_wait(full + s, (i / T::STAGES) & 1);
                 const unsigned char* st = smem + s * T::STAGE;
                 const unsigned long long da = wgmma_desc(smem_addr(st + T::A + a_off));
                 const unsigned long long db = wgmma_desc(smem_addr(st + T::B + b_off));
