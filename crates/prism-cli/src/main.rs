@@ -9,8 +9,6 @@ use clap::{Args, Parser, Subcommand};
 
 mod cmd_bench;
 mod cmd_bench_think;
-#[cfg(feature = "cuda")]
-mod cmd_cuda_check;
 mod cmd_decide;
 mod cmd_eval;
 #[cfg(feature = "cuda")]
@@ -61,18 +59,6 @@ enum Command {
     Synth(SynthArgs),
     /// Latency of the decision path (short question, shared evidence, long question) against its floors.
     Bench(BenchArgs),
-    /// Device tests (CUDA builds only): our kernels against their CPU twins on random inputs, their
-    /// split/batch invariance, the fixture model in bf16 on the GPU against the references, and the fp8
-    /// K/V cache (`--kv-fp8`) against its CPU twin.
-    #[cfg(feature = "cuda")]
-    CudaCheck {
-        /// The tiny fixture model's folder (tiny-BF16.gguf, prompts.json, ref_transformers.json).
-        #[arg(long)]
-        fixtures: Option<PathBuf>,
-        /// Also write the results as JSON.
-        #[arg(long)]
-        json_out: Option<PathBuf>,
-    },
     /// The integer GEMM's speed at the model's projection shapes next to bf16 (CUDA builds only).
     #[cfg(feature = "cuda")]
     GemmBench(cmd_gemm_bench::GemmBenchArgs),
@@ -277,8 +263,6 @@ fn main() -> Result<()> {
         Command::Eval(args) => cmd_eval::run(&args),
         Command::Synth(args) => cmd_synth::run(&args),
         Command::Bench(args) => cmd_bench::run(&args),
-        #[cfg(feature = "cuda")]
-        Command::CudaCheck { fixtures, json_out } => cmd_cuda_check::run(fixtures, json_out),
         #[cfg(feature = "cuda")]
         Command::GemmBench(args) => cmd_gemm_bench::run(&args),
     }

@@ -1,0 +1,374 @@
+//! Kernels against their CPU twins on random inputs, and their split and batch invariance bit for bit:
+//! the norms, the causal conv, the one-warp-per-row attention kernel (and the batched-matmul route of
+//! head dims the flash kernel lacks) and the chunked delta rule (one call, pieces, decode steps, 48
+//! heads from a random memory, a prompt of several launches). One random stream runs through all four
+//! in this order, so each gets the inputs it has always had.
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor};
+use prism_model::attention::CausalAttention;
+use prism_model::delta_rule::{self, RuleState};
+
+use crate::harness::{Report, Rng};
+
+/// The group: norms, conv, attention, then the delta rule, on one random stream.
+pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    norm_checks(r, gpu, &mut rng)?;
+    conv_checks(r, gpu, &mut rng)?;
+    attention_checks(r, gpu, &mut rng)?;
+    delta_rule_checks(r, gpu, &mut rng)
+}
+
+/// Random delta-rule inputs `[q, k, v, g, beta]` with the value ranges of real ones.
+pub fn delta_rule_inputs(
+    rng: &mut Rng,
+    t: usize,
+    h: usize,
+    dk: usize,
+    dv: usize,
+) -> Result<[Tensor; 5]> {
+    let q = prism_model::ops::l2_norm(&rng.tensor(&[t, h, dk], 1.0)?, 1e-6)?;
+    let q = (q * (1.0 / (dk as f64).sqrt()))?;
+    let k = prism_model::ops::l2_norm(&rng.tensor(&[t, h, dk], 1.0)?, 1e-6)?;
+    let v = rng.tensor(&[t, h, dv], 1.0)?;
+    let g = ((rng.tensor(&[t, h], 1.0)? - 1.0)? * 0.1)?; // log-decays in (-0.2, 0]
+    let beta = ((rng.tensor(&[t, h], 0.5)? + 0.5)?).clamp(0.01f32, 0.99f32)?;
+    Ok([q, k, v, g, beta])
+}
+
+/// The delta rule over `x` on `device` from `state`, in calls of the given sizes (the last one takes
+/// what is left); returns all outputs and the final state.
+fn delta_rule_in_pieces(
+    x: &[Tensor; 5],
+    device: &Device,
+    state: &RuleState,
+    pieces: &[usize],
+) -> Result<(Tensor, RuleState)> {
+    let t = x[0].dim(0)?;
+    let mut state = state.clone();
+    let mut outs = Vec::new();
+    let mut at = 0;
+    for (i, &piece) in pieces.iter().enumerate() {
+        let n = if i + 1 == pieces.len() {
+            t - at
+        } else {
+            piece.min(t - at)
+        };
+        if n == 0 {
+            continue;
+        }
+        let s = |x: &Tensor| -> Result<Tensor> { Ok(x.narrow(0, at, n)?.to_device(device)?) };
+        let (o, next) = delta_rule::chunked(
+            &s(&x[0])?,
+            &s(&x[1])?,
+            &s(&x[2])?,
+            &s(&x[3])?,
+            &s(&x[4])?,
+            &state,
+        )?;
+        outs.push(o);
+        state = next;
+        at += n;
+    }
+    if at != t {
+        bail!("piece sizes cover {at} of {t} tokens");
+    }
+    Ok((Tensor::cat(&outs, 0)?, state))
+}
+
+fn delta_rule_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
+    // Real 27B DeltaNet head shapes: dk = dv = 128; 3 heads keep the CPU twin quick.
+    let (t, h, dk, dv) = (300usize, 3usize, 128usize, 128usize);
+    let x = delta_rule_inputs(rng, t, h, dk, dv)?;
+    let cpu_state = RuleState::zeros(h, dk, dv, DType::F32, &Device::Cpu)?;
+    let gpu_state = RuleState::zeros(h, dk, dv, DType::F32, gpu)?;
+    let (want, want_state) = delta_rule_in_pieces(&x, &Device::Cpu, &cpu_state, &[t])?;
+    let (got, got_state) = delta_rule_in_pieces(&x, gpu, &gpu_state, &[t])?;
+    r.compare(
+        "delta rule chunked, T=300 H=3 dk=dv=128: output",
+        &got,
+        &want,
+        1e-4,
+    )?;
+    r.compare(
+        "delta rule chunked: memory after 300 tokens",
+        &got_state.memory()?,
+        &want_state.memory()?,
+        1e-4,
+    )?;
+
+    // The same tokens in pieces (decode-like single steps included, pieces starting at chunk rows that
+    // are not multiples of 16) must give the same bits on the GPU.
+    for pieces in [
+        &[1usize, 63, 1, 64, 7, 100, 1, 1, 62][..],
+        &[5, 17, 200, 3, 1, 74],
+        &[3, 13, 16, 33, 1, 1, 1, 29, 203],
+    ] {
+        let (o, state) = delta_rule_in_pieces(&x, gpu, &gpu_state, pieces)?;
+        let name = format!("delta rule (GPU): pieces {pieces:?} vs one call");
+        r.identical(&name, &o, &got)?;
+        r.identical(
+            &format!("  … memory after {pieces:?}"),
+            &state.memory()?,
+            &got_state.memory()?,
+        )?;
+        r.identical(
+            &format!("  … pending values after {pieces:?}"),
+            &state.pending_u,
+            &got_state.pending_u,
+        )?;
+    }
+
+    // 27B head count (48) from a non-zero memory: the grid, not the math, changes.
+    let h = 48;
+    let x = delta_rule_inputs(rng, 275, h, dk, dv)?;
+    let s0 = rng.tensor(&[h, dk, dv], 0.5)?;
+    let (want, want_state) =
+        delta_rule_in_pieces(&x, &Device::Cpu, &RuleState::from_memory(&s0)?, &[275])?;
+    let gpu_s0 = RuleState::from_memory(&s0.to_device(gpu)?)?;
+    let (got, got_state) = delta_rule_in_pieces(&x, gpu, &gpu_s0, &[275])?;
+    r.compare(
+        "delta rule chunked, T=275 H=48 from a random memory: output",
+        &got,
+        &want,
+        1e-4,
+    )?;
+    r.compare(
+        "delta rule chunked, H=48: memory after 275 tokens",
+        &got_state.memory()?,
+        &want_state.memory()?,
+        1e-4,
+    )?;
+    let (o, _) = delta_rule_in_pieces(&x, gpu, &gpu_s0, &[100, 1, 1, 173])?;
+    r.identical(
+        "delta rule (GPU), H=48: pieces 100/1/1/173 vs one call",
+        &o,
+        &got,
+    )?;
+
+    // A long prompt takes several launches (32 chunks each); then single decode steps.
+    let (t, h) = (2200usize, 2usize);
+    let x = delta_rule_inputs(rng, t, h, dk, dv)?;
+    let cpu_state = RuleState::zeros(h, dk, dv, DType::F32, &Device::Cpu)?;
+    let gpu_state = RuleState::zeros(h, dk, dv, DType::F32, gpu)?;
+    let (want, want_state) = delta_rule_in_pieces(&x, &Device::Cpu, &cpu_state, &[t])?;
+    let (got, got_state) = delta_rule_in_pieces(&x, gpu, &gpu_state, &[t])?;
+    r.compare(
+        "delta rule chunked, T=2200 (several launches): output",
+        &got,
+        &want,
+        1e-4,
+    )?;
+    r.compare(
+        "delta rule chunked, T=2200: memory",
+        &got_state.memory()?,
+        &want_state.memory()?,
+        1e-4,
+    )?;
+    let (o, state) = delta_rule_in_pieces(&x, gpu, &gpu_state, &[2047, 1, 100, 1, 1, 1, 1])?;
+    r.identical(
+        "delta rule (GPU): prefill 2047/1/100 + decode steps vs one call",
+        &o,
+        &got,
+    )?;
+    r.identical(
+        "delta rule (GPU): memory after decode steps vs one call",
+        &state.memory()?,
+        &got_state.memory()?,
+    )?;
+    Ok(())
+}
+
+fn norm_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
+    let x = rng.tensor(&[257, 5120], 2.0)?;
+    let w = rng.tensor(&[5120], 1.0)?;
+    let want = prism_model::ops::rms_norm(&x, &w, 1e-6)?;
+    let got = prism_model::ops::rms_norm(&x.to_device(gpu)?, &w.to_device(gpu)?, 1e-6)?;
+    r.compare("rms_norm [257, 5120]", &got, &want, 1e-6)?;
+    // A row alone vs inside the batch: the same bits.
+    let alone = prism_model::ops::rms_norm(
+        &x.narrow(0, 100, 1)?.to_device(gpu)?,
+        &w.to_device(gpu)?,
+        1e-6,
+    )?;
+    r.identical(
+        "rms_norm (GPU): row 100 alone vs in a batch of 257",
+        &alone,
+        &got.narrow(0, 100, 1)?,
+    )?;
+
+    let x = rng.tensor(&[190, 48, 128], 2.0)?;
+    let z = rng.tensor(&[190, 48, 128], 3.0)?;
+    let w = rng.tensor(&[128], 1.0)?;
+    let want = prism_model::ops::gated_rms_norm(&x, &z, &w, 1e-6)?;
+    let got = prism_model::ops::gated_rms_norm(
+        &x.to_device(gpu)?,
+        &z.to_device(gpu)?,
+        &w.to_device(gpu)?,
+        1e-6,
+    )?;
+    r.compare("gated rms_norm [190, 48, 128]", &got, &want, 1e-6)?;
+    let want = prism_model::ops::l2_norm(&x, 1e-6)?;
+    let got = prism_model::ops::l2_norm(&x.to_device(gpu)?, 1e-6)?;
+    r.compare("l2_norm [190, 48, 128]", &got, &want, 1e-6)?;
+
+    // The delta rule's query norm: one kernel for the L2 norm and the 1/√dk scale, read in place from
+    // the conv output's head view, with the bits of the norm of a copy followed by candle's affine.
+    let conv_out = rng.tensor(&[190, 80, 128], 1.0)?.to_device(gpu)?;
+    let q_view = conv_out.narrow(1, 0, 16)?;
+    let scale = 1.0 / 128f64.sqrt();
+    let fused = prism_model::ops::l2_norm_scaled(&q_view, 1e-6, scale)?;
+    let separate = (prism_model::ops::l2_norm(&q_view.contiguous()?, 1e-6)? * scale)?;
+    r.identical(
+        "l2_norm_scaled (GPU) of a head view vs l2_norm of a copy, then × 1/√128",
+        &fused,
+        &separate,
+    )?;
+    let cpu = prism_model::ops::l2_norm_scaled(&q_view.to_device(&Device::Cpu)?, 1e-6, scale)?;
+    r.compare(
+        "l2_norm_scaled [190, 16, 128] of a view (GPU vs CPU)",
+        &fused,
+        &cpu,
+        1e-6,
+    )?;
+    Ok(())
+}
+
+fn conv_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
+    let (t, c, k) = (190usize, 10240usize, 4usize);
+    let x = rng.tensor(&[t, c], 1.0)?;
+    let window = rng.tensor(&[k - 1, c], 1.0)?;
+    let taps = rng.tensor(&[k, c], 1.0)?;
+    let (want, want_w) = prism_model::delta_net::causal_conv(&x, &window, &taps)?;
+    let (got, got_w) = prism_model::delta_net::causal_conv(
+        &x.to_device(gpu)?,
+        &window.to_device(gpu)?,
+        &taps.to_device(gpu)?,
+    )?;
+    r.identical(
+        "causal conv [190, 10240] K=4 (GPU vs CPU, bitwise)",
+        &got,
+        &want,
+    )?;
+    r.identical(
+        "causal conv: new window (GPU vs CPU, bitwise)",
+        &got_w,
+        &want_w,
+    )?;
+    Ok(())
+}
+
+fn attention_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
+    // 27B attention shapes: 24 query heads, 4 KV heads, head dim 256.
+    let (past, t, n_h, n_kv, hd) = (70usize, 130usize, 24usize, 4usize, 256usize);
+    let q = rng.tensor(&[t, n_h, hd], 1.0)?;
+    let k = rng.tensor(&[n_kv, past + t, hd], 1.0)?;
+    let v = rng.tensor(&[n_kv, past + t, hd], 1.0)?;
+    let scale = 1.0 / (hd as f64).sqrt();
+    let op = CausalAttention {
+        past,
+        n_heads: n_h,
+        scale,
+    };
+    let want = q.apply_op3_no_bwd(&k, &v, &op)?;
+    let got = prism_model::cuda::causal_attention(
+        &q.to_device(gpu)?,
+        &k.to_device(gpu)?,
+        &v.to_device(gpu)?,
+        past,
+        scale,
+    )?;
+    r.compare(
+        "causal attention, 70 cached + 130 new, 24/4 heads, hd 256",
+        &got,
+        &want,
+        1e-5,
+    )?;
+    // The last 30 queries as their own call (100 more cached keys): the same bits.
+    let tail = prism_model::cuda::causal_attention(
+        &q.narrow(0, 100, 30)?.to_device(gpu)?,
+        &k.to_device(gpu)?,
+        &v.to_device(gpu)?,
+        past + 100,
+        scale,
+    )?;
+    r.identical(
+        "causal attention (GPU): last 30 queries alone vs in the call",
+        &tail,
+        &got.narrow(0, 100, 30)?,
+    )?;
+    // The last query as a decode step (T = 1: one row per block).
+    let last = prism_model::cuda::causal_attention(
+        &q.narrow(0, 129, 1)?.to_device(gpu)?,
+        &k.to_device(gpu)?,
+        &v.to_device(gpu)?,
+        past + 129,
+        scale,
+    )?;
+    r.identical(
+        "causal attention (GPU): last query as a decode step vs in the call",
+        &last,
+        &got.narrow(0, 129, 1)?,
+    )?;
+
+    // 4B/9B shapes: 16 query heads over 4 KV heads (other rows × heads per block).
+    let (past, t, n_h, n_kv, hd) = (5usize, 250usize, 16usize, 4usize, 256usize);
+    let q = rng.tensor(&[t, n_h, hd], 1.0)?;
+    let k = rng.tensor(&[n_kv, past + t, hd], 1.0)?;
+    let v = rng.tensor(&[n_kv, past + t, hd], 1.0)?;
+    let op = CausalAttention {
+        past,
+        n_heads: n_h,
+        scale,
+    };
+    let want = q.apply_op3_no_bwd(&k, &v, &op)?;
+    let got = prism_model::cuda::causal_attention(
+        &q.to_device(gpu)?,
+        &k.to_device(gpu)?,
+        &v.to_device(gpu)?,
+        past,
+        scale,
+    )?;
+    r.compare(
+        "causal attention, 5 cached + 250 new, 16/4 heads, hd 256",
+        &got,
+        &want,
+        1e-5,
+    )?;
+    let tail = prism_model::cuda::causal_attention(
+        &q.narrow(0, 243, 7)?.to_device(gpu)?,
+        &k.to_device(gpu)?,
+        &v.to_device(gpu)?,
+        past + 243,
+        scale,
+    )?;
+    r.identical(
+        "causal attention (GPU), 16/4 heads: last 7 queries alone vs in the call",
+        &tail,
+        &got.narrow(0, 243, 7)?,
+    )?;
+
+    // A long prompt at a head dim the flash kernel lacks (160) takes the batched-matmul path (pieces of
+    // query rows): 2,500 new tokens after 300. (Head dims 64/128/256 run the flash kernel at every
+    // length: `flash.rs`.)
+    let (past, t, n_h, n_kv, hd) = (300usize, 2500usize, 8usize, 2usize, 160usize);
+    let q = rng.tensor(&[t, n_h, hd], 1.0)?;
+    let k = rng.tensor(&[n_kv, past + t, hd], 1.0)?;
+    let v = rng.tensor(&[n_kv, past + t, hd], 1.0)?;
+    let want = prism_model::attention::attend_segment(&q, &k, &v, past, scale)?;
+    let got = prism_model::attention::attend_segment(
+        &q.to_device(gpu)?,
+        &k.to_device(gpu)?,
+        &v.to_device(gpu)?,
+        past,
+        scale,
+    )?;
+    r.compare(
+        "attention, long prompt (matmul path, hd 160): 300 cached + 2500 new",
+        &got,
+        &want,
+        1e-4,
+    )?;
+    Ok(())
+}
