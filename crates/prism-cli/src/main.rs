@@ -4,11 +4,10 @@
 
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 
 mod cmd_bench;
-mod cmd_bench_think;
 mod cmd_decide;
 mod cmd_eval;
 #[cfg(feature = "cuda")]
@@ -19,8 +18,6 @@ mod cmd_logits;
 mod cmd_render;
 mod cmd_serve;
 mod cmd_synth;
-mod eval_report;
-mod stack_dump;
 
 #[derive(Parser)]
 #[command(
@@ -243,10 +240,10 @@ fn main() -> Result<()> {
         // Colour codes only on a terminal: a log written to a file or a pipe stays plain text.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    if stack_dump::install_if_requested()? {
+    if std::env::var_os("PRISM_STACKS_ON_SIGQUIT").is_some_and(|v| v != "0") {
+        prism_server::stack_dump::install().context("PRISM_STACKS_ON_SIGQUIT")?;
         tracing::info!(
-            "{}: `kill -QUIT {}` writes every thread's stack to stderr",
-            stack_dump::ENV,
+            "PRISM_STACKS_ON_SIGQUIT: `kill -QUIT {}` writes every thread's stack to stderr",
             std::process::id()
         );
     }

@@ -328,18 +328,21 @@ fn time_scenario(
     let mut rng = Rng(0xDE17_A5EE_0B00_0003);
     let x = on_device(&batch_inputs(&mut rng, n, h, hk, dk, dv)?, gpu)?;
     let t = tiled(&x)?;
-    let old = 1e6 * median_seconds(gpu, RUNS, || {
-        delta_rule_per_segment_v1(&t[0], &t[1], &t[2], &t[3], &t[4], segments, states)?;
-        Ok(())
-    })?;
-    let new = 1e6 * median_seconds(gpu, RUNS, || {
-        chunked_batch(&x[0], &x[1], &x[2], &x[3], &x[4], segments, states)?;
-        Ok(())
-    })?;
-    let tiling = 1e6 * median_seconds(gpu, RUNS, || {
-        tiled(&x)?;
-        Ok(())
-    })?;
+    let old = 1e6
+        * median_seconds(gpu, RUNS, || {
+            delta_rule_per_segment_v1(&t[0], &t[1], &t[2], &t[3], &t[4], segments, states)?;
+            Ok(())
+        })?;
+    let new = 1e6
+        * median_seconds(gpu, RUNS, || {
+            chunked_batch(&x[0], &x[1], &x[2], &x[3], &x[4], segments, states)?;
+            Ok(())
+        })?;
+    let tiling = 1e6
+        * median_seconds(gpu, RUNS, || {
+            tiled(&x)?;
+            Ok(())
+        })?;
     r.note(
         &format!("delta rule 27B layer, {name}: per-segment kernels, median µs"),
         json!(old),

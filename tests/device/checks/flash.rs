@@ -312,16 +312,18 @@ fn timing_checks(r: &mut Report, gpu: &Device) -> Result<()> {
 
     // One decode step after 8,191 cached tokens.
     let (q1, k1, v1) = (q.narrow(0, t - 1, 1)?.contiguous()?, k.clone(), v.clone());
-    let flash_step = 1e3 * median_seconds(gpu, 9, || Ok(flash_attention(&q1, &k1, &v1, t - 1, scale)?))?;
-    let old_step = 1e3 * median_seconds(gpu, 9, || {
-        Ok(prism_model::cuda::causal_attention(
-            &q1,
-            &k1,
-            &v1,
-            t - 1,
-            scale,
-        )?)
-    })?;
+    let flash_step =
+        1e3 * median_seconds(gpu, 9, || Ok(flash_attention(&q1, &k1, &v1, t - 1, scale)?))?;
+    let old_step = 1e3
+        * median_seconds(gpu, 9, || {
+            Ok(prism_model::cuda::causal_attention(
+                &q1,
+                &k1,
+                &v1,
+                t - 1,
+                scale,
+            )?)
+        })?;
     r.note(
         "flash attention decode step after 8191 cached, 24/4 hd 256: median ms",
         json!(flash_step),

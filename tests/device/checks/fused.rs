@@ -539,19 +539,21 @@ fn timing_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
     let w = on(gpu, &rng.tensor(&[HIDDEN], 1.0)?)?;
     let t = 1e6 * median_seconds(gpu, 20, || Ok(ops::rms_norm(&x, &w, 1e-6)?))?;
     r.note("time: rms_norm [275, 5120] f32 out, µs", json!(t));
-    let t = 1e6 * median_seconds(gpu, 20, || {
-        Ok(ops::add_rms_norm(&x, &res, &w, 1e-6, DType::BF16)?)
-    })?;
+    let t = 1e6
+        * median_seconds(gpu, 20, || {
+            Ok(ops::add_rms_norm(&x, &res, &w, 1e-6, DType::BF16)?)
+        })?;
     r.note(
         "time: add + rms_norm [275, 5120] (sum f32, norm bf16), µs",
         json!(t),
     );
-    let t = 1e6 * median_seconds(gpu, 20, || {
-        Ok((
-            (&x + &res)?,
-            ops::rms_norm(&x, &w, 1e-6)?.to_dtype(DType::BF16)?,
-        ))
-    })?;
+    let t = 1e6
+        * median_seconds(gpu, 20, || {
+            Ok((
+                (&x + &res)?,
+                ops::rms_norm(&x, &w, 1e-6)?.to_dtype(DType::BF16)?,
+            ))
+        })?;
     r.note(
         "time: separate add, rms_norm, cast (what it replaces), µs",
         json!(t),
@@ -560,7 +562,12 @@ fn timing_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
     let gu = on(gpu, &rng.tensor(&[TOKENS, 2 * FFN + 64], 4.0)?)?.narrow(1, 0, 2 * FFN)?;
     let t = 1e6 * median_seconds(gpu, 20, || Ok(ops::swiglu_as(&gu, FFN, DType::BF16)?))?;
     r.note("time: swiglu [275, 2·17408] → bf16, µs", json!(t));
-    let t = 1e6 * median_seconds(gpu, 20, || Ok(ops::swiglu(&gu, FFN)?.to_dtype(DType::BF16)?))?;
+    let t = 1e6
+        * median_seconds(
+            gpu,
+            20,
+            || Ok(ops::swiglu(&gu, FFN)?.to_dtype(DType::BF16)?),
+        )?;
     r.note(
         "time: candle silu, mul, cast (what it replaces), µs",
         json!(t),
@@ -570,16 +577,18 @@ fn timing_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
     let mixed = on(gpu, &rng.tensor(&[TOKENS, 16480], 2.0)?)?.narrow(1, 0, c)?;
     let taps = on(gpu, &rng.tensor(&[k, c], 1.0)?)?;
     let window = on(gpu, &rng.tensor(&[k - 1, c], 1.0)?)?;
-    let t = 1e6 * median_seconds(gpu, 20, || {
-        let mut out = prism_model::cuda::ConvSiluOutput::new(&mixed, TOKENS, c)?;
-        out.segment(&mixed, 0, &window, &taps)?;
-        Ok(out.finish()?)
-    })?;
+    let t = 1e6
+        * median_seconds(gpu, 20, || {
+            let mut out = prism_model::cuda::ConvSiluOutput::new(&mixed, TOKENS, c)?;
+            out.segment(&mixed, 0, &window, &taps)?;
+            Ok(out.finish()?)
+        })?;
     r.note("time: conv + silu [275, 10240] in place, µs", json!(t));
-    let t = 1e6 * median_seconds(gpu, 20, || {
-        let (o, _) = prism_model::cuda::causal_conv(&mixed.contiguous()?, &window, &taps)?;
-        Ok(o.silu()?)
-    })?;
+    let t = 1e6
+        * median_seconds(gpu, 20, || {
+            let (o, _) = prism_model::cuda::causal_conv(&mixed.contiguous()?, &window, &taps)?;
+            Ok(o.silu()?)
+        })?;
     r.note("time: copy, conv, silu (what it replaces), µs", json!(t));
 
     let proj = on(gpu, &rng.tensor(&[TOKENS, 16480], 4.0)?)?;
@@ -590,22 +599,27 @@ fn timing_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
     );
     let t = 1e6 * median_seconds(gpu, 20, || Ok(ops::delta_net_gates(&b, &a, &dt, &sa)?))?;
     r.note("time: delta-net gates [275, 48], µs", json!(t));
-    let t = 1e6 * median_seconds(gpu, 20, || {
-        let beta = ops::sigmoid(&b)?;
-        let g = ops::softplus(&a.broadcast_add(&dt)?)?.broadcast_mul(&sa)?;
-        Ok((beta, g))
-    })?;
+    let t = 1e6
+        * median_seconds(gpu, 20, || {
+            let beta = ops::sigmoid(&b)?;
+            let g = ops::softplus(&a.broadcast_add(&dt)?)?.broadcast_mul(&sa)?;
+            Ok((beta, g))
+        })?;
     r.note("time: candle gate chains (what it replaces), µs", json!(t));
 
     let qg = on(gpu, &rng.tensor(&[TOKENS, 24, 512], 4.0)?)?;
     let attn = on(gpu, &rng.tensor(&[TOKENS, 24 * 256], 1.0)?)?;
     let gate = qg.narrow(2, 256, 256)?;
-    let t = 1e6 * median_seconds(gpu, 20, || Ok(ops::sigmoid_gate(&attn, &gate, DType::BF16)?))?;
+    let t = 1e6
+        * median_seconds(gpu, 20, || {
+            Ok(ops::sigmoid_gate(&attn, &gate, DType::BF16)?)
+        })?;
     r.note("time: attention gate [275, 6144] → bf16, µs", json!(t));
-    let t = 1e6 * median_seconds(gpu, 20, || {
-        let g = gate.contiguous()?.reshape((TOKENS, 24 * 256))?;
-        Ok(attn.mul(&ops::sigmoid(&g)?)?.to_dtype(DType::BF16)?)
-    })?;
+    let t = 1e6
+        * median_seconds(gpu, 20, || {
+            let g = gate.contiguous()?.reshape((TOKENS, 24 * 256))?;
+            Ok(attn.mul(&ops::sigmoid(&g)?)?.to_dtype(DType::BF16)?)
+        })?;
     r.note(
         "time: copy, candle sigmoid, mul, cast (what it replaces), µs",
         json!(t),
@@ -788,13 +802,15 @@ fn qk_norm_rope_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()
         for n in [TOKENS, 12, 1] {
             let (qn, kn) = (qv.narrow(0, 0, n)?, kg.narrow(0, 0, n)?);
             let (cs, ss) = (cos_g.narrow(0, 0, n)?, sin_g.narrow(0, 0, n)?);
-            let t = 1e6 * median_seconds(gpu, 20, || {
-                Ok(rope_gpu.norm_and_rotate(&qn, &kn, &norms_g, &cs, &ss, DType::BF16)?)
-            })?;
+            let t = 1e6
+                * median_seconds(gpu, 20, || {
+                    Ok(rope_gpu.norm_and_rotate(&qn, &kn, &norms_g, &cs, &ss, DType::BF16)?)
+                })?;
             r.note(&format!("time: {label} fused, N={n}, µs"), json!(t));
-            let t = 1e6 * median_seconds(gpu, 20, || {
-                qk_chain(&rope_gpu, &qn, &kn, &norms_g, (&cs, &ss), DType::BF16)
-            })?;
+            let t = 1e6
+                * median_seconds(gpu, 20, || {
+                    qk_chain(&rope_gpu, &qn, &kn, &norms_g, (&cs, &ss), DType::BF16)
+                })?;
             r.note(
                 &format!(
                     "time: {label} old chain (2 norms, copy, 2 × 6 rope ops, cast), N={n}, µs"

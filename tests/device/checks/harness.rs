@@ -167,7 +167,10 @@ impl Report {
 
 /// Runs one group of checks on GPU 0: its rows join the JSON record ([`JSON_ENV`]); the test fails
 /// with the name of every check that failed, or with the error that stopped the group.
-pub fn run_group(group: &str, checks: impl FnOnce(&mut Report, &Device) -> Result<()>) -> Result<()> {
+pub fn run_group(
+    group: &str,
+    checks: impl FnOnce(&mut Report, &Device) -> Result<()>,
+) -> Result<()> {
     let gpu = prism_quant::cuda_launch::open_device(0).context("no CUDA device")?;
     let mut report = Report::default();
     let outcome = checks(&mut report, &gpu);
@@ -209,7 +212,11 @@ pub fn fixtures() -> PathBuf {
 }
 
 /// Median wall time in seconds of `runs` calls of `f`, each synchronised, after one warm-up call.
-pub fn median_seconds<T>(gpu: &Device, runs: usize, mut f: impl FnMut() -> Result<T>) -> Result<f64> {
+pub fn median_seconds<T>(
+    gpu: &Device,
+    runs: usize,
+    mut f: impl FnMut() -> Result<T>,
+) -> Result<f64> {
     drop(f()?);
     gpu.synchronize()?;
     let mut times = Vec::with_capacity(runs);

@@ -184,7 +184,8 @@ fn dequantize_checks(r: &mut Report, gpu: &Device) -> Result<()> {
     for dtype in [DType::F32, DType::BF16] {
         let cpu = kv_fp8::dequantize(&b, &s, DType::F32)?.to_dtype(dtype)?;
         let got = kv_fp8::dequantize(&bg, &sg, dtype)?;
-        r.same_bits(&format!(
+        r.same_bits(
+            &format!(
                 "fp8 KV dequantize to {dtype:?}: {} bytes × {} scales",
                 finite.len(),
                 scales.len()
@@ -245,7 +246,8 @@ fn flash_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
             let vb = kv_fp8::dequantize(&g[3], &g[4], DType::BF16)?;
             let via_bf16 = flash_attention(&g[0], &kb, &vb, past, scale)?;
             let tag = format!("fp8 flash {n_h}/{n_kv} hd {hd}: {past} cached + {t} new");
-            r.same_bits(&format!("{tag} vs bf16 kernel on the dequantized cache"),
+            r.same_bits(
+                &format!("{tag} vs bf16 kernel on the dequantized cache"),
                 &got,
                 &via_bf16,
             )?;
@@ -284,7 +286,8 @@ fn flash_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
         let tag = format!("fp8 flash (GPU) {n_h}/{n_kv} hd {hd}, {n} rows");
         for s in [1usize, 17, 63, 64, 65, n / 2 + 3, n - 1] {
             let tail = fp8_flash(&prefix(&x, s, n - s, n)?, s, scale)?;
-            r.same_bits(&format!("{tag}: rows {s}.. after {s} cached vs in one call"),
+            r.same_bits(
+                &format!("{tag}: rows {s}.. after {s} cached vs in one call"),
                 &tail,
                 &full.narrow(0, s, n - s)?,
             )?;
@@ -299,7 +302,8 @@ fn flash_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
         for at in n - 3..n {
             outs.push(fp8_flash(&prefix(&x, at, 1, at + 1)?, at, scale)?);
         }
-        r.same_bits(&format!("{tag}: pieces 1/7/64/100/1/1/33/rest + 3 decode steps vs one call"),
+        r.same_bits(
+            &format!("{tag}: pieces 1/7/64/100/1/1/33/rest + 3 decode steps vs one call"),
             &Tensor::cat(&outs, 0)?,
             &full,
         )?;
@@ -317,14 +321,16 @@ fn timing_checks(r: &mut Report, gpu: &Device) -> Result<()> {
     let (v8, vs) = kv_fp8::quantize(&v)?;
     let (kb, vb) = (k.to_dtype(DType::BF16)?, v.to_dtype(DType::BF16)?);
     let bf16_ms = 1e3 * median_seconds(gpu, 5, || Ok(flash_attention(&q, &kb, &vb, 0, scale)?))?;
-    let fp8_ms = 1e3 * median_seconds(gpu, 5, || {
-        Ok(flash_attention_fp8(&q, [&k8, &ks, &v8, &vs], 0, scale)?)
-    })?;
-    let deq_ms = 1e3 * median_seconds(gpu, 5, || {
-        let kd = kv_fp8::dequantize(&k8, &ks, DType::BF16)?;
-        let vd = kv_fp8::dequantize(&v8, &vs, DType::BF16)?;
-        Ok(flash_attention(&q, &kd, &vd, 0, scale)?)
-    })?;
+    let fp8_ms = 1e3
+        * median_seconds(gpu, 5, || {
+            Ok(flash_attention_fp8(&q, [&k8, &ks, &v8, &vs], 0, scale)?)
+        })?;
+    let deq_ms = 1e3
+        * median_seconds(gpu, 5, || {
+            let kd = kv_fp8::dequantize(&k8, &ks, DType::BF16)?;
+            let vd = kv_fp8::dequantize(&v8, &vs, DType::BF16)?;
+            Ok(flash_attention(&q, &kd, &vd, 0, scale)?)
+        })?;
     r.note(
         "prefill T=8192, 24/4 hd 256: bf16 flash kernel, bf16 cache: median ms",
         json!(bf16_ms),
@@ -334,24 +340,27 @@ fn timing_checks(r: &mut Report, gpu: &Device) -> Result<()> {
         "  … dequantize to bf16 + bf16 flash kernel: median ms",
         json!(deq_ms),
     );
-    let quant_ms = 1e3 * median_seconds(gpu, 9, || {
-        let (a, _) = kv_fp8::quantize(&k)?;
-        Ok(a)
-    })?;
+    let quant_ms = 1e3
+        * median_seconds(gpu, 9, || {
+            let (a, _) = kv_fp8::quantize(&k)?;
+            Ok(a)
+        })?;
     r.note(
         "  … quantizing 8192 tokens' keys (4 KV heads × 256): median ms",
         json!(quant_ms),
     );
     let q1 = q.narrow(0, t - 1, 1)?.contiguous()?;
-    let bf16_step = 1e3 * median_seconds(gpu, 9, || Ok(flash_attention(&q1, &kb, &vb, t - 1, scale)?))?;
-    let fp8_step = 1e3 * median_seconds(gpu, 9, || {
-        Ok(flash_attention_fp8(
-            &q1,
-            [&k8, &ks, &v8, &vs],
-            t - 1,
-            scale,
-        )?)
-    })?;
+    let bf16_step =
+        1e3 * median_seconds(gpu, 9, || Ok(flash_attention(&q1, &kb, &vb, t - 1, scale)?))?;
+    let fp8_step = 1e3
+        * median_seconds(gpu, 9, || {
+            Ok(flash_attention_fp8(
+                &q1,
+                [&k8, &ks, &v8, &vs],
+                t - 1,
+                scale,
+            )?)
+        })?;
     r.note(
         "decode step after 8191 cached, 24/4 hd 256: bf16 flash kernel: median ms",
         json!(bf16_step),

@@ -42,7 +42,9 @@ fn delta_rule_batched() -> Result<()> {
 /// The fixture model in bf16 (`model.rs`).
 #[test]
 fn model_bf16() -> Result<()> {
-    run_group("model bf16", |r, gpu| model::bf16_checks(r, gpu, &fixtures()))
+    run_group("model bf16", |r, gpu| {
+        model::bf16_checks(r, gpu, &fixtures())
+    })
 }
 
 /// The integer matmul against the CPU reference, bit for bit (`quant.rs`).
@@ -54,7 +56,9 @@ fn integer_matmul() -> Result<()> {
 /// The fixture model on the integer path (`model.rs`).
 #[test]
 fn model_integer() -> Result<()> {
-    run_group("model integer", |r, gpu| model::integer_checks(r, gpu, &fixtures()))
+    run_group("model integer", |r, gpu| {
+        model::integer_checks(r, gpu, &fixtures())
+    })
 }
 
 /// The fp8 K/V cache (`kv_fp8.rs`).

@@ -264,7 +264,6 @@ pub fn integer_checks(r: &mut Report, gpu: &Device, fixtures: &Path) -> Result<(
     Ok(())
 }
 
-
 /// The logits of `prompt` prefilled in pieces of 1, 7, 64 tokens and the rest, into one state.
 pub fn in_pieces(model: &Qwen35Model, prompt: &[u32]) -> Result<Tensor> {
     let mut state = model.new_state()?;
