@@ -37,7 +37,7 @@
 #               think_budget $THINK_LOAD (default 256) and return_thought; answers (thoughts included)
 #               re-sent alone and compared (--expect-identical); outputs loadgen-think-64.*, stats-think.json
 # Any step: PRISM_STACKS_ON_SIGQUIT=1 in the environment and `kill -QUIT PID` on a hung prism write
-# every thread's stack to its stderr (crates/prism-cli/src/stack_dump.rs; carry an unstripped build).
+# every thread's stack to its stderr (crates/prism-server/src/stack_dump.rs; carry an unstripped build).
 # The binaries are taken from .device-carry/NAME.xz (xz of a stripped `--features cuda` build; unpacked
 # by xz or Python's lzma) or .device-carry/NAME.gz, unless /tmp/NAME exists: NAME is prism for every
 # step but checks, which needs only device-tests.

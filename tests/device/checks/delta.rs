@@ -26,7 +26,7 @@ use prism_model::delta_rule::{self, chunked_batch, expand_key_heads, RuleSegment
 use serde_json::json;
 
 use crate::harness::{median_seconds, on_device, Report, Rng};
-use crate::kernels::delta_rule_inputs;
+use crate::kernels::{chunked_rows, delta_rule_inputs};
 
 /// Bound on ‖Δ‖/‖ref‖ against the CPU twin. Both sides compute in f32 with f64 decays, in different
 /// summation orders (the CPU's dot products use 8 lanes); the per-segment kernels measured 2.5e-7 on
@@ -94,20 +94,15 @@ fn one_by_one(
             Some(p) => new_states[p].clone(),
             None => states[i].clone(),
         };
-        let at = |t: &Tensor| t.narrow(0, seg.start, seg.len);
-        let (o, state) = delta_rule::chunked(
-            &at(&x[0])?,
-            &at(&x[1])?,
-            &at(&x[2])?,
-            &at(&x[3])?,
-            &at(&x[4])?,
-            &start,
-        )?;
+        let (o, state) = chunked_rows(&x, (seg.start, seg.len), x[0].device(), &start)?;
         outs.push(o);
         new_states.push(state);
     }
     Ok((Tensor::cat(&outs, 0)?, new_states))
 }
+
+/// One part of a rule state.
+type StatePart = fn(&RuleState) -> &Tensor;
 
 /// Outputs and all states of two runs of the same batch, bit for bit.
 fn same_results(
@@ -128,26 +123,15 @@ fn same_results(
     if a.len() != b.len() {
         bail!("{name}: {} states against {}", a.len(), b.len());
     }
-    r.identical(
-        "  … memories",
-        &stack(a, |s| &s.chunk_start)?,
-        &stack(b, |s| &s.chunk_start)?,
-    )?;
-    r.identical(
-        "  … pending keys",
-        &stack(a, |s| &s.pending_k)?,
-        &stack(b, |s| &s.pending_k)?,
-    )?;
-    r.identical(
-        "  … pending values",
-        &stack(a, |s| &s.pending_u)?,
-        &stack(b, |s| &s.pending_u)?,
-    )?;
-    r.identical(
-        "  … pending decays",
-        &stack(a, |s| &s.pending_gamma)?,
-        &stack(b, |s| &s.pending_gamma)?,
-    )?;
+    let parts: [(&str, StatePart); 4] = [
+        ("  … memories", |s| &s.chunk_start),
+        ("  … pending keys", |s| &s.pending_k),
+        ("  … pending values", |s| &s.pending_u),
+        ("  … pending decays", |s| &s.pending_gamma),
+    ];
+    for (label, part) in parts {
+        r.identical(label, &stack(a, part)?, &stack(b, part)?)?;
+    }
     let (pa, pb): (Vec<usize>, Vec<usize>) = (
         a.iter().map(|s| s.pending).collect(),
         b.iter().map(|s| s.pending).collect(),

@@ -31,7 +31,7 @@ const FLASH_BOUND: f64 = 1e-2;
 const LAYOUTS: [(usize, usize, usize); 4] = [(24, 4, 256), (16, 4, 256), (8, 2, 128), (4, 2, 64)];
 
 /// Random q, k, v on the CPU: `q: [t, n_h, hd]` (amplitude `q_amp`), `k, v: [n_kv, past + t, hd]`.
-fn inputs(
+pub fn inputs(
     rng: &mut Rng,
     t: usize,
     past: usize,

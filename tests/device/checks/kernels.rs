@@ -37,6 +37,24 @@ pub fn delta_rule_inputs(
     Ok([q, k, v, g, beta])
 }
 
+/// `delta_rule::chunked` on rows `start..start + n` of `x`, on `device`, from `state`.
+pub fn chunked_rows(
+    x: &[Tensor; 5],
+    (start, n): (usize, usize),
+    device: &Device,
+    state: &RuleState,
+) -> Result<(Tensor, RuleState)> {
+    let rows = |t: &Tensor| -> Result<Tensor> { Ok(t.narrow(0, start, n)?.to_device(device)?) };
+    Ok(delta_rule::chunked(
+        &rows(&x[0])?,
+        &rows(&x[1])?,
+        &rows(&x[2])?,
+        &rows(&x[3])?,
+        &rows(&x[4])?,
+        state,
+    )?)
+}
+
 /// The delta rule over `x` on `device` from `state`, in calls of the given sizes (the last one takes
 /// what is left); returns all outputs and the final state.
 fn delta_rule_in_pieces(
@@ -58,15 +76,7 @@ fn delta_rule_in_pieces(
         if n == 0 {
             continue;
         }
-        let s = |x: &Tensor| -> Result<Tensor> { Ok(x.narrow(0, at, n)?.to_device(device)?) };
-        let (o, next) = delta_rule::chunked(
-            &s(&x[0])?,
-            &s(&x[1])?,
-            &s(&x[2])?,
-            &s(&x[3])?,
-            &s(&x[4])?,
-            &state,
-        )?;
+        let (o, next) = chunked_rows(x, (at, n), device, &state)?;
         outs.push(o);
         state = next;
         at += n;
@@ -259,103 +269,79 @@ fn conv_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
     Ok(())
 }
 
-fn attention_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
-    // 27B attention shapes: 24 query heads, 4 KV heads, head dim 256.
-    let (past, t, n_h, n_kv, hd) = (70usize, 130usize, 24usize, 4usize, 256usize);
-    let q = rng.tensor(&[t, n_h, hd], 1.0)?;
-    let k = rng.tensor(&[n_kv, past + t, hd], 1.0)?;
-    let v = rng.tensor(&[n_kv, past + t, hd], 1.0)?;
-    let scale = 1.0 / (hd as f64).sqrt();
-    let op = CausalAttention {
-        past,
-        n_heads: n_h,
-        scale,
-    };
-    let want = q.apply_op3_no_bwd(&k, &v, &op)?;
-    let got = prism_model::cuda::causal_attention(
-        &q.to_device(gpu)?,
-        &k.to_device(gpu)?,
-        &v.to_device(gpu)?,
-        past,
-        scale,
-    )?;
-    r.compare(
-        "causal attention, 70 cached + 130 new, 24/4 heads, hd 256",
-        &got,
-        &want,
-        1e-5,
-    )?;
-    // The last 30 queries as their own call (100 more cached keys): the same bits.
-    let tail = prism_model::cuda::causal_attention(
-        &q.narrow(0, 100, 30)?.to_device(gpu)?,
-        &k.to_device(gpu)?,
-        &v.to_device(gpu)?,
-        past + 100,
-        scale,
-    )?;
-    r.identical(
-        "causal attention (GPU): last 30 queries alone vs in the call",
-        &tail,
-        &got.narrow(0, 100, 30)?,
-    )?;
-    // The last query as a decode step (T = 1: one row per block).
-    let last = prism_model::cuda::causal_attention(
-        &q.narrow(0, 129, 1)?.to_device(gpu)?,
-        &k.to_device(gpu)?,
-        &v.to_device(gpu)?,
-        past + 129,
-        scale,
-    )?;
-    r.identical(
-        "causal attention (GPU): last query as a decode step vs in the call",
-        &last,
-        &got.narrow(0, 129, 1)?,
-    )?;
+/// The one-warp-per-row kernel on GPU copies of rows `start..start + len` of the call `(q, k, v, past)`,
+/// as a call of their own after `past + start` cached keys.
+fn warp_rows(gpu: &Device, x: &[Tensor; 3], past: usize, rows: (usize, usize)) -> Result<Tensor> {
+    let (start, len) = rows;
+    let hd = x[0].dim(2)?;
+    Ok(prism_model::cuda::causal_attention(
+        &x[0].narrow(0, start, len)?.to_device(gpu)?,
+        &x[1].to_device(gpu)?,
+        &x[2].to_device(gpu)?,
+        past + start,
+        1.0 / (hd as f64).sqrt(),
+    )?)
+}
 
-    // 4B/9B shapes: 16 query heads over 4 KV heads (other rows × heads per block).
-    let (past, t, n_h, n_kv, hd) = (5usize, 250usize, 16usize, 4usize, 256usize);
-    let q = rng.tensor(&[t, n_h, hd], 1.0)?;
-    let k = rng.tensor(&[n_kv, past + t, hd], 1.0)?;
-    let v = rng.tensor(&[n_kv, past + t, hd], 1.0)?;
-    let op = CausalAttention {
-        past,
-        n_heads: n_h,
-        scale,
-    };
-    let want = q.apply_op3_no_bwd(&k, &v, &op)?;
-    let got = prism_model::cuda::causal_attention(
-        &q.to_device(gpu)?,
-        &k.to_device(gpu)?,
-        &v.to_device(gpu)?,
-        past,
-        scale,
-    )?;
-    r.compare(
-        "causal attention, 5 cached + 250 new, 16/4 heads, hd 256",
-        &got,
-        &want,
-        1e-5,
-    )?;
-    let tail = prism_model::cuda::causal_attention(
-        &q.narrow(0, 243, 7)?.to_device(gpu)?,
-        &k.to_device(gpu)?,
-        &v.to_device(gpu)?,
-        past + 243,
-        scale,
-    )?;
-    r.identical(
-        "causal attention (GPU), 16/4 heads: last 7 queries alone vs in the call",
-        &tail,
-        &got.narrow(0, 243, 7)?,
-    )?;
+/// (cached keys, new queries, query heads, rows checked as calls of their own: (start, len, name)).
+type AttentionCase = (usize, usize, usize, &'static [(usize, usize, &'static str)]);
+
+fn attention_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
+    // 27B attention shapes (24 query heads, 4 KV heads, head dim 256), then 4B/9B shapes (16 query heads
+    // over 4 KV heads: other rows × heads per block); rows of the call as calls of their own (the last
+    // query of the first as a decode step: T = 1, one row per block) give the same bits.
+    let cases: [AttentionCase; 2] = [
+        (
+            70,
+            130,
+            24,
+            &[
+                (
+                    100,
+                    30,
+                    "causal attention (GPU): last 30 queries alone vs in the call",
+                ),
+                (
+                    129,
+                    1,
+                    "causal attention (GPU): last query as a decode step vs in the call",
+                ),
+            ],
+        ),
+        (
+            5,
+            250,
+            16,
+            &[(
+                243,
+                7,
+                "causal attention (GPU), 16/4 heads: last 7 queries alone vs in the call",
+            )],
+        ),
+    ];
+    let scale = 1.0 / 256f64.sqrt();
+    for (past, t, n_h, parts) in cases {
+        let x = crate::flash::inputs(rng, t, past, (n_h, 4, 256), 1.0)?;
+        let op = CausalAttention {
+            past,
+            n_heads: n_h,
+            scale,
+        };
+        let want = x[0].apply_op3_no_bwd(&x[1], &x[2], &op)?;
+        let got = warp_rows(gpu, &x, past, (0, t))?;
+        let name = format!("causal attention, {past} cached + {t} new, {n_h}/4 heads, hd 256");
+        r.compare(&name, &got, &want, 1e-5)?;
+        for &(start, len, name) in parts {
+            let rows = warp_rows(gpu, &x, past, (start, len))?;
+            r.identical(name, &rows, &got.narrow(0, start, len)?)?;
+        }
+    }
 
     // A long prompt at a head dim the flash kernel lacks (160) takes the batched-matmul path (pieces of
     // query rows): 2,500 new tokens after 300. (Head dims 64/128/256 run the flash kernel at every
     // length: `flash.rs`.)
-    let (past, t, n_h, n_kv, hd) = (300usize, 2500usize, 8usize, 2usize, 160usize);
-    let q = rng.tensor(&[t, n_h, hd], 1.0)?;
-    let k = rng.tensor(&[n_kv, past + t, hd], 1.0)?;
-    let v = rng.tensor(&[n_kv, past + t, hd], 1.0)?;
+    let (past, t) = (300usize, 2500usize);
+    let [q, k, v] = crate::flash::inputs(rng, t, past, (8, 2, 160), 1.0)?;
     let want = prism_model::attention::attend_segment(&q, &k, &v, past, scale)?;
     let got = prism_model::attention::attend_segment(
         &q.to_device(gpu)?,
