@@ -87,25 +87,38 @@ fn delta_rule_in_pieces(
     Ok((Tensor::cat(&outs, 0)?, state))
 }
 
+/// The delta rule over all of `x` as one call on the CPU and on the GPU, each from its starting
+/// state: the output and the memory compared (`names`), within 1e-4; the GPU's output and state.
+fn one_call(
+    r: &mut Report,
+    gpu: &Device,
+    x: &[Tensor; 5],
+    (cpu_state, gpu_state): (&RuleState, &RuleState),
+    names: [&str; 2],
+) -> Result<(Tensor, RuleState)> {
+    let t = x[0].dim(0)?;
+    let (want, want_state) = delta_rule_in_pieces(x, &Device::Cpu, cpu_state, &[t])?;
+    let (got, got_state) = delta_rule_in_pieces(x, gpu, gpu_state, &[t])?;
+    r.compare(names[0], &got, &want, 1e-4)?;
+    r.compare(names[1], &got_state.memory()?, &want_state.memory()?, 1e-4)?;
+    Ok((got, got_state))
+}
+
 fn delta_rule_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
     // Real 27B DeltaNet head shapes: dk = dv = 128; 3 heads keep the CPU twin quick.
     let (t, h, dk, dv) = (300usize, 3usize, 128usize, 128usize);
     let x = delta_rule_inputs(rng, t, h, dk, dv)?;
     let cpu_state = RuleState::zeros(h, dk, dv, DType::F32, &Device::Cpu)?;
     let gpu_state = RuleState::zeros(h, dk, dv, DType::F32, gpu)?;
-    let (want, want_state) = delta_rule_in_pieces(&x, &Device::Cpu, &cpu_state, &[t])?;
-    let (got, got_state) = delta_rule_in_pieces(&x, gpu, &gpu_state, &[t])?;
-    r.compare(
-        "delta rule chunked, T=300 H=3 dk=dv=128: output",
-        &got,
-        &want,
-        1e-4,
-    )?;
-    r.compare(
-        "delta rule chunked: memory after 300 tokens",
-        &got_state.memory()?,
-        &want_state.memory()?,
-        1e-4,
+    let (got, got_state) = one_call(
+        r,
+        gpu,
+        &x,
+        (&cpu_state, &gpu_state),
+        [
+            "delta rule chunked, T=300 H=3 dk=dv=128: output",
+            "delta rule chunked: memory after 300 tokens",
+        ],
     )?;
 
     // The same tokens in pieces (decode-like single steps included, pieces starting at chunk rows that
@@ -134,21 +147,16 @@ fn delta_rule_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> 
     let h = 48;
     let x = delta_rule_inputs(rng, 275, h, dk, dv)?;
     let s0 = rng.tensor(&[h, dk, dv], 0.5)?;
-    let (want, want_state) =
-        delta_rule_in_pieces(&x, &Device::Cpu, &RuleState::from_memory(&s0)?, &[275])?;
     let gpu_s0 = RuleState::from_memory(&s0.to_device(gpu)?)?;
-    let (got, got_state) = delta_rule_in_pieces(&x, gpu, &gpu_s0, &[275])?;
-    r.compare(
-        "delta rule chunked, T=275 H=48 from a random memory: output",
-        &got,
-        &want,
-        1e-4,
-    )?;
-    r.compare(
-        "delta rule chunked, H=48: memory after 275 tokens",
-        &got_state.memory()?,
-        &want_state.memory()?,
-        1e-4,
+    let (got, _) = one_call(
+        r,
+        gpu,
+        &x,
+        (&RuleState::from_memory(&s0)?, &gpu_s0),
+        [
+            "delta rule chunked, T=275 H=48 from a random memory: output",
+            "delta rule chunked, H=48: memory after 275 tokens",
+        ],
     )?;
     let (o, _) = delta_rule_in_pieces(&x, gpu, &gpu_s0, &[100, 1, 1, 173])?;
     r.identical(
@@ -162,19 +170,15 @@ fn delta_rule_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> 
     let x = delta_rule_inputs(rng, t, h, dk, dv)?;
     let cpu_state = RuleState::zeros(h, dk, dv, DType::F32, &Device::Cpu)?;
     let gpu_state = RuleState::zeros(h, dk, dv, DType::F32, gpu)?;
-    let (want, want_state) = delta_rule_in_pieces(&x, &Device::Cpu, &cpu_state, &[t])?;
-    let (got, got_state) = delta_rule_in_pieces(&x, gpu, &gpu_state, &[t])?;
-    r.compare(
-        "delta rule chunked, T=2200 (several launches): output",
-        &got,
-        &want,
-        1e-4,
-    )?;
-    r.compare(
-        "delta rule chunked, T=2200: memory",
-        &got_state.memory()?,
-        &want_state.memory()?,
-        1e-4,
+    let (got, got_state) = one_call(
+        r,
+        gpu,
+        &x,
+        (&cpu_state, &gpu_state),
+        [
+            "delta rule chunked, T=2200 (several launches): output",
+            "delta rule chunked, T=2200: memory",
+        ],
     )?;
     let (o, state) = delta_rule_in_pieces(&x, gpu, &gpu_state, &[2047, 1, 100, 1, 1, 1, 1])?;
     r.identical(
