@@ -5,7 +5,10 @@
 #   bash tools/device/run.sh STEP...     (outputs under $OUT, default /tmp/out)
 #
 # Steps (in the order given):
-#   checks      prism cuda-check (exit status kept in the log; the integer matmul's checks are part of it)
+#   checks      the device checks (tests/device: kernels and the fixture model against their CPU twins,
+#               the integer matmul's included) from .device-carry/device-tests.xz, built here by
+#               tools/device/build-tests.sh; log in checks.log (exit status kept), every check's row in
+#               checks.json
 #   synth27     a synthetic 27B Q8_0 model directory in /tmp/s27 (about 30 GB of disk)
 #   synth27q4   a synthetic 27B Q4_K_M model directory in /tmp/s27q4 (about 17 GB; llama-quantize's
 #               Q4_K / Q6_K mix, quantized by prism-gguf: about 2 minutes on 16 cores)
@@ -37,24 +40,33 @@
 #               think_budget $THINK_LOAD (default 256) and return_thought; answers (thoughts included)
 #               re-sent alone and compared (--expect-identical); outputs loadgen-think-64.*, stats-think.json
 # Any step: PRISM_STACKS_ON_SIGQUIT=1 in the environment and `kill -QUIT PID` on a hung prism write
-# every thread's stack to its stderr (crates/prism-cli/src/stack_dump.rs; carry an unstripped build).
-# The binary is taken from .device-carry/prism.xz (xz of a stripped `--features cuda` build; unpacked
-# by xz or Python's lzma) or .device-carry/prism.gz, unless /tmp/prism exists.
+# every thread's stack to its stderr (crates/prism-server/src/stack_dump.rs; carry an unstripped build).
+# The binaries are taken from .device-carry/NAME.xz (xz of a stripped `--features cuda` build; unpacked
+# by xz or Python's lzma) or .device-carry/NAME.gz, unless /tmp/NAME exists: NAME is prism for every
+# step but checks, which needs only device-tests.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-if [ ! -x /tmp/prism ]; then
-    if [ -f .device-carry/prism.xz ]; then
+unpack() {
+    local name=$1
+    [ -x "/tmp/$name" ] && return 0
+    if [ -f ".device-carry/$name.xz" ]; then
         if command -v xz > /dev/null; then
-            xz -dc .device-carry/prism.xz > /tmp/prism
+            xz -dc ".device-carry/$name.xz" > "/tmp/$name"
         else
             python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)' \
-                .device-carry/prism.xz > /tmp/prism
+                ".device-carry/$name.xz" > "/tmp/$name"
         fi
     else
-        gzip -dc .device-carry/prism.gz > /tmp/prism
-    fi && chmod +x /tmp/prism || exit 1
-fi
+        gzip -dc ".device-carry/$name.gz" > "/tmp/$name"
+    fi && chmod +x "/tmp/$name"
+}
+for step in "$@"; do
+    if [ "$step" != checks ]; then
+        unpack prism || exit 1
+        break
+    fi
+done
 F=tests/fixtures
 R="--ranks $F/qwen35-vocab/qwen3_6.tiktoken --chat-template $F/qwen35-tiny/chat_template.jinja"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -135,8 +147,10 @@ for step in "$@"; do
     echo "== $step ($(date -u +%FT%TZ))"
     case "$step" in
         checks)
-            /tmp/prism cuda-check --json-out "$OUT/cuda-check.json" > "$OUT/cuda-check.log" 2>&1
-            echo "cuda-check rc=$?" | tee -a "$OUT/cuda-check.log" ;;
+            unpack device-tests || exit 1
+            PRISM_DEVICE_JSON="$OUT/checks.json" /tmp/device-tests --test-threads=1 --nocapture \
+                > "$OUT/checks.log" 2>&1
+            echo "checks rc=$?" | tee -a "$OUT/checks.log" ;;
         serve27-int8) serve27 int8 int8 ;;
         serve27-bf16) serve27 bf16 bf16 ;;
         serve27-think) serve27_think ;;

@@ -6,51 +6,27 @@
 //! Without `--gguf` it uses the tiny model bundled in the repository (random weights: the answers mean
 //! nothing, but every number is checked against transformers in the test suite).
 
-use std::io::Write;
-use std::path::PathBuf;
-
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use prism_decision::engine::{Engine, EngineDecideError, EngineOptions};
-use prism_decision::{DecisionRequest, DecoderLetterModel, ModelSource, RequestDefaults};
+use prism_decision::setup::{model_source, open_device};
+use prism_decision::{DecisionRequest, DecoderLetterModel, RequestDefaults};
 use prism_model::{LoadOptions, Precision};
+use std::io::Write;
 
 use crate::DecideArgs;
 
-/// The bundled default model: the tiny Qwen3.5 fixture made by llama.cpp's converter and quantizer.
-fn bundled_model_dir() -> PathBuf {
-    PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../tests/fixtures/qwen35-tiny"
-    ))
-}
-
 pub fn run(args: &DecideArgs) -> Result<()> {
-    let source = match (&args.gguf, &args.model_dir) {
-        (Some(gguf), dir) => ModelSource {
-            gguf: gguf.clone(),
-            model_dir: dir.clone(),
-        },
-        (None, Some(_)) => bail!("--model-dir needs --gguf (the model file)"),
-        (None, None) => {
-            let dir = bundled_model_dir();
-            let gguf = dir.join("tiny-Q8_0.gguf");
-            if !gguf.is_file() {
-                bail!(
-                    "the bundled tiny model ({}) is not here (was the binary moved out of its checkout?); \
-                     pass --gguf FILE [--model-dir DIR]",
-                    gguf.display()
-                );
-            }
-            tracing::info!(
-                "no --gguf given: using the bundled tiny random-weight model {}",
-                gguf.display()
-            );
-            ModelSource {
-                gguf,
-                model_dir: Some(dir),
-            }
-        }
-    };
+    let (source, demo) = model_source(
+        &args.gguf,
+        &args.model_dir,
+        "pass --gguf FILE [--model-dir DIR]",
+    )?;
+    if demo {
+        tracing::info!(
+            "no --gguf given: using the bundled tiny random-weight model {}",
+            source.gguf.display()
+        );
+    }
     let precision = if args.precision == "auto" {
         let gguf = prism_gguf::GgufFile::open(&source.gguf)
             .with_context(|| format!("opening {}", source.gguf.display()))?;
@@ -58,7 +34,10 @@ pub fn run(args: &DecideArgs) -> Result<()> {
     } else {
         Precision::parse(&args.precision)?
     };
-    let device = crate::cmd_serve::open_device(&args.device, &[])?;
+    let (device, fallback) = open_device(&args.device, &[])?;
+    if let Some(error) = fallback {
+        println!("  (no usable CUDA GPU: {error}; serving on the CPU)");
+    }
     let options = LoadOptions {
         device,
         precision,

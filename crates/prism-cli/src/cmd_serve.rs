@@ -12,16 +12,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use candle_core::Device;
 use clap::{ArgAction, Args};
-use prism_decision::engine::{Engine, EngineObserver, EngineOptions, PrefixCacheLimits};
-use prism_decision::{
-    DecisionRequest, DecoderLetterModel, Family, LetterModel, ModelSource, RequestDefaults,
-};
-use prism_model::{KvStorage, LoadOptions, LoadProgress, Precision};
-use prism_server::{
-    router, serve, ConnectionLimits, Counters, Metrics, ModelInfo, ServerConfig, Stats,
-};
+use prism_decision::engine::{Engine, EngineObserver};
+use prism_decision::setup::{device_free_memory, model_source, open_devices, resolve_precision};
+use prism_decision::{LetterModel, RequestDefaults};
+use prism_model::{KvStorage, LoadOptions, LoadProgress};
+use prism_server::launch::{self, Budgets};
+use prism_server::{router, serve, Counters, Metrics, ModelInfo, ServerConfig, Stats};
 
 /// Arguments of `prism serve`.
 #[derive(Args)]
@@ -153,81 +150,6 @@ pub struct ServeArgs {
     pub no_playground: bool,
 }
 
-/// The bundled demo model's directory: next to the binary's checkout (target/*/prism), else the source
-/// tree this binary was built from.
-pub(crate) fn bundled_model_dir() -> Option<PathBuf> {
-    let relative = ["tests", "fixtures", "qwen35-tiny"];
-    let from_binary = std::env::current_exe().ok().and_then(|exe| {
-        exe.ancestors()
-            .nth(3)
-            .map(|root| relative.iter().fold(root.to_path_buf(), |p, c| p.join(c)))
-    });
-    let from_source = PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../tests/fixtures/qwen35-tiny"
-    ));
-    from_binary
-        .into_iter()
-        .chain([from_source])
-        .find(|dir| dir.join("tiny-Q8_0.gguf").is_file())
-}
-
-/// The model to load: `--gguf` (with `--model-dir` when given), or the bundled demo model (then the
-/// bool is true). `alternative` ends the error when the demo model is not there (what else to pass).
-pub(crate) fn model_source(
-    gguf: &Option<PathBuf>,
-    model_dir: &Option<PathBuf>,
-    alternative: &str,
-) -> Result<(ModelSource, bool)> {
-    match (gguf, model_dir) {
-        (Some(gguf), dir) => Ok((
-            ModelSource {
-                gguf: gguf.clone(),
-                model_dir: dir.clone(),
-            },
-            false,
-        )),
-        (None, Some(_)) => bail!("--model-dir needs --gguf (the model file)"),
-        (None, None) => {
-            let Some(dir) = bundled_model_dir() else {
-                bail!(
-                    "the bundled demo model (tests/fixtures/qwen35-tiny) is not next to this binary or its source \
-                     tree; {alternative}"
-                );
-            };
-            Ok((
-                ModelSource {
-                    gguf: dir.join("tiny-Q8_0.gguf"),
-                    model_dir: Some(dir),
-                },
-                true,
-            ))
-        }
-    }
-}
-
-/// `--precision` as asked: `auto` reads the file (Q8_0 → int8, K-quants → w4a8, except on a GPU, where
-/// a K-quant file runs at bf16: w4a8 there has only its simple, slow kernel so far, and the note says
-/// so).
-pub(crate) fn resolve_precision(
-    asked: &str,
-    source: &ModelSource,
-    on_gpu: bool,
-) -> Result<(Precision, Option<&'static str>)> {
-    if asked != "auto" {
-        return Ok((Precision::parse(asked)?, None));
-    }
-    let gguf = prism_gguf::GgufFile::open(&source.gguf)
-        .with_context(|| format!("opening {}", source.gguf.display()))?;
-    Ok(match Precision::resolve("auto", &gguf)? {
-        Precision::W4a8 if on_gpu => (
-            Precision::Bf16,
-            Some("a K-quant file on a GPU runs at bf16 (w4a8 there has only its simple, slow kernel so far; --precision w4a8 asks for it)"),
-        ),
-        p => (p, None),
-    })
-}
-
 /// One line of progress on stdout, flushed at once (a pipe would otherwise hold it back).
 macro_rules! say {
     ($($arg:tt)*) => {{
@@ -237,78 +159,34 @@ macro_rules! say {
     }};
 }
 
-/// A request that exercises the whole path once before the server opens.
-const WARM_UP: &str = r#"{"state": "Prism warm-up.", "questions": {"ready": {"type": "noul", "instructions": "Is the engine ready?"}}}"#;
-
 pub fn run(args: &ServeArgs) -> Result<()> {
     if !(0.0..=1.0).contains(&args.gate) {
         bail!("--gate must be from 0 to 1, got {}", args.gate);
     }
-    if !(args.timeout.is_finite() && args.timeout > 0.0) {
-        bail!(
-            "--timeout must be a positive number of seconds, got {}",
-            args.timeout
-        );
-    }
+    let limits = launch::connection_limits(
+        args.header_timeout,
+        args.max_connections,
+        args.shutdown_grace,
+        args.timeout,
+    )?;
     if args.queue_size == 0 {
         bail!("--queue-size must be at least 1");
     }
-    let seconds = |name: &str, value: f64| -> Result<Duration> {
-        if !(value.is_finite() && value > 0.0) {
-            bail!("{name} must be a positive number of seconds, got {value}");
-        }
-        Ok(Duration::from_secs_f64(value))
-    };
-    let limits = ConnectionLimits {
-        header_timeout: seconds("--header-timeout", args.header_timeout)?,
-        max_connections: match args.max_connections {
-            Some(0) => bail!("--max-connections must be at least 1"),
-            Some(n) => n,
-            None => default_max_connections(),
-        },
-        shutdown_grace: seconds(
-            "--shutdown-grace",
-            args.shutdown_grace.unwrap_or(args.timeout + 5.0),
-        )?,
-    };
-    let api_key = args
-        .api_key
-        .clone()
-        .or_else(|| std::env::var("PRISM_API_KEY").ok())
-        .map(|key| key.trim().to_string())
-        .filter(|key| !key.is_empty());
-    if let Some(key) = &api_key {
-        if !key.bytes().all(|b| b.is_ascii_graphic()) {
-            bail!("the API key must be printable ASCII without spaces");
-        }
-    }
+    let api_key = launch::api_key(args.api_key.clone(), std::env::var("PRISM_API_KEY").ok())?;
     if args.replicas == 0 {
         bail!("--replicas must be at least 1");
     }
-    let devices = open_devices(&args.device, &args.gpus)?;
+    let (devices, fallback) = open_devices(&args.device, &args.gpus)?;
+    if let Some(error) = fallback {
+        say!("  (no usable CUDA GPU: {error}; serving on the CPU)");
+    }
     let device = devices[0].clone();
     let on_gpu = !device.is_cpu();
     let asked = args
         .precision
         .clone()
         .unwrap_or_else(|| if on_gpu { "auto" } else { "f32" }.to_string());
-    let device_name = match (on_gpu, args.gpus.len()) {
-        (true, 0 | 1) => format!("CUDA GPU {}", args.gpus.first().copied().unwrap_or(0)),
-        (true, _) => format!(
-            "CUDA GPUs {}",
-            args.gpus
-                .iter()
-                .map(|g| g.to_string())
-                .collect::<Vec<_>>()
-                .join(",")
-        ),
-        (false, _) => "CPU".to_string(),
-    };
-    let device_name = match devices.len() * args.replicas {
-        1 => device_name,
-        n => format!("{device_name}, {n} engine replicas"),
-    };
-
+    let device_name = launch::device_name(on_gpu, &args.gpus, devices.len() * args.replicas);
     say!(
         "Prism {} — /v1/systemone server ({device_name}, precision {asked})",
         env!("CARGO_PKG_VERSION")
@@ -319,14 +197,11 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         "pass --gguf FILE [--model-dir DIR]",
     )?;
     if demo {
+        let dir = source.model_dir.as_deref().unwrap_or(&source.gguf);
         say!("");
         say!(
             "  NOTE: no --gguf given, so this serves the bundled DEMO model ({}).",
-            source
-                .model_dir
-                .as_deref()
-                .unwrap_or(&source.gguf)
-                .display()
+            dir.display()
         );
         say!("  Its weights are random: its answers are meaningless. It is here to try the API and run the tests.");
         say!("  To serve a real StartLux-Decision release:");
@@ -359,73 +234,43 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     );
     let started = Instant::now();
     // A line every tenth of the decoder's layers: layers done and the file's bytes a second so far.
-    let load_started = Instant::now();
     let progress = LoadProgress(Arc::new(move |done: usize, total: usize| {
         let step = total.div_ceil(10).max(1);
         if done % step == 0 || done == total {
-            let seconds = load_started.elapsed().as_secs_f64().max(1e-9);
+            let seconds = started.elapsed().as_secs_f64().max(1e-9);
             say!(
                 "      layers {done}/{total}  ({:.2} GB/s)",
                 size as f64 * done as f64 / total as f64 / seconds / 1e9
             );
         }
     }));
-    // One model per replica: `--replicas` on each device.
-    let mut models = Vec::with_capacity(devices.len() * args.replicas);
-    let mut config = None;
-    for (d, replica_device) in devices.iter().enumerate() {
-        for r in 0..args.replicas {
-            if devices.len() * args.replicas > 1 {
-                say!("      replica {} (device {d}, copy {r}):", models.len());
-            }
-            let options = LoadOptions {
-                device: replica_device.clone(),
-                precision,
-                progress: Some(progress.clone()),
-                load_threads: args.load_threads,
-                kv_storage,
-                ..LoadOptions::default()
-            };
-            let loaded = DecoderLetterModel::load(&source, &options, args.max_tokens)
-                .with_context(|| format!("loading the decision model {}", source.gguf.display()))?;
-            models.push(loaded.model);
-            config = Some(loaded.config);
-        }
-    }
-    let mut config = config.context("no replica was loaded")?;
-    match (&args.demo, demo) {
-        (Some(_), false) => bail!(
-            "--demo chooses the family of the bundled demo model; with --gguf the release's \
-             decision_config.json says its family"
-        ),
-        (family, true) => {
-            config.family = match family.as_deref().unwrap_or("v1.1") {
-                "v1" => Family::V1,
-                "instant" => Family::Instant,
-                _ => Family::AutoThink,
-            };
-            say!(
-                "      the demo model is served as a {} model (--demo)",
-                config.family
-            );
-        }
-        (None, false) => {}
+    let options = LoadOptions {
+        precision,
+        progress: Some(progress),
+        load_threads: args.load_threads,
+        kv_storage,
+        ..LoadOptions::default()
+    };
+    let (models, mut config) = launch::load_replicas(
+        &source,
+        &devices,
+        args.replicas,
+        &options,
+        args.max_tokens,
+        &mut |i, d, r| say!("      replica {i} (device {d}, copy {r}):"),
+    )?;
+    if let Some(family) = launch::demo_family(args.demo.as_deref(), demo)? {
+        config.family = family;
+        say!("      the demo model is served as a {family} model (--demo)");
     }
     let family = config.family;
     let model = &models[0];
     let name = model.model_name().to_string();
-    let layers = model.decoder().config().n_layers;
-    let config_note = match &source.model_dir {
-        Some(_) if demo => " (decision config: the defaults, the family from --demo)",
-        Some(dir) if !dir.join("decision_config.json").is_file() => {
-            " (decision config: the defaults, as the model directory has no decision_config.json)"
-        }
-        Some(_) => "",
-        None => " (decision config: the defaults, as no --model-dir was given)",
-    };
     say!(
-        "      done in {:.2} s: {name}, {layers} layers{config_note}",
-        started.elapsed().as_secs_f64()
+        "      done in {:.2} s: {name}, {} layers{}",
+        started.elapsed().as_secs_f64(),
+        model.decoder().config().n_layers,
+        launch::config_note(&source, demo)
     );
     let free_memory = device_free_memory(&device);
     if let Some((free, total)) = free_memory {
@@ -435,62 +280,19 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             total as f64 / 1e9
         );
     }
-
-    // Budgets are per replica; replicas sharing a device share its free memory.
-    let per_device = args.replicas as u64;
-    let cache_bytes = args.prefix_cache_bytes.unwrap_or(match free_memory {
-        Some((free, _)) => free / 8 / per_device,
-        None => 2 << 30,
-    });
-    // One sequence state, as each prompt of a pass makes (without its K/V rows, which grow with it).
-    let state_bytes = model
-        .decoder()
-        .new_state()
-        .map(|state| state.bytes() as u64)
-        .context("cannot make a sequence state")?
-        .max(1);
-    let max_prompts_per_pass = match (args.max_prompts_per_pass, free_memory) {
-        (Some(0), _) => bail!("--max-prompts-per-pass must be at least 1"),
-        (Some(n), _) => n,
-        (None, Some((free, _))) => {
-            // A sixth of what the cache leaves: measured on the H200 (27B bf16, 2026-12-01), half
-            // of it ran out of memory under 16 and 64 clients (the pool's fragments, the pass's
-            // activations and the delta rule's buffers come on top of the states).
-            (free.saturating_sub(cache_bytes * per_device) / 6 / per_device / state_bytes)
-                .clamp(8, 1024) as usize
-        }
-        (None, None) => 1024,
-    };
-    let think_seqs = match (args.think_seqs, free_memory) {
-        (Some(0), _) => bail!("--think-seqs must be at least 1"),
-        (Some(n), _) => n,
-        (None, Some((free, _))) => {
-            // A quarter of what the cache leaves, at eight fresh states a thought: measured on the
-            // H200 (27B int8, 2026-12-02), 64 thoughts held ~1.2 GB each (their state with a chunk
-            // of pending delta-rule rows, the next step's state, the pool's fragments) against a
-            // fresh state's ~150 MB; with an eighth of the memory a seat at one state each, 64
-            // clients with thoughts ran out of memory.
-            (free.saturating_sub(cache_bytes * per_device) / 4 / per_device / (8 * state_bytes))
-                .clamp(4, 512) as usize
-        }
-        (None, None) => 64,
-    };
-    let engine_options = EngineOptions {
-        think_seqs,
-        max_batch_tokens: args.max_batch_tokens.unwrap_or(8192),
-        max_prompts_per_pass,
+    let budgets = Budgets {
+        replicas: args.replicas,
+        max_batch_tokens: args.max_batch_tokens,
+        max_prompts_per_pass: args.max_prompts_per_pass,
+        prefix_cache_tokens: args.prefix_cache_tokens,
+        prefix_cache_bytes: args.prefix_cache_bytes,
+        think_seqs: args.think_seqs,
         queue_size: args.queue_size,
-        max_prompt_tokens: args.max_tokens,
+        max_tokens: args.max_tokens,
         max_questions: args.max_questions,
         max_request_tokens: args.max_request_tokens,
-        prefix_cache: PrefixCacheLimits {
-            max_tokens: args.prefix_cache_tokens,
-            max_bytes: cache_bytes,
-        },
     };
-    if engine_options.max_batch_tokens == 0 {
-        bail!("--max-batch-tokens must be at least 1");
-    }
+    let engine_options = launch::engine_options(&budgets, model, free_memory)?;
     let encoder = model.encoder();
     let metrics = Arc::new(Metrics::default());
     let observer: Arc<dyn EngineObserver> = metrics.clone();
@@ -500,22 +302,17 @@ pub fn run(args: &ServeArgs) -> Result<()> {
 
     say!("[2/3] Warm-up: one question through the whole path ...");
     let started = Instant::now();
-    let warm_up = DecisionRequest::parse(WARM_UP.as_bytes(), &RequestDefaults::default())
-        .map_err(anyhow::Error::from)
-        .and_then(|request| Ok(engine.decide(request, None)?))
-        .context("the warm-up request failed")?;
+    let tokens = launch::warm_up(&engine)?;
     say!(
-        "      done in {:.0} ms ({} prompt tokens)",
-        started.elapsed().as_secs_f64() * 1e3,
-        warm_up.response.usage.input_tokens
+        "      done in {:.0} ms ({tokens} prompt tokens)",
+        started.elapsed().as_secs_f64() * 1e3
     );
 
     let stats = Arc::new(Stats::default());
-    let timeout = Duration::from_secs_f64(args.timeout);
     let server_config = ServerConfig {
         api_key: api_key.clone(),
         max_body_bytes: args.max_body_bytes,
-        request_timeout: timeout,
+        request_timeout: Duration::from_secs_f64(args.timeout),
         defaults: RequestDefaults {
             gate: args.gate,
             none_check: args.none_check,
@@ -531,7 +328,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             },
             name,
             release_date: "unknown".into(),
-            precision: precision_name.clone(),
+            precision: precision_name,
             max_prompt_tokens: args.max_tokens,
             demo,
             family,
@@ -544,13 +341,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     };
     let app = router(server_config, engine, stats, metrics);
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .max_blocking_threads(8)
-        .thread_name("prism-http")
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
+    let runtime = launch::runtime()?;
     say!("[3/3] Binding {}:{} ...", args.host, args.port);
     let listener = runtime
         .block_on(tokio::net::TcpListener::bind((
@@ -607,7 +398,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     // After the signal, in-flight requests get until their own timeout (plus a little) to finish.
     let outcome = runtime.block_on(async move {
         let shutdown = async move {
-            wait_for_signal().await;
+            launch::wait_for_signal().await;
             say!("Shutting down: no new connections; finishing the requests in flight ...");
         };
         serve(listener, app, limits, counters, shutdown).await
@@ -625,101 +416,4 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         ),
     }
     Ok(())
-}
-
-/// SIGTERM or Ctrl-C (SIGINT).
-async fn wait_for_signal() {
-    let ctrl_c = async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = terminate => {},
-    }
-}
-
-/// The devices `--device` and `--gpus` name: one, or each GPU of a list of several.
-pub fn open_devices(name: &str, gpus: &[usize]) -> Result<Vec<Device>> {
-    if gpus.len() <= 1 {
-        return Ok(vec![open_device(name, gpus)?]);
-    }
-    let mut seen = std::collections::BTreeSet::new();
-    if let Some(twice) = gpus.iter().find(|&&g| !seen.insert(g)) {
-        bail!("--gpus {gpus:?}: GPU {twice} is named twice (use --replicas for several replicas on one GPU)");
-    }
-    gpus.iter().map(|&g| open_device(name, &[g])).collect()
-}
-
-/// The device `--device` and `--gpus` name.
-pub fn open_device(name: &str, gpus: &[usize]) -> Result<Device> {
-    if gpus.len() > 1 {
-        bail!("--gpus {gpus:?}: this command runs on one GPU");
-    }
-    let ordinal = gpus.first().copied().unwrap_or(0);
-    match name {
-        "cpu" => {
-            if !gpus.is_empty() {
-                bail!("--gpus needs --device cuda or auto");
-            }
-            Ok(Device::Cpu)
-        }
-        "cuda" | "auto" => {
-            #[cfg(feature = "cuda")]
-            {
-                match prism_quant::cuda_launch::open_device(ordinal) {
-                    Ok(device) => Ok(device),
-                    Err(error) if name == "auto" && gpus.is_empty() => {
-                        say!("  (no usable CUDA GPU: {error}; serving on the CPU)");
-                        Ok(Device::Cpu)
-                    }
-                    Err(error) => Err(error).context(format!("opening CUDA device {ordinal}")),
-                }
-            }
-            #[cfg(not(feature = "cuda"))]
-            {
-                let _ = ordinal;
-                if name == "cuda" || !gpus.is_empty() {
-                    bail!("--device cuda / --gpus: this prism was built without the `cuda` feature (cargo build --features cuda)");
-                }
-                Ok(Device::Cpu)
-            }
-        }
-        other => bail!("--device {other:?}: expected auto, cpu or cuda"),
-    }
-}
-
-/// Free and total device memory in bytes; `None` on the CPU.
-fn device_free_memory(device: &Device) -> Option<(u64, u64)> {
-    crate::cmd_bench::device_memory(device).map(|(used, total)| (total - used, total))
-}
-
-/// 1024 connections, or the process's descriptor limit less 64 (for the model files, the listener and
-/// the logs) when that is lower.
-fn default_max_connections() -> usize {
-    #[cfg(target_os = "linux")]
-    {
-        let mut limit = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: `limit` is a valid out-parameter for the call.
-        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0 {
-            let usable = (limit.rlim_cur as usize).saturating_sub(64).max(1);
-            return usable.min(1024);
-        }
-    }
-    1024
 }

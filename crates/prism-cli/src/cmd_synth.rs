@@ -13,16 +13,13 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use prism_decision::synth_files::{self, ModelDirFiles};
+use prism_decision::synth_files::{self, ModelDirFiles, GGUF_NAME};
 use prism_decision::tokenizer::RankedVocabulary;
 use prism_gguf::GgufFile;
 use prism_model::synth::{self, SynthFileType, SynthSize, SynthSpec};
 use prism_model::Qwen35Config;
 
 use crate::SynthArgs;
-
-/// The GGUF's file name inside the model directory.
-pub const GGUF_NAME: &str = "model.gguf";
 
 fn fixtures_dir() -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures"))

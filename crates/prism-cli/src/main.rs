@@ -4,13 +4,10 @@
 
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 
 mod cmd_bench;
-mod cmd_bench_think;
-#[cfg(feature = "cuda")]
-mod cmd_cuda_check;
 mod cmd_decide;
 mod cmd_eval;
 #[cfg(feature = "cuda")]
@@ -21,8 +18,6 @@ mod cmd_logits;
 mod cmd_render;
 mod cmd_serve;
 mod cmd_synth;
-mod eval_report;
-mod stack_dump;
 
 #[derive(Parser)]
 #[command(
@@ -61,18 +56,6 @@ enum Command {
     Synth(SynthArgs),
     /// Latency of the decision path (short question, shared evidence, long question) against its floors.
     Bench(BenchArgs),
-    /// Device tests (CUDA builds only): our kernels against their CPU twins on random inputs, their
-    /// split/batch invariance, the fixture model in bf16 on the GPU against the references, and the fp8
-    /// K/V cache (`--kv-fp8`) against its CPU twin.
-    #[cfg(feature = "cuda")]
-    CudaCheck {
-        /// The tiny fixture model's folder (tiny-BF16.gguf, prompts.json, ref_transformers.json).
-        #[arg(long)]
-        fixtures: Option<PathBuf>,
-        /// Also write the results as JSON.
-        #[arg(long)]
-        json_out: Option<PathBuf>,
-    },
     /// The integer GEMM's speed at the model's projection shapes next to bf16 (CUDA builds only).
     #[cfg(feature = "cuda")]
     GemmBench(cmd_gemm_bench::GemmBenchArgs),
@@ -257,10 +240,10 @@ fn main() -> Result<()> {
         // Colour codes only on a terminal: a log written to a file or a pipe stays plain text.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    if stack_dump::install_if_requested()? {
+    if std::env::var_os("PRISM_STACKS_ON_SIGQUIT").is_some_and(|v| v != "0") {
+        prism_server::stack_dump::install().context("PRISM_STACKS_ON_SIGQUIT")?;
         tracing::info!(
-            "{}: `kill -QUIT {}` writes every thread's stack to stderr",
-            stack_dump::ENV,
+            "PRISM_STACKS_ON_SIGQUIT: `kill -QUIT {}` writes every thread's stack to stderr",
             std::process::id()
         );
     }
@@ -277,8 +260,6 @@ fn main() -> Result<()> {
         Command::Eval(args) => cmd_eval::run(&args),
         Command::Synth(args) => cmd_synth::run(&args),
         Command::Bench(args) => cmd_bench::run(&args),
-        #[cfg(feature = "cuda")]
-        Command::CudaCheck { fixtures, json_out } => cmd_cuda_check::run(fixtures, json_out),
         #[cfg(feature = "cuda")]
         Command::GemmBench(args) => cmd_gemm_bench::run(&args),
     }

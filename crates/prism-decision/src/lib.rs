@@ -1,16 +1,19 @@
 //! StartLux-Decision: requests, prompt rendering, read-out and calibrated probabilities.
+pub mod bench;
 pub mod chat_template;
 pub mod config;
 pub mod decide;
 pub mod engine;
 pub mod error;
 pub mod eval;
+pub mod logits;
 pub mod model;
 pub mod pyjson;
 pub mod readout;
 pub mod render;
 pub mod request;
 pub mod response;
+pub mod setup;
 pub mod synth_files;
 pub mod thought;
 pub mod tokenizer;

@@ -25,6 +25,10 @@ use crate::tokenizer::{
     bytes_to_text, GgufVocabulary, RankedVocabulary, QWEN35_SPLIT_REGEX, QWEN35_TOKENIZER_CLASS,
 };
 
+/// The GGUF's file name inside a model directory `prism synth` writes (and `prism bench` reads by
+/// default).
+pub const GGUF_NAME: &str = "model.gguf";
+
 /// Qwen3.5's added tokens in id order (the first gets the id after the last BPE rank), with transformers'
 /// `special` flag (`<tool_call>` … `</think>` are not special). Source: the tiny fixture's
 /// `tokenizer.json`, made from Qwen's release (fixture README).

@@ -10,6 +10,7 @@
 
 pub mod blocks;
 mod error;
+pub mod info;
 mod metadata;
 pub mod quantize;
 mod reader;

@@ -8,9 +8,13 @@
 
 pub mod body;
 pub mod error;
+pub mod eval_client;
+pub mod launch;
+pub mod loadgen;
 pub mod metrics;
 pub mod protocol;
 pub mod server;
+pub mod stack_dump;
 pub mod stats;
 
 pub use error::ApiError;

@@ -1,4 +1,4 @@
-//! `prism cuda-check`, tensor-core attention part (`prism_model::cuda_flash`, kernels/flash_attention.cu).
+//! The tensor-core attention kernel (`prism_model::cuda_flash`, kernels/flash_attention.cu).
 //!
 //! 1. Accuracy against the CPU twin (`CausalAttention`, reached through `attend_segment` on CPU tensors,
 //!    f32): every head layout × T ∈ {1, 7, 64, 275, 1000, 4096} × past ∈ {0, 37, 300}. Long calls are
@@ -13,8 +13,6 @@
 //!    next to the batched-matmul route it replaces; and one decode step after 8,191 cached tokens next to
 //!    the one-warp-per-row kernel.
 
-use std::time::Instant;
-
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use prism_model::attention::attend_segment;
@@ -23,7 +21,7 @@ use prism_model::cuda_flash::{
 };
 use serde_json::json;
 
-use super::{Report, Rng};
+use crate::harness::{median_seconds, on_device, Report, Rng};
 
 /// Pass bound on ‖Δ‖/‖ref‖ against the f32 CPU twin. The kernel rounds q, k, v and the probabilities
 /// to bf16 (relative error ≤ 2⁻⁹ ≈ 2e-3 each, independent from element to element), so outputs land
@@ -35,7 +33,7 @@ const FLASH_BOUND: f64 = 1e-2;
 const LAYOUTS: [(usize, usize, usize); 4] = [(24, 4, 256), (16, 4, 256), (8, 2, 128), (4, 2, 64)];
 
 /// Random q, k, v on the CPU: `q: [t, n_h, hd]` (amplitude `q_amp`), `k, v: [n_kv, past + t, hd]`.
-fn inputs(
+pub fn inputs(
     rng: &mut Rng,
     t: usize,
     past: usize,
@@ -63,22 +61,6 @@ fn cpu_rows(x: &[Tensor; 3], past: usize, scale: f64, start: usize, len: usize) 
     )?)
 }
 
-fn on_gpu(x: &[Tensor; 3], gpu: &Device) -> Result<[Tensor; 3]> {
-    Ok([
-        x[0].to_device(gpu)?,
-        x[1].to_device(gpu)?,
-        x[2].to_device(gpu)?,
-    ])
-}
-
-/// ‖Δ‖/‖ref‖ of the comparison just reported (NaN if none).
-fn last_rel(r: &Report) -> f64 {
-    r.rows
-        .last()
-        .and_then(|row| row["rel"].as_f64())
-        .unwrap_or(f64::NAN)
-}
-
 /// The query-row windows compared with the CPU twin.
 fn windows(t: usize) -> Vec<(usize, usize)> {
     if t <= 512 {
@@ -100,7 +82,7 @@ fn accuracy_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
         for t in [1usize, 7, 64, 275, 1000, 4096] {
             for past in [0usize, 37, 300] {
                 let x = inputs(rng, t, past, layout, 3.0)?;
-                let g = on_gpu(&x, gpu)?;
+                let g = on_device(&x, gpu)?;
                 let got =
                     flash_attention(&g[0], &g[1], &g[2], past, scale)?.to_device(&Device::Cpu)?;
                 let (mut got_w, mut want_w) = (Vec::new(), Vec::new());
@@ -117,7 +99,7 @@ fn accuracy_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
                     &Tensor::cat(&want_w, 0)?,
                     FLASH_BOUND,
                 )?;
-                worst = worst.max(last_rel(r));
+                worst = worst.max(r.last_rel());
             }
         }
     }
@@ -126,12 +108,12 @@ fn accuracy_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
     let scale = 1.0 / 16.0;
     let (t, past) = (600, 37);
     let x = inputs(rng, t, past, layout, 24.0)?;
-    let g = on_gpu(&x, gpu)?;
+    let g = on_device(&x, gpu)?;
     let got = flash_attention(&g[0], &g[1], &g[2], past, scale)?.to_device(&Device::Cpu)?;
     let want = cpu_rows(&x, past, scale, 0, t)?;
     let name = "flash attention 24/4 hd 256, peaky scores: 37 cached + 600 new vs CPU twin";
     r.compare(name, &got, &want, FLASH_BOUND)?;
-    worst = worst.max(last_rel(r));
+    worst = worst.max(r.last_rel());
     r.note(
         "flash attention: worst ‖Δ‖/‖ref‖ against the CPU twin",
         json!(worst),
@@ -147,7 +129,7 @@ fn invariance_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> 
     ] {
         let (n_h, n_kv, hd) = layout;
         let scale = 1.0 / (hd as f64).sqrt();
-        let x = on_gpu(&inputs(rng, n, 0, layout, 3.0)?, gpu)?;
+        let x = on_device(&inputs(rng, n, 0, layout, 3.0)?, gpu)?;
         let full = flash_attention(&x[0], &x[1], &x[2], 0, scale)?;
         let tag = format!("flash attention (GPU) {n_h}/{n_kv} hd {hd}, {n} rows");
         // Split points on and off the 16-row warp, 64-position block and key-tile boundaries.
@@ -224,7 +206,7 @@ fn invariance_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> 
     batched(rng, gpu, r)?;
     // A long prompt: the second half after the first half cached, rows off every boundary.
     let (layout, n) = ((24, 4, 256), 4396usize);
-    let x = on_gpu(&inputs(rng, n, 0, layout, 3.0)?, gpu)?;
+    let x = on_device(&inputs(rng, n, 0, layout, 3.0)?, gpu)?;
     let scale = 1.0 / 16.0;
     let full = flash_attention(&x[0], &x[1], &x[2], 0, scale)?;
     let s = 2047;
@@ -235,22 +217,6 @@ fn invariance_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> 
         &full.narrow(0, s, n - s)?,
     )?;
     Ok(())
-}
-
-/// Median wall time of `runs` calls of `f` in ms, each call synchronised, after one warm-up call.
-fn median_ms(gpu: &Device, runs: usize, mut f: impl FnMut() -> Result<Tensor>) -> Result<f64> {
-    drop(f()?);
-    gpu.synchronize()?;
-    let mut times = Vec::with_capacity(runs);
-    for _ in 0..runs {
-        let start = Instant::now();
-        let out = f()?;
-        gpu.synchronize()?;
-        times.push(start.elapsed().as_secs_f64() * 1e3);
-        drop(out);
-    }
-    times.sort_by(f64::total_cmp);
-    Ok(times[runs / 2])
 }
 
 /// The batched-matmul route that `attend_segment` took for long prompts before the flash kernel:
@@ -303,9 +269,9 @@ fn timing_checks(r: &mut Report, gpu: &Device) -> Result<()> {
     let q = (Tensor::randn(0f32, 1.0, (t, n_h, hd), gpu)? * 1.7)?;
     let k = Tensor::randn(0f32, 1.0, (n_kv, t, hd), gpu)?;
     let v = Tensor::randn(0f32, 1.0, (n_kv, t, hd), gpu)?;
-    let flash_ms = median_ms(gpu, 5, || Ok(flash_attention(&q, &k, &v, 0, scale)?))?;
-    let route_ms = median_ms(gpu, 3, || Ok(attend_segment(&q, &k, &v, 0, scale)?))?;
-    let matmul_ms = median_ms(gpu, 3, || matmul_route(&q, &k, &v, 0, scale))?;
+    let flash_ms = 1e3 * median_seconds(gpu, 5, || Ok(flash_attention(&q, &k, &v, 0, scale)?))?;
+    let route_ms = 1e3 * median_seconds(gpu, 3, || Ok(attend_segment(&q, &k, &v, 0, scale)?))?;
+    let matmul_ms = 1e3 * median_seconds(gpu, 3, || matmul_route(&q, &k, &v, 0, scale))?;
     // QKᵀ and P·V over the causal triangle: 4·hd flops per (row, head, key).
     let flops = 4.0 * (hd * n_h) as f64 * (t * (t + 1) / 2) as f64;
     r.note(
@@ -349,16 +315,18 @@ fn timing_checks(r: &mut Report, gpu: &Device) -> Result<()> {
 
     // One decode step after 8,191 cached tokens.
     let (q1, k1, v1) = (q.narrow(0, t - 1, 1)?.contiguous()?, k.clone(), v.clone());
-    let flash_step = median_ms(gpu, 9, || Ok(flash_attention(&q1, &k1, &v1, t - 1, scale)?))?;
-    let old_step = median_ms(gpu, 9, || {
-        Ok(prism_model::cuda::causal_attention(
-            &q1,
-            &k1,
-            &v1,
-            t - 1,
-            scale,
-        )?)
-    })?;
+    let flash_step =
+        1e3 * median_seconds(gpu, 9, || Ok(flash_attention(&q1, &k1, &v1, t - 1, scale)?))?;
+    let old_step = 1e3
+        * median_seconds(gpu, 9, || {
+            Ok(prism_model::cuda::causal_attention(
+                &q1,
+                &k1,
+                &v1,
+                t - 1,
+                scale,
+            )?)
+        })?;
     r.note(
         "flash attention decode step after 8191 cached, 24/4 hd 256: median ms",
         json!(flash_step),

@@ -1,4 +1,4 @@
-//! `prism cuda-check`, fp8 K/V cache part (`prism_model::kv_fp8`, `cuda_kv_fp8`, kernels/kv_fp8.cu and the
+//! The fp8 K/V cache (`prism_model::kv_fp8`, `cuda_kv_fp8`, kernels/kv_fp8.cu and the
 //! fp8 variants of kernels/flash_attention.cu):
 //!
 //! 1. The device may run it (compute capability 8.9 or newer).
@@ -18,8 +18,6 @@
 //! 6. Timing at 27B attention shapes: a prefill of 8,192 tokens and a decode step after 8,191 cached
 //!    tokens, fp8 kernel next to the bf16 one (and next to dequantize + bf16 kernel).
 
-use std::time::Instant;
-
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use prism_model::attention::attend_segment_fp8;
@@ -29,10 +27,11 @@ use prism_model::state::LayerState;
 use prism_model::{KvStorage, LoadOptions, Precision, Qwen35Model, SequenceState};
 use serde_json::json;
 
-use super::{Report, Rng};
+use crate::harness::{median_seconds, on_device, Report, Rng};
+use crate::model::{fixture_prompts, in_pieces};
 
 /// Pass bound on ‖Δ‖/‖ref‖ of the fp8 flash kernel against the CPU twin on the same (dequantized)
-/// cache: the bf16 flash kernel's bound (`cmd_cuda_check_flash.rs`), as both see the same values up to
+/// cache: the bf16 flash kernel's bound (`flash.rs`), as both see the same values up to
 /// the kernel's bf16 rounding.
 const FLASH_BOUND: f64 = 1e-2;
 
@@ -42,51 +41,19 @@ const FLASH_BOUND: f64 = 1e-2;
 const MODEL_FP8_VS_NATIVE_BOUND: f64 = 0.6;
 
 /// Bound on ‖Δ‖/‖ref‖ between the GPU's and the CPU's fp8 integer paths: that of the native integer
-/// paths' comparison in `integer_model_checks` (the GPU rounds attention operands to bf16, and the
+/// paths' comparison in `model::integer_checks` (the GPU rounds attention operands to bf16, and the
 /// random tiny model turns every int8 rounding that flips into a visible change).
 const MODEL_GPU_VS_CPU_BOUND: f64 = 1e-1;
 
 /// Head layouts checked: (query heads, KV heads, head dim).
 const LAYOUTS: [(usize, usize, usize); 3] = [(24, 4, 256), (8, 2, 128), (4, 2, 64)];
 
-/// Bitwise comparison of two tensors of any dtype (u8 bytes, f32 scales, bf16 values), as u32 words.
-fn same_bits(r: &mut Report, name: &str, got: &Tensor, want: &Tensor) -> Result<()> {
-    let words = |t: &Tensor| -> Result<Vec<u32>> {
-        let t = t.to_device(&Device::Cpu)?.flatten_all()?;
-        Ok(match t.dtype() {
-            DType::U8 => t.to_vec1::<u8>()?.into_iter().map(u32::from).collect(),
-            DType::F32 => t.to_vec1::<f32>()?.iter().map(|x| x.to_bits()).collect(),
-            // bf16 → f32 is exact and one-to-one: the f32 bits are the bf16 bits, shifted.
-            DType::BF16 => t
-                .to_dtype(DType::F32)?
-                .to_vec1::<f32>()?
-                .iter()
-                .map(|x| x.to_bits())
-                .collect(),
-            other => anyhow::bail!("{name}: cannot compare {other:?} bitwise"),
-        })
-    };
-    let (a, b) = (words(got)?, words(want)?);
-    let differing = a.iter().zip(&b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len());
-    let ok = differing == 0 && got.dtype() == want.dtype() && got.dims() == want.dims();
-    println!(
-        "{:<58} {differing} of {} elements differ in bits  {}",
-        name,
-        a.len(),
-        if ok { "ok" } else { "FAIL" }
-    );
-    r.failed += usize::from(!ok);
-    r.rows
-        .push(json!({"check": name, "differing_bits": differing, "ok": ok}));
-    Ok(())
-}
-
 /// GPU quantization of `x` (on the CPU) against the CPU twin: bytes and scales.
 fn quantize_both(r: &mut Report, gpu: &Device, name: &str, x: &Tensor) -> Result<()> {
     let (qc, sc) = kv_fp8::quantize(x)?;
     let (qg, sg) = kv_fp8::quantize(&x.to_device(gpu)?)?;
-    same_bits(r, &format!("{name}: bytes"), &qg, &qc)?;
-    same_bits(r, &format!("{name}: scales"), &sg, &sc)
+    r.same_bits(&format!("{name}: bytes"), &qg, &qc)?;
+    r.same_bits(&format!("{name}: scales"), &sg, &sc)
 }
 
 fn quantize_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
@@ -139,7 +106,9 @@ fn quantize_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
         "fp8 KV quantize, scale 1: CPU bytes that are not the plain e4m3 rounding (expect 0)",
         json!(plain),
     );
-    r.failed += usize::from(plain != 0);
+    if plain != 0 {
+        r.fail("fp8 KV quantize, scale 1: CPU bytes that are not the plain e4m3 rounding");
+    }
 
     // 2. Special rows: past 448, infinities, NaNs, zeros, subnormals, a tie at every scale.
     let specials: Vec<Vec<f32>> = vec![
@@ -215,8 +184,7 @@ fn dequantize_checks(r: &mut Report, gpu: &Device) -> Result<()> {
     for dtype in [DType::F32, DType::BF16] {
         let cpu = kv_fp8::dequantize(&b, &s, DType::F32)?.to_dtype(dtype)?;
         let got = kv_fp8::dequantize(&bg, &sg, dtype)?;
-        same_bits(
-            r,
+        r.same_bits(
             &format!(
                 "fp8 KV dequantize to {dtype:?}: {} bytes × {} scales",
                 finite.len(),
@@ -241,16 +209,6 @@ fn fp8_inputs(
     let (k, ks) = kv_fp8::quantize(&rng.tensor(&[n_kv, past + t, hd], 1.0)?)?;
     let (v, vs) = kv_fp8::quantize(&rng.tensor(&[n_kv, past + t, hd], 1.0)?)?;
     Ok([q, k, ks, v, vs])
-}
-
-fn to_gpu(x: &[Tensor; 5], gpu: &Device) -> Result<[Tensor; 5]> {
-    Ok([
-        x[0].to_device(gpu)?,
-        x[1].to_device(gpu)?,
-        x[2].to_device(gpu)?,
-        x[3].to_device(gpu)?,
-        x[4].to_device(gpu)?,
-    ])
 }
 
 /// The fp8 flash kernel on `x` (GPU tensors), rows `past..past + t` where `x` holds keys `0..past + t`.
@@ -281,15 +239,14 @@ fn flash_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
         let scale = 1.0 / (hd as f64).sqrt();
         for (t, past) in [(1usize, 0usize), (7, 37), (64, 300), (275, 0), (1000, 37)] {
             let x = fp8_inputs(rng, t, past, layout)?;
-            let g = to_gpu(&x, gpu)?;
+            let g = on_device(&x, gpu)?;
             let got = fp8_flash(&g, past, scale)?;
             // Bit for bit the bf16 kernel on the cache dequantized to bf16.
             let kb = kv_fp8::dequantize(&g[1], &g[2], DType::BF16)?;
             let vb = kv_fp8::dequantize(&g[3], &g[4], DType::BF16)?;
             let via_bf16 = flash_attention(&g[0], &kb, &vb, past, scale)?;
             let tag = format!("fp8 flash {n_h}/{n_kv} hd {hd}: {past} cached + {t} new");
-            same_bits(
-                r,
+            r.same_bits(
                 &format!("{tag} vs bf16 kernel on the dequantized cache"),
                 &got,
                 &via_bf16,
@@ -312,12 +269,7 @@ fn flash_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
                 &cpu,
                 FLASH_BOUND,
             )?;
-            worst = worst.max(
-                r.rows
-                    .last()
-                    .and_then(|row| row["rel"].as_f64())
-                    .unwrap_or(f64::NAN),
-            );
+            worst = worst.max(r.last_rel());
         }
     }
     r.note(
@@ -329,13 +281,12 @@ fn flash_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
     for (layout, n) in [((24, 4, 256), 700usize), ((4, 2, 64), 300)] {
         let (n_h, n_kv, hd) = layout;
         let scale = 1.0 / (hd as f64).sqrt();
-        let x = to_gpu(&fp8_inputs(rng, n, 0, layout)?, gpu)?;
+        let x = on_device(&fp8_inputs(rng, n, 0, layout)?, gpu)?;
         let full = fp8_flash(&x, 0, scale)?;
         let tag = format!("fp8 flash (GPU) {n_h}/{n_kv} hd {hd}, {n} rows");
         for s in [1usize, 17, 63, 64, 65, n / 2 + 3, n - 1] {
             let tail = fp8_flash(&prefix(&x, s, n - s, n)?, s, scale)?;
-            same_bits(
-                r,
+            r.same_bits(
                 &format!("{tag}: rows {s}.. after {s} cached vs in one call"),
                 &tail,
                 &full.narrow(0, s, n - s)?,
@@ -351,29 +302,13 @@ fn flash_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
         for at in n - 3..n {
             outs.push(fp8_flash(&prefix(&x, at, 1, at + 1)?, at, scale)?);
         }
-        same_bits(
-            r,
+        r.same_bits(
             &format!("{tag}: pieces 1/7/64/100/1/1/33/rest + 3 decode steps vs one call"),
             &Tensor::cat(&outs, 0)?,
             &full,
         )?;
     }
     Ok(())
-}
-
-fn median_ms(gpu: &Device, runs: usize, mut f: impl FnMut() -> Result<Tensor>) -> Result<f64> {
-    drop(f()?);
-    gpu.synchronize()?;
-    let mut times = Vec::with_capacity(runs);
-    for _ in 0..runs {
-        let start = Instant::now();
-        let out = f()?;
-        gpu.synchronize()?;
-        times.push(start.elapsed().as_secs_f64() * 1e3);
-        drop(out);
-    }
-    times.sort_by(f64::total_cmp);
-    Ok(times[runs / 2])
 }
 
 fn timing_checks(r: &mut Report, gpu: &Device) -> Result<()> {
@@ -385,15 +320,17 @@ fn timing_checks(r: &mut Report, gpu: &Device) -> Result<()> {
     let (k8, ks) = kv_fp8::quantize(&k)?;
     let (v8, vs) = kv_fp8::quantize(&v)?;
     let (kb, vb) = (k.to_dtype(DType::BF16)?, v.to_dtype(DType::BF16)?);
-    let bf16_ms = median_ms(gpu, 5, || Ok(flash_attention(&q, &kb, &vb, 0, scale)?))?;
-    let fp8_ms = median_ms(gpu, 5, || {
-        Ok(flash_attention_fp8(&q, [&k8, &ks, &v8, &vs], 0, scale)?)
-    })?;
-    let deq_ms = median_ms(gpu, 5, || {
-        let kd = kv_fp8::dequantize(&k8, &ks, DType::BF16)?;
-        let vd = kv_fp8::dequantize(&v8, &vs, DType::BF16)?;
-        Ok(flash_attention(&q, &kd, &vd, 0, scale)?)
-    })?;
+    let bf16_ms = 1e3 * median_seconds(gpu, 5, || Ok(flash_attention(&q, &kb, &vb, 0, scale)?))?;
+    let fp8_ms = 1e3
+        * median_seconds(gpu, 5, || {
+            Ok(flash_attention_fp8(&q, [&k8, &ks, &v8, &vs], 0, scale)?)
+        })?;
+    let deq_ms = 1e3
+        * median_seconds(gpu, 5, || {
+            let kd = kv_fp8::dequantize(&k8, &ks, DType::BF16)?;
+            let vd = kv_fp8::dequantize(&v8, &vs, DType::BF16)?;
+            Ok(flash_attention(&q, &kd, &vd, 0, scale)?)
+        })?;
     r.note(
         "prefill T=8192, 24/4 hd 256: bf16 flash kernel, bf16 cache: median ms",
         json!(bf16_ms),
@@ -403,24 +340,27 @@ fn timing_checks(r: &mut Report, gpu: &Device) -> Result<()> {
         "  … dequantize to bf16 + bf16 flash kernel: median ms",
         json!(deq_ms),
     );
-    let quant_ms = median_ms(gpu, 9, || {
-        let (a, _) = kv_fp8::quantize(&k)?;
-        Ok(a)
-    })?;
+    let quant_ms = 1e3
+        * median_seconds(gpu, 9, || {
+            let (a, _) = kv_fp8::quantize(&k)?;
+            Ok(a)
+        })?;
     r.note(
         "  … quantizing 8192 tokens' keys (4 KV heads × 256): median ms",
         json!(quant_ms),
     );
     let q1 = q.narrow(0, t - 1, 1)?.contiguous()?;
-    let bf16_step = median_ms(gpu, 9, || Ok(flash_attention(&q1, &kb, &vb, t - 1, scale)?))?;
-    let fp8_step = median_ms(gpu, 9, || {
-        Ok(flash_attention_fp8(
-            &q1,
-            [&k8, &ks, &v8, &vs],
-            t - 1,
-            scale,
-        )?)
-    })?;
+    let bf16_step =
+        1e3 * median_seconds(gpu, 9, || Ok(flash_attention(&q1, &kb, &vb, t - 1, scale)?))?;
+    let fp8_step = 1e3
+        * median_seconds(gpu, 9, || {
+            Ok(flash_attention_fp8(
+                &q1,
+                [&k8, &ks, &v8, &vs],
+                t - 1,
+                scale,
+            )?)
+        })?;
     r.note(
         "decode step after 8191 cached, 24/4 hd 256: bf16 flash kernel: median ms",
         json!(bf16_step),
@@ -469,13 +409,12 @@ fn model_checks(
         .max(0)?
         .to_scalar::<f32>()? as f64;
     let ok = d.is_finite() && d > 0.0 && d <= MODEL_FP8_VS_NATIVE_BOUND;
-    println!(
-        "{:<58} max |Δlogit| {d:.4e}  bound {MODEL_FP8_VS_NATIVE_BOUND}  {}",
+    r.check(
         "int8 (GPU): fp8 K/V vs native (bf16) K/V, 12 prompts",
-        if ok { "ok" } else { "FAIL" }
+        &format!("max |Δlogit| {d:.4e}  bound {MODEL_FP8_VS_NATIVE_BOUND}"),
+        ok,
+        json!({"check": "int8 (GPU): fp8 vs native K/V max |Δlogit|", "max_abs": d, "bound": MODEL_FP8_VS_NATIVE_BOUND, "ok": ok}),
     );
-    r.failed += usize::from(!ok);
-    r.rows.push(json!({"check": "int8 (GPU): fp8 vs native K/V max |Δlogit|", "max_abs": d, "bound": MODEL_FP8_VS_NATIVE_BOUND, "ok": ok}));
     let mut argmax_same = 0;
     for i in 0..fp8.dim(0)? {
         if prism_model::argmax(&fp8.get(i)?)? == prism_model::argmax(&native.get(i)?)? {
@@ -529,28 +468,15 @@ fn model_checks(
     let (a, b) = (cache_words(&continued)?, cache_words(&whole)?);
     let differing = a.iter().zip(&b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len());
     let ok = differing == 0 && !a.is_empty();
-    println!(
-        "{:<58} {differing} of {} cache words differ  {}",
+    r.check(
         "int8 fp8 K/V (GPU): stored bytes + scales, cached prefix vs one call",
-        a.len(),
-        if ok { "ok" } else { "FAIL" }
+        &format!("{differing} of {} cache words differ", a.len()),
+        ok,
+        json!({"check": "int8 fp8 K/V (GPU): stored cache, cached prefix vs one call", "differing": differing, "ok": ok}),
     );
-    r.failed += usize::from(!ok);
-    r.rows.push(json!({"check": "int8 fp8 K/V (GPU): stored cache, cached prefix vs one call", "differing": differing, "ok": ok}));
-    let p0 = &prompts[0];
-    let mut state = gpu_fp8.new_state()?;
-    let (mut at, mut last) = (0, None);
-    for piece in [1usize, 7, 64, usize::MAX] {
-        let n = piece.min(p0.len() - at);
-        if n == 0 {
-            break;
-        }
-        last = Some(gpu_fp8.prefill(&mut state, &p0[at..at + n])?);
-        at += n;
-    }
     r.identical(
         "int8 fp8 K/V (GPU): prompt 0 in pieces 1/7/64/rest vs one call",
-        &gpu_fp8.logits(&last.context("prompt 0 is empty")?)?,
+        &in_pieces(&gpu_fp8, &prompts[0])?,
         &fp8.narrow(0, 0, 1)?,
     )?;
 
@@ -563,13 +489,12 @@ fn model_checks(
     let (n, rows) = (p3.len(), prism_model::state::KvRoom::rows_for(p3.len(), 0));
     let want = (hd + 4.0) / (2.0 * hd) * n as f64 / rows as f64;
     let ok = (ratio - want).abs() < 1e-9;
-    println!(
-        "{:<58} {ratio:.4} (expected (hd + 4) / 2hd · n / room = {want:.4})  {}",
+    r.check(
         "int8 (GPU): K/V bytes fp8 / bf16, prompt 3",
-        if ok { "ok" } else { "FAIL" }
+        &format!("{ratio:.4} (expected (hd + 4) / 2hd · n / room = {want:.4})"),
+        ok,
+        json!({"check": "int8 (GPU): K/V bytes fp8 / bf16", "ratio": ratio, "expected": want, "ok": ok}),
     );
-    r.failed += usize::from(!ok);
-    r.rows.push(json!({"check": "int8 (GPU): K/V bytes fp8 / bf16", "ratio": ratio, "expected": want, "ok": ok}));
     Ok(())
 }
 
@@ -588,12 +513,7 @@ fn cache_words(state: &SequenceState) -> Result<Vec<u32>> {
 }
 
 /// The fp8 K/V device checks; see the module doc.
-pub fn checks(
-    r: &mut Report,
-    gpu: &Device,
-    fixtures: &std::path::Path,
-    prompts: &[Vec<u32>],
-) -> Result<()> {
+pub fn checks(r: &mut Report, gpu: &Device, fixtures: &std::path::Path) -> Result<()> {
     let (major, minor) = prism_model::cuda_kv_fp8::compute_capability(gpu)?;
     r.note(
         "fp8 KV: compute capability",
@@ -615,7 +535,9 @@ pub fn checks(
             "fp8 KV: not supported on this GPU (the rest is skipped)",
             json!(e.to_string()),
         );
-        r.failed += usize::from(!refused);
+        if !refused {
+            r.fail("fp8 KV: the load refuses --kv-fp8 on this GPU");
+        }
         return Ok(());
     }
     // Its own random stream: the other checks' inputs stay what they were.
@@ -623,6 +545,6 @@ pub fn checks(
     quantize_checks(r, gpu, &mut rng)?;
     dequantize_checks(r, gpu)?;
     flash_checks(r, gpu, &mut rng)?;
-    model_checks(r, gpu, fixtures, prompts)?;
+    model_checks(r, gpu, fixtures, &fixture_prompts(fixtures)?)?;
     timing_checks(r, gpu)
 }

@@ -1,4 +1,4 @@
-//! `prism bench --think BUDGET`: thought decoding through the engine the server runs (v1.1 AutoThink),
+//! `prism bench --think BUDGET`'s measurement: thought decoding through the engine the server runs (v1.1 AutoThink),
 //! for each batch size of `--think-batch`: that many requests submitted at once, each one noul question
 //! about its own evidence with `think_mode: "always"` and `think_budget: BUDGET`, so every request decodes
 //! one thought of up to BUDGET tokens. The loop detector is off (a random-weight model's thoughts are
@@ -11,10 +11,10 @@
 
 use std::time::Instant;
 
+use crate::config::LoopDetectorConfig;
+use crate::engine::CancelToken;
+use crate::{Answer, DecisionConfig, DecisionRequest, DecoderLetterModel, Family};
 use anyhow::{bail, Context, Result};
-use prism_decision::config::LoopDetectorConfig;
-use prism_decision::engine::CancelToken;
-use prism_decision::{Answer, DecisionConfig, DecisionRequest, DecoderLetterModel, Family};
 use serde_json::{json, Value};
 
 /// Runs the thought measurement; the report's `thoughts` rows.
@@ -22,13 +22,14 @@ use serde_json::{json, Value};
 /// With `profile`, one more batch of the largest size runs with a device synchronization around every
 /// section of the forward pass; the sections' times over that batch are returned too (slower than a
 /// plain run).
-pub fn thought_rows(
+pub(super) fn thought_rows(
     model: DecoderLetterModel,
     config: &DecisionConfig,
     budget: usize,
     batches: &[usize],
     runs: usize,
     profile: bool,
+    progress: &mut dyn FnMut(String),
 ) -> Result<(Vec<Value>, Value)> {
     if budget == 0 {
         bail!("--think must be at least 1 token");
@@ -42,7 +43,7 @@ pub fn thought_rows(
         },
         ..config.clone()
     };
-    let (engine, worker) = crate::cmd_bench::bench_engine(model, config, most)?;
+    let (engine, worker) = super::bench_engine(model, config, most)?;
     let request = |i: usize, run: usize| -> Result<DecisionRequest> {
         let body = json!({
             "state": format!("Ticket {i} (run {run}): the customer was charged twice for the March invoice and the card was declined afterwards."),
@@ -112,14 +113,14 @@ pub fn thought_rows(
             if profiling {
                 prism_model::profile::set_enabled(false);
                 let sections = prism_model::profile::take();
-                eprintln!(
+                progress(format!(
                     "profile of {batch} thoughts at once ({:.1} ms, every section synchronized):",
                     wall * 1e3
-                );
+                ));
                 let mut list = Vec::new();
                 for (name, time, calls) in &sections {
                     let ms = time.as_secs_f64() * 1e3;
-                    eprintln!("  {name:<45} {ms:>10.2} ms {calls:>7} calls");
+                    progress(format!("  {name:<45} {ms:>10.2} ms {calls:>7} calls"));
                     list.push(json!({"section": name, "ms": ms, "calls": calls}));
                 }
                 profiled = json!({"sequences": batch, "wall_ms": wall * 1e3, "sections": list});
@@ -149,21 +150,21 @@ pub fn thought_rows(
                 "wall_tokens_per_s": total as f64 / wall,
                 "per_sequence_tokens_per_s_median": sorted[sorted.len() / 2],
             });
-            eprintln!(
+            progress(format!(
                 "thoughts: {batch:>3} sequences x {budget} tokens: {total} tokens, decode {:.1} tokens/s ({:.1} a sequence), wall {:.0} ms",
                 line["decode_tokens_per_s"].as_f64().unwrap_or(0.0),
                 line["per_sequence_tokens_per_s_median"].as_f64().unwrap_or(0.0),
                 wall * 1e3
-            );
+            ));
             rows.push(line);
         }
     }
     let stats = engine.stats();
     drop(engine);
     worker.join();
-    eprintln!(
+    progress(format!(
         "engine: {} passes, {} thought steps, {} thoughts",
         stats.passes, stats.thought_steps, stats.thoughts_finished
-    );
+    ));
     Ok((rows, profiled))
 }

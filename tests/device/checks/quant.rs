@@ -1,4 +1,4 @@
-//! `prism cuda-check`, integer matmul part (`prism_quant::cuda::matmul`, kernels/quant_gemm.cu): the
+//! The integer matmul (`prism_quant::cuda::matmul`, kernels/quant_gemm.cu): the
 //! device's bits against the CPU reference (`prism_quant::kernel::matmul`), per format.
 //!
 //! For Q8_0 (re-blocked per run, and per row), Q4_K and Q6_K weights (Q5_K runs Q4_K's kernel): reductions of 1–40 runs, a
@@ -14,7 +14,7 @@ use prism_gguf::GgmlType;
 use prism_quant::cuda::{matmul, matmul_with, CudaQuantWeight, Kernel, TileShape};
 use prism_quant::{Q8Scales, QuantWeight};
 
-use super::{Report, Rng};
+use crate::harness::{Report, Rng};
 
 /// A random weight of `rows × cols` in `ty` (Q8_0, Q4_K or Q6_K), by llama.cpp's reference quantizers.
 fn weight(

@@ -1,4 +1,4 @@
-//! `PRISM_STACKS_ON_SIGQUIT=1`: `kill -QUIT PID` makes every thread of the process write its call
+//! The stack dump of `PRISM_STACKS_ON_SIGQUIT=1` (the `prism` binary installs it): `kill -QUIT PID` makes every thread of the process write its call
 //! stack to stderr, then the process's memory map, and the process carries on.
 //!
 //! This is for hangs on machines without a debugger. The GPU machines have no gdb, and `cuda-gdb`'s
@@ -20,18 +20,10 @@
 //! doing, the allocator included. The unwinder is not formally async-signal-safe, but the binary links
 //! it statically (no `dlopen` on first use), which is what crash reporters rely on too.
 
-/// Environment variable that turns the dump on (any value but `0`).
-pub const ENV: &str = "PRISM_STACKS_ON_SIGQUIT";
-
-/// Installs the SIGQUIT dump if [`ENV`] asks for it. Returns whether it is installed.
-pub fn install_if_requested() -> anyhow::Result<bool> {
-    match std::env::var_os(ENV) {
-        Some(v) if v != "0" => {
-            imp::install()?;
-            Ok(true)
-        }
-        _ => Ok(false),
-    }
+/// Installs the SIGQUIT dump for the rest of the process (the `prism` binary does when
+/// `PRISM_STACKS_ON_SIGQUIT` is set). Linux only: elsewhere an error.
+pub fn install() -> std::io::Result<()> {
+    imp::install()
 }
 
 #[cfg(target_os = "linux")]
@@ -288,7 +280,7 @@ mod imp {
         line.push(b"prism-stacks begin pid=");
         line.push_dec(pid as u64);
         line.push(b" (kill -QUIT; ");
-        line.push(super::ENV.as_bytes());
+        line.push(b"PRISM_STACKS_ON_SIGQUIT");
         line.push(b")\n");
         line.write_to_stderr();
         dump_this_thread(0);
@@ -303,7 +295,7 @@ mod imp {
         DUMPING.store(false, Ordering::SeqCst);
     }
 
-    fn set_handler(signal: c_int, handler: extern "C" fn(c_int)) -> anyhow::Result<()> {
+    fn set_handler(signal: c_int, handler: extern "C" fn(c_int)) -> std::io::Result<()> {
         // SAFETY: a zeroed sigaction is a valid starting point; the handler is a plain function
         // that only does what the module's header allows.
         let result = unsafe {
@@ -314,15 +306,16 @@ mod imp {
             libc::sigaction(signal, &action, std::ptr::null_mut())
         };
         if result != 0 {
-            anyhow::bail!(
-                "could not install the handler for signal {signal}: {}",
-                std::io::Error::last_os_error()
-            );
+            let error = std::io::Error::last_os_error();
+            return Err(std::io::Error::new(
+                error.kind(),
+                format!("could not install the handler for signal {signal}: {error}"),
+            ));
         }
         Ok(())
     }
 
-    pub fn install() -> anyhow::Result<()> {
+    pub fn install() -> std::io::Result<()> {
         set_handler(libc::SIGUSR2, dump_this_thread)?;
         set_handler(libc::SIGQUIT, dump_all)
     }
@@ -330,7 +323,9 @@ mod imp {
 
 #[cfg(not(target_os = "linux"))]
 mod imp {
-    pub fn install() -> anyhow::Result<()> {
-        anyhow::bail!("{} is only supported on Linux", super::ENV)
+    pub fn install() -> std::io::Result<()> {
+        Err(std::io::Error::other(
+            "the stack dump on SIGQUIT is only supported on Linux",
+        ))
     }
 }

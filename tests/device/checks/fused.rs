@@ -1,4 +1,4 @@
-//! `prism cuda-check`, fused small-kernel part (kernels/ops.cu through `prism_model::ops`): the norms
+//! The fused small kernels (kernels/ops.cu through `prism_model::ops`): the norms
 //! (one block per long row, residual add fused, bf16 output, strided input), SwiGLU on the fused
 //! gate | up output, the DeltaNet conv + SiLU and gates read from column ranges of the fused
 //! projection, the attention output gate, and the bf16 GEMM taking its input already in bf16.
@@ -18,8 +18,6 @@
 //! ([`qk_norm_rope_checks`]): bit for bit against the chain it replaces (norm kernel, candle rotation,
 //! cast), against the CPU twin, rows alone vs in a call, and its timing next to that chain.
 
-use std::time::Instant;
-
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, D};
 use prism_model::delta_net::causal_conv;
@@ -27,7 +25,7 @@ use prism_model::ops;
 use prism_model::rope::{HeadNorms, MRope, Position3};
 use serde_json::json;
 
-use super::{Report, Rng};
+use crate::harness::{median_seconds, Report, Rng};
 
 /// ‖Δ‖/‖ref‖ bound of the f32 kernels against their CPU twins: the same formulas, rounding alike but for
 /// the order of a row's sum of squares and the last ulp of `exp`/`log`; any indexing or stride error
@@ -535,49 +533,41 @@ fn gemm_input_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> 
     Ok(())
 }
 
-/// Median wall time in µs of 20 calls of `f`, each synchronised, after one warm-up call.
-fn time_us<T>(gpu: &Device, mut f: impl FnMut() -> Result<T>) -> Result<f64> {
-    f()?;
-    gpu.synchronize()?;
-    let mut times = Vec::with_capacity(20);
-    for _ in 0..20 {
-        let start = Instant::now();
-        f()?;
-        gpu.synchronize()?;
-        times.push(start.elapsed().as_secs_f64() * 1e6);
-    }
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
-}
-
 fn timing_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
     let x = on(gpu, &rng.tensor(&[TOKENS, HIDDEN], 2.0)?)?;
     let res = on(gpu, &rng.tensor(&[TOKENS, HIDDEN], 1.0)?)?;
     let w = on(gpu, &rng.tensor(&[HIDDEN], 1.0)?)?;
-    let t = time_us(gpu, || Ok(ops::rms_norm(&x, &w, 1e-6)?))?;
+    let t = 1e6 * median_seconds(gpu, 20, || Ok(ops::rms_norm(&x, &w, 1e-6)?))?;
     r.note("time: rms_norm [275, 5120] f32 out, µs", json!(t));
-    let t = time_us(gpu, || {
-        Ok(ops::add_rms_norm(&x, &res, &w, 1e-6, DType::BF16)?)
-    })?;
+    let t = 1e6
+        * median_seconds(gpu, 20, || {
+            Ok(ops::add_rms_norm(&x, &res, &w, 1e-6, DType::BF16)?)
+        })?;
     r.note(
         "time: add + rms_norm [275, 5120] (sum f32, norm bf16), µs",
         json!(t),
     );
-    let t = time_us(gpu, || {
-        Ok((
-            (&x + &res)?,
-            ops::rms_norm(&x, &w, 1e-6)?.to_dtype(DType::BF16)?,
-        ))
-    })?;
+    let t = 1e6
+        * median_seconds(gpu, 20, || {
+            Ok((
+                (&x + &res)?,
+                ops::rms_norm(&x, &w, 1e-6)?.to_dtype(DType::BF16)?,
+            ))
+        })?;
     r.note(
         "time: separate add, rms_norm, cast (what it replaces), µs",
         json!(t),
     );
 
     let gu = on(gpu, &rng.tensor(&[TOKENS, 2 * FFN + 64], 4.0)?)?.narrow(1, 0, 2 * FFN)?;
-    let t = time_us(gpu, || Ok(ops::swiglu_as(&gu, FFN, DType::BF16)?))?;
+    let t = 1e6 * median_seconds(gpu, 20, || Ok(ops::swiglu_as(&gu, FFN, DType::BF16)?))?;
     r.note("time: swiglu [275, 2·17408] → bf16, µs", json!(t));
-    let t = time_us(gpu, || Ok(ops::swiglu(&gu, FFN)?.to_dtype(DType::BF16)?))?;
+    let t = 1e6
+        * median_seconds(
+            gpu,
+            20,
+            || Ok(ops::swiglu(&gu, FFN)?.to_dtype(DType::BF16)?),
+        )?;
     r.note(
         "time: candle silu, mul, cast (what it replaces), µs",
         json!(t),
@@ -587,16 +577,18 @@ fn timing_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
     let mixed = on(gpu, &rng.tensor(&[TOKENS, 16480], 2.0)?)?.narrow(1, 0, c)?;
     let taps = on(gpu, &rng.tensor(&[k, c], 1.0)?)?;
     let window = on(gpu, &rng.tensor(&[k - 1, c], 1.0)?)?;
-    let t = time_us(gpu, || {
-        let mut out = prism_model::cuda::ConvSiluOutput::new(&mixed, TOKENS, c)?;
-        out.segment(&mixed, 0, &window, &taps)?;
-        Ok(out.finish()?)
-    })?;
+    let t = 1e6
+        * median_seconds(gpu, 20, || {
+            let mut out = prism_model::cuda::ConvSiluOutput::new(&mixed, TOKENS, c)?;
+            out.segment(&mixed, 0, &window, &taps)?;
+            Ok(out.finish()?)
+        })?;
     r.note("time: conv + silu [275, 10240] in place, µs", json!(t));
-    let t = time_us(gpu, || {
-        let (o, _) = prism_model::cuda::causal_conv(&mixed.contiguous()?, &window, &taps)?;
-        Ok(o.silu()?)
-    })?;
+    let t = 1e6
+        * median_seconds(gpu, 20, || {
+            let (o, _) = prism_model::cuda::causal_conv(&mixed.contiguous()?, &window, &taps)?;
+            Ok(o.silu()?)
+        })?;
     r.note("time: copy, conv, silu (what it replaces), µs", json!(t));
 
     let proj = on(gpu, &rng.tensor(&[TOKENS, 16480], 4.0)?)?;
@@ -605,24 +597,29 @@ fn timing_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
         on(gpu, &rng.tensor(&[48], 1.0)?)?,
         on(gpu, &rng.tensor(&[48], 1.0)?)?,
     );
-    let t = time_us(gpu, || Ok(ops::delta_net_gates(&b, &a, &dt, &sa)?))?;
+    let t = 1e6 * median_seconds(gpu, 20, || Ok(ops::delta_net_gates(&b, &a, &dt, &sa)?))?;
     r.note("time: delta-net gates [275, 48], µs", json!(t));
-    let t = time_us(gpu, || {
-        let beta = ops::sigmoid(&b)?;
-        let g = ops::softplus(&a.broadcast_add(&dt)?)?.broadcast_mul(&sa)?;
-        Ok((beta, g))
-    })?;
+    let t = 1e6
+        * median_seconds(gpu, 20, || {
+            let beta = ops::sigmoid(&b)?;
+            let g = ops::softplus(&a.broadcast_add(&dt)?)?.broadcast_mul(&sa)?;
+            Ok((beta, g))
+        })?;
     r.note("time: candle gate chains (what it replaces), µs", json!(t));
 
     let qg = on(gpu, &rng.tensor(&[TOKENS, 24, 512], 4.0)?)?;
     let attn = on(gpu, &rng.tensor(&[TOKENS, 24 * 256], 1.0)?)?;
     let gate = qg.narrow(2, 256, 256)?;
-    let t = time_us(gpu, || Ok(ops::sigmoid_gate(&attn, &gate, DType::BF16)?))?;
+    let t = 1e6
+        * median_seconds(gpu, 20, || {
+            Ok(ops::sigmoid_gate(&attn, &gate, DType::BF16)?)
+        })?;
     r.note("time: attention gate [275, 6144] → bf16, µs", json!(t));
-    let t = time_us(gpu, || {
-        let g = gate.contiguous()?.reshape((TOKENS, 24 * 256))?;
-        Ok(attn.mul(&ops::sigmoid(&g)?)?.to_dtype(DType::BF16)?)
-    })?;
+    let t = 1e6
+        * median_seconds(gpu, 20, || {
+            let g = gate.contiguous()?.reshape((TOKENS, 24 * 256))?;
+            Ok(attn.mul(&ops::sigmoid(&g)?)?.to_dtype(DType::BF16)?)
+        })?;
     r.note(
         "time: copy, candle sigmoid, mul, cast (what it replaces), µs",
         json!(t),
@@ -805,13 +802,15 @@ fn qk_norm_rope_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()
         for n in [TOKENS, 12, 1] {
             let (qn, kn) = (qv.narrow(0, 0, n)?, kg.narrow(0, 0, n)?);
             let (cs, ss) = (cos_g.narrow(0, 0, n)?, sin_g.narrow(0, 0, n)?);
-            let t = time_us(gpu, || {
-                Ok(rope_gpu.norm_and_rotate(&qn, &kn, &norms_g, &cs, &ss, DType::BF16)?)
-            })?;
+            let t = 1e6
+                * median_seconds(gpu, 20, || {
+                    Ok(rope_gpu.norm_and_rotate(&qn, &kn, &norms_g, &cs, &ss, DType::BF16)?)
+                })?;
             r.note(&format!("time: {label} fused, N={n}, µs"), json!(t));
-            let t = time_us(gpu, || {
-                qk_chain(&rope_gpu, &qn, &kn, &norms_g, (&cs, &ss), DType::BF16)
-            })?;
+            let t = 1e6
+                * median_seconds(gpu, 20, || {
+                    qk_chain(&rope_gpu, &qn, &kn, &norms_g, (&cs, &ss), DType::BF16)
+                })?;
             r.note(
                 &format!(
                     "time: {label} old chain (2 norms, copy, 2 × 6 rope ops, cast), N={n}, µs"

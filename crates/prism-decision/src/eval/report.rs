@@ -11,9 +11,9 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
+use super::{Bin, EvalResults, ItemStatus, Metrics};
 use anyhow::{Context, Result};
 use plotters::prelude::*;
-use prism_decision::eval::{Bin, EvalResults, ItemStatus, Metrics};
 
 pub const WIDTH: u32 = 640;
 pub const HEIGHT: u32 = 480;

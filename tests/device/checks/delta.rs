@@ -1,4 +1,4 @@
-//! `prism cuda-check`, batched delta-rule part (`delta_rule::chunked_batch` on CUDA:
+//! The batched delta rule (`delta_rule::chunked_batch` on CUDA:
 //! `prism_model::cuda_delta`, the batched kernels of kernels/delta_rule.cu).
 //!
 //! 1. Bit for bit on the GPU, outputs and every part of every new state (memory, pending keys, values
@@ -19,15 +19,14 @@
 //!    40-token branches of it, and for a decode step of 12 sequences; the per-segment kernels (q/k
 //!    tiled beforehand, one call per segment as the model did) next to the batched call.
 
-use std::time::Instant;
-
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use prism_model::cuda_delta::delta_rule_per_segment_v1;
 use prism_model::delta_rule::{self, chunked_batch, expand_key_heads, RuleSegment, RuleState};
 use serde_json::json;
 
-use super::{delta_rule_inputs, Report, Rng};
+use crate::harness::{median_seconds, on_device, Report, Rng};
+use crate::kernels::{chunked_rows, delta_rule_inputs};
 
 /// Bound on ‖Δ‖/‖ref‖ against the CPU twin. Both sides compute in f32 with f64 decays, in different
 /// summation orders (the CPU's dot products use 8 lanes); the per-segment kernels measured 2.5e-7 on
@@ -47,16 +46,6 @@ fn batch_inputs(
     let [q, k, ..] = delta_rule_inputs(rng, n, hk, dk, dv)?;
     let [_, _, v, g, beta] = delta_rule_inputs(rng, n, h, dk, dv)?;
     Ok([q, k, v, g, beta])
-}
-
-fn to_device(x: &[Tensor; 5], device: &Device) -> Result<[Tensor; 5]> {
-    Ok([
-        x[0].to_device(device)?,
-        x[1].to_device(device)?,
-        x[2].to_device(device)?,
-        x[3].to_device(device)?,
-        x[4].to_device(device)?,
-    ])
 }
 
 /// `x` with q and k tiled to the value heads.
@@ -87,7 +76,7 @@ fn state_after(
     if tokens == 0 {
         return Ok(start);
     }
-    let x = to_device(&delta_rule_inputs(&mut rng, tokens, h, dk, dv)?, device)?;
+    let x = on_device(&delta_rule_inputs(&mut rng, tokens, h, dk, dv)?, device)?;
     Ok(delta_rule::chunked(&x[0], &x[1], &x[2], &x[3], &x[4], &start)?.1)
 }
 
@@ -105,50 +94,15 @@ fn one_by_one(
             Some(p) => new_states[p].clone(),
             None => states[i].clone(),
         };
-        let at = |t: &Tensor| t.narrow(0, seg.start, seg.len);
-        let (o, state) = delta_rule::chunked(
-            &at(&x[0])?,
-            &at(&x[1])?,
-            &at(&x[2])?,
-            &at(&x[3])?,
-            &at(&x[4])?,
-            &start,
-        )?;
+        let (o, state) = chunked_rows(&x, (seg.start, seg.len), x[0].device(), &start)?;
         outs.push(o);
         new_states.push(state);
     }
     Ok((Tensor::cat(&outs, 0)?, new_states))
 }
 
-/// Bit-for-bit comparison of two f64 tensors (the pending decays), reported like `Report::identical`.
-fn identical_f64(r: &mut Report, name: &str, a: &Tensor, b: &Tensor) -> Result<()> {
-    let a: Vec<f64> = a
-        .to_device(&Device::Cpu)?
-        .to_dtype(DType::F64)?
-        .flatten_all()?
-        .to_vec1()?;
-    let b: Vec<f64> = b
-        .to_device(&Device::Cpu)?
-        .to_dtype(DType::F64)?
-        .flatten_all()?
-        .to_vec1()?;
-    let differing = a
-        .iter()
-        .zip(&b)
-        .filter(|(x, y)| x.to_bits() != y.to_bits())
-        .count()
-        + a.len().abs_diff(b.len());
-    let ok = differing == 0;
-    println!(
-        "{name:<58} {differing} of {} elements differ in bits  {}",
-        a.len(),
-        if ok { "ok" } else { "FAIL" }
-    );
-    r.failed += usize::from(!ok);
-    r.rows
-        .push(json!({"check": name, "differing_bits": differing, "ok": ok}));
-    Ok(())
-}
+/// One part of a rule state.
+type StatePart = fn(&RuleState) -> &Tensor;
 
 /// Outputs and all states of two runs of the same batch, bit for bit.
 fn same_results(
@@ -169,40 +123,26 @@ fn same_results(
     if a.len() != b.len() {
         bail!("{name}: {} states against {}", a.len(), b.len());
     }
-    r.identical(
-        "  … memories",
-        &stack(a, |s| &s.chunk_start)?,
-        &stack(b, |s| &s.chunk_start)?,
-    )?;
-    r.identical(
-        "  … pending keys",
-        &stack(a, |s| &s.pending_k)?,
-        &stack(b, |s| &s.pending_k)?,
-    )?;
-    r.identical(
-        "  … pending values",
-        &stack(a, |s| &s.pending_u)?,
-        &stack(b, |s| &s.pending_u)?,
-    )?;
-    identical_f64(
-        r,
-        "  … pending decays",
-        &stack(a, |s| &s.pending_gamma)?,
-        &stack(b, |s| &s.pending_gamma)?,
-    )?;
+    let parts: [(&str, StatePart); 4] = [
+        ("  … memories", |s| &s.chunk_start),
+        ("  … pending keys", |s| &s.pending_k),
+        ("  … pending values", |s| &s.pending_u),
+        ("  … pending decays", |s| &s.pending_gamma),
+    ];
+    for (label, part) in parts {
+        r.identical(label, &stack(a, part)?, &stack(b, part)?)?;
+    }
     let (pa, pb): (Vec<usize>, Vec<usize>) = (
         a.iter().map(|s| s.pending).collect(),
         b.iter().map(|s| s.pending).collect(),
     );
     let ok = pa == pb;
-    println!(
-        "{:<58} {}",
+    r.check(
         "  … pending rows",
-        if ok { "ok" } else { "FAIL" }
+        "",
+        ok,
+        json!({"check": format!("{name}: pending rows"), "ok": ok}),
     );
-    r.failed += usize::from(!ok);
-    r.rows
-        .push(json!({"check": format!("{name}: pending rows"), "ok": ok}));
     Ok(())
 }
 
@@ -233,7 +173,7 @@ fn bitwise_and_accuracy_checks(r: &mut Report, gpu: &Device) -> Result<()> {
     let n: usize = segments.iter().map(|s| s.len).sum();
     let mut rng = Rng(0xDE17_A5EE_0B00_0001);
     let cpu_x = batch_inputs(&mut rng, n, h, hk, dk, dv)?;
-    let gpu_x = to_device(&cpu_x, gpu)?;
+    let gpu_x = on_device(&cpu_x, gpu)?;
     // Starting states: a random memory, two 37 tokens into a chunk, zero; branches read none.
     let starts = |device: &Device| -> Result<Vec<RuleState>> {
         let zero = RuleState::zeros(h, dk, dv, DType::F32, device)?;
@@ -325,7 +265,7 @@ fn launch_limit_checks(r: &mut Report, gpu: &Device) -> Result<()> {
     let states = (0..40)
         .map(|i| state_after(100 + i as u64, (i * 13) % 64, h, dk, dv, gpu))
         .collect::<Result<Vec<_>>>()?;
-    let x = to_device(&batch_inputs(&mut rng, 40, h, hk, dk, dv)?, gpu)?;
+    let x = on_device(&batch_inputs(&mut rng, 40, h, hk, dk, dv)?, gpu)?;
     let batched = chunked_batch(&x[0], &x[1], &x[2], &x[3], &x[4], &segments, &states)?;
     let alone = one_by_one(&x, &segments, &states)?;
     same_results(
@@ -345,7 +285,7 @@ fn launch_limit_checks(r: &mut Report, gpu: &Device) -> Result<()> {
         RuleState::zeros(h, dk, dv, DType::F32, gpu)?,
         RuleState::zeros(h, dk, dv, DType::F32, gpu)?,
     ];
-    let x = to_device(&batch_inputs(&mut rng, n, h, hk, dk, dv)?, gpu)?;
+    let x = on_device(&batch_inputs(&mut rng, n, h, hk, dk, dv)?, gpu)?;
     let batched = chunked_batch(&x[0], &x[1], &x[2], &x[3], &x[4], &segments, &states)?;
     let alone = one_by_one(&x, &segments, &states)?;
     same_results(
@@ -355,21 +295,6 @@ fn launch_limit_checks(r: &mut Report, gpu: &Device) -> Result<()> {
         &alone,
     )?;
     Ok(())
-}
-
-/// Median wall time of `runs` calls of `f` in µs, each synchronised, after one warm-up call.
-fn median_us(gpu: &Device, runs: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    f()?;
-    gpu.synchronize()?;
-    let mut times = Vec::with_capacity(runs);
-    for _ in 0..runs {
-        let start = Instant::now();
-        f()?;
-        gpu.synchronize()?;
-        times.push(start.elapsed().as_secs_f64() * 1e6);
-    }
-    times.sort_by(f64::total_cmp);
-    Ok(times[runs / 2])
 }
 
 /// One layer's delta rule for `segments` at 27B shapes: the per-segment kernels on q/k tiled beforehand
@@ -385,20 +310,23 @@ fn time_scenario(
     let (h, hk, dk, dv) = (48usize, 16usize, 128usize, 128usize);
     let n: usize = segments.iter().map(|s| s.len).sum();
     let mut rng = Rng(0xDE17_A5EE_0B00_0003);
-    let x = to_device(&batch_inputs(&mut rng, n, h, hk, dk, dv)?, gpu)?;
+    let x = on_device(&batch_inputs(&mut rng, n, h, hk, dk, dv)?, gpu)?;
     let t = tiled(&x)?;
-    let old = median_us(gpu, RUNS, || {
-        delta_rule_per_segment_v1(&t[0], &t[1], &t[2], &t[3], &t[4], segments, states)?;
-        Ok(())
-    })?;
-    let new = median_us(gpu, RUNS, || {
-        chunked_batch(&x[0], &x[1], &x[2], &x[3], &x[4], segments, states)?;
-        Ok(())
-    })?;
-    let tiling = median_us(gpu, RUNS, || {
-        tiled(&x)?;
-        Ok(())
-    })?;
+    let old = 1e6
+        * median_seconds(gpu, RUNS, || {
+            delta_rule_per_segment_v1(&t[0], &t[1], &t[2], &t[3], &t[4], segments, states)?;
+            Ok(())
+        })?;
+    let new = 1e6
+        * median_seconds(gpu, RUNS, || {
+            chunked_batch(&x[0], &x[1], &x[2], &x[3], &x[4], segments, states)?;
+            Ok(())
+        })?;
+    let tiling = 1e6
+        * median_seconds(gpu, RUNS, || {
+            tiled(&x)?;
+            Ok(())
+        })?;
     r.note(
         &format!("delta rule 27B layer, {name}: per-segment kernels, median µs"),
         json!(old),

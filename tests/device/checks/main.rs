@@ -1,0 +1,68 @@
+//! The device checks (see the crate's doc): one `#[test]` a group, each reporting every comparison on
+//! stdout (`--nocapture`) and failing with the names of the checks that failed. Run them one at a time
+//! (`--test-threads=1`): the timings must not share the GPU.
+#![cfg(feature = "cuda")]
+
+mod delta;
+mod flash;
+mod fused;
+mod harness;
+mod kernels;
+mod kv_fp8;
+mod model;
+mod quant;
+
+use anyhow::Result;
+use harness::{fixtures, run_group};
+
+/// Norms, the causal conv, the one-warp attention kernel and the chunked delta rule (`kernels.rs`).
+#[test]
+fn kernels() -> Result<()> {
+    run_group("kernels", kernels::checks)
+}
+
+/// The tensor-core attention kernel: accuracy, invariance, timings (`flash.rs`).
+#[test]
+fn flash_attention() -> Result<()> {
+    run_group("flash attention", flash::checks)
+}
+
+/// The fused small kernels and the q/k norm + M-RoPE kernel (`fused.rs`).
+#[test]
+fn fused_kernels() -> Result<()> {
+    run_group("fused kernels", fused::checks)
+}
+
+/// The batched delta rule (`delta.rs`).
+#[test]
+fn delta_rule_batched() -> Result<()> {
+    run_group("batched delta rule", delta::checks)
+}
+
+/// The fixture model in bf16 (`model.rs`).
+#[test]
+fn model_bf16() -> Result<()> {
+    run_group("model bf16", |r, gpu| {
+        model::bf16_checks(r, gpu, &fixtures())
+    })
+}
+
+/// The integer matmul against the CPU reference, bit for bit (`quant.rs`).
+#[test]
+fn integer_matmul() -> Result<()> {
+    run_group("integer matmul", quant::checks)
+}
+
+/// The fixture model on the integer path (`model.rs`).
+#[test]
+fn model_integer() -> Result<()> {
+    run_group("model integer", |r, gpu| {
+        model::integer_checks(r, gpu, &fixtures())
+    })
+}
+
+/// The fp8 K/V cache (`kv_fp8.rs`).
+#[test]
+fn kv_fp8() -> Result<()> {
+    run_group("fp8 K/V", |r, gpu| kv_fp8::checks(r, gpu, &fixtures()))
+}
