@@ -283,12 +283,12 @@ struct QwTile {
     static constexpr int SMEM = BARS + 2 * STAGES * 8 + 1024;
 };
 
-template <int BM, bool SPLIT>
+template <int BM>
 __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const TmaDesc* tmap_b,
                                                    const float* __restrict__ sa_t, int ldsa,
                                                    const float* __restrict__ sw_t, int ldsw,
                                                    const unsigned int* __restrict__ bad_rows, int M, int N,
-                                                   int K, float* __restrict__ y, int split_arg) {
+                                                   int K, float* __restrict__ y) {
 #ifdef HAVE_WGMMA
     extern __shared__ unsigned char smem_raw[];
     using T = QwTile<BM>;
@@ -298,11 +298,6 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
     const int R = (K + 127) / 128;
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * T::BN;
     const int wg = threadIdx.x / 128;
-    // The runs this CTA reads: all of them, or (split) those of its parts [4z/split, 4(z+1)/split).
-    // Stages and barrier phases count from the first of them (i = r − r_begin).
-    const int z = SPLIT ? (int)blockIdx.z : 0, split = SPLIT ? split_arg : 1;
-    const int p_lo = z * 4 / split, p_hi = (z + 1) * 4 / split;
-    const int r_begin = p_lo * R / 4, r_end = p_hi * R / 4;
     if (threadIdx.x == 0) {
         for (int s = 0; s < T::STAGES; ++s) {
             mbar_init(full + s, 1);
@@ -316,9 +311,9 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
         if (threadIdx.x == 0) {
             tma_prefetch_desc(tmap_a);
             tma_prefetch_desc(tmap_b);
-            for (int r = r_begin; r < r_end; ++r) {
-                const int i = r - r_begin, s = i % T::STAGES;
-                mbar_wait(empty + s, ((i / T::STAGES) & 1) ^ 1);
+            for (int r = 0; r < R; ++r) {
+                const int s = r % T::STAGES;
+                mbar_wait(empty + s, ((r / T::STAGES) & 1) ^ 1);
                 unsigned char* st = smem + s * T::STAGE;
                 mbar_arrive_expect_tx(full + s, T::BYTES);
                 tma_load_2d(st + T::A, tmap_a, r * 128, m0, full + s);
@@ -342,17 +337,14 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
         for (int i = 0; i < 64; ++i) p2[i] = 0.f;
         const int row_in = c_rows + 16 * warp + lane / 4;  // the thread's rows: row_in, row_in + 8
         const int col_in = c_cols + 2 * (lane % 4);        // its columns: col_in + 8·j (+1)
-        // split 1: all four parts here. split 2 or 4: parts [4z/split, 4(z+1)/split) of CTA z = blockIdx.z,
-        // their join ((p0 + p1) or (p2 + p3) for 2, the part itself for 4) written to partials[z]; the
-        // joining kernel finishes (p0 + p1) + (p2 + p3).
 #pragma unroll 1
-        for (int part = p_lo; part < p_hi; ++part) {
+        for (int part = 0; part < 4; ++part) {
 #pragma unroll
             for (int i = 0; i < 64; ++i) facc[i] = 0.f;
 #pragma unroll 1
             for (int r = part * R / 4; r < (part + 1) * R / 4; ++r) {
-                const int i = r - r_begin, s = i % T::STAGES;
-                mbar_wait(full + s, (i / T::STAGES) & 1);
+                const int s = r % T::STAGES;
+                mbar_wait(full + s, (r / T::STAGES) & 1);
                 const unsigned char* st = smem + s * T::STAGE;
                 const unsigned long long da = wgmma_desc(smem_addr(st + T::A + a_off));
                 const unsigned long long db = wgmma_desc(smem_addr(st + T::B + b_off));
@@ -380,15 +372,7 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
                 }
                 mbar_arrive_warp(empty + s);
             }
-            if (SPLIT) {
-                if (part == p_lo) {
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) p2[i] = facc[i];
-                } else {
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) p2[i] = __fadd_rn(p2[i], facc[i]);
-                }
-            } else if (part == 0) {
+            if (part == 0) {
 #pragma unroll
                 for (int i = 0; i < 64; ++i) slot[256 * i] = facc[i];
             } else if (part == 1) {
@@ -400,23 +384,6 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
             }
         }
         const int r0 = m0 + row_in;
-        if (SPLIT) {
-            // This CTA's join of its parts, raw (the joining kernel marks bad rows).
-            float* part_out = y + (size_t)z * M * N;
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = r0 + 8 * h, col = n0 + 8 * j + col_in;
-                    if (row >= M) continue;
-                    const int i = 4 * j + 2 * h;
-                    float* out = part_out + (size_t)row * N + col;
-                    if (col < N) out[0] = p2[i];
-                    if (col + 1 < N) out[1] = p2[i + 1];
-                }
-            }
-            return;
-        }
         const bool bad0 = r0 < M && bad_rows[r0], bad1 = r0 + 8 < M && bad_rows[r0 + 8];
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
@@ -444,47 +411,16 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
 #endif
 }
 
-// Grid: x over activation-row tiles (consecutive CTAs share a weight tile), y over weight-row tiles,
-// z over the split of K's four parts (the `_split` kernels: `split` 2 or 4 CTAs, `parts` the [split, M, N]
-// partials that qgemm_join_parts reads).
+// Grid: x over activation-row tiles (consecutive CTAs share a weight tile), y over weight-row tiles.
 extern "C" __global__ void __launch_bounds__(384, 1)
     qgemm_wg_q8_0(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
                   const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
                   int M, int N, int K, float* y) {
-    qgemm_wg_q8_0_body<128, false>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, 1);
+    qgemm_wg_q8_0_body<128>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y);
 }
 extern "C" __global__ void __launch_bounds__(384, 1)
     qgemm_wg_q8_0_m64(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
                       const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
                       int M, int N, int K, float* y) {
-    qgemm_wg_q8_0_body<64, false>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, 1);
-}
-extern "C" __global__ void __launch_bounds__(384, 1)
-    qgemm_wg_q8_0_split(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
-                        const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
-                        int M, int N, int K, float* parts, int split) {
-    qgemm_wg_q8_0_body<128, true>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, parts, split);
-}
-extern "C" __global__ void __launch_bounds__(384, 1)
-    qgemm_wg_q8_0_m64_split(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
-                            const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
-                            int M, int N, int K, float* parts, int split) {
-    qgemm_wg_q8_0_body<64, true>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, parts, split);
-}
-
-// The split tile's partials joined in the contract's order: split 2 holds (p0 + p1), (p2 + p3); split 4
-// holds p0 .. p3; y = (p0 + p1) + (p2 + p3), NaN on bad rows — the bits of the unsplit tile.
-extern "C" __global__ void qgemm_join_parts(const float* __restrict__ parts, const unsigned int* __restrict__ bad_rows,
-                                            int M, int N, int split, float* __restrict__ y) {
-    const size_t count = (size_t)M * N;
-    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < count; e += (size_t)gridDim.x * blockDim.x) {
-        float v;
-        if (split == 2) {
-            v = __fadd_rn(parts[e], parts[count + e]);
-        } else {
-            v = __fadd_rn(__fadd_rn(parts[e], parts[count + e]), __fadd_rn(parts[2 * count + e], parts[3 * count + e]));
-        }
-        if (bad_rows[e / N]) v = __int_as_float(0x7fc00000);
-        y[e] = v;
-    }
+    qgemm_wg_q8_0_body<64>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y);
 }

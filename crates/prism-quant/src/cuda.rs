@@ -68,12 +68,10 @@ impl TileShape {
             TileShape::M64 => (64, 256),
         }
     }
-    fn kernel(self, split: bool) -> &'static str {
-        match (self, split) {
-            (TileShape::M128, false) => "qgemm_wg_q8_0",
-            (TileShape::M64, false) => "qgemm_wg_q8_0_m64",
-            (TileShape::M128, true) => "qgemm_wg_q8_0_split",
-            (TileShape::M64, true) => "qgemm_wg_q8_0_m64_split",
+    fn kernel(self) -> &'static str {
+        match self {
+            TileShape::M128 => "qgemm_wg_q8_0",
+            TileShape::M64 => "qgemm_wg_q8_0_m64",
         }
     }
     fn smem(self) -> usize {
@@ -97,18 +95,6 @@ impl TileShape {
 }
 /// Threads of the Hopper tile: a producer warpgroup and two consumer warpgroups.
 const WG_THREADS: u32 = 384;
-
-/// Multiprocessors of `dev`.
-fn multiprocessors(dev: &CudaDevice) -> Result<usize> {
-    let n = dev
-        .cuda_stream()
-        .context()
-        .attribute(
-            candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-        )
-        .map_err(launch_err)?;
-    Ok(usize::try_from(n).unwrap_or(1).max(1))
-}
 
 /// Whether `dev` runs the Hopper tile (compute capability 9.0: `wgmma`, TMA).
 fn is_hopper(dev: &CudaDevice) -> Result<bool> {
@@ -198,9 +184,6 @@ pub enum Kernel {
     Simple,
     /// The Hopper tile of this shape where it runs (Q8_0, compute capability 9.0), else the simple one.
     Tile(TileShape),
-    /// [`Kernel::Tile`] with K's four parts split over this many CTAs (1, 2 or 4) instead of
-    /// [`k_split`]'s choice: the comparison for the device checks.
-    TileSplit(TileShape, usize),
 }
 
 /// [`matmul`] with the kernel chosen by `kernel`.
@@ -224,10 +207,9 @@ pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Te
         .hopper
         .as_ref()
         .zip(match kernel {
-            Kernel::Auto => Some((TileShape::auto(m), None)),
+            Kernel::Auto => Some(TileShape::auto(m)),
             Kernel::Simple => None,
-            Kernel::Tile(shape) => Some((shape, None)),
-            Kernel::TileSplit(shape, split) => Some((shape, Some(split))),
+            Kernel::Tile(shape) => Some(shape),
         })
         .filter(|_| m > 0 && n > 0);
     let ldsa = m.div_ceil(WG_TILE) * WG_TILE;
@@ -279,19 +261,8 @@ pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Te
         // run < runs index inside sa_len), sums m·k/32 i32 when asked, bad m u32.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
-    if let Some((h, (shape, split))) = hopper {
-        hopper_q8_0(
-            &dev,
-            &qa,
-            &sa,
-            ldsa,
-            &bad,
-            w,
-            h,
-            (shape, split),
-            (m, n, k),
-            &y,
-        )?;
+    if let Some((h, shape)) = hopper {
+        hopper_q8_0(&dev, &qa, &sa, ldsa, &bad, w, h, shape, (m, n, k), &y)?;
         return Ok(wrap(y, &dev, (m, n)));
     }
     let name = match info.format {
@@ -340,7 +311,7 @@ fn hopper_q8_0(
     bad: &CudaSlice<u32>,
     w: &CudaQuantWeight,
     h: &HopperQ8,
-    (shape, split): (TileShape, Option<usize>),
+    shape: TileShape,
     (m, n, k): (usize, usize, usize),
     y: &CudaSlice<f32>,
 ) -> Result<()> {
@@ -364,15 +335,10 @@ fn hopper_q8_0(
         byte_rows_map(qa_ptr, m, k, bm)?,
         byte_rows_map(wq_ptr, n, k, bn)?,
     ];
-    let split = match split {
-        Some(s @ (1 | 2 | 4)) => s,
-        Some(s) => bail!("integer matmul: K splits into 1, 2 or 4 CTAs, not {s}"),
-        None => crate::kernel::k_split(gx as usize * gy as usize, m, k, multiprocessors(dev)?),
-    };
-    let func = load_kernel(dev, MODULE, IMAGE, shape.kernel(split > 1))?;
+    let func = load_kernel(dev, MODULE, IMAGE, shape.kernel())?;
     func.allow_dynamic_shared(shape.smem(), "integer matmul tile")?;
     let cfg = LaunchConfig {
-        grid_dim: (gx, gy, split as u32),
+        grid_dim: (gx, gy, 1),
         block_dim: (WG_THREADS, 1, 1),
         shared_mem_bytes: shape.smem() as u32,
     };
@@ -382,43 +348,13 @@ fn hopper_q8_0(
         i32_arg(n, "outputs")?,
         i32_arg(k, "inputs")?,
     );
-    if split == 1 {
-        let mut b = func.builder();
-        b.arg(&maps[0]).arg(&maps[1]);
-        b.arg(sa).arg(&ldsa_i).arg(&sw).arg(&ldsw_i).arg(bad);
-        b.arg(&m_i).arg(&n_i).arg(&k_i).arg(y);
-        // SAFETY: the maps describe qa (m·k bytes) and the weight (n·k bytes), both alive until the
-        // launch is queued; sa holds runs·ldsa f32 and sw_t runs·ldsw (ldsa, ldsw whole tiles, so every
-        // CTA's 512-byte scale copies stay inside); bad m u32; y m·n f32.
-        unsafe { b.launch(cfg) }.map_err(launch_err)?;
-        return Ok(());
-    }
-    let parts = alloc::<f32>(dev, split * m * n)?;
-    let split_i = i32_arg(split, "split")?;
-    {
-        let mut b = func.builder();
-        b.arg(&maps[0]).arg(&maps[1]);
-        b.arg(sa).arg(&ldsa_i).arg(&sw).arg(&ldsw_i).arg(bad);
-        b.arg(&m_i).arg(&n_i).arg(&k_i).arg(&parts).arg(&split_i);
-        // SAFETY: as above, with `parts` split·m·n f32 (CTA z writes rows < m, columns < n of part z).
-        unsafe { b.launch(cfg) }.map_err(launch_err)?;
-    }
-    let join = load_kernel(dev, MODULE, IMAGE, "qgemm_join_parts")?;
-    let blocks = (m * n).div_ceil(256).min(4 * 1024) as u32;
-    let cfg = LaunchConfig {
-        grid_dim: (blocks.max(1), 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut b = join.builder();
-    b.arg(&parts)
-        .arg(bad)
-        .arg(&m_i)
-        .arg(&n_i)
-        .arg(&split_i)
-        .arg(y);
-    // SAFETY: parts holds split·m·n f32 (written above), bad m u32, y m·n f32; the kernel reads and
-    // writes nothing else.
+    let mut b = func.builder();
+    b.arg(&maps[0]).arg(&maps[1]);
+    b.arg(sa).arg(&ldsa_i).arg(&sw).arg(&ldsw_i).arg(bad);
+    b.arg(&m_i).arg(&n_i).arg(&k_i).arg(y);
+    // SAFETY: the maps describe qa (m·k bytes) and the weight (n·k bytes), both alive until the launch
+    // is queued; sa holds runs·ldsa f32 and sw_t runs·ldsw (ldsa, ldsw whole tiles, so every CTA's
+    // 512-byte scale copies stay inside); bad m u32; y m·n f32.
     unsafe { b.launch(cfg) }.map_err(launch_err)?;
     Ok(())
 }

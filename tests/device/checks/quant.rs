@@ -90,23 +90,6 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
             if ty == GgmlType::Q8_0 {
                 kernels.push(("128-row tile", Kernel::Tile(TileShape::M128)));
                 kernels.push(("64-row tile", Kernel::Tile(TileShape::M64)));
-                // K's parts in one CTA, and split over 2 and 4 (joined in the contract's order).
-                kernels.push((
-                    "128-row tile, K unsplit",
-                    Kernel::TileSplit(TileShape::M128, 1),
-                ));
-                kernels.push((
-                    "128-row tile, K over 2 CTAs",
-                    Kernel::TileSplit(TileShape::M128, 2),
-                ));
-                kernels.push((
-                    "64-row tile, K unsplit",
-                    Kernel::TileSplit(TileShape::M64, 1),
-                ));
-                kernels.push((
-                    "64-row tile, K over 4 CTAs",
-                    Kernel::TileSplit(TileShape::M64, 4),
-                ));
             }
             for (label, kernel) in kernels {
                 r.identical(
