@@ -16,6 +16,8 @@ use std::io::Write;
 use crate::DecideArgs;
 
 pub fn run(args: &DecideArgs) -> Result<()> {
+    // The same model-source call as `prism serve` (cmd_serve.rs): one rule, `model_source`, reached from
+    // each command's own flags.
     let (source, demo) = model_source(
         &args.gguf,
         &args.model_dir,

@@ -378,7 +378,9 @@ struct FlashBatch {
 unsafe impl DeviceRepr for FlashBatch {}
 const _: () = assert!(std::mem::size_of::<FlashBatch>() == FA_BATCH * (2 * 8 + 6 * 4));
 
-/// The segments of one [`kv_append_batch`] launch: the C layout of `KvAppendBatch`.
+/// The segments of one [`kv_append_batch`] launch: the C layout of `KvAppendBatch`. Like
+/// [`FlashBatch`] (a pointer pair and ints per segment) but its own struct: each mirrors its kernel's
+/// parameter, and a shared one would hand the append kernel fields it does not read.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct KvAppendBatch {

@@ -75,6 +75,9 @@ pub(super) fn thought_rows(
             }
             let started = Instant::now();
             let mut receivers = Vec::with_capacity(batch);
+            // Submitting through a channel is the engine's public pattern; `tests/engine.rs` and
+            // `tests/engine_steps.rs` drive it the same way on purpose (a test does not call into the
+            // bench it is not testing).
             for i in 0..batch {
                 let prepared = engine.prepare(request(i, run)?)?;
                 let (tx, rx) = std::sync::mpsc::channel();
