@@ -735,67 +735,6 @@ fn causal_mask(
     Tensor::from_vec(mask, (t, total), device)?.to_dtype(dtype)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    }
-
-    fn bits(t: &Tensor) -> Vec<u32> {
-        t.flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits())
-            .collect()
-    }
-
-    #[test]
-    fn cpu_kernel_matches_the_tensor_op_fallback_and_ignores_the_split() {
-        let dev = Device::Cpu;
-        let (n_h, n_kv, hd, total) = (4, 2, 16, 12);
-        let q = Tensor::randn(0f32, 1.0, (total, n_h, hd), &dev).unwrap();
-        let k = Tensor::randn(0f32, 1.0, (n_kv, total, hd), &dev).unwrap();
-        let v = Tensor::randn(0f32, 1.0, (n_kv, total, hd), &dev).unwrap();
-        let scale = 0.25;
-        let op = |past: usize| CausalAttention {
-            past,
-            n_heads: n_h,
-            scale,
-        };
-        let all = q.apply_op3_no_bwd(&k, &v, &op(0)).unwrap();
-        let fallback = attention_tensor_ops(&q, &k, &v, 0, n_h / n_kv, scale).unwrap();
-        let d = max_abs_diff(&all, &fallback);
-        assert!(d < 1e-5, "kernel vs tensor ops: {d}");
-        // The last 5 queries against a cache of 7: the same bits as inside the full call.
-        let tail = q
-            .narrow(0, 7, 5)
-            .unwrap()
-            .apply_op3_no_bwd(&k, &v, &op(7))
-            .unwrap();
-        assert_eq!(bits(&tail), bits(&all.narrow(0, 7, 5).unwrap()));
-        let fallback_tail =
-            attention_tensor_ops(&q.narrow(0, 7, 5).unwrap(), &k, &v, 7, n_h / n_kv, scale)
-                .unwrap();
-        let d = max_abs_diff(&tail, &fallback_tail);
-        assert!(d < 1e-5, "with a cache: {d}");
-        // Shapes that do not fit are refused.
-        assert!(q.apply_op3_no_bwd(&k, &v, &op(1)).is_err());
-    }
-}
-
 /// Phase (2) of [`Attention::attend_native`] in one launch per 64 segments on CUDA (bf16 rooms):
 /// segment `i`'s rows of `k, v: [N, n_kv, hd]` to positions `rooms[i].0..` of room `rooms[i].1`. `false`
 /// where it does not apply (the caller writes them one by one).
@@ -881,4 +820,65 @@ fn attend_batch(
     _: bool,
 ) -> Result<Option<Tensor>> {
     Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    }
+
+    #[test]
+    fn cpu_kernel_matches_the_tensor_op_fallback_and_ignores_the_split() {
+        let dev = Device::Cpu;
+        let (n_h, n_kv, hd, total) = (4, 2, 16, 12);
+        let q = Tensor::randn(0f32, 1.0, (total, n_h, hd), &dev).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (n_kv, total, hd), &dev).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (n_kv, total, hd), &dev).unwrap();
+        let scale = 0.25;
+        let op = |past: usize| CausalAttention {
+            past,
+            n_heads: n_h,
+            scale,
+        };
+        let all = q.apply_op3_no_bwd(&k, &v, &op(0)).unwrap();
+        let fallback = attention_tensor_ops(&q, &k, &v, 0, n_h / n_kv, scale).unwrap();
+        let d = max_abs_diff(&all, &fallback);
+        assert!(d < 1e-5, "kernel vs tensor ops: {d}");
+        // The last 5 queries against a cache of 7: the same bits as inside the full call.
+        let tail = q
+            .narrow(0, 7, 5)
+            .unwrap()
+            .apply_op3_no_bwd(&k, &v, &op(7))
+            .unwrap();
+        assert_eq!(bits(&tail), bits(&all.narrow(0, 7, 5).unwrap()));
+        let fallback_tail =
+            attention_tensor_ops(&q.narrow(0, 7, 5).unwrap(), &k, &v, 7, n_h / n_kv, scale)
+                .unwrap();
+        let d = max_abs_diff(&tail, &fallback_tail);
+        assert!(d < 1e-5, "with a cache: {d}");
+        // Shapes that do not fit are refused.
+        assert!(q.apply_op3_no_bwd(&k, &v, &op(1)).is_err());
+    }
 }
