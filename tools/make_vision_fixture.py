@@ -82,6 +82,8 @@ TEST_IMAGES = [
     ("tall", "tall_200x500_gray.png", (200, 500), "L", "grayscale PNG, portrait: 500 -> 512, 200 -> 192"),
     ("small", "small_120x90.png", (120, 90), "RGB", "below min_pixels: upscaled to 320x224 (the ceil path)"),
     ("large", "large_1500x1000.png", (1500, 1000), "RGB", "above max_pixels: 1248x832 (the floor path)"),
+    ("tie", "tie_336x400.png", (336, 400), "RGB",
+     "round half to even: 336/32 = 10.5 -> 10, 400/32 = 12.5 -> 12, so 320x384 (half away from zero: 352x416)"),
 ]
 FRAME_SIZE = (384, 216)
 N_FRAMES = 8
