@@ -278,6 +278,8 @@ def image_parts(state_text, n_images, placed):
     go first as lines 'Image i: <slot>' joined by '\\n', then '\\n\\n' and the state text. Returns the
     state as a list of ('text', s) / ('image', None) parts."""
     parts = []
+    if n_images == 0:
+        return [("text", state_text)]
     if placed:
         pieces = state_text.split("<image>")
         assert len(pieces) - 1 == n_images
