@@ -17,6 +17,7 @@ pub mod setup;
 pub mod synth_files;
 pub mod thought;
 pub mod tokenizer;
+pub mod vision;
 
 pub use config::{DecisionConfig, Family, WideChoiceConfig};
 pub use decide::{
