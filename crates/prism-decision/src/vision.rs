@@ -153,6 +153,122 @@ pub fn patchify(
     Ok((out, [1, gh, gw]))
 }
 
+/// Fixed-point bits of the resize coefficients (PIL's `PRECISION_BITS` for 8-bit images).
+const PRECISION_BITS: u32 = 32 - 8 - 2;
+
+/// The bicubic kernel with a = −0.5 (PIL's and torchvision's antialiased bicubic).
+fn bicubic(x: f64) -> f64 {
+    const A: f64 = -0.5;
+    let x = x.abs();
+    if x < 1.0 {
+        ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0
+    } else if x < 2.0 {
+        (((x - 5.0) * x + 8.0) * x - 4.0) * A
+    } else {
+        0.0
+    }
+}
+
+/// For each of `out_size` outputs along one axis of `in_size` inputs: the first input it reads and its
+/// fixed-point weights (antialiased: the kernel widened by the downscale factor, normalized to sum 1).
+fn coefficients(in_size: usize, out_size: usize) -> Vec<(usize, Vec<i64>)> {
+    let scale = in_size as f64 / out_size as f64;
+    let filter_scale = scale.max(1.0);
+    let support = 2.0 * filter_scale;
+    (0..out_size)
+        .map(|x| {
+            let center = (x as f64 + 0.5) * scale;
+            let first = ((center - support + 0.5).floor().max(0.0)) as usize;
+            let last = ((center + support + 0.5).floor() as usize).min(in_size);
+            let weights: Vec<f64> = (first..last)
+                .map(|j| bicubic((j as f64 - center + 0.5) / filter_scale))
+                .collect();
+            let total: f64 = weights.iter().sum();
+            let fixed = weights
+                .iter()
+                .map(|w| {
+                    let w = if total != 0.0 { w / total } else { 0.0 }
+                        * (1i64 << PRECISION_BITS) as f64;
+                    if w < 0.0 {
+                        (w - 0.5) as i64
+                    } else {
+                        (w + 0.5) as i64
+                    }
+                })
+                .collect();
+            (first, fixed)
+        })
+        .collect()
+}
+
+/// One separable pass of the resize on interleaved RGB bytes: `lines` lines of `len` pixels each,
+/// neighbours `step` pixels apart along the axis and lines `stride` pixels apart.
+fn resample_axis(
+    src: &[u8],
+    (lines, line_stride): (usize, usize),
+    (in_len, step): (usize, usize),
+    out_len: usize,
+) -> Vec<u8> {
+    let coeffs = coefficients(in_len, out_len);
+    let half = 1i64 << (PRECISION_BITS - 1);
+    let mut out = vec![0u8; lines * out_len * 3];
+    for line in 0..lines {
+        for (o, (first, weights)) in coeffs.iter().enumerate() {
+            for ch in 0..3 {
+                let mut acc = half;
+                for (j, &w) in weights.iter().enumerate() {
+                    let at = (line * line_stride + (first + j) * step) * 3 + ch;
+                    acc += src[at] as i64 * w;
+                }
+                out[(line * out_len + o) * 3 + ch] = (acc >> PRECISION_BITS).clamp(0, 255) as u8;
+            }
+        }
+    }
+    out
+}
+
+/// Resizes interleaved RGB bytes (`height · width · 3`) to `new_height × new_width` with the antialiased
+/// bicubic filter in 8-bit fixed point, width first, as PIL's `Image.resize(..., BICUBIC)`: within one
+/// level of transformers' torchvision resize on the fixture's images.
+pub fn resize_rgb(
+    rgb: &[u8],
+    height: usize,
+    width: usize,
+    new_height: usize,
+    new_width: usize,
+) -> Result<Vec<u8>, ImageError> {
+    if rgb.len() != height * width * 3 {
+        return Err(ImageError::Pixels {
+            width,
+            height,
+            got: rgb.len(),
+            want: height * width * 3,
+        });
+    }
+    if height == 0 || width == 0 || new_height == 0 || new_width == 0 {
+        return Err(ImageError::Empty { width, height });
+    }
+    let horizontal = if new_width == width {
+        rgb.to_vec()
+    } else {
+        resample_axis(rgb, (height, width), (width, 1), new_width)
+    };
+    if new_height == height {
+        return Ok(horizontal);
+    }
+    // Vertical: lines are columns (one pixel apart), neighbours a row apart; written column-major, then
+    // transposed back to rows.
+    let cols = resample_axis(&horizontal, (new_width, 1), (height, new_width), new_height);
+    let mut out = vec![0u8; new_height * new_width * 3];
+    for x in 0..new_width {
+        for y in 0..new_height {
+            let (src, dst) = ((x * new_height + y) * 3, (y * new_width + x) * 3);
+            out[dst..dst + 3].copy_from_slice(&cols[src..src + 3]);
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

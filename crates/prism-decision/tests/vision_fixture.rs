@@ -1,10 +1,11 @@
 //! Image preprocessing against transformers' image processor (`tests/fixtures/qwen35-vl-tiny`,
 //! `ref_images.json`, made by `tools/make_vision_fixture.py`): the resized size and patch grid of all
-//! 14 test images, the decoded pixels of the lossless ones, and the pixel values of every resized image.
+//! 14 test images, the decoded pixels of the lossless ones, the bicubic resize, and the pixel values of
+//! every resized image.
 
 use std::path::PathBuf;
 
-use prism_decision::vision::{patchify, smart_resize, ImageConfig};
+use prism_decision::vision::{patchify, resize_rgb, smart_resize, ImageConfig};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -148,5 +149,32 @@ fn pixel_values_of_the_resized_images_equal_the_processors() {
                 values[i]
             );
         }
+    }
+}
+
+#[test]
+fn resized_images_are_within_a_level_of_the_processors() {
+    let r = reference();
+    for (name, x) in r["images"].as_object().unwrap() {
+        let (src, h, w) = rgb(x["file"].as_str().unwrap());
+        let (want, nh, nw) = rgb(x["resized_file"].as_str().unwrap());
+        let got = resize_rgb(&src, h, w, nh, nw).unwrap();
+        let (mut max, mut total) = (0u32, 0u64);
+        for (a, b) in got.iter().zip(&want) {
+            let d = (*a as i32 - *b as i32).unsigned_abs();
+            max = max.max(d);
+            total += d as u64;
+        }
+        let mean = total as f64 / want.len() as f64;
+        eprintln!("{name}: max {max} mean {mean:.4}");
+        // PIL's bicubic, which this follows, is itself within one level of the processor's (the
+        // fixture's `pil_backend_max_abs_diff`). The JPEG's pixels differ before the resize (another
+        // decoder than PIL's libjpeg), so it gets more room.
+        let jpeg = x["file"].as_str().unwrap().ends_with(".jpg");
+        let (max_ok, mean_ok) = if jpeg { (4, 0.05) } else { (1, 0.001) };
+        assert!(
+            max <= max_ok && mean <= mean_ok,
+            "{name}: max {max} levels, mean {mean}"
+        );
     }
 }
