@@ -59,6 +59,12 @@ pub enum ImageError {
         got: usize,
         want: usize,
     },
+    #[error("an image's {count} pad tokens from token {start} do not fit a prompt of {n_tokens} tokens in order")]
+    Runs {
+        start: usize,
+        count: usize,
+        n_tokens: usize,
+    },
     #[error("patches need sides that are multiples of {factor}, not {width} × {height}")]
     NotAligned {
         width: usize,
@@ -267,6 +273,55 @@ pub fn resize_rgb(
         }
     }
     Ok(out)
+}
+
+/// One image's pad tokens in a prompt: `count` tokens from token index `start`, one per merged patch of a
+/// `rows × cols` merged grid (`count == rows · cols`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImageRun {
+    pub start: usize,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// The 3-axis M-RoPE positions (temporal, height, width) of a prompt of `n_tokens` tokens with image pad
+/// runs `runs` (in order, not overlapping), and the position its next token takes. A text token at
+/// running position `p` gets `(p, p, p)` and `p` grows by one; an image whose run starts at `p` gives its
+/// merged patch at row `r`, column `c` the position `(p, p + r, p + c)`, and `p` then grows by
+/// `max(rows, cols)`: transformers' `get_rope_index` for still images.
+pub fn mrope_positions(
+    n_tokens: usize,
+    runs: &[ImageRun],
+) -> Result<(Vec<prism_model::Position3>, u32), ImageError> {
+    let mut out = Vec::with_capacity(n_tokens);
+    let mut p: u32 = 0;
+    let mut at = 0;
+    for run in runs {
+        let count = run.rows * run.cols;
+        if run.start < at || run.start + count > n_tokens || count == 0 {
+            return Err(ImageError::Runs {
+                start: run.start,
+                count,
+                n_tokens,
+            });
+        }
+        for _ in at..run.start {
+            out.push([p, p, p]);
+            p += 1;
+        }
+        for r in 0..run.rows as u32 {
+            for c in 0..run.cols as u32 {
+                out.push([p, p + r, p + c]);
+            }
+        }
+        p += run.rows.max(run.cols) as u32;
+        at = run.start + count;
+    }
+    for _ in at..n_tokens {
+        out.push([p, p, p]);
+        p += 1;
+    }
+    Ok((out, p))
 }
 
 #[cfg(test)]

@@ -5,7 +5,9 @@
 
 use std::path::PathBuf;
 
-use prism_decision::vision::{patchify, resize_rgb, smart_resize, ImageConfig};
+use prism_decision::vision::{
+    mrope_positions, patchify, resize_rgb, smart_resize, ImageConfig, ImageRun,
+};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -177,4 +179,62 @@ fn resized_images_are_within_a_level_of_the_processors() {
             "{name}: max {max} levels, mean {mean}"
         );
     }
+}
+
+#[test]
+fn mrope_positions_equal_transformers_for_0_1_2_and_8_images() {
+    let text =
+        std::fs::read_to_string(fixture().join("ref_prompts.json")).expect("ref_prompts.json");
+    let r: Value = serde_json::from_str(&text).unwrap();
+    let prompts = r["prompts"].as_array().unwrap();
+    assert_eq!(prompts.len(), 7);
+    for p in prompts {
+        let name = p["name"].as_str().unwrap();
+        let n = usize_of(&p["n_tokens"]);
+        let grids = p["image_grid_thw"].as_array().cloned().unwrap_or_default();
+        let pads = p["image_pad_runs"].as_array().cloned().unwrap_or_default();
+        assert_eq!(grids.len(), pads.len(), "{name}");
+        let runs: Vec<ImageRun> = pads
+            .iter()
+            .zip(&grids)
+            .map(|(pad, g)| {
+                let run = ImageRun {
+                    start: usize_of(&pad["start"]),
+                    rows: usize_of(&g[1]) / 2,
+                    cols: usize_of(&g[2]) / 2,
+                };
+                assert_eq!(run.rows * run.cols, usize_of(&pad["count"]), "{name}");
+                run
+            })
+            .collect();
+        let (positions, next) = mrope_positions(n, &runs).unwrap();
+        for axis in 0..3 {
+            // A prompt without images has no position ids in the reference: its text positions.
+            let w: Vec<u32> = match p["position_ids"].as_array() {
+                Some(want) => want[axis]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_u64().unwrap() as u32)
+                    .collect(),
+                None => (0..n as u32).collect(),
+            };
+            let got: Vec<u32> = positions.iter().map(|q| q[axis]).collect();
+            assert_eq!(got, w, "{name}: axis {axis}");
+        }
+        assert_eq!(next as u64, p["next_position"].as_u64().unwrap(), "{name}");
+        assert_eq!(
+            next as i64 - n as i64,
+            p["rope_delta"].as_i64().unwrap_or(0),
+            "{name}: rope delta"
+        );
+    }
+    // A run out of order or past the end is refused.
+    let run = ImageRun {
+        start: 5,
+        rows: 2,
+        cols: 2,
+    };
+    assert!(mrope_positions(8, &[run]).is_err());
+    assert!(mrope_positions(20, &[run, run]).is_err());
 }
