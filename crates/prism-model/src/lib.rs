@@ -39,6 +39,7 @@ pub mod rope;
 pub mod state;
 pub mod synth;
 pub mod top;
+pub mod vision;
 pub mod weights;
 
 pub use config::{read_hf_config, LayerKind, Metadata, Qwen35Config};
