@@ -251,8 +251,14 @@ pub fn resize_rgb(
             want: height * width * 3,
         });
     }
-    if height == 0 || width == 0 || new_height == 0 || new_width == 0 {
+    if height == 0 || width == 0 {
         return Err(ImageError::Empty { width, height });
+    }
+    if new_height == 0 || new_width == 0 {
+        return Err(ImageError::Empty {
+            width: new_width,
+            height: new_height,
+        });
     }
     let horizontal = if new_width == width {
         rgb.to_vec()
@@ -367,6 +373,15 @@ mod tests {
         // Windows (0,0) and (0,1), each 2 × 2 patches in raster order.
         assert_eq!(first_red, [0, 1, 4, 5, 2, 3, 6, 7]);
         assert!(patchify(&rgb, 32, 48, &cfg).is_err());
+        // A resize to nothing names the size asked for.
+        assert_eq!(
+            resize_rgb(&rgb, h, w, 0, 5),
+            Err(ImageError::Empty {
+                width: 5,
+                height: 0
+            })
+        );
+        assert_eq!(resize_rgb(&rgb, h, w, h, w).as_deref(), Ok(&rgb[..]));
         assert!(patchify(&rgb[1..], h, w, &cfg).is_err());
     }
 }
