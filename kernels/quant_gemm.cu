@@ -162,6 +162,107 @@ QGEMM_ENTRY(qgemm_run128_k32, 1)
 QGEMM_ENTRY(qgemm_run128_q6k, 2)
 
 // ===================================================================================================
+// The skinny Q8_0 kernel for a few activation rows (M ≤ MR ≤ 8: a decode step, a follow-up's tail):
+// such a product reads every weight byte once and does little arithmetic on it, so it is bound by
+// the weight stream, and the tiles' few large CTAs (one per 128 or 256 outputs) leave most SMs idle.
+// Here a CTA is 4 warps, warp p runs part p (runs ⌊p·R/4⌋ .. ⌊(p+1)·R/4⌋, in order), and in a warp
+// lane group g (8 lanes) owns output n = 4·blockIdx.x + g: lane j reads bytes 16j .. 16j + 15 of each
+// run of the output's weight row and of each activation row, the 8 lanes' dp4a sums are added by
+// shuffles (exact in int32), and each lane of the group promotes
+//   acc[m] = fma(f32(I_r), sa_r · sw_r, acc[m])
+// — qgemm_simt's float operations in its order. The parts meet in shared memory as
+// (p0 + p1) + (p2 + p3). K is a multiple of 16 (a short last run: lanes past it read zeros); the
+// activation scales are row-major [M, R] (sa_row_stride = R, sa_run_stride = 1).
+// ===================================================================================================
+
+// 16 weight bytes, streamed (read once: not kept in L1).
+__device__ __forceinline__ int4 load_stream16(const signed char* p) {
+    return __ldcs(reinterpret_cast<const int4*>(p));
+}
+
+__device__ __forceinline__ int dot16(int4 w, int4 a) {
+    int s = __dp4a(w.x, a.x, 0);
+    s = __dp4a(w.y, a.y, s);
+    s = __dp4a(w.z, a.z, s);
+    return __dp4a(w.w, a.w, s);
+}
+
+// Runs loaded ahead per lane.
+#define GEMV_AHEAD 4
+
+template <int MR>
+__device__ void qgemv_q8_0(const signed char* __restrict__ qa, const float* __restrict__ sa,
+                           const unsigned int* __restrict__ bad_rows, const signed char* __restrict__ wq,
+                           const float* __restrict__ wd, int M, int N, int K, float* __restrict__ y) {
+    __shared__ float parts[4][MR][4];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 8, j = lane % 8;
+    const int n = blockIdx.x * 4 + g;
+    const bool live = n < N;
+    const int R = (K + RUN - 1) / RUN;
+    const int r0 = warp * R / 4, r1 = (warp + 1) * R / 4;
+    const signed char* wrow = wq + (size_t)(live ? n : 0) * K;
+    const float* d = wd + (size_t)(live ? n : 0) * R;
+    float acc[MR];
+#pragma unroll
+    for (int m = 0; m < MR; ++m) acc[m] = 0.f;
+    // Every lane runs every iteration (the shuffles need the whole warp); a lane past N or past K
+    // reads zeros.
+    for (int r = r0; r < r1; r += GEMV_AHEAD) {
+        int4 w[GEMV_AHEAD];
+#pragma unroll
+        for (int u = 0; u < GEMV_AHEAD; ++u) {
+            const int c = (r + u) * RUN + 16 * j;
+            w[u] = (live && r + u < r1 && c < K) ? load_stream16(wrow + c) : make_int4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < GEMV_AHEAD; ++u) {
+            const int rr = r + u;
+            if (rr >= r1) break;  // the same for the whole warp
+            const int c = rr * RUN + 16 * j;
+            const float sw = d[rr];
+#pragma unroll
+            for (int m = 0; m < MR; ++m) {
+                if (m >= M) break;  // the same for the whole warp
+                const int4 a = c < K ? *reinterpret_cast<const int4*>(qa + (size_t)m * K + c)
+                                     : make_int4(0, 0, 0, 0);
+                int s = dot16(w[u], a);
+                s += __shfl_xor_sync(0xffffffffu, s, 1);
+                s += __shfl_xor_sync(0xffffffffu, s, 2);
+                s += __shfl_xor_sync(0xffffffffu, s, 4);
+                acc[m] = __fmaf_rn(__int2float_rn(s), __fmul_rn(sa[(size_t)m * R + rr], sw), acc[m]);
+            }
+        }
+    }
+    if (j == 0) {
+#pragma unroll
+        for (int m = 0; m < MR; ++m) parts[warp][m][g] = acc[m];
+    }
+    __syncthreads();
+    const int t = threadIdx.x;
+    if (t < 4 * MR) {
+        const int m = t / 4, gg = t % 4, out_n = blockIdx.x * 4 + gg;
+        if (m < M && out_n < N) {
+            const float out = __fadd_rn(__fadd_rn(parts[0][m][gg], parts[1][m][gg]),
+                                        __fadd_rn(parts[2][m][gg], parts[3][m][gg]));
+            y[(size_t)m * N + out_n] = bad_rows[m] ? __int_as_float(0x7fc00000) : out;
+        }
+    }
+}
+
+#define QGEMV_ENTRY(NAME, MR)                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                            \
+        const signed char* qa, const float* sa, const unsigned int* bad_rows, const signed char* wq,    \
+        const float* wd, int M, int N, int K, float* y) {                                              \
+        qgemv_q8_0<MR>(qa, sa, bad_rows, wq, wd, M, N, K, y);                                         \
+    }
+
+QGEMV_ENTRY(qgemv_q8_0_m1, 1)
+QGEMV_ENTRY(qgemv_q8_0_m2, 2)
+QGEMV_ENTRY(qgemv_q8_0_m4, 4)
+QGEMV_ENTRY(qgemv_q8_0_m8, 8)
+
+// ===================================================================================================
 // The Q8_0 tile for Hopper (sm_90a): warpgroup MMA fed by TMA, warp-specialized. The same bits as
 // qgemm_run128_q8_0 above; only which thread does which output's work differs, never the order of an
 // output's float operations.

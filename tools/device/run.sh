@@ -16,7 +16,8 @@
 #   gemm        prism gemm-bench: the integer GEMM at the 27B projection shapes next to cuBLAS int8 and
 #               bf16 (gemm-bench.txt, gemm-bench.json)
 #   bench27     27B bf16 bench (5 runs after 1 warm-up): bench-27b-bf16.json (prism bench --json), log
-#   bench27-int8  27B int8 bench of /tmp/s27 (5 runs after 1 warm-up): bench-27b-int8.json, log
+#   bench27-int8  27B int8 bench of /tmp/s27 (5 runs after 1 warm-up): bench-27b-int8.json, log; with
+#               $PROFILE (sync or events) set, each scenario also profiled
 #   bench9 / bench4   9B / 4B bf16 benches (10 runs after 2 warm-ups)
 #   loads9      9B bf16 loads from 1, 4, 8 and 16 loader threads (--load-threads), one bench run each
 #               after no warm-up (answer digests comparable across them); each killed after 120 s
@@ -27,13 +28,16 @@
 #               (followup.jsonl: 10 pairs, the second asking another question about the first one's
 #               ~1,000-token evidence: a prefix-cache hit); then the built-in mix from 64 clients for
 #               $LOAD_S seconds (default 60); after each, answers re-sent alone and compared (int8 with
-#               --expect-identical); /stats and /metrics at the end; outputs serve-*.log, loadgen-*.json,
+#               --expect-identical); then the three-question request made 4,096 distinct (its own evidence
+#               each) from 64 clients for $LOAD_S seconds (loadgen-TAG-shared64.json: issue #19's target);
+#               /stats and /metrics at the end; outputs serve-*.log, loadgen-*.json,
 #               stats-*.json
 #   eval27      prism eval of a generated $EVAL_N-item suite (default 2,000; tools/device/make_suite.py) on
 #               /tmp/s27 at bf16, then at int8 with --compare against the bf16 run (outputs eval-bf16/,
 #               eval-int8/ with results.json, report.md, reliability.png; logs eval-*.log)
 #   think27     thought decoding of /tmp/s27 at int8 through the engine (prism bench --think): one thought
-#               of $THINK tokens (default 128) alone, then 64 at once, then 64 profiled (think-27b-int8.json)
+#               of $THINK tokens (default 128) alone, then 64 at once, then each profiled (think-27b-int8.json;
+#               $PROFILE: sync, the default, or events)
 #   serve27-think  prism serve on /tmp/s27 at int8 as a v1.1 AutoThink model (the synthetic directory's
 #               decision_config.json gets "family": "v1.1") and loadgen from 64 clients for $LOAD_S seconds:
 #               the three-question requests of shared.jsonl made 512 distinct, with think_mode auto, gate 0.9,
@@ -136,6 +140,20 @@ serve27() {
     /tmp/prism loadgen --url $url --clients 64 --duration "${LOAD_S:-60}" --check 128 $check \
         --json-out "$OUT/loadgen-$tag-64.json" > "$OUT/loadgen-$tag-64.txt" 2>&1
     echo "loadgen $tag 64 clients rc=$?"
+    # 64 clients on the bench's three-question request, each with its own evidence (issue #19's
+    # throughput target): shared.jsonl made 4,096 distinct by a ticket number.
+    python3 - tools/device/shared.jsonl /tmp/shared-distinct.jsonl <<'PY'
+import json, sys
+base = [json.loads(line) for line in open(sys.argv[1])]
+with open(sys.argv[2], "w") as out:
+    for i in range(4096):
+        request = json.loads(json.dumps(base[i % len(base)]))
+        request["state"]["ticket"] = f"Ticket {9000 + i}: " + request["state"]["ticket"].split(": ", 1)[-1]
+        out.write(json.dumps(request) + "\n")
+PY
+    /tmp/prism loadgen --url $url --requests /tmp/shared-distinct.jsonl --clients 64 --duration "${LOAD_S:-60}" \
+        --check 64 $check --json-out "$OUT/loadgen-$tag-shared64.json" > "$OUT/loadgen-$tag-shared64.txt" 2>&1
+    echo "loadgen $tag shared 64 clients rc=$?"
     python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' \
         $url/stats > "$OUT/stats-$tag.json"
     python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' \
@@ -156,7 +174,7 @@ for step in "$@"; do
         serve27-think) serve27_think ;;
         think27)
             /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --think "${THINK:-128}" \
-                --think-batch 1,64 --runs 1 --profile > "$OUT/think-27b-int8.json" 2> "$OUT/think-27b-int8.log"
+                --think-batch 1,64 --runs 1 --profile "${PROFILE:-sync}" > "$OUT/think-27b-int8.json" 2> "$OUT/think-27b-int8.log"
             echo "think27 rc=$?" ;;
         eval27)
             python3 tools/device/make_suite.py "${EVAL_N:-2000}" /tmp/suite.jsonl
@@ -177,7 +195,7 @@ for step in "$@"; do
                 > "$OUT/bench-27b-bf16.json" 2> "$OUT/bench-27b-bf16.log" ;;
         bench27-int8)
             /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --runs 5 --warmup 1 --json \
-                > "$OUT/bench-27b-int8.json" 2> "$OUT/bench-27b-int8.log"
+                ${PROFILE:+--profile $PROFILE} > "$OUT/bench-27b-int8.json" 2> "$OUT/bench-27b-int8.log"
             echo "bench27-int8 rc=$?" ;;
         bench9) /tmp/prism bench --model-dir /tmp/s9 --device cuda --precision bf16 --runs 10 --warmup 2 > "$OUT/bench-9b-bf16.txt" 2>&1 ;;
         loads9)

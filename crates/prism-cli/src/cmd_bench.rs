@@ -17,7 +17,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         runs: args.runs,
         warmup: args.warmup,
         long_tokens: args.long_tokens,
-        profile: args.profile,
+        profile: args
+            .profile
+            .map_or(prism_model::profile::Mode::Off, Into::into),
         load_threads: args.load_threads,
         engine: args.engine,
         profiler_range: args.profiler_range,

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 mod cmd_bench;
 mod cmd_decide;
@@ -174,6 +174,22 @@ pub struct SynthArgs {
 }
 
 /// Arguments of `prism bench`.
+/// `prism bench --profile`'s modes (see `prism_model::profile::Mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ProfileArg {
+    Sync,
+    Events,
+}
+
+impl From<ProfileArg> for prism_model::profile::Mode {
+    fn from(p: ProfileArg) -> Self {
+        match p {
+            ProfileArg::Sync => prism_model::profile::Mode::Sync,
+            ProfileArg::Events => prism_model::profile::Mode::Events,
+        }
+    }
+}
+
 #[derive(Args)]
 pub struct BenchArgs {
     /// The model directory (tokenizer, chat template, config.json, decision_config.json).
@@ -205,10 +221,14 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
-    /// After the timed runs, run each scenario once more with a device synchronization around every
-    /// section of the forward pass and print where the time goes (slower than a plain run).
-    #[arg(long)]
-    pub profile: bool,
+    /// After the timed runs, run each scenario (with `--think`, each batch size) once more profiled and
+    /// print where the time goes, per section of the forward pass. `sync` (the default when the flag
+    /// has no value): a device synchronization around every section (slower than a plain run; device
+    /// time per section). `events`: CUDA events around every section, no synchronization; each
+    /// section's device span next to the host's time enqueueing it (span ≈ host time: the host is the
+    /// bottleneck).
+    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "sync")]
+    pub profile: Option<ProfileArg>,
     /// Threads that load decoder layers at once (default: the machine's cores, at most 8).
     #[arg(long)]
     pub load_threads: Option<usize>,

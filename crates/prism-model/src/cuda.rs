@@ -36,9 +36,10 @@ const DELTA_RULE_CHUNKS_PER_LAUNCH: usize = 32;
 pub fn release_cached_memory(dev: &CudaDevice) -> Result<()> {
     use candle_core::cuda_backend::cudarc::driver::sys;
     let stream = dev.cuda_stream();
-    stream.synchronize().map_err(launch_err)?;
     let ctx = stream.context();
-    ctx.bind_to_thread().map_err(launch_err)?;
+    // The whole context: the loader threads' uploads and conversions ran on their own per-thread
+    // streams, which the model's stream does not wait for.
+    ctx.synchronize().map_err(launch_err)?;
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     // SAFETY: plain driver calls on the device's current pool; `pool` is written by the first call
     // and used only if that call succeeded.

@@ -696,6 +696,7 @@ impl Qwen35Model {
             ids.extend_from_slice(item.tokens);
         }
 
+        let whole = profile::Section::start("forward (whole pass)", &self.device)?;
         // Work on cheap clones; commit only when everything succeeded.
         let mut work: Vec<SequenceState> = items.iter().map(|it| it.state.clone()).collect();
         let n = ids.len();
@@ -786,6 +787,7 @@ impl Qwen35Model {
         }
         // The final norm of the last residual stream (computed with the last add above).
         let hidden = h;
+        whole.stop()?;
 
         for (((item, mut state), seg), next) in items
             .iter_mut()

@@ -184,6 +184,24 @@ pub enum Kernel {
     Simple,
     /// The Hopper tile of this shape where it runs (Q8_0, compute capability 9.0), else the simple one.
     Tile(TileShape),
+    /// The skinny kernel where it runs (Q8_0, at most [`SKINNY_ROWS`] rows, K a multiple of 16), else
+    /// the simple one.
+    Skinny,
+}
+
+/// The most activation rows [`Kernel::Auto`] gives the skinny kernel (`qgemv_q8_0_m*`: 4 outputs a
+/// 128-thread CTA, the weight streamed once; a product of a few rows is bound by the weight stream,
+/// where the tiles' few large CTAs leave most SMs idle).
+pub const SKINNY_ROWS: usize = 8;
+
+/// The skinny kernel's entry for `m` rows (1 ≤ m ≤ [`SKINNY_ROWS`]).
+fn skinny_kernel(m: usize) -> &'static str {
+    match m {
+        1 => "qgemv_q8_0_m1",
+        2 => "qgemv_q8_0_m2",
+        3 | 4 => "qgemv_q8_0_m4",
+        _ => "qgemv_q8_0_m8",
+    }
 }
 
 /// [`matmul`] with the kernel chosen by `kernel`.
@@ -201,6 +219,11 @@ pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Te
     }
     let runs = run_count(k);
     let want_sums = info.format.has_mins();
+    let skinny = matches!(kernel, Kernel::Auto | Kernel::Skinny)
+        && info.format == WeightFormat::Q8_0
+        && (1..=SKINNY_ROWS).contains(&m)
+        && k % 16 == 0
+        && n > 0;
     // The Hopper tile reads the activation scales run-major, [runs, ldsa] with ldsa a whole number of
     // tiles (rows past m are never stored); the simple kernels row-major [m, runs].
     let hopper = w
@@ -208,10 +231,10 @@ pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Te
         .as_ref()
         .zip(match kernel {
             Kernel::Auto => Some(TileShape::auto(m)),
-            Kernel::Simple => None,
+            Kernel::Simple | Kernel::Skinny => None,
             Kernel::Tile(shape) => Some(shape),
         })
-        .filter(|_| m > 0 && n > 0);
+        .filter(|_| m > 0 && n > 0 && !skinny);
     let ldsa = m.div_ceil(WG_TILE) * WG_TILE;
     let (sa_len, sa_row_stride, sa_run_stride) = match hopper {
         Some(_) => (runs * ldsa, 1, ldsa),
@@ -263,6 +286,43 @@ pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Te
     }
     if let Some((h, shape)) = hopper {
         hopper_q8_0(&dev, &qa, &sa, ldsa, &bad, w, h, shape, (m, n, k), &y)?;
+        return Ok(wrap(y, &dev, (m, n)));
+    }
+    if skinny {
+        let (wq, wd) = (
+            Input::new(&w.q, DType::U8, "weight bytes")?,
+            Input::new(&w.d, DType::F32, "scales")?,
+        );
+        let (wq, wd) = (wq.view::<u8>()?, wd.view::<f32>()?);
+        {
+            let stream = dev.cuda_stream();
+            let (ptr, _sync) = wq.device_ptr(&stream);
+            if ptr % 16 != 0 {
+                bail!(
+                    "integer matmul: {:?}'s bytes are not 16-byte aligned on the device",
+                    info.name
+                );
+            }
+        }
+        let func = load_kernel(&dev, MODULE, IMAGE, skinny_kernel(m))?;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(n.div_ceil(4)).map_err(|_| {
+                    candle_core::Error::Msg(format!("integer matmul: {n} outputs are too many"))
+                })?,
+                1,
+                1,
+            ),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = func.builder();
+        b.arg(&qa).arg(&sa).arg(&bad).arg(&wq).arg(&wd);
+        b.arg(&m_i).arg(&n_i).arg(&k_i).arg(&y);
+        // SAFETY: qa holds m·k bytes (k a multiple of 16, so every 16-byte read of a row is aligned and
+        // inside it), sa m·runs f32 row-major, bad m u32; the weight's q n·k bytes and d n·runs f32
+        // (Q8_0 run scales, row-major); y m·n f32.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
         return Ok(wrap(y, &dev, (m, n)));
     }
     let name = match info.format {

@@ -146,6 +146,16 @@ pub fn open_device(ordinal: usize) -> Result<Device> {
     if status != sys::CUresult::CUDA_SUCCESS && ctx.has_async_alloc() {
         bail!("CUDA device {ordinal}: cannot keep the memory pool's free memory ({status:?})");
     }
+    // cudarc gives every allocation a read and a write event (two `cuEventCreate` and, when it is
+    // freed, two `cuEventDestroy`) for ordering work across streams. It only uses them once the
+    // context has more than one stream (`CudaContext::new_stream`); Prism's device has one, the
+    // per-thread default stream, and never creates another, so the events are made and destroyed
+    // unused on every tensor.
+    // SAFETY: cudarc's conditions for turning the tracking off are about ordering buffers between
+    // the streams it knows; it knows one here (the per-thread stream, so cudarc never waits on these
+    // events anyway), and the loader threads' work on their own per-thread streams is ordered by a
+    // whole-context synchronization at the end of a load (`prism_model::cuda::release_cached_memory`).
+    unsafe { ctx.disable_event_tracking() };
     Ok(Device::Cuda(dev))
 }
 
@@ -162,8 +172,18 @@ impl Kernel {
     }
 
     /// Raises this kernel's dynamic shared-memory limit to `bytes` (what a launch needs); the error of a
-    /// GPU with less shared memory per block names `what` and the size.
+    /// GPU with less shared memory per block names `what` and the size. The driver is asked once per
+    /// function and larger size: a limit already raised that far is kept (launches call this every
+    /// time, and the attribute call is a driver round trip).
     pub fn allow_dynamic_shared(&self, bytes: usize, what: &str) -> Result<()> {
+        let key = self.func.cu_function() as usize;
+        let mut allowed = ALLOWED_SHARED.lock().map_err(|_| {
+            candle_core::Error::Msg("CUDA shared-memory limit cache lock poisoned".into())
+        })?;
+        let allowed = allowed.get_or_insert_with(HashMap::new);
+        if allowed.get(&key).is_some_and(|&done| done >= bytes) {
+            return Ok(());
+        }
         self.func
             .set_attribute(
                 CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -173,7 +193,9 @@ impl Kernel {
                 candle_core::Error::Msg(format!(
                     "{what}: this GPU does not allow {bytes} bytes of dynamic shared memory per block ({e})"
                 ))
-            })
+            })?;
+        allowed.insert(key, bytes);
+        Ok(())
     }
 }
 
@@ -191,6 +213,9 @@ type FunctionKey = (usize, &'static str, &'static str);
 type ModuleKey = (usize, &'static str);
 static MODULES: Mutex<Option<HashMap<ModuleKey, Arc<CudaModule>>>> = Mutex::new(None);
 static FUNCTIONS: Mutex<Option<HashMap<FunctionKey, CudaFunction>>> = Mutex::new(None);
+/// The dynamic shared-memory limit each function (by its `CUfunction` handle) was raised to. Handles
+/// stay valid while their module is loaded, and modules stay in [`MODULES`] for the process's life.
+static ALLOWED_SHARED: Mutex<Option<HashMap<usize, usize>>> = Mutex::new(None);
 
 /// Kernel `name` of module `module`, whose image is `image` (a fatbin, cubin or NUL-terminated PTX,
 /// built by `kernels/build_ptx.rs`). The module is loaded once per device context; the driver picks

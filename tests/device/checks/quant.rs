@@ -70,7 +70,7 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
         let dw = CudaQuantWeight::upload(&w, dev)?;
         let tag = format!("int8 matmul (GPU) {ty:?} {q8:?} K={k} N={n}");
         let rows: &[usize] = if ty == GgmlType::Q8_0 {
-            &[1, 7, 64, 129, 300]
+            &[1, 2, 3, 4, 7, 8, 9, 64, 129, 300]
         } else {
             &[1, 7, 64]
         };
@@ -88,6 +88,7 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
             // (elsewhere those run the simple kernel).
             let mut kernels = vec![("simple kernel", Kernel::Simple)];
             if ty == GgmlType::Q8_0 {
+                kernels.push(("skinny kernel", Kernel::Skinny));
                 kernels.push(("128-row tile", Kernel::Tile(TileShape::M128)));
                 kernels.push(("64-row tile", Kernel::Tile(TileShape::M64)));
             }

@@ -3,7 +3,8 @@
 //! candle's bf16 matmul (cuBLAS) on the same device in the same run.
 //!
 //! Each shape `K,N,M` is timed as the median of `runs` calls after two warm-ups, synchronizing around
-//! each call (so a call's time includes its launches): the integer product as the model calls it (the
+//! each call (so a call's time includes its launches; at M ≤ 64 a timed sample is 10 calls back to
+//! back, whose time over 10 is the call's): the integer product as the model calls it (the
 //! per-(row, run) activation quantization included) and candle's bf16 `x · Wᵀ`. TOPS count 2·M·N·K
 //! operations.
 
@@ -61,6 +62,7 @@ impl GemmTiming {
         json!({
             "k": self.k, "n": self.n, "m": self.m,
             "int8_ms": self.int8 * 1e3, "int8_tops": rate(self.int8),
+            "int8_weight_gb_per_s": (self.n * self.k) as f64 / self.int8 / 1e9,
             "tiles": tiles,
             "simple_ms": self.simple.map(|t| t * 1e3), "simple_tops": self.simple.map(rate),
             "cublas_int8_ms": self.cublas_int8.map(|t| t * 1e3), "cublas_int8_tops": self.cublas_int8.map(rate),
@@ -69,17 +71,36 @@ impl GemmTiming {
     }
 }
 
-/// Median seconds of `runs` calls after two warm-ups, synchronizing around each.
-fn time_median(dev: &Device, runs: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+/// Calls per timed sample: a product of a few rows takes tens of microseconds, about what a
+/// synchronization and the launches add, so such a sample is [`SMALL_M_REPS`] calls back to back.
+fn reps_for(m: usize) -> usize {
+    if m <= 64 {
+        SMALL_M_REPS
+    } else {
+        1
+    }
+}
+const SMALL_M_REPS: usize = 10;
+
+/// Median seconds a call of `runs` samples after two warm-ups, synchronizing around each sample of
+/// `reps` calls.
+fn time_median(
+    dev: &Device,
+    runs: usize,
+    reps: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
     f()?;
     f()?;
     dev.synchronize()?;
     let mut times = Vec::with_capacity(runs);
     for _ in 0..runs.max(1) {
         let t = Instant::now();
-        f()?;
+        for _ in 0..reps.max(1) {
+            f()?;
+        }
         dev.synchronize()?;
-        times.push(t.elapsed().as_secs_f64());
+        times.push(t.elapsed().as_secs_f64() / reps.max(1) as f64);
     }
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
@@ -112,21 +133,22 @@ pub fn time_shape(
     let dw = CudaQuantWeight::upload(&w, dev)?;
     drop(w);
     let x = Tensor::randn(0f32, 1.0, (m, k), gpu)?;
-    let t_int = time_median(gpu, runs, || {
+    let reps = reps_for(m);
+    let t_int = time_median(gpu, runs, reps, || {
         matmul_with(&x, &dw, Kernel::Auto)?;
         Ok(())
     })?;
     // Both tile shapes (the default picks one by M).
     let mut shapes_ms = Vec::new();
     for shape in [TileShape::M128, TileShape::M64] {
-        let t = time_median(gpu, runs, || {
+        let t = time_median(gpu, runs, reps, || {
             matmul_with(&x, &dw, Kernel::Tile(shape))?;
             Ok(())
         })?;
         shapes_ms.push((shape, t));
     }
     let t_simple = if simple {
-        Some(time_median(gpu, runs.min(5), || {
+        Some(time_median(gpu, runs.min(5), reps, || {
             matmul_with(&x, &dw, Kernel::Simple)?;
             Ok(())
         })?)
@@ -135,7 +157,7 @@ pub fn time_shape(
     };
     let wb = Tensor::randn(0f32, 0.02, (n, k), gpu)?.to_dtype(DType::BF16)?;
     let xb = x.to_dtype(DType::BF16)?;
-    let t_bf16 = time_median(gpu, runs, || {
+    let t_bf16 = time_median(gpu, runs, reps, || {
         xb.matmul(&wb.t()?)?;
         Ok(())
     })?;

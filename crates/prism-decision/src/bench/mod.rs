@@ -564,8 +564,8 @@ pub struct BenchOptions {
     pub warmup: usize,
     /// Prompt length of the long scenario, in tokens.
     pub long_tokens: usize,
-    /// A profiled run of each scenario after the timed ones.
-    pub profile: bool,
+    /// A profiled run of each scenario after the timed ones, in this mode (off: none).
+    pub profile: prism_model::profile::Mode,
     pub load_threads: Option<usize>,
     /// Each scenario through the engine too.
     pub engine: bool,
@@ -678,9 +678,9 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
         timed.push(timings);
     }
     let mut profiles = serde_json::Map::new();
-    if args.profile {
-        prism_model::profile::set_enabled(true);
-        prism_model::profile::take();
+    if args.profile != prism_model::profile::Mode::Off {
+        prism_model::profile::set_mode(args.profile);
+        prism_model::profile::take()?;
         for scenario in &scenarios {
             let start = Instant::now();
             decide(&scenario.request, &loaded.config, &mut model).map_err(|e| {
@@ -692,28 +692,35 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
             })?;
             device.synchronize()?;
             let total = start.elapsed().as_secs_f64();
-            let sections = prism_model::profile::take();
+            let sections = prism_model::profile::take()?;
             progress(format!(
-                "profile of {} (one synchronized run, {:.1} ms):",
+                "profile ({}) of {} (one run, {:.1} ms; device ms, share, host ms):",
+                args.profile.as_str(),
                 scenario.name,
                 ms(total)
             ));
             let mut rows = Vec::new();
-            for (name, time, calls) in &sections {
-                let t = time.as_secs_f64();
+            for s in &sections {
+                let t = s.device.as_secs_f64();
+                let h = s.host.as_secs_f64();
                 progress(format!(
-                    "  {name:<45} {:>10.2} ms {:>6.1}%  {calls:>6} calls",
+                    "  {:<45} {:>10.2} ms {:>6.1}% {:>10.2} ms {:>6} calls",
+                    s.name,
                     ms(t),
-                    100.0 * t / total
+                    100.0 * t / total,
+                    ms(h),
+                    s.calls
                 ));
-                rows.push(json!({"section": name, "ms": ms(t), "calls": calls}));
+                rows.push(
+                    json!({"section": s.name, "ms": ms(t), "host_ms": ms(h), "calls": s.calls}),
+                );
             }
             profiles.insert(
                 scenario.name.to_string(),
-                json!({"total_ms": ms(total), "sections": rows}),
+                json!({"mode": args.profile.as_str(), "total_ms": ms(total), "sections": rows}),
             );
         }
-        prism_model::profile::set_enabled(false);
+        prism_model::profile::set_mode(prism_model::profile::Mode::Off);
     }
     let model_name = crate::LetterModel::model_name(&model).to_string();
     // The same requests through the engine the server runs (its step loop, one request at a time, the

@@ -19,16 +19,16 @@ use serde_json::{json, Value};
 
 /// Runs the thought measurement; the report's `thoughts` rows.
 ///
-/// With `profile`, one more batch of the largest size runs with a device synchronization around every
-/// section of the forward pass; the sections' times over that batch are returned too (slower than a
-/// plain run).
+/// With a `profile` mode other than off, one more batch of each size runs profiled (see
+/// [`prism_model::profile::Mode`]); the sections' device and host times over each such batch are
+/// returned too.
 pub(super) fn thought_rows(
     model: DecoderLetterModel,
     config: &DecisionConfig,
     budget: usize,
     batches: &[usize],
     runs: usize,
-    profile: bool,
+    profile: prism_model::profile::Mode,
     progress: &mut dyn FnMut(String),
 ) -> Result<(Vec<Value>, Value)> {
     if budget == 0 {
@@ -56,19 +56,25 @@ pub(super) fn thought_rows(
             .map_err(|e| anyhow::anyhow!("the thought request: {e}"))
     };
     let mut rows = Vec::new();
-    let mut profiled = Value::Null;
-    // Run 0 warms the path up (its row is not reported); with `profile`, a last run of the largest
-    // batch is profiled.
+    let mut profiled = Vec::new();
+    let profiling_on = profile != prism_model::profile::Mode::Off;
+    // Run 0 warms the path up (its row is not reported); with `profile`, a last run of each batch
+    // size is profiled.
     let plan: Vec<(usize, usize)> = (0..=runs)
         .flat_map(|run| batches.iter().map(move |&b| (run, b)))
-        .chain(profile.then_some((runs + 1, most)))
+        .chain(
+            batches
+                .iter()
+                .filter(|_| profiling_on)
+                .map(|&b| (runs + 1, b)),
+        )
         .collect();
     for (run, batch) in plan {
         {
             let profiling = run > runs;
             if profiling {
-                prism_model::profile::set_enabled(true);
-                prism_model::profile::take();
+                prism_model::profile::set_mode(profile);
+                prism_model::profile::take()?;
             }
             if batch == 0 {
                 bail!("--think-batch sizes must be at least 1");
@@ -114,19 +120,31 @@ pub(super) fn thought_rows(
             }
             let wall = started.elapsed().as_secs_f64();
             if profiling {
-                prism_model::profile::set_enabled(false);
-                let sections = prism_model::profile::take();
+                prism_model::profile::set_mode(prism_model::profile::Mode::Off);
+                let sections = prism_model::profile::take()?;
+                let steps: u64 = tokens.iter().copied().max().unwrap_or(0);
                 progress(format!(
-                    "profile of {batch} thoughts at once ({:.1} ms, every section synchronized):",
+                    "profile ({}) of {batch} thoughts at once ({:.1} ms, {steps} decode steps; device and host ms):",
+                    profile.as_str(),
                     wall * 1e3
                 ));
                 let mut list = Vec::new();
-                for (name, time, calls) in &sections {
-                    let ms = time.as_secs_f64() * 1e3;
-                    progress(format!("  {name:<45} {ms:>10.2} ms {calls:>7} calls"));
-                    list.push(json!({"section": name, "ms": ms, "calls": calls}));
+                for s in &sections {
+                    let device_ms = s.device.as_secs_f64() * 1e3;
+                    let host_ms = s.host.as_secs_f64() * 1e3;
+                    progress(format!(
+                        "  {:<45} {device_ms:>10.2} {host_ms:>10.2} ms {:>7} calls",
+                        s.name, s.calls
+                    ));
+                    list.push(json!({"section": s.name, "ms": device_ms, "host_ms": host_ms, "calls": s.calls}));
                 }
-                profiled = json!({"sequences": batch, "wall_ms": wall * 1e3, "sections": list});
+                profiled.push(json!({
+                    "mode": profile.as_str(),
+                    "sequences": batch,
+                    "wall_ms": wall * 1e3,
+                    "decode_steps": steps,
+                    "sections": list,
+                }));
                 continue;
             }
             if run == 0 {
@@ -169,5 +187,5 @@ pub(super) fn thought_rows(
         "engine: {} passes, {} thought steps, {} thoughts",
         stats.passes, stats.thought_steps, stats.thoughts_finished
     ));
-    Ok((rows, profiled))
+    Ok((rows, Value::Array(profiled)))
 }
