@@ -22,6 +22,10 @@ pub const TEMPORAL_PATCH: usize = 2;
 /// `rope_parameters.rope_theta` of every Qwen3-VL / Qwen3.5 release, and llama.cpp's `clip.cpp`, use 10000.
 pub const ROPE_THETA: f32 = 10000.0;
 
+/// Queries whose attention scores are computed at once: bounds the scores of a large image (a
+/// 1,048,576-pixel image has 4,096 patches) to `heads · QUERY_CHUNK · patches` values.
+pub const QUERY_CHUNK: usize = 1024;
+
 /// The projector this tower implements (`clip.projector_type`).
 pub const PROJECTOR: &str = "qwen3vl_merger";
 
@@ -570,15 +574,20 @@ impl VisionWeights {
                 .squeeze(1)?
                 .transpose(0, 1)?
                 .contiguous()?;
-            let mut outs = Vec::with_capacity(frames);
+            let mut outs = Vec::with_capacity(frames * per_frame.div_ceil(QUERY_CHUNK));
             for f in 0..frames {
                 let part = |t: &Tensor| t.narrow(1, f * per_frame, per_frame);
-                let (qf, kf, vf) = (part(&q)?, part(&k)?, part(&v)?);
-                let scores = (qf.matmul(&kf.t()?)? * scale)?;
-                let probs = softmax_last_dim(&scores)?;
-                outs.push(probs.matmul(&vf)?);
+                let (kt, vf) = (part(&k)?.t()?, part(&v)?);
+                // Queries in chunks: the scores of one chunk at a time, `[heads, ≤ QUERY_CHUNK, h·w]`.
+                for q0 in (0..per_frame).step_by(QUERY_CHUNK) {
+                    let rows = QUERY_CHUNK.min(per_frame - q0);
+                    let qc = q.narrow(1, f * per_frame + q0, rows)?;
+                    let scores = (qc.matmul(&kt)? * scale)?;
+                    let probs = softmax_last_dim(&scores)?;
+                    outs.push(probs.matmul(&vf)?);
+                }
             }
-            let attn = if frames == 1 {
+            let attn = if outs.len() == 1 {
                 outs.swap_remove(0)
             } else {
                 Tensor::cat(&outs, 1)?
