@@ -613,13 +613,18 @@ impl VisionWeights {
 /// The rows of a prompt's `tokens` that hold image pads (`pad`: the `<|image_pad|>` id) and the
 /// images' embeddings stacked in the same order: what replaces those rows' token embeddings
 /// ([`crate::BatchItem::embeddings`]). `images` are the tower's outputs in the order of the images in
-/// the prompt. An error unless the pads form exactly one run per image, each as long as that image's
-/// embedding rows.
+/// the prompt. An error unless there is at least one image, the pads form exactly one run per image,
+/// and each run is as long as that image's embedding rows (`[rows, width]`).
 pub fn image_embedding_rows(
     tokens: &[u32],
     pad: u32,
     images: &[Tensor],
 ) -> Result<(Vec<usize>, Tensor)> {
+    if images.is_empty() {
+        return Err(ModelError::ImagePads {
+            reason: "no images to place".into(),
+        });
+    }
     let mut runs: Vec<(usize, usize)> = Vec::new();
     for (i, &t) in tokens.iter().enumerate() {
         if t != pad {
@@ -655,10 +660,5 @@ pub fn image_embedding_rows(
         .iter()
         .flat_map(|&(start, len)| start..start + len)
         .collect();
-    if images.is_empty() {
-        return Err(ModelError::ImagePads {
-            reason: "no images".into(),
-        });
-    }
     Ok((rows, Tensor::cat(images, 0)?))
 }
