@@ -103,6 +103,26 @@ pub enum ModelError {
     #[error("{0}")]
     Unsupported(String),
 
+    /// An image's patch grid the vision tower cannot run (`[t, h, w]` in patches).
+    #[error("image grid {grid:?} (t, h, w in patches): {reason}")]
+    ImageGrid { grid: [usize; 3], reason: String },
+
+    /// An image's pixel values whose shape is not the one its grid needs.
+    #[error("image pixels have shape {found:?}; the grid {grid:?} needs {expected:?}")]
+    ImagePixels {
+        grid: [usize; 3],
+        expected: [usize; 2],
+        found: Vec<usize>,
+    },
+
+    /// Image pad runs of a prompt that do not match the images' embeddings (count or length).
+    #[error("image pads: {reason}")]
+    ImagePads { reason: String },
+
+    /// A batch item's input-embedding rows that cannot replace its token embeddings.
+    #[error("prompt {index}: embedding rows: {reason}")]
+    EmbeddingRows { index: usize, reason: String },
+
     #[error(transparent)]
     Hf(#[from] crate::hf::HfError),
 

@@ -48,8 +48,8 @@ pub use hf::{HfCheckpoint, HfError, HfTextConfig};
 pub use kv_fp8::KvStorage;
 pub use prism_quant::Q8Scales;
 pub use qwen35::{
-    argmax, shared_prefix_len, BatchItem, BatchOutput, LoadOptions, LoadProgress, Qwen35Model,
-    Segment,
+    argmax, shared_prefix_len, BatchItem, BatchOutput, EmbeddingRows, LoadOptions, LoadProgress,
+    Qwen35Model, Segment,
 };
 pub use rope::Position3;
 pub use state::SequenceState;

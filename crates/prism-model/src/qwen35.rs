@@ -306,6 +306,23 @@ pub struct BatchItem<'a> {
     /// layer's being held to the end of the call: on the demo model that was ~1.2 MB a branch
     /// (docs/optimization-log.md). Default `true`.
     pub keep_state: bool,
+    /// Input embeddings that replace the token embeddings at some of this item's tokens (an image's
+    /// merged patches at its pad tokens: [`crate::vision::image_embedding_rows`]). `None` (the
+    /// default): every token is embedded by its id.
+    pub embeddings: Option<EmbeddingRows<'a>>,
+}
+
+/// Rows of a batch item's input that take given embeddings instead of their tokens' (transformers'
+/// `inputs_embeds.masked_scatter` of image features). Checked by the forward pass: `rows` strictly
+/// increasing and inside the item's tokens, `values` of shape `[rows.len(), hidden]`; else
+/// [`ModelError::EmbeddingRows`].
+#[derive(Debug, Clone, Copy)]
+pub struct EmbeddingRows<'a> {
+    /// Indices into the item's `tokens`.
+    pub rows: &'a [usize],
+    /// One embedding per row, any float dtype (cast to the activation dtype), on any device (copied to
+    /// the model's).
+    pub values: &'a Tensor,
 }
 
 impl<'a> BatchItem<'a> {
@@ -316,6 +333,7 @@ impl<'a> BatchItem<'a> {
             positions: None,
             parent: None,
             keep_state: true,
+            embeddings: None,
         }
     }
 }
@@ -694,6 +712,9 @@ impl Qwen35Model {
                 parent: item.parent,
             });
             ids.extend_from_slice(item.tokens);
+            if let Some(e) = &item.embeddings {
+                self.check_embedding_rows(e, t_len, index)?;
+            }
         }
 
         let whole = profile::Section::start("forward (whole pass)", &self.device)?;
@@ -705,6 +726,9 @@ impl Qwen35Model {
             .embed
             .index_select(&ids, 0)?
             .to_dtype(self.precision.activation_dtype())?;
+        if items.iter().any(|it| it.embeddings.is_some()) {
+            x = self.replace_embeddings(x, items, &segments)?;
+        }
         if let Some(t) = trace.as_deref_mut() {
             t.push(x.clone());
         }
@@ -803,6 +827,71 @@ impl Qwen35Model {
             *item.state = state;
         }
         Ok(BatchOutput { hidden, segments })
+    }
+
+    /// Item `index`'s embedding rows against its `t_len` tokens and the model's width.
+    fn check_embedding_rows(
+        &self,
+        e: &EmbeddingRows<'_>,
+        t_len: usize,
+        index: usize,
+    ) -> Result<()> {
+        let bad = |reason: String| ModelError::EmbeddingRows { index, reason };
+        if let Some(w) = e.rows.windows(2).find(|w| w[0] >= w[1]) {
+            return Err(bad(format!(
+                "rows must be strictly increasing; {} is followed by {}",
+                w[0], w[1]
+            )));
+        }
+        if let Some(&last) = e.rows.last().filter(|&&r| r >= t_len) {
+            return Err(bad(format!("row {last} is past the item's {t_len} tokens")));
+        }
+        let want = [e.rows.len(), self.config.hidden_size];
+        if e.values.dims() != want {
+            return Err(bad(format!(
+                "values have shape {:?}, {} rows need {want:?}",
+                e.values.dims(),
+                e.rows.len()
+            )));
+        }
+        if !e.values.dtype().is_float() {
+            return Err(bad(format!(
+                "values are {:?}, not floats",
+                e.values.dtype()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The packed token embeddings `x` (`[N, d]`) with the items' checked embedding rows put in their
+    /// place: one gather from the token embeddings followed by every item's values.
+    fn replace_embeddings(
+        &self,
+        x: Tensor,
+        items: &[BatchItem<'_>],
+        segments: &[Segment],
+    ) -> Result<Tensor> {
+        let n = x.dim(0)?;
+        let too_many = || ModelError::InvalidInput("too many embedding rows in one batch".into());
+        let mut source: Vec<u32> = (0..n)
+            .map(|i| u32::try_from(i).map_err(|_| too_many()))
+            .collect::<Result<_>>()?;
+        let mut parts = vec![x];
+        let mut next = n;
+        for (item, seg) in items.iter().zip(segments) {
+            let Some(e) = &item.embeddings else { continue };
+            for (k, &row) in e.rows.iter().enumerate() {
+                source[seg.start + row] = u32::try_from(next + k).map_err(|_| too_many())?;
+            }
+            next += e.rows.len();
+            parts.push(
+                e.values
+                    .to_device(&self.device)?
+                    .to_dtype(self.precision.activation_dtype())?,
+            );
+        }
+        let source = Tensor::from_vec(source, n, &self.device)?;
+        Ok(Tensor::cat(&parts, 0)?.index_select(&source, 0)?)
     }
 
     fn check_state(&self, state: &SequenceState, index: usize) -> Result<()> {
