@@ -858,3 +858,130 @@ delta_rule_scan_batch_f32(const float* __restrict__ q,       // [N, HK, dk]
         for (int s = tid; s < CHUNK; s += THREADS) go[s] = s < kept ? gam[s] : 0.0;
     }
 }
+
+// =====================================================================================================
+// One-token segments that do not close their chunk (a decode step: the new row r = pending < 63). The
+// pair and scan kernels above stage and solve a whole chunk per segment and write the pair scalars of
+// every chunk row to a scratch buffer; for one new row the work is its own: the pair scalars of row r
+// against the pending rows, RK_r and RQ_r against the memory, u_r and o_r, and the new pending rows.
+// Every float is formed by the operation sequence listed at the top of this file, so the results are
+// those of the pair + scan kernels bit for bit (`tests/device` compares them):
+//   Γ_r = Γ_{r−1} + g_r (f64);  e_s = (float)exp(Γ_r − Γ_s);  dec = (float)exp(Γ_r);
+//   A_s = (β_r · (k̂_r·k̂_s)) · e_s (s < r);  B_s = (q̂_r·k̂_s) · e_s (s < r), B_r = q̂_r·k̂_r;
+//   RK_j, RQ_j = fmaf over i in order from 0 of k̂_r[i] · S[i][j], q̂_r[i] · S[i][j];
+//   u_j = β_r · fmaf(−dec, RK_j, v_j), then fmaf(−A_s, u_sj, ·) for s = 0 .. r−1;
+//   o_j = dec · RQ_j, then fmaf(B_s, u_sj, ·) for s = 0 .. r−1, then fmaf(B_r, u_j, ·).
+// Grid (value heads, segments), DECODE_THREADS threads: thread j < dv computes u_j, thread dv + j
+// computes o_j (dv ≤ DECODE_THREADS / 2). The memory is not written (no chunk closes: the launcher hands
+// back the input's); the pending rows are written whole (rows past r zero), as the scan kernel does.
+// =====================================================================================================
+
+#define DECODE_THREADS 256
+
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
+delta_rule_decode_batch_f32(const float* __restrict__ q,     // [N, HK, dk]
+                            const float* __restrict__ k,     // [N, HK, dk]
+                            const float* __restrict__ v,     // rows of v_stride, [H, dv] each
+                            const float* __restrict__ g,     // [N, H]
+                            const float* __restrict__ beta,  // [N, H]
+                            float* __restrict__ out,         // [N, H, dv]
+                            float* __restrict__ pk_out,      // [segments, H, CHUNK, dk]
+                            float* __restrict__ pu_out,      // [segments, H, CHUNK, dv]
+                            double* __restrict__ gam_out,    // [segments, H, CHUNK]
+                            const DeltaSegments sg) {
+    extern __shared__ double smem_d[];
+    const int h = blockIdx.x, seg = blockIdx.y, tid = threadIdx.x;
+    const int H = sg.heads, HK = sg.key_heads, kh = h % HK, dk = sg.dk, dv = sg.dv;
+    const int r = sg.pending[seg];
+    const long tok = sg.start[seg];
+    const int KS1 = dk + 1;  // row stride of the staged pending keys (a thread a row: no bank conflicts)
+
+    double* gam = smem_d;                 // [CHUNK]
+    float* kr = (float*)(gam + CHUNK);    // [dk] k̂_r
+    float* qr = kr + dk;                  // [dk] q̂_r
+    float* A = qr + dk;                   // [CHUNK]
+    float* B = A + CHUNK;                 // [CHUNK]
+    float* U = B + CHUNK;                 // [dv] u_r
+    float* Kp = U + dv;                   // [CHUNK][KS1] pending k̂ rows s < r
+
+    const float* s_in = sg.s_in[seg] + (size_t)h * dk * dv;
+    const float* pk_in = sg.pk_in[seg] + (size_t)h * CHUNK * dk;
+    const float* pu_in = sg.pu_in[seg] + (size_t)h * CHUNK * dv;
+    const double* gam_in = sg.gam_in[seg] + (size_t)h * CHUNK;
+
+    for (int i = tid; i < dk; i += DECODE_THREADS) {
+        const size_t at = ((size_t)tok * HK + kh) * dk + i;
+        kr[i] = k[at];
+        qr[i] = q[at];
+    }
+    for (int idx = tid; idx < r * dk; idx += DECODE_THREADS) {
+        const int s = idx / dk, i = idx % dk;
+        Kp[s * KS1 + i] = pk_in[(size_t)s * dk + i];
+    }
+    for (int s = tid; s < r; s += DECODE_THREADS) gam[s] = gam_in[s];
+    __syncthreads();
+    if (tid == 0) {
+        double acc = r == 0 ? 0.0 : gam[r - 1];
+        acc += (double)g[(size_t)tok * H + h];
+        gam[r] = acc;
+    }
+    __syncthreads();
+    const float beta_r = beta[(size_t)tok * H + h];
+
+    // The pair scalars of row r: thread s < r takes A_s, thread CHUNK + s (s ≤ r) takes B_s.
+    if (tid < r) {
+        const int s = tid;
+        float d = 0.f;
+        for (int i = 0; i < dk; ++i) d = fmaf(kr[i], Kp[s * KS1 + i], d);
+        A[s] = beta_r * d * (float)exp(gam[r] - gam[s]);
+    } else if (tid >= CHUNK && tid - CHUNK <= r) {
+        const int s = tid - CHUNK;
+        float d = 0.f;
+        if (s < r) {
+            for (int i = 0; i < dk; ++i) d = fmaf(qr[i], Kp[s * KS1 + i], d);
+            B[s] = d * (float)exp(gam[r] - gam[s]);
+        } else {
+            for (int i = 0; i < dk; ++i) d = fmaf(qr[i], kr[i], d);
+            B[s] = d;
+        }
+    }
+    __syncthreads();
+
+    const float dec = (float)exp(gam[r]);
+    const int j = tid < dv ? tid : tid - dv;
+    const bool is_u = tid < dv, is_o = tid >= dv && tid < 2 * dv;
+    float o = 0.f;
+    if (is_u || is_o) {
+        const float* x = is_u ? kr : qr;
+        float acc = 0.f;
+        for (int i = 0; i < dk; ++i) acc = fmaf(x[i], s_in[(size_t)i * dv + j], acc);
+        if (is_u) {
+            const float vj = v[(size_t)tok * sg.v_stride + (size_t)h * dv + j];
+            float u = beta_r * fmaf(-dec, acc, vj);
+            for (int s = 0; s < r; ++s) u = fmaf(-A[s], pu_in[(size_t)s * dv + j], u);
+            U[j] = u;
+        } else {
+            o = dec * acc;
+            for (int s = 0; s < r; ++s) o = fmaf(B[s], pu_in[(size_t)s * dv + j], o);
+        }
+    }
+    __syncthreads();
+    if (is_o) {
+        o = fmaf(B[r], U[j], o);
+        out[((size_t)tok * H + h) * dv + j] = o;
+    }
+
+    // The new pending rows: rows s < r as they were, row r new, the rest zero.
+    float* pko = pk_out + ((size_t)seg * H + h) * CHUNK * dk;
+    for (int idx = tid; idx < CHUNK * dk; idx += DECODE_THREADS) {
+        const int s = idx / dk, i = idx % dk;
+        pko[idx] = s < r ? Kp[s * KS1 + i] : s == r ? kr[i] : 0.f;
+    }
+    float* puo = pu_out + ((size_t)seg * H + h) * CHUNK * dv;
+    for (int idx = tid; idx < CHUNK * dv; idx += DECODE_THREADS) {
+        const int s = idx / dv, jj = idx % dv;
+        puo[idx] = s < r ? pu_in[(size_t)s * dv + jj] : s == r ? U[jj] : 0.f;
+    }
+    double* go = gam_out + ((size_t)seg * H + h) * CHUNK;
+    for (int s = tid; s < CHUNK; s += DECODE_THREADS) go[s] = s <= r ? gam[s] : 0.0;
+}

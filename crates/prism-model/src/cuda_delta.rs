@@ -16,7 +16,7 @@
 //! ([`delta_rule_per_segment_v1`]).
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Result, Tensor};
@@ -98,7 +98,9 @@ fn value_rows(v: &Tensor) -> Result<(Tensor, usize)> {
     }
 }
 
-/// The CUDA [`crate::delta_rule::chunked_batch`] (same arguments and result).
+/// The CUDA [`crate::delta_rule::chunked_batch`] (same arguments and result). One-token segments
+/// that do not close their chunk (decode steps) run on the decode kernel, the rest on the pair and
+/// scan kernels; both give the same bits.
 pub fn delta_rule_batch(
     q: &Tensor,
     k: &Tensor,
@@ -107,6 +109,34 @@ pub fn delta_rule_batch(
     beta: &Tensor,
     segments: &[RuleSegment],
     states: &[RuleState],
+) -> Result<(Tensor, Vec<RuleState>)> {
+    delta_rule_batch_with(q, k, v, g, beta, segments, states, true)
+}
+
+/// [`delta_rule_batch`] with every segment on the pair and scan kernels (the decode kernel's
+/// reference in the device checks).
+pub fn delta_rule_batch_general(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    segments: &[RuleSegment],
+    states: &[RuleState],
+) -> Result<(Tensor, Vec<RuleState>)> {
+    delta_rule_batch_with(q, k, v, g, beta, segments, states, false)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn delta_rule_batch_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    segments: &[RuleSegment],
+    states: &[RuleState],
+    decode: bool,
 ) -> Result<(Tensor, Vec<RuleState>)> {
     let dims = check_batch(q, k, v, g, beta, segments, states)?;
     let (tokens, heads, dk, dv) = (dims.tokens, dims.heads, dims.dk, dims.dv);
@@ -172,6 +202,31 @@ pub fn delta_rule_batch(
                 done: 0,
                 state,
             });
+        }
+        // Decode steps: one launch of the decode kernel per MAX_SEGMENTS of them.
+        if decode && dv <= DECODE_THREADS as usize / 2 {
+            let steps: Vec<usize> = (0..work.len())
+                .filter(|&wi| {
+                    let w = &work[wi];
+                    segments[w.segment].len == 1 && w.done == 0 && w.state.pending + 1 < CHUNK
+                })
+                .collect();
+            for group in steps.chunks(MAX_SEGMENTS) {
+                let parts: Vec<Part<'_>> = group
+                    .iter()
+                    .map(|&wi| Part {
+                        start: segments[work[wi].segment].start,
+                        tokens: 1,
+                        state: &work[wi].state,
+                    })
+                    .collect();
+                let next = launch_decode(&dev, &x, &out, &parts)?;
+                drop(parts);
+                for (&wi, state) in group.iter().zip(next) {
+                    work[wi].done = 1;
+                    work[wi].state = state;
+                }
+            }
         }
         while work.iter().any(|w| w.done < segments[w.segment].len) {
             // The next launch: segments in order, each with all its remaining chunks while the chunk
@@ -301,51 +356,8 @@ fn launch(
         })
         .collect::<Result<Vec<_>>>()?;
 
-    let mut args = SegmentArgs {
-        s_in: [0; MAX_SEGMENTS],
-        pk_in: [0; MAX_SEGMENTS],
-        pu_in: [0; MAX_SEGMENTS],
-        gam_in: [0; MAX_SEGMENTS],
-        start: [0; MAX_SEGMENTS],
-        len: [0; MAX_SEGMENTS],
-        pending: [0; MAX_SEGMENTS],
-        chunk0: [0; MAX_SEGMENTS + 1],
-        count: i32_arg(count, "segments")?,
-        heads: i32_arg(heads, "heads")?,
-        key_heads: i32_arg(x.key_heads, "key heads")?,
-        dk: i32_arg(dk, "dk")?,
-        dv: i32_arg(dv, "dv")?,
-        v_stride: i32_arg(x.v_stride, "v row stride")?,
-    };
     let stream = dev.cuda_stream();
-    let mut guards = Vec::with_capacity(4 * count);
-    let mut chunks = 0usize;
-    for (j, (part, (s, pk, pu, gam))) in parts.iter().zip(&views).enumerate() {
-        if part.state.dims()? != (heads, dk, dv) || part.tokens == 0 {
-            bail!(
-                "delta rule (cuda): launch part {j} does not fit ({} tokens)",
-                part.tokens
-            );
-        }
-        let (p_s, g_s) = s.device_ptr(&stream);
-        let (p_pk, g_pk) = pk.device_ptr(&stream);
-        let (p_pu, g_pu) = pu.device_ptr(&stream);
-        let (p_gam, g_gam) = gam.device_ptr(&stream);
-        if [p_s, p_pk, p_pu].iter().any(|p| p % 16 != 0) || p_gam % 8 != 0 {
-            bail!("delta rule (cuda): state buffers of launch part {j} are not 16-byte aligned");
-        }
-        guards.extend([g_s, g_pk, g_pu, g_gam]);
-        args.s_in[j] = p_s;
-        args.pk_in[j] = p_pk;
-        args.pu_in[j] = p_pu;
-        args.gam_in[j] = p_gam;
-        args.start[j] = i32_arg(part.start, "segment start")?;
-        args.len[j] = i32_arg(part.tokens, "segment tokens")?;
-        args.pending[j] = i32_arg(part.state.pending, "pending rows")?;
-        args.chunk0[j] = i32_arg(chunks, "chunk index")?;
-        chunks += (part.state.pending + part.tokens).div_ceil(CHUNK);
-    }
-    args.chunk0[count] = i32_arg(chunks, "chunks")?;
+    let (args, chunks, guards) = segment_args(&stream, x, parts, &views)?;
     if chunks > CHUNKS_PER_LAUNCH {
         bail!("delta rule (cuda): {chunks} chunks in one launch (at most {CHUNKS_PER_LAUNCH})");
     }
@@ -438,6 +450,177 @@ fn launch(
                 pending_u: pu_all.get(j)?,
                 pending_gamma: gam_all.get(j)?,
                 pending: (p.state.pending + p.tokens) % CHUNK,
+            })
+        })
+        .collect()
+}
+
+/// A state's memory, pending keys, values and decays as device views.
+type StateViews<'a> = (
+    CudaView<'a, f32>,
+    CudaView<'a, f32>,
+    CudaView<'a, f32>,
+    CudaView<'a, f64>,
+);
+
+/// The segment table of a launch over `parts` (their states' device pointers, rows and pending counts;
+/// `chunk0` as the pair and scan kernels count chunks) and the guards that keep the pointers valid.
+fn segment_args<'a>(
+    stream: &'a std::sync::Arc<CudaStream>,
+    x: &BatchInputs<'_>,
+    parts: &[Part<'_>],
+    views: &'a [StateViews<'a>],
+) -> Result<(SegmentArgs, usize, Vec<SyncOnDrop<'a>>)> {
+    let count = parts.len();
+    let (heads, dk, dv) = (x.heads, x.dk, x.dv);
+    let mut args = SegmentArgs {
+        s_in: [0; MAX_SEGMENTS],
+        pk_in: [0; MAX_SEGMENTS],
+        pu_in: [0; MAX_SEGMENTS],
+        gam_in: [0; MAX_SEGMENTS],
+        start: [0; MAX_SEGMENTS],
+        len: [0; MAX_SEGMENTS],
+        pending: [0; MAX_SEGMENTS],
+        chunk0: [0; MAX_SEGMENTS + 1],
+        count: i32_arg(count, "segments")?,
+        heads: i32_arg(heads, "heads")?,
+        key_heads: i32_arg(x.key_heads, "key heads")?,
+        dk: i32_arg(dk, "dk")?,
+        dv: i32_arg(dv, "dv")?,
+        v_stride: i32_arg(x.v_stride, "v row stride")?,
+    };
+    let mut guards = Vec::with_capacity(4 * count);
+    let mut chunks = 0usize;
+    for (j, (part, (s, pk, pu, gam))) in parts.iter().zip(views).enumerate() {
+        if part.state.dims()? != (heads, dk, dv) || part.tokens == 0 {
+            bail!(
+                "delta rule (cuda): launch part {j} does not fit ({} tokens)",
+                part.tokens
+            );
+        }
+        let (p_s, g_s) = s.device_ptr(stream);
+        let (p_pk, g_pk) = pk.device_ptr(stream);
+        let (p_pu, g_pu) = pu.device_ptr(stream);
+        let (p_gam, g_gam) = gam.device_ptr(stream);
+        if [p_s, p_pk, p_pu].iter().any(|p| p % 16 != 0) || p_gam % 8 != 0 {
+            bail!("delta rule (cuda): state buffers of launch part {j} are not 16-byte aligned");
+        }
+        guards.extend([g_s, g_pk, g_pu, g_gam]);
+        args.s_in[j] = p_s;
+        args.pk_in[j] = p_pk;
+        args.pu_in[j] = p_pu;
+        args.gam_in[j] = p_gam;
+        args.start[j] = i32_arg(part.start, "segment start")?;
+        args.len[j] = i32_arg(part.tokens, "segment tokens")?;
+        args.pending[j] = i32_arg(part.state.pending, "pending rows")?;
+        args.chunk0[j] = i32_arg(chunks, "chunk index")?;
+        chunks += (part.state.pending + part.tokens).div_ceil(CHUNK);
+    }
+    args.chunk0[count] = i32_arg(chunks, "chunks")?;
+    Ok((args, chunks, guards))
+}
+
+/// Threads of the decode kernel (`DECODE_THREADS` in delta_rule.cu): a thread a value column for u,
+/// one for the output, so dv ≤ half of them.
+const DECODE_THREADS: u32 = 256;
+
+/// One launch of the decode kernel over `parts` (at most [`MAX_SEGMENTS`] one-token segments whose
+/// pending rows stay under [`CHUNK`]): writes their output rows into `out` and returns their states
+/// (the memory is the input's: no chunk closes).
+fn launch_decode(
+    dev: &CudaDevice,
+    x: &BatchInputs<'_>,
+    out: &CudaSlice<f32>,
+    parts: &[Part<'_>],
+) -> Result<Vec<RuleState>> {
+    let (heads, dk, dv) = (x.heads, x.dk, x.dv);
+    let count = parts.len();
+    if count == 0 || count > MAX_SEGMENTS {
+        bail!("delta rule decode (cuda): {count} segments in one launch (1 to {MAX_SEGMENTS})");
+    }
+    if dv > DECODE_THREADS as usize / 2
+        || parts
+            .iter()
+            .any(|p| p.tokens != 1 || p.state.pending + 1 >= CHUNK)
+    {
+        bail!("delta rule decode (cuda): a part is not a one-token step inside its chunk");
+    }
+    let held = parts
+        .iter()
+        .map(|p| {
+            Ok([
+                aligned(&p.state.chunk_start)?,
+                aligned(&p.state.pending_k)?,
+                aligned(&p.state.pending_u)?,
+                p.state.pending_gamma.contiguous()?,
+            ])
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let inputs = held
+        .iter()
+        .map(|t| {
+            Ok((
+                Input::new(&t[0], DType::F32, "memory")?,
+                Input::new(&t[1], DType::F32, "pending keys")?,
+                Input::new(&t[2], DType::F32, "pending values")?,
+                Input::new(&t[3], DType::F64, "pending decays")?,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let views = inputs
+        .iter()
+        .map(|(s, pk, pu, gam)| {
+            Ok((
+                s.view::<f32>()?,
+                pk.view::<f32>()?,
+                pu.view::<f32>()?,
+                gam.view::<f64>()?,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let stream = dev.cuda_stream();
+    let (args, _, guards) = segment_args(&stream, x, parts, &views)?;
+
+    let pk_out = alloc::<f32>(dev, count * heads * CHUNK * dk)?;
+    let pu_out = alloc::<f32>(dev, count * heads * CHUNK * dv)?;
+    let gam_out = alloc::<f64>(dev, count * heads * CHUNK)?;
+    // Shared memory as laid out at the top of the kernel: Γ, k̂_r, q̂_r, A, B, u_r, pending k̂ rows.
+    let smem = CHUNK * 8 + (2 * dk + 2 * CHUNK + dv + CHUNK * (dk + 1)) * 4;
+    let kernel = load_kernel(dev, MODULE, IMAGE, "delta_rule_decode_batch_f32")?;
+    kernel.allow_dynamic_shared(smem, "delta rule decode shared memory")?;
+    let cfg = LaunchConfig {
+        grid_dim: (heads as u32, count as u32, 1),
+        block_dim: (DECODE_THREADS, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    {
+        let mut b = kernel.builder();
+        b.arg(&x.q).arg(&x.k).arg(&x.v).arg(&x.g).arg(&x.beta);
+        b.arg(out)
+            .arg(&pk_out)
+            .arg(&pu_out)
+            .arg(&gam_out)
+            .arg(&args);
+        // SAFETY: the arguments match the kernel's signature; each part's row `start` is inside the
+        // packed inputs (check_batch) and its state holds `heads` heads of dk × dv with CHUNK pending
+        // rows (checked by segment_args); `out` holds every row of the packed call; the state outputs
+        // hold `count` segments.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    }
+    drop(guards);
+    let pk_all = wrap(pk_out, dev, (count, heads, CHUNK, dk));
+    let pu_all = wrap(pu_out, dev, (count, heads, CHUNK, dv));
+    let gam_all = wrap(gam_out, dev, (count, heads, CHUNK));
+    parts
+        .iter()
+        .enumerate()
+        .map(|(j, p)| {
+            Ok(RuleState {
+                chunk_start: p.state.chunk_start.clone(),
+                pending_k: pk_all.get(j)?,
+                pending_u: pu_all.get(j)?,
+                pending_gamma: gam_all.get(j)?,
+                pending: p.state.pending + 1,
             })
         })
         .collect()

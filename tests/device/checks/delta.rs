@@ -11,17 +11,19 @@
 //!    (c) the batched call on q/k tiled to the value heads.
 //! 2. The same batch against the CPU twin (`chunked_batch` on the host): ‖Δ‖/‖ref‖ of the outputs and
 //!    of the memories after every segment.
-//! 3. Launch limits, bit for bit against one call each: 40 one-token sequences from 40 states at
+//! 3. The decode kernel (one-token segments inside their chunk) against the pair and scan kernels and
+//!    the per-segment kernels, bit for bit, at every pending count.
+//! 4. Launch limits, bit for bit against one call each: 40 one-token sequences from 40 states at
 //!    different pending rows (two launches of ≤ 32 segments), and a 2,200-token prompt next to three
 //!    short ones (the chunk budget splits the long one across launches).
-//! 4. Timing at 27B shapes (48 value heads over 16 key heads, dk = dv = 128), median of 21 runs after a
+//! 5. Timing at 27B shapes (48 value heads over 16 key heads, dk = dv = 128), median of 21 runs after a
 //!    warm-up, µs: one layer's delta rule for one 275-token prompt, for a 230-token prefix and three
 //!    40-token branches of it, and for a decode step of 12 sequences; the per-segment kernels (q/k
 //!    tiled beforehand, one call per segment as the model did) next to the batched call.
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
-use prism_model::cuda_delta::delta_rule_per_segment_v1;
+use prism_model::cuda_delta::{delta_rule_batch_general, delta_rule_per_segment_v1};
 use prism_model::delta_rule::{self, chunked_batch, expand_key_heads, RuleSegment, RuleState};
 use serde_json::json;
 
@@ -256,6 +258,39 @@ fn bitwise_and_accuracy_checks(r: &mut Report, gpu: &Device) -> Result<()> {
     Ok(())
 }
 
+/// The decode kernel (one-token segments inside their chunk) against the pair and scan kernels and the
+/// per-segment kernels, bit for bit: 70 one-token sequences from states at every pending count 0..=63
+/// (the 63s close their chunk and take the general path), two of them branching from others.
+fn decode_kernel_checks(r: &mut Report, gpu: &Device) -> Result<()> {
+    let (h, hk, dk, dv) = (6usize, 2usize, 128usize, 128usize);
+    let mut rng = Rng(0xDE17_A5EE_0B00_0003);
+    let mut spec: Vec<(usize, Option<usize>)> = vec![(1, None); 68];
+    spec.push((1, Some(3)));
+    spec.push((1, Some(68)));
+    let segments = tile(&spec);
+    let states = (0..70)
+        .map(|i| state_after(300 + i as u64, i % 64, h, dk, dv, gpu))
+        .collect::<Result<Vec<_>>>()?;
+    let x = on_device(&batch_inputs(&mut rng, 70, h, hk, dk, dv)?, gpu)?;
+    let [q, k, v, g, beta] = &x;
+    let decoded = chunked_batch(q, k, v, g, beta, &segments, &states)?;
+    let general = delta_rule_batch_general(q, k, v, g, beta, &segments, &states)?;
+    same_results(
+        r,
+        "delta rule decode kernel: 70 one-token steps (pending 0..=63, branches) vs the pair and scan kernels",
+        &decoded,
+        &general,
+    )?;
+    let old = delta_rule_per_segment_v1(q, k, v, g, beta, &segments, &states)?;
+    same_results(
+        r,
+        "delta rule decode kernel: 70 one-token steps vs the per-segment kernels (v1)",
+        &decoded,
+        &old,
+    )?;
+    Ok(())
+}
+
 fn launch_limit_checks(r: &mut Report, gpu: &Device) -> Result<()> {
     let (h, hk, dk, dv) = (6usize, 2usize, 128usize, 128usize);
     let mut rng = Rng(0xDE17_A5EE_0B00_0002);
@@ -377,6 +412,7 @@ fn timing_checks(r: &mut Report, gpu: &Device) -> Result<()> {
 /// The batched delta-rule device checks (bitwise, CPU twin, launch limits, timing); see the module doc.
 pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
     bitwise_and_accuracy_checks(r, gpu)?;
+    decode_kernel_checks(r, gpu)?;
     launch_limit_checks(r, gpu)?;
     timing_checks(r, gpu)
 }
