@@ -871,12 +871,17 @@ delta_rule_scan_batch_f32(const float* __restrict__ q,       // [N, HK, dk]
 //   RK_j, RQ_j = fmaf over i in order from 0 of k̂_r[i] · S[i][j], q̂_r[i] · S[i][j];
 //   u_j = β_r · fmaf(−dec, RK_j, v_j), then fmaf(−A_s, u_sj, ·) for s = 0 .. r−1;
 //   o_j = dec · RQ_j, then fmaf(B_s, u_sj, ·) for s = 0 .. r−1, then fmaf(B_r, u_j, ·).
-// Grid (value heads, segments), DECODE_THREADS threads: thread j < dv computes u_j, thread dv + j
-// computes o_j (dv ≤ DECODE_THREADS / 2). The memory is not written (no chunk closes: the launcher hands
-// back the input's); the pending rows are written whole (rows past r zero), as the scan kernel does.
+// Grid (value heads, dv / CW column slices, segments), DECODE_THREADS threads. Every operand of the
+// dependent chains is staged in shared memory first, all loads in flight at once: the memory's slice
+// [dk][CW] and the pending u rows' slice [r][CW] by cp.async, the pending k̂ rows in pieces of
+// DECODE_PIECE columns (each dot product runs on over the pieces, i in order). Thread s < r forms A_s,
+// thread CHUNK + s (s ≤ r) B_s; thread j < CW forms u_j, thread CW + j forms o_j. The memory is not
+// written (no chunk closes: the launcher hands back the input's); the pending rows are written whole
+// (rows past r zero), as the scan kernel does; slice 0 writes the keys and decays.
 // =====================================================================================================
 
-#define DECODE_THREADS 256
+#define DECODE_THREADS 128
+#define DECODE_PIECE 32
 
 extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
 delta_rule_decode_batch_f32(const float* __restrict__ q,     // [N, HK, dk]
@@ -890,33 +895,39 @@ delta_rule_decode_batch_f32(const float* __restrict__ q,     // [N, HK, dk]
                             double* __restrict__ gam_out,    // [segments, H, CHUNK]
                             const DeltaSegments sg) {
     extern __shared__ double smem_d[];
-    const int h = blockIdx.x, seg = blockIdx.y, tid = threadIdx.x;
+    const int h = blockIdx.x, c0 = blockIdx.y * CW, seg = blockIdx.z, tid = threadIdx.x;
     const int H = sg.heads, HK = sg.key_heads, kh = h % HK, dk = sg.dk, dv = sg.dv;
     const int r = sg.pending[seg];
     const long tok = sg.start[seg];
-    const int KS1 = dk + 1;  // row stride of the staged pending keys (a thread a row: no bank conflicts)
+    const int PS = DECODE_PIECE + 1;  // row stride of a key piece (a thread a row: no bank conflicts)
 
     double* gam = smem_d;                 // [CHUNK]
-    float* kr = (float*)(gam + CHUNK);    // [dk] k̂_r
+    float* S = (float*)(gam + CHUNK);     // [dk][CW] the memory's slice
+    float* P = S + dk * CW;               // [CHUNK][CW] the pending u rows' slice
+    float* kr = P + CHUNK * CW;           // [dk] k̂_r
     float* qr = kr + dk;                  // [dk] q̂_r
     float* A = qr + dk;                   // [CHUNK]
     float* B = A + CHUNK;                 // [CHUNK]
-    float* U = B + CHUNK;                 // [dv] u_r
-    float* Kp = U + dv;                   // [CHUNK][KS1] pending k̂ rows s < r
+    float* U = B + CHUNK;                 // [CW] u_r
+    float* Kp = U + CW;                   // [CHUNK][PS] a piece of the pending k̂ rows
 
-    const float* s_in = sg.s_in[seg] + (size_t)h * dk * dv;
+    const float* s_in = sg.s_in[seg] + (size_t)h * dk * dv + c0;
     const float* pk_in = sg.pk_in[seg] + (size_t)h * CHUNK * dk;
-    const float* pu_in = sg.pu_in[seg] + (size_t)h * CHUNK * dv;
+    const float* pu_in = sg.pu_in[seg] + (size_t)h * CHUNK * dv + c0;
     const double* gam_in = sg.gam_in[seg] + (size_t)h * CHUNK;
 
+    for (int idx = tid; idx < dk * (CW / 4); idx += DECODE_THREADS) {
+        const int i = idx / (CW / 4), j = (idx % (CW / 4)) * 4;
+        cp_async16(&S[i * CW + j], s_in + (size_t)i * dv + j);
+    }
+    for (int idx = tid; idx < r * (CW / 4); idx += DECODE_THREADS) {
+        const int s = idx / (CW / 4), j = (idx % (CW / 4)) * 4;
+        cp_async16(&P[s * CW + j], pu_in + (size_t)s * dv + j);
+    }
     for (int i = tid; i < dk; i += DECODE_THREADS) {
         const size_t at = ((size_t)tok * HK + kh) * dk + i;
         kr[i] = k[at];
         qr[i] = q[at];
-    }
-    for (int idx = tid; idx < r * dk; idx += DECODE_THREADS) {
-        const int s = idx / dk, i = idx % dk;
-        Kp[s * KS1 + i] = pk_in[(size_t)s * dk + i];
     }
     for (int s = tid; s < r; s += DECODE_THREADS) gam[s] = gam_in[s];
     __syncthreads();
@@ -925,63 +936,70 @@ delta_rule_decode_batch_f32(const float* __restrict__ q,     // [N, HK, dk]
         acc += (double)g[(size_t)tok * H + h];
         gam[r] = acc;
     }
-    __syncthreads();
     const float beta_r = beta[(size_t)tok * H + h];
 
-    // The pair scalars of row r: thread s < r takes A_s, thread CHUNK + s (s ≤ r) takes B_s.
-    if (tid < r) {
-        const int s = tid;
-        float d = 0.f;
-        for (int i = 0; i < dk; ++i) d = fmaf(kr[i], Kp[s * KS1 + i], d);
-        A[s] = beta_r * d * (float)exp(gam[r] - gam[s]);
-    } else if (tid >= CHUNK && tid - CHUNK <= r) {
-        const int s = tid - CHUNK;
-        float d = 0.f;
-        if (s < r) {
-            for (int i = 0; i < dk; ++i) d = fmaf(qr[i], Kp[s * KS1 + i], d);
-            B[s] = d * (float)exp(gam[r] - gam[s]);
-        } else {
-            for (int i = 0; i < dk; ++i) d = fmaf(qr[i], kr[i], d);
-            B[s] = d;
+    // The pair scalars' dot products, the pending keys a piece of columns at a time.
+    const bool is_a = tid < r, is_b = tid >= CHUNK && tid - CHUNK <= r;
+    const int ps = is_a ? tid : tid - CHUNK;
+    const float* xr = is_a ? kr : qr;
+    float d = 0.f;
+    for (int i0 = 0; i0 < dk; i0 += DECODE_PIECE) {
+        __syncthreads();  // the previous piece is read
+        for (int idx = tid; idx < r * DECODE_PIECE; idx += DECODE_THREADS) {
+            const int s = idx / DECODE_PIECE, i = idx % DECODE_PIECE;
+            Kp[s * PS + i] = i0 + i < dk ? pk_in[(size_t)s * dk + i0 + i] : 0.f;
+        }
+        __syncthreads();
+        if (is_a || (is_b && ps < r)) {
+            const int n = min(DECODE_PIECE, dk - i0);
+            for (int i = 0; i < n; ++i) d = fmaf(xr[i0 + i], Kp[ps * PS + i], d);
         }
     }
+    if (is_b && ps == r) {
+        for (int i = 0; i < dk; ++i) d = fmaf(qr[i], kr[i], d);
+    }
+    if (is_a) A[ps] = beta_r * d * (float)exp(gam[r] - gam[ps]);
+    if (is_b) B[ps] = ps < r ? d * (float)exp(gam[r] - gam[ps]) : d;
+    cp_async_wait_all();
     __syncthreads();
 
     const float dec = (float)exp(gam[r]);
-    const int j = tid < dv ? tid : tid - dv;
-    const bool is_u = tid < dv, is_o = tid >= dv && tid < 2 * dv;
+    const bool is_u = tid < CW, is_o = tid >= CW && tid < 2 * CW;
+    const int j = is_u ? tid : tid - CW;
     float o = 0.f;
     if (is_u || is_o) {
         const float* x = is_u ? kr : qr;
         float acc = 0.f;
-        for (int i = 0; i < dk; ++i) acc = fmaf(x[i], s_in[(size_t)i * dv + j], acc);
+        for (int i = 0; i < dk; ++i) acc = fmaf(x[i], S[i * CW + j], acc);
         if (is_u) {
-            const float vj = v[(size_t)tok * sg.v_stride + (size_t)h * dv + j];
+            const float vj = v[(size_t)tok * sg.v_stride + (size_t)h * dv + c0 + j];
             float u = beta_r * fmaf(-dec, acc, vj);
-            for (int s = 0; s < r; ++s) u = fmaf(-A[s], pu_in[(size_t)s * dv + j], u);
+            for (int s = 0; s < r; ++s) u = fmaf(-A[s], P[s * CW + j], u);
             U[j] = u;
         } else {
             o = dec * acc;
-            for (int s = 0; s < r; ++s) o = fmaf(B[s], pu_in[(size_t)s * dv + j], o);
+            for (int s = 0; s < r; ++s) o = fmaf(B[s], P[s * CW + j], o);
         }
     }
     __syncthreads();
     if (is_o) {
         o = fmaf(B[r], U[j], o);
-        out[((size_t)tok * H + h) * dv + j] = o;
+        out[((size_t)tok * H + h) * dv + c0 + j] = o;
     }
 
     // The new pending rows: rows s < r as they were, row r new, the rest zero.
-    float* pko = pk_out + ((size_t)seg * H + h) * CHUNK * dk;
-    for (int idx = tid; idx < CHUNK * dk; idx += DECODE_THREADS) {
-        const int s = idx / dk, i = idx % dk;
-        pko[idx] = s < r ? Kp[s * KS1 + i] : s == r ? kr[i] : 0.f;
+    float* puo = pu_out + ((size_t)seg * H + h) * CHUNK * dv + c0;
+    for (int idx = tid; idx < CHUNK * CW; idx += DECODE_THREADS) {
+        const int s = idx / CW, jj = idx % CW;
+        puo[(size_t)s * dv + jj] = s < r ? P[s * CW + jj] : s == r ? U[jj] : 0.f;
     }
-    float* puo = pu_out + ((size_t)seg * H + h) * CHUNK * dv;
-    for (int idx = tid; idx < CHUNK * dv; idx += DECODE_THREADS) {
-        const int s = idx / dv, jj = idx % dv;
-        puo[idx] = s < r ? pu_in[(size_t)s * dv + jj] : s == r ? U[jj] : 0.f;
+    if (blockIdx.y == 0) {
+        float* pko = pk_out + ((size_t)seg * H + h) * CHUNK * dk;
+        for (int idx = tid; idx < CHUNK * dk; idx += DECODE_THREADS) {
+            const int s = idx / dk;
+            pko[idx] = s < r ? pk_in[idx] : s == r ? kr[idx % dk] : 0.f;
+        }
+        double* go = gam_out + ((size_t)seg * H + h) * CHUNK;
+        for (int s = tid; s < CHUNK; s += DECODE_THREADS) go[s] = s <= r ? gam[s] : 0.0;
     }
-    double* go = gam_out + ((size_t)seg * H + h) * CHUNK;
-    for (int s = tid; s < CHUNK; s += DECODE_THREADS) go[s] = s <= r ? gam[s] : 0.0;
 }

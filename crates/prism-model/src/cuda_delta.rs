@@ -204,7 +204,7 @@ fn delta_rule_batch_with(
             });
         }
         // Decode steps: one launch of the decode kernel per MAX_SEGMENTS of them.
-        if decode && dv <= DECODE_THREADS as usize / 2 {
+        if decode {
             let steps: Vec<usize> = (0..work.len())
                 .filter(|&wi| {
                     let w = &work[wi];
@@ -520,9 +520,11 @@ fn segment_args<'a>(
     Ok((args, chunks, guards))
 }
 
-/// Threads of the decode kernel (`DECODE_THREADS` in delta_rule.cu): a thread a value column for u,
-/// one for the output, so dv ≤ half of them.
-const DECODE_THREADS: u32 = 256;
+/// Threads of the decode kernel (`DECODE_THREADS` in delta_rule.cu): the pair scalars take a thread
+/// each (CHUNK for A, CHUNK for B), the solve two a column of its slice.
+const DECODE_THREADS: u32 = 128;
+/// Columns of the pending keys staged at a time by the decode kernel (`DECODE_PIECE`).
+const DECODE_PIECE: usize = 32;
 
 /// One launch of the decode kernel over `parts` (at most [`MAX_SEGMENTS`] one-token segments whose
 /// pending rows stay under [`CHUNK`]): writes their output rows into `out` and returns their states
@@ -538,10 +540,9 @@ fn launch_decode(
     if count == 0 || count > MAX_SEGMENTS {
         bail!("delta rule decode (cuda): {count} segments in one launch (1 to {MAX_SEGMENTS})");
     }
-    if dv > DECODE_THREADS as usize / 2
-        || parts
-            .iter()
-            .any(|p| p.tokens != 1 || p.state.pending + 1 >= CHUNK)
+    if parts
+        .iter()
+        .any(|p| p.tokens != 1 || p.state.pending + 1 >= CHUNK)
     {
         bail!("delta rule decode (cuda): a part is not a one-token step inside its chunk");
     }
@@ -584,12 +585,15 @@ fn launch_decode(
     let pk_out = alloc::<f32>(dev, count * heads * CHUNK * dk)?;
     let pu_out = alloc::<f32>(dev, count * heads * CHUNK * dv)?;
     let gam_out = alloc::<f64>(dev, count * heads * CHUNK)?;
-    // Shared memory as laid out at the top of the kernel: Γ, k̂_r, q̂_r, A, B, u_r, pending k̂ rows.
-    let smem = CHUNK * 8 + (2 * dk + 2 * CHUNK + dv + CHUNK * (dk + 1)) * 4;
+    // Shared memory as laid out at the top of the kernel: Γ, the memory's and the pending u rows'
+    // slices, k̂_r, q̂_r, A, B, u_r, a piece of the pending k̂ rows.
+    let smem = CHUNK * 8
+        + (dk * COLUMNS + CHUNK * COLUMNS + 2 * dk + 2 * CHUNK + COLUMNS) * 4
+        + CHUNK * (DECODE_PIECE + 1) * 4;
     let kernel = load_kernel(dev, MODULE, IMAGE, "delta_rule_decode_batch_f32")?;
     kernel.allow_dynamic_shared(smem, "delta rule decode shared memory")?;
     let cfg = LaunchConfig {
-        grid_dim: (heads as u32, count as u32, 1),
+        grid_dim: (heads as u32, (dv / COLUMNS) as u32, count as u32),
         block_dim: (DECODE_THREADS, 1, 1),
         shared_mem_bytes: smem as u32,
     };

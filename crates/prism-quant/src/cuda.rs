@@ -185,14 +185,20 @@ pub enum Kernel {
     /// The Hopper tile of this shape where it runs (Q8_0, compute capability 9.0), else the simple one.
     Tile(TileShape),
     /// The skinny kernel where it runs (Q8_0, at most [`SKINNY_ROWS`] rows, K a multiple of 16), else
-    /// the simple one.
+    /// the simple one. [`Kernel::Auto`] takes it up to [`AUTO_SKINNY_ROWS`] rows.
     Skinny,
 }
 
-/// The most activation rows [`Kernel::Auto`] gives the skinny kernel (`qgemv_q8_0_m*`: 4 outputs a
-/// 128-thread CTA, the weight streamed once; a product of a few rows is bound by the weight stream,
-/// where the tiles' few large CTAs leave most SMs idle).
+/// The most activation rows the skinny kernel takes (`qgemv_q8_0_m*`: 4 outputs a 128-thread CTA,
+/// the weight streamed once; a product of a few rows is bound by the weight stream, where the tiles'
+/// few large CTAs leave most SMs idle).
 pub const SKINNY_ROWS: usize = 8;
+
+/// The most activation rows [`Kernel::Auto`] gives the skinny kernel. Measured on an H200 at the 27B
+/// projections (`docs/optimization-log.md`, 2026-12-02): at one row it reads the weights at 1.7–3.4
+/// TB/s (the tiles: 0.5–1.8), at 8 rows it is 1.5–2× slower than the 64-row tile (its per-row dp4a
+/// and shuffles), so it runs up to 2 rows.
+pub const AUTO_SKINNY_ROWS: usize = 2;
 
 /// The skinny kernel's entry for `m` rows (1 ≤ m ≤ [`SKINNY_ROWS`]).
 fn skinny_kernel(m: usize) -> &'static str {
@@ -219,11 +225,13 @@ pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Te
     }
     let runs = run_count(k);
     let want_sums = info.format.has_mins();
-    let skinny = matches!(kernel, Kernel::Auto | Kernel::Skinny)
-        && info.format == WeightFormat::Q8_0
-        && (1..=SKINNY_ROWS).contains(&m)
-        && k % 16 == 0
-        && n > 0;
+    let most_rows = match kernel {
+        Kernel::Auto => AUTO_SKINNY_ROWS,
+        Kernel::Skinny => SKINNY_ROWS,
+        _ => 0,
+    };
+    let skinny =
+        info.format == WeightFormat::Q8_0 && (1..=most_rows).contains(&m) && k % 16 == 0 && n > 0;
     // The Hopper tile reads the activation scales run-major, [runs, ldsa] with ldsa a whole number of
     // tiles (rows past m are never stored); the simple kernels row-major [m, runs].
     let hopper = w
