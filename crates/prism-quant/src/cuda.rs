@@ -195,9 +195,9 @@ pub enum Kernel {
 pub const SKINNY_ROWS: usize = 8;
 
 /// The most activation rows [`Kernel::Auto`] gives the skinny kernel. Measured on an H200 at the 27B
-/// projections (`docs/optimization-log.md`, 2026-12-02): at one row it reads the weights at 1.7–3.4
-/// TB/s (the tiles: 0.5–1.8), at 8 rows it is 1.5–2× slower than the 64-row tile (its per-row dp4a
-/// and shuffles), so it runs up to 2 rows.
+/// projections (`docs/optimization-log.md`, 2026-12-02): at one row it reads the weights at 1.8–3.5
+/// TB/s (the tiles: 0.5–2.2), at two 1.4–1.8× faster than the 64-row tile at the MLP shapes, at four
+/// level with it, at eight 1.4–2.3× slower (its per-row dp4a and shuffles).
 pub const AUTO_SKINNY_ROWS: usize = 2;
 
 /// The skinny kernel's entry for `m` rows (1 ≤ m ≤ [`SKINNY_ROWS`]).
