@@ -240,8 +240,9 @@ pub fn decode_image(
     let rgb = decoded.to_rgb8();
     let (width, height) = (rgb.width() as usize, rgb.height() as usize);
     let rgb = rgb.into_raw();
-    let unanswerable =
-        |e: crate::vision::ImageError| FieldError::unanswerable(path.clone(), "image_size", e.to_string());
+    let unanswerable = |e: crate::vision::ImageError| {
+        FieldError::unanswerable(path.clone(), "image_size", e.to_string())
+    };
     let (new_height, new_width) = smart_resize(height, width, cfg).map_err(unanswerable)?;
     let resized = if (new_height, new_width) == (height, width) {
         rgb

@@ -14,13 +14,13 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use base64::Engine as _;
+use prism_decision::engine::EngineDecideError;
 use prism_decision::image_input::ImageLimits;
 use prism_decision::request::QuestionType;
 use prism_decision::{
-    DecisionConfig, DecisionRequest, DecisionTask, DecoderLetterModel, Engine,
-    EngineOptions, ModelSource, RequestDefaults,
+    DecisionConfig, DecisionRequest, DecisionTask, DecoderLetterModel, Engine, EngineOptions,
+    ModelSource, RequestDefaults,
 };
-use prism_decision::engine::EngineDecideError;
 use prism_model::{LoadOptions, Precision};
 use serde_json::{json, Value};
 
@@ -91,7 +91,10 @@ fn engine() -> &'static (Engine, Vec<u32>, DecisionConfig) {
     static E: OnceLock<(Engine, Vec<u32>, DecisionConfig)> = OnceLock::new();
     E.get_or_init(|| {
         let (model, config) = load(true);
-        assert!(model.vision().is_some(), "the mmproj in the model dir loads");
+        assert!(
+            model.vision().is_some(),
+            "the mmproj in the model dir loads"
+        );
         let letters = model.prompt_format().letter_ids().to_vec();
         let encoder = model.encoder();
         let (engine, worker) = Engine::start(
@@ -164,7 +167,13 @@ fn every_prompt_tokenizes_as_the_processor() {
         if let Some(want) = p["image_grid_thw"].as_array() {
             let want: Vec<Vec<usize>> = want
                 .iter()
-                .map(|g| g.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect())
+                .map(|g| {
+                    g.as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.as_u64().unwrap() as usize)
+                        .collect()
+                })
                 .collect();
             assert_eq!(grids, want, "{name}");
         }
@@ -236,7 +245,9 @@ fn answers_are_the_same_alone_and_batched() {
     let together: Vec<String> = std::thread::scope(|s| {
         let handles: Vec<_> = bodies
             .iter()
-            .map(|b| s.spawn(move || answer_bytes(&engine.decide(request(b), None).unwrap().response)))
+            .map(|b| {
+                s.spawn(move || answer_bytes(&engine.decide(request(b), None).unwrap().response))
+            })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
@@ -263,7 +274,10 @@ fn the_prefix_cache_keys_on_the_image_bytes() {
     let (first, cached) = ask("frame0");
     assert_eq!(cached, 0);
     let (other, cached) = ask("frame1");
-    assert_eq!(cached, 0, "another image must not hit the first one's evidence");
+    assert_eq!(
+        cached, 0,
+        "another image must not hit the first one's evidence"
+    );
     assert_ne!(first, other);
     let (again, cached) = ask("frame0");
     assert!(cached > 0, "the same image hits");
@@ -281,7 +295,13 @@ fn refused(engine: &Engine, body: &Value) -> (u16, Vec<String>, String) {
     let loc = detail[0]
         .loc
         .iter()
-        .map(|p| serde_json::to_value(p).unwrap().to_string().trim_matches('"').to_string())
+        .map(|p| {
+            serde_json::to_value(p)
+                .unwrap()
+                .to_string()
+                .trim_matches('"')
+                .to_string()
+        })
         .collect();
     (error.status(), loc, error.to_string())
 }
@@ -290,7 +310,10 @@ fn tiny_png(width: u32, height: u32) -> Vec<u8> {
     let mut bytes = Vec::new();
     let image = image::RgbImage::from_pixel(width, height, image::Rgb([10, 200, 30]));
     image::DynamicImage::ImageRgb8(image)
-        .write_to(&mut std::io::Cursor::new(&mut bytes), image::ImageOutputFormat::Png)
+        .write_to(
+            &mut std::io::Cursor::new(&mut bytes),
+            image::ImageOutputFormat::Png,
+        )
         .unwrap();
     bytes
 }
@@ -312,7 +335,11 @@ fn crc32(bytes: &[u8]) -> u32 {
     for &b in bytes {
         crc ^= b as u32;
         for _ in 0..8 {
-            crc = if crc & 1 != 0 { (crc >> 1) ^ 0xEDB8_8320 } else { crc >> 1 };
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
         }
     }
     !crc
@@ -330,11 +357,21 @@ fn bad_images_are_refused_under_their_paths() {
     };
     let good = encoded("square", 0);
     // Bad base64: 400 naming images[1].
-    let (status, loc, _) = refused(engine, &with("s", vec![good.clone(), "not base64 !!".into()]));
-    assert_eq!((status, loc), (400, vec!["body".into(), "images".into(), "1".into()]));
+    let (status, loc, _) = refused(
+        engine,
+        &with("s", vec![good.clone(), "not base64 !!".into()]),
+    );
+    assert_eq!(
+        (status, loc),
+        (400, vec!["body".into(), "images".into(), "1".into()])
+    );
     // Base64 of bytes that are no image: 400.
     let (status, loc, msg) = refused(engine, &with("s", vec![b64(b"hello, world")]));
-    assert_eq!((status, loc), (400, vec!["body".into(), "images".into(), "0".into()]), "{msg}");
+    assert_eq!(
+        (status, loc),
+        (400, vec!["body".into(), "images".into(), "0".into()]),
+        "{msg}"
+    );
     // A data URI that is not base64: 400.
     let (status, _, _) = refused(engine, &with("s", vec!["data:image/png,abc".into()]));
     assert_eq!(status, 400);
@@ -344,7 +381,10 @@ fn bad_images_are_refused_under_their_paths() {
     assert_eq!(status, 400);
     // A header claiming 60,000 × 60,000 pixels: 422 before any pixel is decoded.
     let (status, loc, msg) = refused(engine, &with("s", vec![b64(&crafted_png(60_000, 60_000))]));
-    assert_eq!((status, loc), (422, vec!["body".into(), "images".into(), "0".into()]));
+    assert_eq!(
+        (status, loc),
+        (422, vec!["body".into(), "images".into(), "0".into()])
+    );
     assert!(msg.contains("60000 × 60000"), "{msg}");
     // Marks that do not match the images: 422 naming state.
     let (status, loc, _) = refused(engine, &with("a <image> b <image>", vec![good.clone()]));
@@ -355,15 +395,20 @@ fn bad_images_are_refused_under_their_paths() {
         "images": vec![good.clone(); 9],
         "questions": {"q": {"type": "noul", "instructions": "Is it?"}},
     });
-    let error =
-        DecisionRequest::parse(nine.to_string().as_bytes(), &RequestDefaults::default()).unwrap_err();
+    let error = DecisionRequest::parse(nine.to_string().as_bytes(), &RequestDefaults::default())
+        .unwrap_err();
     assert_eq!(error.status(), 422);
     // A GIF and a WebP decode (the first frame of the GIF).
     let mut gif = Vec::new();
     image::DynamicImage::ImageRgb8(image::RgbImage::from_pixel(40, 30, image::Rgb([1, 2, 3])))
-        .write_to(&mut std::io::Cursor::new(&mut gif), image::ImageOutputFormat::Gif)
+        .write_to(
+            &mut std::io::Cursor::new(&mut gif),
+            image::ImageOutputFormat::Gif,
+        )
         .unwrap();
-    engine.decide(request(&with("s", vec![b64(&gif)])), None).unwrap();
+    engine
+        .decide(request(&with("s", vec![b64(&gif)])), None)
+        .unwrap();
 }
 
 #[test]
@@ -382,6 +427,7 @@ fn a_model_without_a_vision_tower_says_so() {
     assert_eq!((status, loc), (422, vec!["body".into(), "images".into()]));
     assert!(msg.contains("no vision tower"), "{msg}");
     // Text still works.
-    let body = json!({"state": "s", "questions": {"q": {"type": "noul", "instructions": "Is it?"}}});
+    let body =
+        json!({"state": "s", "questions": {"q": {"type": "noul", "instructions": "Is it?"}}});
     engine.decide(request(&body), None).unwrap();
 }

@@ -14,8 +14,8 @@ use std::io::Read;
 
 use axum::http::StatusCode;
 use prism_decision::error::{FieldError, FieldErrors, FieldPath, LocPart};
-use prism_decision::pyjson::{self, PyObject, PyValue};
 use prism_decision::image_input::{ImageData, RequestImage};
+use prism_decision::pyjson::{self, PyObject, PyValue};
 use prism_decision::request::MAX_IMAGES;
 use prism_decision::{DecisionError, DecisionRequest, RequestDefaults};
 
@@ -858,7 +858,10 @@ fn place_assets(
         errors.push(FieldError::unanswerable(
             root.key("assets"),
             "too_many_images",
-            format!("at most {MAX_IMAGES} images per request, got {}", images.len()),
+            format!(
+                "at most {MAX_IMAGES} images per request, got {}",
+                images.len()
+            ),
         ));
     }
     request.state = PyValue::Str(out);
@@ -1062,9 +1065,9 @@ mod tests {
     const QUESTIONS: &str = r#""questions": {"q": {"type": "noul", "instructions": "Is it?"}}"#;
 
     #[test]
-    fn sdk_multipart_images_are_parsed_then_refused() {
+    fn sdk_multipart_images_are_placed_in_the_state() {
         let json = format!(
-            r#"{{"state": "<image:0>", "model": "jev-latest", {QUESTIONS}, "assets": {{"<image:0>": {{"type": "image", "part": "asset-0"}}}}}}"#
+            r#"{{"state": "see <image:0> then <image:1>", "model": "jev-latest", {QUESTIONS}, "assets": {{"<image:1>": {{"type": "image", "format": "png", "data_base64": "iVBO"}}, "<image:0>": {{"type": "image", "part": "asset-0"}}}}}}"#
         );
         let body = multipart(
             "xyz",
@@ -1076,14 +1079,38 @@ mod tests {
         let kind = BodyKind::Multipart {
             boundary: "xyz".into(),
         };
+        // Each placeholder becomes an `<image>` mark; the images follow the placeholders' order.
+        let parsed = parse_request(&kind, &body, &RequestDefaults::default()).unwrap();
+        let request = parsed.request;
+        assert_eq!(
+            request.state,
+            PyValue::Str("see <image> then <image>".into())
+        );
+        assert_eq!(request.images.len(), 2);
+        assert_eq!(
+            request.images[0].data,
+            ImageData::Bytes(b"\x89PNG".as_slice().into())
+        );
+        assert_eq!(request.images[1].data, ImageData::Encoded("iVBO".into()));
+        assert_eq!(
+            loc_strings(&request.images[0].path.loc()),
+            ["body", "assets", "<image:0>"]
+        );
+
+        // A placeholder the state does not hold: 422 naming the asset.
+        let json = format!(
+            r#"{{"state": "no image here", {QUESTIONS}, "assets": {{"<image:0>": {{"type": "image", "part": "asset-0"}}}}}}"#
+        );
+        let body = multipart(
+            "xyz",
+            &[
+                ("request", "application/json", json.as_bytes()),
+                ("asset-0", "image/png", b"\x89PNG"),
+            ],
+        );
         let error = refused(&kind, &body);
         assert_eq!(error.status, StatusCode::UNPROCESSABLE_ENTITY);
-        assert_eq!(locs(&error), [["body", "assets"]]);
-        assert!(
-            error.body.error.contains("vision tower"),
-            "{}",
-            error.body.error
-        );
+        assert_eq!(locs(&error), [["body", "assets", "<image:0>"]]);
 
         // A part no asset claims, an asset naming a missing part: 400 with the asset's path.
         let json = format!(

@@ -17,12 +17,12 @@ use super::pass::{
     GroupInput, GroupOutput, NextLogits, PassModel, PrefixImages, PromptEncoder, ThoughtMarkers,
 };
 use crate::chat_template::{ChatMessage, ChatRole, ContentPart, PromptFormat, PromptFormatError};
-use crate::model::ImageSlot;
-use crate::vision::ImageConfig;
 use crate::config::{ConfigError, DecisionConfig};
+use crate::model::ImageSlot;
 use crate::model::{
     LetterLogits, LetterModel, LetterPrompt, ModelError, ThoughtOutcome, ThoughtRequest,
 };
+use crate::vision::ImageConfig;
 
 /// Why a decision model could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -505,7 +505,10 @@ impl DecoderLetterModel {
         let values = all.narrow(0, first, end - first).map_err(backend)?;
         Ok(PrefixInputs {
             positions,
-            rows: images.pad_rows[first..end].iter().map(|r| r - from).collect(),
+            rows: images.pad_rows[first..end]
+                .iter()
+                .map(|r| r - from)
+                .collect(),
             values: Some(values),
         })
     }

@@ -554,7 +554,8 @@ impl<M: PassModel> StepLoop<M> {
                 let lead = &self.active[g.members[0].0];
                 if g.to == lead.key.len() {
                     let bytes = self.model.state_bytes(&state);
-                    self.cache.insert(lead.cache_key.clone(), state.clone(), bytes);
+                    self.cache
+                        .insert(lead.cache_key.clone(), state.clone(), bytes);
                 }
                 for &(i, _) in &g.members {
                     self.active[i].held = Some((state.clone(), g.to));
