@@ -30,6 +30,10 @@ pub struct ServeArgs {
     /// tokenizer and chat template come from the GGUF and the decision config takes its defaults.
     #[arg(long)]
     pub model_dir: Option<PathBuf>,
+    /// The vision tower (`mmproj-*.gguf`) that lets the model read images. Default: the one
+    /// `mmproj-*.gguf` in --model-dir, if any; without one, requests with images get 422.
+    #[arg(long)]
+    pub mmproj: Option<PathBuf>,
     /// Address to bind. The default serves this machine only; give e.g. 0.0.0.0 to serve the network.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -191,11 +195,12 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         "Prism {} — /v1/systemone server ({device_name}, precision {asked})",
         env!("CARGO_PKG_VERSION")
     );
-    let (source, demo) = model_source(
+    let (mut source, demo) = model_source(
         &args.gguf,
         &args.model_dir,
         "pass --gguf FILE [--model-dir DIR]",
     )?;
+    source.mmproj = args.mmproj.clone();
     if demo {
         let dir = source.model_dir.as_deref().unwrap_or(&source.gguf);
         say!("");
@@ -272,6 +277,15 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         model.decoder().config().n_layers,
         launch::config_note(&source, demo)
     );
+    match model.vision() {
+        Some(vision) => say!(
+            "      vision tower: {} blocks, {}-wide, patch {} (images accepted, up to 8 a request)",
+            vision.config.blocks,
+            vision.config.hidden,
+            vision.config.patch
+        ),
+        None => say!("      no vision tower (no --mmproj): requests with images get 422"),
+    }
     let free_memory = device_free_memory(&device);
     if let Some((free, total)) = free_memory {
         say!(

@@ -14,8 +14,9 @@
 //! - v1.1 Instant: every prompt is read twice, with the options in the given order and reversed (the none
 //!   option stays last), and the two read-outs are averaged per option; it never thinks.
 //!
-//! A v1 or Instant model refuses `think_mode: "always"` (422). Images are refused (422): the engine has
-//! no vision tower yet.
+//! A v1 or Instant model refuses `think_mode: "always"` (422). Images need the engine with a vision
+//! model ([`DecisionTask::with_images`], called by `crate::engine` after decoding them); [`decide`] and
+//! [`render_request`] read text only and refuse them (422).
 
 use std::time::Instant;
 
@@ -25,7 +26,7 @@ use crate::model::{LetterLogits, LetterModel, LetterPrompt, ThoughtOutcome, Thou
 use crate::readout::{
     argmax, choice_confidence, expected_score, score_confidence, softmax, WideChoice,
 };
-use crate::render::{option_labels, state_text, user_text, SYSTEM_PROMPT};
+use crate::render::{evidence, option_labels, user_text, Evidence, SYSTEM_PROMPT};
 use crate::request::{DecisionRequest, Question, QuestionType, ThinkMode};
 use crate::response::{
     Answer, AnswerDetails, AnswerTimings, ChoiceAnswer, DecisionResponse, NoulAnswer, OrderedMap,
@@ -60,13 +61,20 @@ pub struct RenderedQuestion {
 }
 
 /// Refuses what this engine or this model cannot do (422), naming the field.
-fn check_supported(request: &DecisionRequest, family: Family) -> Result<(), DecisionError> {
+/// `images_ready`: the request's images were decoded for a model with a vision tower (the engine's
+/// [`DecisionTask::with_images`]); otherwise a request with images is refused.
+fn check_supported(
+    request: &DecisionRequest,
+    family: Family,
+    images_ready: bool,
+) -> Result<(), DecisionError> {
     let mut errors = Vec::new();
-    if !request.images.is_empty() {
+    if !request.images.is_empty() && !images_ready {
         errors.push(FieldError::unanswerable(
             FieldPath::root().key("images"),
             "not_supported",
-            "images need a vision model (an mmproj file); this engine has no vision support yet",
+            "images need a vision model (an mmproj file) and the engine (`prism serve`); this path reads \
+             text only",
         ));
     }
     if request.think_mode == ThinkMode::Always && !family.thinks() {
@@ -92,8 +100,8 @@ pub fn render_request(
     config: &DecisionConfig,
 ) -> Result<Vec<RenderedQuestion>, DecisionError> {
     config.validate()?;
-    check_supported(request, config.family)?;
-    let state = state_text(&request.state);
+    check_supported(request, config.family, false)?;
+    let state = Evidence::text_only(&request.state);
     Ok(request
         .questions
         .iter()
@@ -218,12 +226,13 @@ impl Task {
     }
 
     /// The letters at `indices` in that order as a prompt.
-    fn render(&self, question: &Question, state: &str, indices: &[usize]) -> LetterPrompt {
+    fn render(&self, question: &Question, state: &Evidence, indices: &[usize]) -> LetterPrompt {
         let shown: Vec<&str> = indices.iter().map(|&i| self.labels[i].as_str()).collect();
         LetterPrompt {
             system: SYSTEM_PROMPT.to_string(),
-            user: user_text(state, &question.instructions, &shown),
+            user: user_text(&state.text, &question.instructions, &shown),
             option_ids: indices.iter().map(|&i| self.ids[i].clone()).collect(),
+            images: state.user_slots(),
         }
     }
 
@@ -242,7 +251,7 @@ impl Task {
         order
     }
 
-    fn prompts(&self, question: &Question, state: &str) -> Vec<LetterPrompt> {
+    fn prompts(&self, question: &Question, state: &Evidence) -> Vec<LetterPrompt> {
         if !self.reading() {
             return Vec::new();
         }
@@ -324,7 +333,7 @@ impl ThoughtId {
 pub struct DecisionTask {
     request: DecisionRequest,
     config: DecisionConfig,
-    state: String,
+    state: Evidence,
     tasks: Vec<Task>,
     usage: Usage,
     /// Per prompt handed out by the last `next_prompts` and not yet fed back: the task it belongs to.
@@ -337,10 +346,37 @@ impl DecisionTask {
     /// Validates what this engine and model support and renders the first prompts. Fails with the same
     /// errors [`decide`] gives (422 for what the model cannot answer).
     pub fn new(request: DecisionRequest, config: &DecisionConfig) -> Result<Self, DecisionError> {
+        Self::build(request, config, None)
+    }
+
+    /// [`Self::new`] for a request whose images were decoded for a vision model: `image_tokens` are
+    /// their pad-token counts in order (one per image of the request). The images are placed in the
+    /// evidence by spec §3's rules ([`crate::render::evidence`]; marks that do not match the images are
+    /// a 422 naming `state`).
+    pub fn with_images(
+        request: DecisionRequest,
+        config: &DecisionConfig,
+        image_tokens: &[usize],
+    ) -> Result<Self, DecisionError> {
+        if image_tokens.len() != request.images.len() {
+            return Err(DecisionError::ModelOutput(format!(
+                "{} image token counts for {} images",
+                image_tokens.len(),
+                request.images.len()
+            )));
+        }
+        Self::build(request, config, Some(image_tokens))
+    }
+
+    fn build(
+        request: DecisionRequest,
+        config: &DecisionConfig,
+        image_tokens: Option<&[usize]>,
+    ) -> Result<Self, DecisionError> {
         let started = Instant::now();
         config.validate()?;
-        check_supported(&request, config.family)?;
-        let state = state_text(&request.state);
+        check_supported(&request, config.family, image_tokens.is_some())?;
+        let state = evidence(&request.state, image_tokens.unwrap_or_default())?;
         let tasks = request
             .questions
             .iter()
@@ -362,6 +398,11 @@ impl DecisionTask {
     /// The request this task answers.
     pub fn request(&self) -> &DecisionRequest {
         &self.request
+    }
+
+    /// The evidence every prompt of this task shows, with its images' places.
+    pub fn evidence(&self) -> &Evidence {
+        &self.state
     }
 
     /// Records when the first model work for this request started (the end of its queueing; the

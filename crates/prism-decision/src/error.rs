@@ -74,6 +74,9 @@ pub enum ErrorClass {
     Malformed,
     /// 422: a valid request that this model or engine cannot answer.
     Unanswerable,
+    /// 400: a field's *data* cannot be read (an image that is not base64 or does not decode), as issue
+    /// #22 asks for images.
+    BadData,
 }
 
 impl ErrorClass {
@@ -83,6 +86,7 @@ impl ErrorClass {
             // validation failure with 422; the class stays in the `type` of each detail.
             ErrorClass::Malformed => 422,
             ErrorClass::Unanswerable => 422,
+            ErrorClass::BadData => 400,
         }
     }
 }
@@ -116,6 +120,16 @@ impl FieldError {
             class: ErrorClass::Unanswerable,
         }
     }
+
+    /// A field whose data cannot be read (400; see [`ErrorClass::BadData`]).
+    pub fn bad_data(path: FieldPath, code: &'static str, message: impl Into<String>) -> Self {
+        FieldError {
+            path,
+            message: message.into(),
+            code,
+            class: ErrorClass::BadData,
+        }
+    }
 }
 
 impl fmt::Display for FieldError {
@@ -129,10 +143,13 @@ impl fmt::Display for FieldError {
 pub struct FieldErrors(pub Vec<FieldError>);
 
 impl FieldErrors {
-    /// 400 if anything is malformed, else 422.
+    /// Malformed if anything is (422, as the reference API), else bad data if any (400), else
+    /// unanswerable (422).
     pub fn class(&self) -> ErrorClass {
         if self.0.iter().any(|e| e.class == ErrorClass::Malformed) {
             ErrorClass::Malformed
+        } else if self.0.iter().any(|e| e.class == ErrorClass::BadData) {
+            ErrorClass::BadData
         } else {
             ErrorClass::Unanswerable
         }

@@ -6,6 +6,7 @@ pub mod decide;
 pub mod engine;
 pub mod error;
 pub mod eval;
+pub mod image_input;
 pub mod logits;
 pub mod model;
 pub mod pyjson;

@@ -6,7 +6,7 @@
 pub use crate::error::ModelError;
 
 /// One question's prompt, before the chat template.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct LetterPrompt {
     /// The system message.
     pub system: String,
@@ -14,6 +14,19 @@ pub struct LetterPrompt {
     pub user: String,
     /// The option ids in letter order: option `A` is `option_ids[0]`. 1 to 26 of them.
     pub option_ids: Vec<String>,
+    /// The images in the user message, in order (empty for a text prompt): the message is then text
+    /// and image parts, an image part at each slot's byte offset.
+    pub images: Vec<ImageSlot>,
+}
+
+/// Where an image goes in a prompt's user message and how many pad tokens it takes (one per merged
+/// patch of the resized image).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImageSlot {
+    /// Byte offset in [`LetterPrompt::user`] (a char boundary; slots in increasing order).
+    pub at: usize,
+    /// The image's pad tokens.
+    pub tokens: usize,
 }
 
 /// The model's answer for a batch of prompts.

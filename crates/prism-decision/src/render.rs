@@ -7,7 +7,7 @@
 
 use crate::error::FieldError;
 use crate::error::FieldPath;
-use crate::model::LetterPrompt;
+use crate::model::{ImageSlot, LetterPrompt};
 use crate::pyjson::{dumps, is_py_space, py_strip, PyInt, PyObject, PyValue};
 use crate::request::{Question, QuestionType};
 
@@ -215,18 +215,129 @@ pub fn render_options(
             .iter()
             .filter_map(|&i| question.options.get(i).map(|o| o.id.clone()))
             .collect(),
+        images: Vec::new(),
     }
 }
 
 /// A prompt with the given evidence and a question no request asks (its text starts with a control
 /// character): its tokens share with every real prompt about this evidence exactly the part before the
 /// question. The engine branches there and keys its prefix cache on those tokens.
-pub fn evidence_probe(state_text: &str) -> LetterPrompt {
+pub fn evidence_probe(evidence: &Evidence) -> LetterPrompt {
     LetterPrompt {
         system: SYSTEM_PROMPT.to_string(),
-        user: user_text(state_text, "\u{1}", &["\u{1}", "\u{1}"]),
+        user: user_text(&evidence.text, "\u{1}", &["\u{1}", "\u{1}"]),
         option_ids: vec!["\u{1}".into(), "\u{1}".into()],
+        images: evidence.user_slots(),
     }
+}
+
+/// What `{state}` becomes in the user message: the evidence text and where its images go.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Evidence {
+    pub text: String,
+    /// The images in order; `at` is a byte offset in [`Self::text`].
+    pub images: Vec<ImageSlot>,
+}
+
+/// The user message starts with this, then the evidence.
+pub const EVIDENCE_PREFIX: &str = "Evidence:\n";
+
+/// Where the next image goes in a string state (spec §3).
+pub const IMAGE_MARK: &str = "<image>";
+
+impl Evidence {
+    /// The evidence of a text-only request ([`state_text`]).
+    pub fn text_only(state: &PyValue) -> Self {
+        Evidence {
+            text: state_text(state),
+            images: Vec::new(),
+        }
+    }
+
+    /// The image slots as offsets in the user message ([`user_text`] puts the evidence after
+    /// [`EVIDENCE_PREFIX`]).
+    pub fn user_slots(&self) -> Vec<ImageSlot> {
+        self.images
+            .iter()
+            .map(|slot| ImageSlot {
+                at: slot.at + EVIDENCE_PREFIX.len(),
+                tokens: slot.tokens,
+            })
+            .collect()
+    }
+}
+
+/// The evidence of a request whose images take `image_tokens` pad tokens each, placed as the official
+/// package does (spec §3):
+/// - a string state with [`IMAGE_MARK`]s: each mark is where the next image goes (the marks are
+///   removed); the number of marks must equal the number of images, else a 422 naming `state`;
+/// - otherwise one image goes first, followed by `\n\n` and the state text (when the state is not
+///   empty), and several go first as lines `Image 1: <image>` … joined by `\n`, then `\n\n` and the
+///   state text.
+///
+/// Without images this is [`Evidence::text_only`] (marks in the text stay text).
+pub fn evidence(state: &PyValue, image_tokens: &[usize]) -> Result<Evidence, FieldError> {
+    if image_tokens.is_empty() {
+        return Ok(Evidence::text_only(state));
+    }
+    if let PyValue::Str(text) = state {
+        let marks = text.matches(IMAGE_MARK).count();
+        if marks > 0 {
+            if marks != image_tokens.len() {
+                return Err(FieldError::unanswerable(
+                    FieldPath::root().key("state"),
+                    "image_marks",
+                    format!(
+                        "the state has {marks} {IMAGE_MARK} mark(s) for {} image(s): each mark is where \
+                         the next image goes, so their numbers must be equal (or leave the marks out to \
+                         put the images first)",
+                        image_tokens.len()
+                    ),
+                ));
+            }
+            let mut out = String::with_capacity(text.len());
+            let mut images = Vec::with_capacity(marks);
+            for (k, piece) in text.split(IMAGE_MARK).enumerate() {
+                if k > 0 {
+                    images.push(ImageSlot {
+                        at: out.len(),
+                        tokens: image_tokens[k - 1],
+                    });
+                }
+                out.push_str(piece);
+            }
+            return Ok(Evidence { text: out, images });
+        }
+    }
+    let rest = state_text(state);
+    let blank = match state {
+        PyValue::Str(text) => py_strip(text).is_empty(),
+        _ => rest == EMPTY_STATE,
+    };
+    let mut text = String::new();
+    let mut images = Vec::with_capacity(image_tokens.len());
+    if let [tokens] = image_tokens {
+        images.push(ImageSlot {
+            at: 0,
+            tokens: *tokens,
+        });
+    } else {
+        for (i, &tokens) in image_tokens.iter().enumerate() {
+            if i > 0 {
+                text.push('\n');
+            }
+            text.push_str(&format!("Image {}: ", i + 1));
+            images.push(ImageSlot {
+                at: text.len(),
+                tokens,
+            });
+        }
+    }
+    if !blank {
+        text.push_str("\n\n");
+        text.push_str(&rest);
+    }
+    Ok(Evidence { text, images })
 }
 
 /// Renders a question as one prompt, as the reference renderer does: it refuses fewer than 2 or more than

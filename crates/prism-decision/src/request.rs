@@ -105,8 +105,10 @@ pub struct DecisionRequest {
     pub state: PyValue,
     /// The questions in the client's order.
     pub questions: Vec<Question>,
-    /// Base64 strings or data URIs (not decoded here).
-    pub images: Vec<String>,
+    /// The images in order, each with its field path (`images[i]`; the server adds the SDK's
+    /// `assets`). Not decoded here: [`crate::image_input::decode_image`] does that (the engine, on the
+    /// submitting thread).
+    pub images: Vec<crate::image_input::RequestImage>,
     pub think_mode: ThinkMode,
     pub gate: f64,
     pub mix: f64,
@@ -226,7 +228,10 @@ impl DecisionRequest {
             Some(PyValue::Array(items)) => {
                 for (i, item) in items.iter().enumerate() {
                     match item {
-                        PyValue::Str(image) => images.push(image.clone()),
+                        PyValue::Str(image) => images.push(crate::image_input::RequestImage {
+                            data: crate::image_input::ImageData::Encoded(image.clone()),
+                            path: root.key("images").index(i),
+                        }),
                         other => errors.push(FieldError::malformed(
                             root.key("images").index(i),
                             "type_error",

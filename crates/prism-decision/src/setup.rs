@@ -44,6 +44,7 @@ pub fn model_source(
             ModelSource {
                 gguf: gguf.clone(),
                 model_dir: dir.clone(),
+                mmproj: None,
             },
             false,
         )),
@@ -59,6 +60,7 @@ pub fn model_source(
                 ModelSource {
                     gguf: dir.join("tiny-Q8_0.gguf"),
                     model_dir: Some(dir),
+                    mmproj: None,
                 },
                 true,
             ))

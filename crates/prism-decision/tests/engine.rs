@@ -25,6 +25,7 @@ fn load(gguf: &str, max_tokens: usize) -> (DecoderLetterModel, DecisionConfig) {
     let source = ModelSource {
         gguf: fixture_dir().join(gguf),
         model_dir: Some(fixture_dir()),
+        mmproj: None,
     };
     let loaded = DecoderLetterModel::load(&source, &LoadOptions::default(), max_tokens)
         .expect("model loads");
@@ -55,6 +56,7 @@ fn fixture_prompts() -> Vec<(usize, LetterPrompt)> {
                         system: messages[0]["content"].as_str()?.to_string(),
                         user: messages[1]["content"].as_str()?.to_string(),
                         option_ids: letters.clone(),
+                        images: Vec::new(),
                     };
                     Some((p["index"].as_u64()? as usize, prompt))
                 })
@@ -193,6 +195,7 @@ fn load_errors_name_what_is_wrong() {
     let missing = ModelSource {
         gguf: fixture_dir().join("no-such.gguf"),
         model_dir: None,
+        mmproj: None,
     };
     match DecoderLetterModel::load(&missing, &LoadOptions::default(), 100) {
         Err(EngineError::Gguf { path, .. }) => assert!(path.ends_with("no-such.gguf")),
@@ -223,6 +226,7 @@ fn load_errors_name_what_is_wrong() {
     let source = ModelSource {
         gguf: fixture_dir().join("tiny-Q8_0.gguf"),
         model_dir: Some(dir.clone()),
+        mmproj: None,
     };
     let result = DecoderLetterModel::load(&source, &LoadOptions::default(), 100);
     let _ = std::fs::remove_dir_all(&dir);
@@ -274,6 +278,7 @@ fn the_gguf_alone_serves_the_same_read_out() {
     let source = ModelSource {
         gguf: fixture_dir().join("tiny-Q8_0.gguf"),
         model_dir: None,
+        mmproj: None,
     };
     let mut alone = DecoderLetterModel::load(&source, &LoadOptions::default(), 4096)
         .expect("loads")

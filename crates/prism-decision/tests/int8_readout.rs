@@ -15,6 +15,7 @@ fn load(file: &str, precision: Precision) -> DecoderLetterModel {
     let source = ModelSource {
         gguf: dir.join(file),
         model_dir: Some(dir),
+        mmproj: None,
     };
     let options = LoadOptions {
         precision,
@@ -41,6 +42,7 @@ fn golden_prompts() -> Vec<LetterPrompt> {
                 system,
                 user,
                 option_ids: (0..n).map(|i| i.to_string()).collect(),
+                images: Vec::new(),
             })
         })
         .collect()
@@ -115,6 +117,7 @@ fn fixture_chat_prompts() -> Vec<LetterPrompt> {
                 system: text("system")?,
                 user: text("user")?,
                 option_ids: (0..4).map(|i| i.to_string()).collect(),
+                images: Vec::new(),
             })
         })
         .collect()

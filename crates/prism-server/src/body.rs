@@ -4,8 +4,8 @@
 //! The TypeSafe SDK sends `application/json`, compresses bodies of 1 KiB or more with zstd
 //! (`Content-Encoding: zstd`), and sends images as `multipart/form-data`: a part named `request` holding
 //! the JSON body, whose `assets` map names each image's part (`{"type": "image", "part": "asset-0"}`),
-//! followed by the parts themselves. All of that is parsed and checked here; a request with images is then
-//! refused (422) because the engine has no vision tower yet.
+//! followed by the parts themselves. All of that is parsed and checked here, and each asset's placeholder
+//! in a string state becomes an `<image>` mark with its image in `images` (decoded later, by the engine).
 //!
 //! Every size is bounded before anything is allocated for it: the decompressed body by the same limit as
 //! the wire body, the zstd window by RFC 8878's 8 MiB (or the body limit, if larger), the number of parts.
@@ -14,6 +14,7 @@ use std::io::Read;
 
 use axum::http::StatusCode;
 use prism_decision::error::{FieldError, FieldErrors, FieldPath, LocPart};
+use prism_decision::image_input::{ImageData, RequestImage};
 use prism_decision::pyjson::{self, PyObject, PyValue};
 use prism_decision::request::MAX_IMAGES;
 use prism_decision::{DecisionError, DecisionRequest, RequestDefaults};
@@ -587,18 +588,26 @@ fn validate(
         };
     };
     let mut errors = Vec::new();
-    check_assets(object.get("assets"), parts, &mut errors);
+    let assets = check_assets(object.get("assets"), parts, &mut errors);
     let without_assets: PyObject = object
         .iter()
         .filter(|(key, _)| *key != "assets")
         .map(|(k, v)| (k.to_string(), v.clone()))
         .collect();
     match DecisionRequest::from_json(&PyValue::Object(without_assets), defaults) {
-        Ok(request) if errors.is_empty() => Ok(ParsedRequest {
-            request,
-            notes: Vec::new(),
-            sent: sent(object),
-        }),
+        Ok(mut request) if errors.is_empty() => {
+            place_assets(&mut request, assets, &mut errors);
+            if !errors.is_empty() {
+                return Err(ApiError::from_decision(&DecisionError::Request(
+                    FieldErrors(errors),
+                )));
+            }
+            Ok(ParsedRequest {
+                request,
+                notes: Vec::new(),
+                sent: sent(object),
+            })
+        }
         Ok(_) => Err(ApiError::from_decision(&DecisionError::Request(
             FieldErrors(errors),
         ))),
@@ -614,11 +623,17 @@ fn validate(
 
 const ASSET_FIELDS: &[&str] = &["type", "format", "data_base64", "part"];
 
-/// Checks the SDK's `assets` map against the multipart parts (each part claimed by exactly one asset),
-/// then refuses the images: the engine has no vision tower yet.
-fn check_assets(assets: Option<&PyValue>, parts: Option<&[Part]>, errors: &mut Vec<FieldError>) {
+/// Checks the SDK's `assets` map against the multipart parts (each part claimed by exactly one asset)
+/// and gives each asset's placeholder with its image (the part's bytes, or its `data_base64`), under
+/// the path `assets.<placeholder>`.
+fn check_assets(
+    assets: Option<&PyValue>,
+    parts: Option<&[Part]>,
+    errors: &mut Vec<FieldError>,
+) -> Vec<(String, RequestImage)> {
     let path = FieldPath::root().key("assets");
     let mut claimed: Vec<&str> = Vec::new();
+    let mut images = Vec::new();
     let mut count = 0;
     match assets {
         None | Some(PyValue::Null) => {}
@@ -688,6 +703,14 @@ fn check_assets(assets: Option<&PyValue>, parts: Option<&[Part]>, errors: &mut V
                                         "value_error",
                                         format!("part {part:?} is empty"),
                                     ));
+                                } else {
+                                    images.push((
+                                        name.to_string(),
+                                        RequestImage {
+                                            data: ImageData::Bytes(found.data.into()),
+                                            path: entry_path.clone(),
+                                        },
+                                    ));
                                 }
                             }
                         },
@@ -703,6 +726,14 @@ fn check_assets(assets: Option<&PyValue>, parts: Option<&[Part]>, errors: &mut V
                                 entry_path.key("data_base64"),
                                 "value_error",
                                 "is empty",
+                            ));
+                        } else {
+                            images.push((
+                                name.to_string(),
+                                RequestImage {
+                                    data: ImageData::Encoded(data.clone()),
+                                    path: entry_path.key("data_base64"),
+                                },
                             ));
                         }
                         match entry.get("format") {
@@ -758,13 +789,83 @@ fn check_assets(assets: Option<&PyValue>, parts: Option<&[Part]>, errors: &mut V
             format!("at most {MAX_IMAGES} images per request, got {count}"),
         ));
     }
-    if count > 0 {
+    images
+}
+
+/// Puts the SDK's assets into the request: each placeholder where it appears in a string state
+/// becomes an `<image>` mark and its image the next of `request.images` (in the order of the
+/// placeholders in the text). An asset whose placeholder is not in the state, assets with a state
+/// that is not a string, or assets next to `images` are refused (422) under their paths.
+fn place_assets(
+    request: &mut DecisionRequest,
+    assets: Vec<(String, RequestImage)>,
+    errors: &mut Vec<FieldError>,
+) {
+    if assets.is_empty() {
+        return;
+    }
+    let root = FieldPath::root();
+    if !request.images.is_empty() {
         errors.push(FieldError::unanswerable(
-            path,
+            root.key("assets"),
             "not_supported",
-            "images need the vision tower (an mmproj file), which this engine does not have yet",
+            "send images either as `images` or as `assets`, not both",
+        ));
+        return;
+    }
+    let PyValue::Str(text) = &request.state else {
+        errors.push(FieldError::unanswerable(
+            root.key("state"),
+            "not_supported",
+            "image assets go in a string state (the placeholder where the image is); a JSON state \
+             cannot hold images",
+        ));
+        return;
+    };
+    let mut out = String::with_capacity(text.len());
+    let mut used = vec![false; assets.len()];
+    let mut images = Vec::new();
+    let mut rest = text.as_str();
+    loop {
+        let next = assets
+            .iter()
+            .enumerate()
+            .filter_map(|(k, (name, _))| rest.find(name.as_str()).map(|at| (at, k)))
+            .min_by_key(|&(at, k)| (at, std::cmp::Reverse(assets[k].0.len())));
+        let Some((at, k)) = next else {
+            break;
+        };
+        out.push_str(&rest[..at]);
+        out.push_str(prism_decision::render::IMAGE_MARK);
+        used[k] = true;
+        images.push(assets[k].1.clone());
+        rest = &rest[at + assets[k].0.len()..];
+    }
+    out.push_str(rest);
+    for ((name, _), used) in assets.iter().zip(&used) {
+        if !used {
+            errors.push(FieldError::unanswerable(
+                root.key("assets").key(name),
+                "not_supported",
+                format!(
+                    "placeholder {name:?} is not in the state: images go in the (string) state; \
+                     instructions and criteria cannot hold images"
+                ),
+            ));
+        }
+    }
+    if images.len() > MAX_IMAGES {
+        errors.push(FieldError::unanswerable(
+            root.key("assets"),
+            "too_many_images",
+            format!(
+                "at most {MAX_IMAGES} images per request, got {}",
+                images.len()
+            ),
         ));
     }
+    request.state = PyValue::Str(out);
+    request.images = images;
 }
 
 /// The thinking and none-option fields the client set (`think_mode` only when it is `auto`).
@@ -964,9 +1065,9 @@ mod tests {
     const QUESTIONS: &str = r#""questions": {"q": {"type": "noul", "instructions": "Is it?"}}"#;
 
     #[test]
-    fn sdk_multipart_images_are_parsed_then_refused() {
+    fn sdk_multipart_images_are_placed_in_the_state() {
         let json = format!(
-            r#"{{"state": "<image:0>", "model": "jev-latest", {QUESTIONS}, "assets": {{"<image:0>": {{"type": "image", "part": "asset-0"}}}}}}"#
+            r#"{{"state": "see <image:0> then <image:1>", "model": "jev-latest", {QUESTIONS}, "assets": {{"<image:1>": {{"type": "image", "format": "png", "data_base64": "iVBO"}}, "<image:0>": {{"type": "image", "part": "asset-0"}}}}}}"#
         );
         let body = multipart(
             "xyz",
@@ -978,14 +1079,38 @@ mod tests {
         let kind = BodyKind::Multipart {
             boundary: "xyz".into(),
         };
+        // Each placeholder becomes an `<image>` mark; the images follow the placeholders' order.
+        let parsed = parse_request(&kind, &body, &RequestDefaults::default()).unwrap();
+        let request = parsed.request;
+        assert_eq!(
+            request.state,
+            PyValue::Str("see <image> then <image>".into())
+        );
+        assert_eq!(request.images.len(), 2);
+        assert_eq!(
+            request.images[0].data,
+            ImageData::Bytes(b"\x89PNG".as_slice().into())
+        );
+        assert_eq!(request.images[1].data, ImageData::Encoded("iVBO".into()));
+        assert_eq!(
+            loc_strings(&request.images[0].path.loc()),
+            ["body", "assets", "<image:0>"]
+        );
+
+        // A placeholder the state does not hold: 422 naming the asset.
+        let json = format!(
+            r#"{{"state": "no image here", {QUESTIONS}, "assets": {{"<image:0>": {{"type": "image", "part": "asset-0"}}}}}}"#
+        );
+        let body = multipart(
+            "xyz",
+            &[
+                ("request", "application/json", json.as_bytes()),
+                ("asset-0", "image/png", b"\x89PNG"),
+            ],
+        );
         let error = refused(&kind, &body);
         assert_eq!(error.status, StatusCode::UNPROCESSABLE_ENTITY);
-        assert_eq!(locs(&error), [["body", "assets"]]);
-        assert!(
-            error.body.error.contains("vision tower"),
-            "{}",
-            error.body.error
-        );
+        assert_eq!(locs(&error), [["body", "assets", "<image:0>"]]);
 
         // A part no asset claims, an asset naming a missing part: 400 with the asset's path.
         let json = format!(

@@ -752,7 +752,11 @@ async fn models(State(state): State<AppState>) -> Response {
                 "none_option": m.family.has_none_option(),
                 "both_orders": m.family == prism_decision::Family::Instant,
                 "seed": "yes: the seed of the request's thoughts",
-                "images": "no: parsed (JSON `images`, `assets`, multipart parts) and refused with 422 (no vision tower yet)",
+                "images": if state.engine.reads_images() {
+                    "yes: up to 8 (JSON `images` as base64 or data URIs, or the SDK's `assets`); PNG, JPEG, WebP, GIF"
+                } else {
+                    "no: this model has no vision tower (serve it with --mmproj); requests with images get 422"
+                },
                 "content_encoding": ["identity", "zstd"],
                 "content_type": ["application/json", "multipart/form-data"],
             },

@@ -594,6 +594,7 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
     let source = ModelSource {
         gguf: gguf_path.clone(),
         model_dir: Some(args.model_dir.clone()),
+        mmproj: None,
     };
     let kv_storage = if args.kv_fp8 {
         KvStorage::Fp8

@@ -10,14 +10,19 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use prism_gguf::{GgufError, GgufFile};
-use prism_model::{BatchItem, LoadOptions, Qwen35Model, SequenceState};
+use prism_model::vision::VisionWeights;
+use prism_model::{BatchItem, EmbeddingRows, LoadOptions, Position3, Qwen35Model, SequenceState};
 
-use super::pass::{GroupInput, GroupOutput, NextLogits, PassModel, PromptEncoder, ThoughtMarkers};
-use crate::chat_template::{ChatMessage, PromptFormat, PromptFormatError};
+use super::pass::{
+    GroupInput, GroupOutput, NextLogits, PassModel, PrefixImages, PromptEncoder, ThoughtMarkers,
+};
+use crate::chat_template::{ChatMessage, ChatRole, ContentPart, PromptFormat, PromptFormatError};
 use crate::config::{ConfigError, DecisionConfig};
+use crate::model::ImageSlot;
 use crate::model::{
     LetterLogits, LetterModel, LetterPrompt, ModelError, ThoughtOutcome, ThoughtRequest,
 };
+use crate::vision::ImageConfig;
 
 /// Why a decision model could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -44,15 +49,62 @@ pub enum EngineError {
         id: u32,
         vocab_size: usize,
     },
+    #[error("cannot load the vision tower from {path}: {reason}")]
+    Mmproj { path: PathBuf, reason: String },
+    #[error("model directory {dir} holds several mmproj files ({files}): name one with --mmproj")]
+    SeveralMmproj { dir: PathBuf, files: String },
 }
 
 /// Where a decision model comes from: its GGUF file and, optionally, the release's model directory
 /// (`tokenizer.json`, chat template, `config.json`, `decision_config.json`). Without a directory the
 /// tokenizer and chat template come from the GGUF itself and the decision config takes its defaults.
-#[derive(Debug, Clone)]
+/// The vision tower comes from `mmproj`, else from the one `mmproj-*.gguf` in the model directory;
+/// without one the model reads text only (requests with images get a 422).
+#[derive(Debug, Clone, Default)]
 pub struct ModelSource {
     pub gguf: PathBuf,
     pub model_dir: Option<PathBuf>,
+    pub mmproj: Option<PathBuf>,
+}
+
+impl ModelSource {
+    /// The mmproj file to load: `mmproj` when set, else the one `mmproj-*.gguf` in the model directory
+    /// (several there are an error: which one is meant is not guessed).
+    pub fn mmproj_path(&self) -> Result<Option<PathBuf>, EngineError> {
+        if let Some(path) = &self.mmproj {
+            return Ok(Some(path.clone()));
+        }
+        let Some(dir) = &self.model_dir else {
+            return Ok(None);
+        };
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return Ok(None);
+        };
+        let mut found: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .filter(|p| {
+                p.is_file()
+                    && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                        let lower = n.to_ascii_lowercase();
+                        lower.starts_with("mmproj") && lower.ends_with(".gguf")
+                    })
+            })
+            .collect();
+        found.sort();
+        match found.len() {
+            0 => Ok(None),
+            1 => Ok(found.pop()),
+            _ => Err(EngineError::SeveralMmproj {
+                dir: dir.clone(),
+                files: found
+                    .iter()
+                    .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            }),
+        }
+    }
 }
 
 /// A loaded decision model: the [`LetterModel`] and the decision config that goes with it.
@@ -65,6 +117,8 @@ pub struct LoadedDecisionModel {
 pub struct DecoderLetterModel {
     name: String,
     decoder: Qwen35Model,
+    /// The vision tower (from the mmproj file), when the model reads images.
+    vision: Option<VisionWeights>,
     format: Arc<PromptFormat>,
     max_prompt_tokens: usize,
 }
@@ -121,16 +175,26 @@ impl DecoderLetterModel {
                 });
             }
         }
+        let vision = match source.mmproj_path()? {
+            None => None,
+            Some(path) => Some(load_vision(&path, &decoder, &format)?),
+        };
         let name = model_name(&gguf, &source.gguf);
         Ok(LoadedDecisionModel {
             model: DecoderLetterModel {
                 name,
                 decoder,
+                vision,
                 format: Arc::new(format),
                 max_prompt_tokens,
             },
             config,
         })
+    }
+
+    /// The vision tower, when the model reads images.
+    pub fn vision(&self) -> Option<&VisionWeights> {
+        self.vision.as_ref()
     }
 
     /// The tokenizer, chat template and letter ids in use.
@@ -149,6 +213,10 @@ impl DecoderLetterModel {
             max_token_bytes: keeps_user_text_whole(&self.format)
                 .then(|| self.format.tokenizer().max_token_bytes()),
             markers: thought_markers(&self.format),
+            images: self.vision.as_ref().and_then(|v| {
+                let pad = self.format.special_tokens().image_pad?;
+                Some((image_config(v), pad))
+            }),
         }
     }
 
@@ -173,11 +241,99 @@ fn prompt_tokens(
     format: &PromptFormat,
     prompt: &LetterPrompt,
 ) -> Result<Vec<u32>, PromptFormatError> {
-    let messages = [
-        ChatMessage::system(prompt.system.as_str()),
-        ChatMessage::user(prompt.user.as_str()),
-    ];
-    Ok(format.render_and_encode(&messages, false)?.ids)
+    Ok(format.render_and_encode(&messages(prompt), false)?.ids)
+}
+
+/// A prompt's chat messages: the system text, and the user message as text, or as text and image
+/// parts when it has images (a slot that is not on a character boundary puts its image at the next
+/// one; the engine's slots always are).
+fn messages(prompt: &LetterPrompt) -> [ChatMessage; 2] {
+    let user = if prompt.images.is_empty() {
+        ChatMessage::user(prompt.user.as_str())
+    } else {
+        let mut parts = Vec::with_capacity(2 * prompt.images.len() + 1);
+        let mut from = 0;
+        for slot in &prompt.images {
+            let mut at = slot.at.clamp(from, prompt.user.len());
+            while !prompt.user.is_char_boundary(at) {
+                at += 1;
+            }
+            if at > from {
+                parts.push(ContentPart::Text(prompt.user[from..at].to_string()));
+            }
+            parts.push(ContentPart::Image);
+            from = at;
+        }
+        if from < prompt.user.len() {
+            parts.push(ContentPart::Text(prompt.user[from..].to_string()));
+        }
+        ChatMessage::with_parts(ChatRole::User, parts)
+    };
+    [ChatMessage::system(prompt.system.as_str()), user]
+}
+
+/// Expands each `<|image_pad|>` of `ids` (one per image part, in order) to its image's pad tokens.
+fn expand_image_pads(ids: Vec<u32>, pad: u32, slots: &[ImageSlot]) -> Result<Vec<u32>, ModelError> {
+    let found = ids.iter().filter(|&&t| t == pad).count();
+    if found != slots.len() {
+        return Err(ModelError::Backend(format!(
+            "the chat template wrote {found} image pad tokens for {} images",
+            slots.len()
+        )));
+    }
+    let extra: usize = slots.iter().map(|s| s.tokens.saturating_sub(1)).sum();
+    let mut out = Vec::with_capacity(ids.len() + extra);
+    let mut next = slots.iter();
+    for t in ids {
+        if t == pad {
+            let n = next.next().map_or(1, |s| s.tokens);
+            out.extend(std::iter::repeat_n(pad, n));
+        } else {
+            out.push(t);
+        }
+    }
+    Ok(out)
+}
+
+/// The preprocessing a vision tower reads: its patch, merge, mean and std; the release's pixel bounds.
+fn image_config(vision: &VisionWeights) -> ImageConfig {
+    let c = &vision.config;
+    ImageConfig {
+        patch_size: c.patch,
+        merge_size: c.merge,
+        temporal_patch_size: prism_model::vision::TEMPORAL_PATCH,
+        mean: c.mean,
+        std: c.std,
+        ..ImageConfig::default()
+    }
+}
+
+/// Loads the mmproj at `path` onto the decoder's device and checks it against the decoder (its output
+/// width) and the tokenizer (which needs `<|image_pad|>`).
+fn load_vision(
+    path: &Path,
+    decoder: &Qwen35Model,
+    format: &PromptFormat,
+) -> Result<VisionWeights, EngineError> {
+    let fail = |reason: String| EngineError::Mmproj {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let gguf = GgufFile::open(path).map_err(|e| fail(e.to_string()))?;
+    let vision = VisionWeights::load(&gguf, decoder.device()).map_err(|e| fail(e.to_string()))?;
+    let hidden = decoder.config().hidden_size;
+    if vision.config.projection != hidden {
+        return Err(fail(format!(
+            "its projector writes {}-wide embeddings; the decoder's are {hidden} wide (another model's mmproj?)",
+            vision.config.projection
+        )));
+    }
+    if format.special_tokens().image_pad.is_none() {
+        return Err(fail(
+            "the tokenizer has no <|image_pad|> token, so images cannot be placed".into(),
+        ));
+    }
+    Ok(vision)
 }
 
 /// Whether the chat template puts a decision prompt's user message into its text whole (the Qwen3.5
@@ -216,12 +372,38 @@ struct FormatEncoder {
     format: Arc<PromptFormat>,
     max_token_bytes: Option<usize>,
     markers: Option<ThoughtMarkers>,
+    /// The vision tower's preprocessing and the `<|image_pad|>` id, when the model reads images.
+    images: Option<(ImageConfig, u32)>,
+}
+
+impl FormatEncoder {
+    /// `ids` with each image's pad expanded (unchanged for a text prompt).
+    fn expand(&self, ids: Vec<u32>, prompt: &LetterPrompt) -> Result<Vec<u32>, ModelError> {
+        if prompt.images.is_empty() {
+            return Ok(ids);
+        }
+        let Some((_, pad)) = &self.images else {
+            return Err(ModelError::Backend(
+                "a prompt with images for a model without a vision tower".into(),
+            ));
+        };
+        expand_image_pads(ids, *pad, &prompt.images)
+    }
 }
 
 impl PromptEncoder for FormatEncoder {
     fn encode(&self, prompt: &LetterPrompt) -> Result<Vec<u32>, ModelError> {
-        prompt_tokens(&self.format, prompt)
-            .map_err(|e| ModelError::Backend(format!("tokenizer: {e}")))
+        let ids = prompt_tokens(&self.format, prompt)
+            .map_err(|e| ModelError::Backend(format!("tokenizer: {e}")))?;
+        self.expand(ids, prompt)
+    }
+
+    fn image_config(&self) -> Option<ImageConfig> {
+        self.images.as_ref().map(|(config, _)| config.clone())
+    }
+
+    fn image_pad(&self) -> Option<u32> {
+        self.images.as_ref().map(|(_, pad)| *pad)
     }
 
     fn max_token_bytes(&self) -> Option<usize> {
@@ -232,15 +414,12 @@ impl PromptEncoder for FormatEncoder {
         if self.markers.is_none() {
             return Err(ModelError::CannotThink);
         }
-        let messages = [
-            ChatMessage::system(prompt.system.as_str()),
-            ChatMessage::user(prompt.user.as_str()),
-        ];
-        Ok(self
+        let ids = self
             .format
-            .render_and_encode(&messages, true)
+            .render_and_encode(&messages(prompt), true)
             .map_err(|e| ModelError::Backend(format!("tokenizer: {e}")))?
-            .ids)
+            .ids;
+        self.expand(ids, prompt)
     }
 
     fn thought_markers(&self) -> Option<ThoughtMarkers> {
@@ -264,6 +443,74 @@ fn backend(error: impl std::fmt::Display) -> ModelError {
         ModelError::OutOfMemory(message)
     } else {
         ModelError::Backend(message)
+    }
+}
+
+/// A prefix's image inputs to the decoder: its tokens' positions, and the rows (indices into the
+/// prefix) that take image embeddings with those embeddings (`None` when the prefix is a chunk without
+/// pads).
+struct PrefixInputs<'a> {
+    positions: &'a [Position3],
+    rows: Vec<usize>,
+    values: Option<candle_core::Tensor>,
+}
+
+impl DecoderLetterModel {
+    /// The image inputs of a group prefix of `len` tokens: the tower runs here the first time the
+    /// request's images are needed (each image alone, so its embeddings do not depend on the others
+    /// or on the pass), and its output is kept with the request for later chunks.
+    fn prefix_inputs<'a>(
+        &self,
+        prefix: &PrefixImages<'a>,
+        len: usize,
+    ) -> Result<PrefixInputs<'a>, ModelError> {
+        let images = prefix.images;
+        let (from, to) = (prefix.offset, prefix.offset + len);
+        let positions = images.positions.get(from..to).ok_or_else(|| {
+            ModelError::Backend(format!(
+                "a prefix of evidence tokens {from}..{to} past the {} positions of its images",
+                images.positions.len()
+            ))
+        })?;
+        let first = images.pad_rows.partition_point(|&r| r < from);
+        let end = images.pad_rows.partition_point(|&r| r < to);
+        if first == end {
+            return Ok(PrefixInputs {
+                positions,
+                rows: Vec::new(),
+                values: None,
+            });
+        }
+        let vision = self.vision.as_ref().ok_or_else(|| {
+            ModelError::Backend("a pass holds images but the model has no vision tower".into())
+        })?;
+        let all = images.embeddings(|decoded| -> Result<candle_core::Tensor, ModelError> {
+            let device = self.decoder.device().clone();
+            prism_model::profile::time("vision tower", &device, || -> prism_model::Result<_> {
+                let each = decoded
+                    .iter()
+                    .map(|image| vision.forward_pixels(&image.pixels, image.grid))
+                    .collect::<prism_model::Result<Vec<_>>>()?;
+                Ok(candle_core::Tensor::cat(&each, 0)?)
+            })
+            .map_err(backend)
+        })?;
+        if all.dims().first() != Some(&images.pad_rows.len()) {
+            return Err(ModelError::Backend(format!(
+                "the vision tower gave embeddings of shape {:?} for {} image pads",
+                all.dims(),
+                images.pad_rows.len()
+            )));
+        }
+        let values = all.narrow(0, first, end - first).map_err(backend)?;
+        Ok(PrefixInputs {
+            positions,
+            rows: images.pad_rows[first..end]
+                .iter()
+                .map(|r| r - from)
+                .collect(),
+            values: Some(values),
+        })
     }
 }
 
@@ -309,6 +556,8 @@ impl PassModel for DecoderLetterModel {
         let mut tokens: Vec<&[u32]> = Vec::new();
         let mut parents: Vec<Option<usize>> = Vec::new();
         let mut keep: Vec<bool> = Vec::new();
+        // Per item: the image rows and positions of a prefix that holds images.
+        let mut extras: Vec<Option<PrefixInputs<'_>>> = Vec::new();
         let mut roots: Vec<Option<usize>> = Vec::with_capacity(groups.len());
         // Items whose last position's next-token logits are wanted (thought steps).
         let mut next_items: Vec<usize> = Vec::new();
@@ -328,6 +577,10 @@ impl PassModel for DecoderLetterModel {
                 tokens.push(group.prefix);
                 parents.push(None);
                 keep.push(group.want_state);
+                extras.push(match &group.images {
+                    Some(images) => Some(self.prefix_inputs(images, group.prefix.len())?),
+                    None => None,
+                });
                 Some(states.len() - 1)
             };
             roots.push(root);
@@ -361,6 +614,7 @@ impl PassModel for DecoderLetterModel {
                     start()?
                 });
                 tokens.push(branch.tokens);
+                extras.push(None);
                 parents.push(root);
                 // Only the letter logits of a branch are read: its states go layer by layer.
                 keep.push(false);
@@ -375,10 +629,18 @@ impl PassModel for DecoderLetterModel {
                 .zip(&tokens)
                 .zip(&parents)
                 .zip(&keep)
-                .map(|(((state, t), parent), &keep_state)| {
+                .zip(&extras)
+                .map(|((((state, t), parent), &keep_state), extra)| {
                     let mut item = BatchItem::new(state, t);
                     item.parent = *parent;
                     item.keep_state = keep_state;
+                    if let Some(extra) = extra {
+                        item.positions = Some(extra.positions);
+                        item.embeddings = extra.values.as_ref().map(|values| EmbeddingRows {
+                            rows: &extra.rows,
+                            values,
+                        });
+                    }
                     item
                 })
                 .collect();

@@ -32,13 +32,15 @@ use std::time::{Duration, Instant};
 
 pub use decoder::{DecoderLetterModel, EngineError, LoadedDecisionModel, ModelSource};
 pub use pass::{
-    Branch, GroupInput, GroupOutput, NextLogits, PassModel, PromptEncoder, ThoughtMarkers,
+    Branch, GroupInput, GroupOutput, NextLogits, PassModel, PrefixImages, PromptEncoder,
+    RequestImages, ThoughtMarkers,
 };
 pub use prefix_cache::{PrefixCache, PrefixCacheLimits, PrefixCacheStats};
 
 use crate::config::DecisionConfig;
 use crate::decide::DecisionTask;
 use crate::error::{DecisionError, FieldError, FieldPath, ModelError};
+use crate::image_input::{decode_images, DecodedImage, ImageLimits};
 use crate::model::LetterPrompt;
 use crate::render::evidence_probe;
 use crate::request::DecisionRequest;
@@ -152,6 +154,11 @@ pub struct Prepared {
     tokens: Vec<Vec<u32>>,
     /// The evidence: the tokens every prompt of the request starts with, up to the question.
     key: Arc<[u32]>,
+    /// What the prefix cache and the dispatcher know the evidence by: `key` for text; for evidence with
+    /// images, `key`, then `u32::MAX` (no token's id), then the images' digest as 8 words.
+    cache_key: Arc<[u32]>,
+    /// The request's images, decoded, with their evidence positions (`None` for text).
+    images: Option<Arc<RequestImages>>,
 }
 
 impl Prepared {
@@ -168,6 +175,11 @@ impl Prepared {
     /// Tokens of the shared evidence prefix.
     pub fn evidence_tokens(&self) -> usize {
         self.key.len()
+    }
+
+    /// The request's decoded images (`None` for text).
+    pub fn images(&self) -> Option<&RequestImages> {
+        self.images.as_deref()
     }
 }
 
@@ -387,6 +399,8 @@ pub struct Engine {
     config: Arc<DecisionConfig>,
     options: EngineOptions,
     model_name: Arc<str>,
+    /// Bounds on request images ([`Engine::with_image_limits`]).
+    image_limits: ImageLimits,
 }
 
 /// Most evidences the dispatcher remembers before it forgets them all.
@@ -511,9 +525,21 @@ impl Engine {
                 config: Arc::new(config),
                 options,
                 model_name,
+                image_limits: ImageLimits::default(),
             },
             EngineWorker(handles),
         ))
+    }
+
+    /// Whether the model reads images (it has a vision tower).
+    pub fn reads_images(&self) -> bool {
+        self.encoder.image_config().is_some()
+    }
+
+    /// This engine with other bounds on request images (default [`ImageLimits::default`]).
+    pub fn with_image_limits(mut self, limits: ImageLimits) -> Self {
+        self.image_limits = limits;
+        self
     }
 
     /// How many replicas (step loops) serve this engine.
@@ -598,7 +624,14 @@ impl Engine {
                 self.options.max_request_tokens,
             )?;
         }
-        let mut task = DecisionTask::new(request, &self.config)?;
+        let decoded = self.decode_images(&request)?;
+        let mut task = match &decoded {
+            None => DecisionTask::new(request, &self.config)?,
+            Some(images) => {
+                let tokens: Vec<usize> = images.iter().map(DecodedImage::tokens).collect();
+                DecisionTask::with_images(request, &self.config, &tokens)?
+            }
+        };
         let prompts = task.next_prompts();
         let tokens = encode_all(
             &*self.encoder,
@@ -620,12 +653,53 @@ impl Engine {
             .into());
         }
         let key = evidence_key(&*self.encoder, &task, &tokens)?;
+        let (images, cache_key) = match decoded {
+            None => (None, key.clone()),
+            Some(decoded) => {
+                let images = place_images(&*self.encoder, decoded, &key, &tokens)?;
+                let mut cache_key: Vec<u32> = key.to_vec();
+                cache_key.push(u32::MAX);
+                cache_key.extend(
+                    images
+                        .digest
+                        .chunks_exact(4)
+                        .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]])),
+                );
+                (Some(Arc::new(images)), Arc::from(cache_key))
+            }
+        };
         Ok(Prepared {
             task,
             prompts,
             tokens,
             key,
+            cache_key,
+            images,
         })
+    }
+
+    /// The request's images decoded for the model's tower (`None` without images): a 422 naming
+    /// `images` when the model has no vision tower, the images' own errors (400 for bad data, 422 past
+    /// the limits) under their paths.
+    fn decode_images(
+        &self,
+        request: &DecisionRequest,
+    ) -> Result<Option<Vec<DecodedImage>>, DecisionError> {
+        if request.images.is_empty() {
+            return Ok(None);
+        }
+        let Some(config) = self.encoder.image_config() else {
+            return Err(FieldError::unanswerable(
+                FieldPath::root().key("images"),
+                "no_vision_model",
+                "this model has no vision tower, so it cannot read images: serve it with its mmproj file \
+                 (`prism serve --mmproj mmproj-....gguf`, or an mmproj-*.gguf in --model-dir)",
+            )
+            .into());
+        };
+        decode_images(&request.images, &config, &self.image_limits)
+            .map(Some)
+            .map_err(|errors| DecisionError::Request(crate::error::FieldErrors(errors)))
     }
 
     /// Queues a prepared request; `reply` is called once with its answer. `deadline`: the request is
@@ -638,7 +712,7 @@ impl Engine {
         deadline: Option<Instant>,
         cancel: CancelToken,
     ) -> Result<(), SubmitError> {
-        let replica = &self.replicas[self.dispatch(&prepared.key)];
+        let replica = &self.replicas[self.dispatch(&prepared.cache_key)];
         replica.shared.waiting.fetch_add(1, Ordering::SeqCst);
         let job = Job {
             prepared,
@@ -853,9 +927,7 @@ fn evidence_key(
         return Ok(Arc::from(Vec::new()));
     };
     let probe = encoder
-        .encode(&evidence_probe(&crate::render::state_text(
-            &task.request().state,
-        )))
+        .encode(&evidence_probe(task.evidence()))
         .map_err(DecisionError::Model)?;
     let mut common = first.iter().zip(&probe).take_while(|(a, b)| a == b).count();
     for t in &tokens[1..] {
@@ -864,4 +936,63 @@ fn evidence_key(
     let shortest = tokens.iter().map(Vec::len).min().unwrap_or(0);
     let common = common.min(shortest.saturating_sub(1));
     Ok(Arc::from(&first[..common]))
+}
+
+/// The request's images against its tokens: the pad tokens must form, inside the evidence `key`, one
+/// run per image of exactly its merged patches, and no prompt may hold pads past the evidence (else the
+/// evidence's own text holds `<|image_pad|>`, a 422 naming `state`). Gives the images with the
+/// evidence's 3-axis positions and pad rows.
+fn place_images(
+    encoder: &dyn PromptEncoder,
+    images: Vec<DecodedImage>,
+    key: &[u32],
+    tokens: &[Vec<u32>],
+) -> Result<RequestImages, DecisionError> {
+    let pad = encoder.image_pad().ok_or_else(|| {
+        DecisionError::Model(ModelError::Backend(
+            "the model reads images but its tokenizer has no <|image_pad|> token".into(),
+        ))
+    })?;
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for (i, &t) in key.iter().enumerate() {
+        if t != pad {
+            continue;
+        }
+        match runs.last_mut() {
+            Some((start, len)) if *start + *len == i => *len += 1,
+            _ => runs.push((i, 1)),
+        }
+    }
+    let foreign = || {
+        DecisionError::from(FieldError::unanswerable(
+            FieldPath::root().key("state"),
+            "image_tokens_in_text",
+            "the evidence's text holds image tokens of its own (<|image_pad|>, <|vision_start|>); with \
+             images, remove them from the text",
+        ))
+    };
+    let fits = runs.len() == images.len()
+        && runs
+            .iter()
+            .zip(&images)
+            .all(|(&(_, len), image)| len == image.tokens());
+    if !fits || tokens.iter().any(|t| t[key.len()..].contains(&pad)) {
+        return Err(foreign());
+    }
+    let image_runs: Vec<crate::vision::ImageRun> = runs
+        .iter()
+        .zip(&images)
+        .map(|(&(start, _), image)| crate::vision::ImageRun {
+            start,
+            rows: image.rows,
+            cols: image.cols,
+        })
+        .collect();
+    let (positions, _) = crate::vision::mrope_positions(key.len(), &image_runs)
+        .map_err(|e| DecisionError::ModelOutput(format!("image positions: {e}")))?;
+    let pad_rows = runs
+        .iter()
+        .flat_map(|&(start, len)| start..start + len)
+        .collect();
+    Ok(RequestImages::new(images, positions, pad_rows))
 }

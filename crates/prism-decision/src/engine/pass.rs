@@ -6,7 +6,11 @@
 //! [`Branch`] from the state right after the prefix. A group with no branches is a chunk of a long
 //! evidence prefix, computed over several passes so that it never holds the others back.
 
+use std::sync::Mutex;
+
+use crate::image_input::DecodedImage;
 use crate::model::{LetterPrompt, ModelError};
+use crate::vision::ImageConfig;
 
 /// One question's tokens on top of its group's prefix, and how many letters (`A`..) to read at its end.
 #[derive(Debug, Clone, Copy)]
@@ -34,6 +38,84 @@ pub struct GroupInput<'a, S> {
     /// asks for candidates that include the `k` best logits, `Some(0)` for the whole vocabulary. Needs
     /// a non-empty prefix.
     pub want_logits: Option<usize>,
+    /// The request's images when the prefix holds some of their pad tokens: the model replaces those
+    /// tokens' embeddings with the vision tower's output and gives the prefix its 3-axis positions.
+    /// `None` for text.
+    pub images: Option<PrefixImages<'a>>,
+}
+
+/// A group prefix's part of a request's images.
+#[derive(Debug, Clone, Copy)]
+pub struct PrefixImages<'a> {
+    pub images: &'a RequestImages,
+    /// Where the prefix starts in the request's evidence tokens (a chunk of a long evidence starts
+    /// past 0).
+    pub offset: usize,
+}
+
+/// A request's decoded images and what its evidence needs of them: shared by every pass that computes
+/// some of the evidence (chunks), so the vision tower runs once per request
+/// ([`RequestImages::embeddings`]).
+#[derive(Debug)]
+pub struct RequestImages {
+    /// The images in prompt order.
+    pub images: Vec<DecodedImage>,
+    /// The 3-axis M-RoPE position of every evidence token ([`crate::vision::mrope_positions`]).
+    pub positions: Vec<prism_model::Position3>,
+    /// The evidence tokens that are image pads, increasing: the `k`-th takes row `k` of the images'
+    /// embeddings stacked in order.
+    pub pad_rows: Vec<usize>,
+    /// SHA-256 over the images' own SHA-256 digests in order: with the evidence tokens, the prefix
+    /// cache's key (two images with the same pad tokens never share a state).
+    pub digest: [u8; 32],
+    embeddings: Mutex<Option<candle_core::Tensor>>,
+}
+
+impl RequestImages {
+    pub fn new(
+        images: Vec<DecodedImage>,
+        positions: Vec<prism_model::Position3>,
+        pad_rows: Vec<usize>,
+    ) -> Self {
+        use sha2::{Digest, Sha256};
+        let mut hasher = Sha256::new();
+        for image in &images {
+            hasher.update(image.sha256);
+        }
+        RequestImages {
+            images,
+            positions,
+            pad_rows,
+            digest: hasher.finalize().into(),
+            embeddings: Mutex::new(None),
+        }
+    }
+
+    /// The images' embeddings stacked in order (`[pad_rows.len(), width]`): computed by `compute` the
+    /// first time they are asked for, then kept for the rest of the request's evidence.
+    pub fn embeddings<E>(
+        &self,
+        compute: impl FnOnce(&[DecodedImage]) -> Result<candle_core::Tensor, E>,
+    ) -> Result<candle_core::Tensor, E> {
+        let mut kept = self
+            .embeddings
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(tensor) = kept.as_ref() {
+            return Ok(tensor.clone());
+        }
+        let tensor = compute(&self.images)?;
+        *kept = Some(tensor.clone());
+        Ok(tensor)
+    }
+
+    /// Whether the tower has run for these images.
+    pub fn has_embeddings(&self) -> bool {
+        self.embeddings
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .is_some()
+    }
 }
 
 /// What a pass returns for one group.
@@ -109,6 +191,18 @@ pub trait PromptEncoder: Send + Sync {
 
     /// The tokens that end and close a thought; `None` (the default): this model cannot think.
     fn thought_markers(&self) -> Option<ThoughtMarkers> {
+        None
+    }
+
+    /// The image preprocessing of the model's vision tower; `None` (the default): the model has none,
+    /// and a request with images is refused (422).
+    fn image_config(&self) -> Option<ImageConfig> {
+        None
+    }
+
+    /// The `<|image_pad|>` token id, which [`Self::encode`] repeats once per merged patch of each
+    /// image ([`crate::model::ImageSlot::tokens`]); `None` when the model has no vision tower.
+    fn image_pad(&self) -> Option<u32> {
         None
     }
 

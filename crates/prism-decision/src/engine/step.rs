@@ -48,6 +48,11 @@ struct Active<S> {
     prompts: Vec<LetterPrompt>,
     tokens: Vec<Vec<u32>>,
     key: Arc<[u32]>,
+    /// The evidence as the prefix cache knows it (the key, plus the images' digest when it has
+    /// images).
+    cache_key: Arc<[u32]>,
+    /// The request's images (`None` for text): the passes that compute its evidence read them.
+    images: Option<Arc<super::RequestImages>>,
     /// The state after the first `held.1` tokens of the key (a chunk, or the whole evidence).
     held: Option<(S, usize)>,
     /// Whether the prefix cache was asked for the key already.
@@ -159,6 +164,8 @@ impl<M: PassModel> StepLoop<M> {
             prompts: prepared.prompts,
             tokens: prepared.tokens,
             key: prepared.key,
+            cache_key: prepared.cache_key,
+            images: prepared.images,
             held: None,
             looked_up: false,
             solo: false,
@@ -257,7 +264,12 @@ impl<M: PassModel> StepLoop<M> {
                 let go = match run.phase {
                     Phase::Done => false,
                     Phase::Decode | Phase::Close => fits,
-                    Phase::Prefill => fits && seats < self.options.think_seqs,
+                    // A thought of a request with images starts from its whole evidence (which holds
+                    // the images' embeddings), never from scratch.
+                    Phase::Prefill => {
+                        fits && seats < self.options.think_seqs
+                            && (a.images.is_none() || evidence == a.key.len())
+                    }
                 };
                 if go {
                     if run.phase == Phase::Prefill {
@@ -293,12 +305,13 @@ impl<M: PassModel> StepLoop<M> {
             // The evidence from the cache: looked up once per request (a hit or a miss), and again
             // when another request has put it there since.
             if self.active[i].held.is_none()
-                && (!self.active[i].looked_up || self.cache.contains(&self.active[i].key))
+                && (!self.active[i].looked_up || self.cache.contains(&self.active[i].cache_key))
             {
                 self.active[i].looked_up = true;
                 let key = self.active[i].key.clone();
+                let cache_key = self.active[i].cache_key.clone();
                 if !key.is_empty() {
-                    match self.cache.lookup(&key) {
+                    match self.cache.lookup(&cache_key) {
                         Some(state) => {
                             record.cache_hits += 1;
                             self.active[i].cached_tokens += key.len() as u64;
@@ -323,7 +336,7 @@ impl<M: PassModel> StepLoop<M> {
                     g.from == start
                         && g.to == key_len
                         && g.members.iter().all(|&(_, reads)| reads)
-                        && self.active[g.members[0].0].key == a.key
+                        && self.active[g.members[0].0].cache_key == a.cache_key
                 });
                 if let Some(g) = same {
                     if branch <= budget && prompts_fit {
@@ -450,6 +463,14 @@ impl<M: PassModel> StepLoop<M> {
                         branches,
                         want_state: g.to > g.from,
                         want_logits: None,
+                        images: lead
+                            .images
+                            .as_deref()
+                            .filter(|_| g.to > g.from)
+                            .map(|images| super::PrefixImages {
+                                images,
+                                offset: g.from,
+                            }),
                     }
                 })
                 .chain(thoughts.iter().map(|&(i, t)| {
@@ -533,7 +554,8 @@ impl<M: PassModel> StepLoop<M> {
                 let lead = &self.active[g.members[0].0];
                 if g.to == lead.key.len() {
                     let bytes = self.model.state_bytes(&state);
-                    self.cache.insert(lead.key.clone(), state.clone(), bytes);
+                    self.cache
+                        .insert(lead.cache_key.clone(), state.clone(), bytes);
                 }
                 for &(i, _) in &g.members {
                     self.active[i].held = Some((state.clone(), g.to));

@@ -129,6 +129,9 @@ impl<S: Clone> ThoughtRun<S> {
                     branches: Vec::new(),
                     want_state: true,
                     want_logits: Some(self.sampler.needs()),
+                    // A thought starts from its request's evidence state, which holds the images
+                    // (the engine keeps it until the request is answered).
+                    images: None,
                 }
             }
             Phase::Decode => GroupInput {
@@ -137,6 +140,7 @@ impl<S: Clone> ThoughtRun<S> {
                 branches: Vec::new(),
                 want_state: true,
                 want_logits: Some(self.sampler.needs()),
+                images: None,
             },
             Phase::Close | Phase::Done => GroupInput {
                 start: self.state.as_ref(),
@@ -147,6 +151,7 @@ impl<S: Clone> ThoughtRun<S> {
                 }],
                 want_state: false,
                 want_logits: None,
+                images: None,
             },
         }
     }

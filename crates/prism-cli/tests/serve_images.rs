@@ -1,0 +1,164 @@
+//! Images over HTTP: a real `prism serve` of the vision fixture (`tests/fixtures/qwen35-vl-tiny`, its
+//! mmproj found in --model-dir) answers requests with images (base64 and data URIs, placed first or by
+//! `<image>` marks) with the same bytes alone and concurrently, and refuses each bad input with its
+//! status and field path; a model served without an mmproj says so (422).
+
+mod serve_common;
+
+use base64::Engine as _;
+use serde_json::{json, Value};
+use serve_common::{repo_path, Server};
+
+fn vl(file: &str) -> String {
+    repo_path(&format!("tests/fixtures/qwen35-vl-tiny/{file}"))
+        .display()
+        .to_string()
+}
+
+fn image(file: &str) -> String {
+    let bytes = std::fs::read(vl(&format!("images/{file}"))).expect("fixture image");
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+fn start() -> Server {
+    let gguf = vl("tiny-vl-BF16.gguf");
+    let dir = vl("");
+    Server::start(&["--gguf", &gguf, "--model-dir", &dir, "--precision", "f32"])
+}
+
+fn body(state: &str, images: Vec<String>) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "state": state,
+        "images": images,
+        "questions": {
+            "busy": {"type": "noul", "instructions": "Is the dock in use?"},
+            "what": {"type": "choice", "instructions": "What does it show?", "criteria": ["a truck", "a person", "nothing"]},
+        },
+    }))
+    .unwrap()
+}
+
+#[test]
+fn images_are_answered_over_http() {
+    let server = start();
+    assert!(
+        server.output().contains("vision tower"),
+        "{}",
+        server.output()
+    );
+    let square = image("square_256x256.png");
+    let wide = format!("data:image/jpeg;base64,{}", image("wide_640x360.jpg"));
+    let bodies = [
+        body("A photo from the dock.", vec![square.clone()]),
+        body(
+            "Before <image> and after <image>.",
+            vec![square.clone(), wide.clone()],
+        ),
+        body("", vec![wide.clone(), square.clone()]),
+        body("Plain text evidence.", vec![]),
+    ];
+    let alone: Vec<Vec<u8>> = bodies
+        .iter()
+        .map(|b| {
+            let reply = server.post_json("/v1/systemone", b);
+            assert_eq!(
+                reply.status,
+                200,
+                "{}",
+                String::from_utf8_lossy(&reply.body)
+            );
+            reply.answer_bytes().to_vec()
+        })
+        .collect();
+    // Image tokens are counted: one 256×256 image is 64 of them in each of the two prompts.
+    let reply = server.post_json("/v1/systemone", &bodies[0]);
+    let text_only = server.post_json("/v1/systemone", &body("A photo from the dock.", vec![]));
+    let tokens = |r: &serve_common::Reply| r.json()["usage"]["input_tokens"].as_u64().unwrap();
+    assert!(tokens(&reply) >= tokens(&text_only) + 2 * 64);
+    // Concurrently: the same bytes.
+    let together: Vec<Vec<u8>> = std::thread::scope(|s| {
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|b| {
+                let server = &server;
+                s.spawn(move || server.post_json("/v1/systemone", b).answer_bytes().to_vec())
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(alone, together);
+    let models = server.get("/v1/models").json();
+    assert!(models.to_string().contains("yes: up to 8"), "{models}");
+}
+
+/// The status and the field path: a 422's first `loc`; a 400 (the reference API's
+/// `detail.error_type` / `detail.message` shape) names the field at the start of its message, which
+/// is turned back into a `loc` here.
+fn refusal(server: &Server, body: &[u8]) -> (u16, Vec<String>) {
+    let reply = server.post_json("/v1/systemone", body);
+    if reply.status == 400 {
+        let json = reply.json();
+        let message = json["detail"]["message"].as_str().unwrap_or_default();
+        let field = message.split(':').next().unwrap_or_default();
+        let mut loc = vec!["body".to_string()];
+        for part in field.split(['.', '[']) {
+            loc.push(part.trim_end_matches(']').to_string());
+        }
+        return (400, loc);
+    }
+    let locs = reply.locs();
+    (reply.status, locs.first().cloned().unwrap_or_default())
+}
+
+#[test]
+fn bad_images_are_refused_over_http() {
+    let server = start();
+    let square = image("square_256x256.png");
+    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<String>>();
+    // Bad base64.
+    assert_eq!(
+        refusal(&server, &body("x", vec![square.clone(), "%%%".into()])),
+        (400, s(&["body", "images", "1"]))
+    );
+    // Bytes that are no image.
+    let junk = base64::engine::general_purpose::STANDARD.encode(b"hello, this is not an image");
+    assert_eq!(
+        refusal(&server, &body("x", vec![junk])),
+        (400, s(&["body", "images", "0"]))
+    );
+    // Too many images.
+    assert_eq!(
+        refusal(&server, &body("x", vec![square.clone(); 9])),
+        (422, s(&["body", "images"]))
+    );
+    // Marks that do not match.
+    assert_eq!(
+        refusal(&server, &body("<image> <image>", vec![square.clone()])),
+        (422, s(&["body", "state"]))
+    );
+    // An image whose header claims 40,000 × 40,000 pixels (a 1×1 PNG with its IHDR rewritten).
+    let mut png = std::fs::read(vl("images/square_256x256.png")).unwrap();
+    png[16..20].copy_from_slice(&40_000u32.to_be_bytes());
+    png[20..24].copy_from_slice(&40_000u32.to_be_bytes());
+    let crafted = base64::engine::general_purpose::STANDARD.encode(&png);
+    let (status, loc) = refusal(&server, &body("x", vec![crafted]));
+    assert_eq!(loc, s(&["body", "images", "0"]));
+    assert!(status == 422 || status == 400, "{status}");
+    // The server still answers.
+    let reply = server.post_json("/v1/systemone", &body("x", vec![square]));
+    assert_eq!(reply.status, 200);
+}
+
+#[test]
+fn a_model_without_mmproj_refuses_images() {
+    // The demo model has no vision tower.
+    let server = Server::start(&[]);
+    let reply = server.post_json(
+        "/v1/systemone",
+        &body("x", vec![image("square_256x256.png")]),
+    );
+    assert_eq!(reply.status, 422);
+    assert_eq!(reply.locs()[0], ["body", "images"]);
+    let text: Value = reply.json();
+    assert!(text.to_string().contains("no vision tower"), "{text}");
+}
