@@ -17,7 +17,8 @@
 #               bf16 (gemm-bench.txt, gemm-bench.json)
 #   bench27     27B bf16 bench (5 runs after 1 warm-up): bench-27b-bf16.json (prism bench --json), log
 #   bench27-int8  27B int8 bench of /tmp/s27 (5 runs after 1 warm-up): bench-27b-int8.json, log; with
-#               $PROFILE (sync or events) set, each scenario also profiled
+#               $PROFILE (sync or events) set, each scenario also profiled; with ENGINE=1 also through the
+#               engine the server runs (its median next to the direct path's)
 #   bench9 / bench4   9B / 4B bf16 benches (10 runs after 2 warm-ups)
 #   loads9      9B bf16 loads from 1, 4, 8 and 16 loader threads (--load-threads), one bench run each
 #               after no warm-up (answer digests comparable across them); each killed after 120 s
@@ -195,7 +196,7 @@ for step in "$@"; do
                 > "$OUT/bench-27b-bf16.json" 2> "$OUT/bench-27b-bf16.log" ;;
         bench27-int8)
             /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --runs 5 --warmup 1 --json \
-                ${PROFILE:+--profile $PROFILE} > "$OUT/bench-27b-int8.json" 2> "$OUT/bench-27b-int8.log"
+                ${PROFILE:+--profile $PROFILE} ${ENGINE:+--engine} > "$OUT/bench-27b-int8.json" 2> "$OUT/bench-27b-int8.log"
             echo "bench27-int8 rc=$?" ;;
         bench9) /tmp/prism bench --model-dir /tmp/s9 --device cuda --precision bf16 --runs 10 --warmup 2 > "$OUT/bench-9b-bf16.txt" 2>&1 ;;
         loads9)

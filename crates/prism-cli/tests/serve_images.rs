@@ -162,3 +162,42 @@ fn a_model_without_mmproj_refuses_images() {
     let text: Value = reply.json();
     assert!(text.to_string().contains("no vision tower"), "{text}");
 }
+
+/// The TypeSafe SDK's own image upload (`Image(bytes)` as the state: multipart/form-data with an asset
+/// part), sync and async, answered as the same image sent as base64 in plain JSON, placed by a mark.
+#[test]
+fn the_typesafe_sdk_uploads_an_image() {
+    let Some(python) = serve_common::venv_program(
+        "python",
+        &["-c", "import typesafe_sdk"],
+        "the TypeSafe SDK virtualenv",
+    ) else {
+        return;
+    };
+    let server = start();
+    let report = serve_common::run_sdk_check(
+        &python,
+        "check_sdk_images.py",
+        &server,
+        "unused",
+        &[("PRISM_IMAGE", vl("images/square_256x256.png"))],
+    );
+    let plain = json!({
+        "state": "<image>",
+        "images": [image("square_256x256.png")],
+        "questions": {
+            "busy": {"type": "noul", "instructions": "Is the dock in use?"},
+            "what": {"type": "choice", "instructions": "What does it show?", "criteria": {"a truck": null, "a person": null, "nothing": null}},
+        },
+    });
+    let reply = server.post_json("/v1/systemone", &serde_json::to_vec(&plain).unwrap());
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    let reply = reply.json();
+    assert_eq!(reply["answers"], report["answers"], "{reply}\n{report}");
+    assert_eq!(reply["usage"], report["usage"]);
+}
