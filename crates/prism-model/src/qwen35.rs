@@ -20,7 +20,7 @@ use crate::linear::{FusedLinear, Linear};
 use crate::ops::{add_rms_norm, rms_norm_as};
 use crate::profile;
 use crate::rope::{MRope, Position3};
-use crate::state::{DeltaNetState, KvCache, LayerState, SequenceState};
+use crate::state::{LayerState, SequenceState};
 use crate::weights::{Precision, WeightLoader};
 
 /// The rows of the packed activation that belong to one sequence.
@@ -275,6 +275,24 @@ fn load_in_order<T: Send>(
         }
     }
     Ok(loaded)
+}
+
+/// Layer `l`'s state of every sequence, of the kind `pick` accepts; an error saying the layer is not
+/// `what` where a sequence holds another kind.
+fn layer_states<'a, T>(
+    work: &'a mut [SequenceState],
+    l: usize,
+    what: &str,
+    pick: fn(&mut LayerState) -> Option<&mut T>,
+) -> Result<Vec<&'a mut T>> {
+    work.iter_mut()
+        .map(|s| {
+            s.layers
+                .get_mut(l)
+                .and_then(pick)
+                .ok_or_else(|| ModelError::InvalidInput(format!("state layer {l} is not {what}")))
+        })
+        .collect()
 }
 
 /// The message of a panic payload (`panic!` gives a `&str` or a `String`).
@@ -749,29 +767,20 @@ impl Qwen35Model {
         for (l, layer) in self.layers.iter().enumerate() {
             let mixed = match &layer.mixer {
                 Mixer::DeltaNet(net) => {
-                    let mut states: Vec<&mut DeltaNetState> = work
-                        .iter_mut()
-                        .map(|s| match s.layers.get_mut(l) {
-                            Some(LayerState::DeltaNet(d)) => Ok(d),
-                            _ => Err(ModelError::InvalidInput(format!(
-                                "state layer {l} is not a DeltaNet state"
-                            ))),
-                        })
-                        .collect::<Result<_>>()?;
+                    let mut states = layer_states(&mut work, l, "a DeltaNet state", |s| match s {
+                        LayerState::DeltaNet(d) => Some(d),
+                        _ => None,
+                    })?;
                     profile::time("deltanet layer", dev, || {
                         net.forward(&h, &segments, &mut states)
                     })?
                 }
                 Mixer::Attention(attn) => {
-                    let mut caches: Vec<&mut KvCache> = work
-                        .iter_mut()
-                        .map(|s| match s.layers.get_mut(l) {
-                            Some(LayerState::Attention(c)) => Ok(c),
-                            _ => Err(ModelError::InvalidInput(format!(
-                                "state layer {l} is not an attention cache"
-                            ))),
-                        })
-                        .collect::<Result<_>>()?;
+                    let mut caches =
+                        layer_states(&mut work, l, "an attention cache", |s| match s {
+                            LayerState::Attention(c) => Some(c),
+                            _ => None,
+                        })?;
                     profile::time("attention layer", dev, || {
                         attn.forward(&h, &self.rope, &cos, &sin, &segments, &mut caches)
                     })?
