@@ -171,6 +171,16 @@ pub struct SynthArgs {
     /// Test only: keep the first N ranks of the vocabulary (rows = N + 33 added tokens).
     #[arg(long, hide = true)]
     pub vocab_ranks: Option<usize>,
+    /// Also write the size's vision tower, `mmproj-Qwen3.5-<SIZE>-synth-<TYPE>.gguf`, which `prism serve
+    /// --model-dir DIR` loads so that requests with images are answered.
+    #[arg(long)]
+    pub mmproj: bool,
+    /// The mmproj's type: f16 (as released), bf16 or f32.
+    #[arg(long, default_value = "f16")]
+    pub mmproj_type: String,
+    /// Keep only the first N blocks of the vision tower (real widths).
+    #[arg(long)]
+    pub vision_blocks: Option<usize>,
 }
 
 /// Arguments of `prism bench`.

@@ -230,7 +230,12 @@ impl SynthVisionSpec {
         let mut out = Vec::new();
         // A linear's weight is `[in, out]` in ggml order, its bias `[out]`.
         let linear = |out: &mut Vec<SynthTensor>, name: &str, inputs: u64, outputs: u64| {
-            out.push(t(format!("{name}.bias"), vec![outputs], GgmlType::F32, BIAS));
+            out.push(t(
+                format!("{name}.bias"),
+                vec![outputs],
+                GgmlType::F32,
+                BIAS,
+            ));
             out.push(t(
                 format!("{name}.weight"),
                 vec![inputs, outputs],
@@ -258,12 +263,7 @@ impl SynthVisionSpec {
         linear(&mut out, "mm.2", merged, c.projection as u64);
         out.push(t("v.post_ln.bias".into(), vec![h], GgmlType::F32, BIAS));
         out.push(t("v.post_ln.weight".into(), vec![h], GgmlType::F32, NORM));
-        out.push(t(
-            "v.patch_embd.bias".into(),
-            vec![h],
-            GgmlType::F32,
-            BIAS,
-        ));
+        out.push(t("v.patch_embd.bias".into(), vec![h], GgmlType::F32, BIAS));
         let patch = self.file_type.patch();
         for name in ["v.patch_embd.weight", "v.patch_embd.weight.1"] {
             out.push(t(name.into(), vec![p, p, 3, h], patch, PATCH));
@@ -292,7 +292,10 @@ impl SynthVisionSpec {
             kv("general.type", s("mmproj")),
             kv("general.name", s(&self.name)),
             kv("general.size_label", s(&size_label(params))),
-            kv("general.file_type", MetadataValue::U32(self.file_type.ftype())),
+            kv(
+                "general.file_type",
+                MetadataValue::U32(self.file_type.ftype()),
+            ),
             kv("clip.has_vision_encoder", MetadataValue::Bool(true)),
             kv("clip.vision.projection_dim", u(c.projection)),
             kv("clip.vision.image_size", u(c.position_grid * c.patch)),
@@ -365,13 +368,7 @@ pub fn write_mmproj_to<W: Write + Send>(
     progress: impl FnMut(&SynthProgress<'_>),
 ) -> Result<(W, SynthSummary), SynthError> {
     spec.check()?;
-    write_tensors_to(
-        out,
-        spec.metadata(),
-        &spec.tensors(),
-        spec.seed,
-        progress,
-    )
+    write_tensors_to(out, spec.metadata(), &spec.tensors(), spec.seed, progress)
 }
 
 #[cfg(test)]
@@ -414,9 +411,8 @@ mod tests {
         };
         assert_eq!(listing(&ours), listing(&theirs));
         // Every key, in order; the same values but the name and the size label.
-        let keys = |g: &GgufFile| -> Vec<String> {
-            g.metadata().iter().map(|(k, _)| k.clone()).collect()
-        };
+        let keys =
+            |g: &GgufFile| -> Vec<String> { g.metadata().iter().map(|(k, _)| k.clone()).collect() };
         assert_eq!(keys(&ours), keys(&theirs));
         for (key, value) in theirs.metadata() {
             if key == "general.name" {
@@ -491,7 +487,10 @@ mod tests {
             (c.blocks, c.hidden, c.heads, c.head_dim(), c.ffn),
             (27, 1152, 16, 72, 4304)
         );
-        assert_eq!((c.patch, c.merge, c.position_grid, c.projection), (16, 2, 48, 5120));
+        assert_eq!(
+            (c.patch, c.merge, c.position_grid, c.projection),
+            (16, 2, 48, 5120)
+        );
         assert_eq!(SynthSize::B9.vision_config().projection, 4096);
         assert_eq!(SynthSize::B4.vision_config().projection, 2560);
         let small = SynthSize::B0_8.vision_config();
