@@ -12,7 +12,7 @@
 //! ([`prism_model::synth_vision`]: the keys and tensor names of llama.cpp's converter, random seeded
 //! weights, the merger writing the decoder's width), read back and checked the same way; an earlier
 //! synthetic mmproj of another type is removed, so the directory holds one and `prism serve
-//! --model-dir DIR` finds it.
+//! --model-dir DIR` finds it. `--mmproj-only` writes that file alone.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -57,7 +57,7 @@ pub fn run(args: &SynthArgs) -> Result<()> {
         spec.name = format!("{} ({layers} layers)", spec.name);
     }
     spec.mtp = args.mtp;
-    let vision = if args.mmproj {
+    let vision = if args.mmproj || args.mmproj_only {
         let mut v =
             SynthVisionSpec::new(size, MmprojFileType::parse(&args.mmproj_type)?, args.seed);
         if let Some(blocks) = args.vision_blocks {
@@ -73,6 +73,15 @@ pub fn run(args: &SynthArgs) -> Result<()> {
         }
         None
     };
+
+    if args.mmproj_only {
+        if let Some(vision) = &vision {
+            std::fs::create_dir_all(&args.out)
+                .with_context(|| format!("cannot create {}", args.out.display()))?;
+            write_mmproj(args, size, vision)?;
+        }
+        return Ok(());
+    }
 
     let ranks_path = args.ranks.clone().unwrap_or_else(default_ranks);
     let text = std::fs::read_to_string(&ranks_path).with_context(|| {

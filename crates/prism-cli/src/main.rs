@@ -175,6 +175,10 @@ pub struct SynthArgs {
     /// --model-dir DIR` loads so that requests with images are answered.
     #[arg(long)]
     pub mmproj: bool,
+    /// Write only the vision tower into DIR (implies --mmproj; `--type` is then not used): to add one
+    /// to a synthetic model written before, or to keep it apart from that model (serve with --mmproj).
+    #[arg(long)]
+    pub mmproj_only: bool,
     /// The mmproj's type: f16 (as released), bf16 or f32.
     #[arg(long, default_value = "f16")]
     pub mmproj_type: String,

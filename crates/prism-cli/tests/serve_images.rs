@@ -267,4 +267,11 @@ fn a_synthetic_model_with_its_mmproj_answers_images() {
     let text_only = server.post_json("/v1/systemone", &body("A photo from the dock.", vec![]));
     let tokens = |r: &serve_common::Reply| r.json()["usage"]["input_tokens"].as_u64().unwrap();
     assert!(tokens(&reply) >= tokens(&text_only) + 2 * 64);
+    // /stats counts the tower's image and its time.
+    let stats = server.get("/stats").json();
+    assert_eq!(stats["vision"]["images"], 1, "{stats}");
+    assert!(
+        stats["vision"]["ms_per_image"].as_f64().unwrap() > 0.0,
+        "{stats}"
+    );
 }
