@@ -248,12 +248,15 @@ fn prompts(dir: &Path) -> Result<Vec<Prompt>> {
         .collect()
 }
 
+/// An image's pixel values and patch grid, by name.
+type PixelsOf<'a> = dyn Fn(&str) -> Result<(Vec<f32>, [usize; 3])> + 'a;
+
 /// The last position's logits of `p` on `model`, its images run through `tower` (same device).
 fn last_logits(
     model: &Qwen35Model,
     tower: &VisionWeights,
     p: &Prompt,
-    pixels_of: &dyn Fn(&str) -> Result<(Vec<f32>, [usize; 3])>,
+    pixels_of: &PixelsOf<'_>,
 ) -> Result<Tensor> {
     let embeddings = if p.images.is_empty() {
         None
