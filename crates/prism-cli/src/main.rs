@@ -129,6 +129,10 @@ pub struct DecideArgs {
     /// tokenizer and chat template come from the GGUF and the decision config takes its defaults.
     #[arg(long)]
     pub model_dir: Option<PathBuf>,
+    /// The vision tower (`mmproj-*.gguf`) that lets the model read the request's `images`. Default: the
+    /// one `mmproj-*.gguf` in --model-dir, if any; without one, a request with images is refused (422).
+    #[arg(long)]
+    pub mmproj: Option<PathBuf>,
     /// Arithmetic of the forward pass: `f32` (dequantized weights, the reference), `int8` (Q8_0 files),
     /// `w4a8` (K-quant files), `auto` (by the file's weights), `bf16` or `f64`.
     #[arg(long, default_value = "f32")]
