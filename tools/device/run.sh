@@ -44,6 +44,15 @@
 #               the three-question requests of shared.jsonl made 512 distinct, with think_mode auto, gate 0.9,
 #               think_budget $THINK_LOAD (default 256) and return_thought; answers (thoughts included)
 #               re-sent alone and compared (--expect-identical); outputs loadgen-think-64.*, stats-think.json
+#   images27    issue #22's images target on the synthetic 27B at int8 (needs /tmp/s27 from synth27): the
+#               27B's vision tower (`prism synth --mmproj-only`: 27 blocks, width 1152, F16, random weights)
+#               written to /tmp/s27v unless there, then prism serve --model-dir /tmp/s27 --mmproj
+#               /tmp/s27v/mmproj-Qwen3.5-27B-synth-F16.gguf (kept out of /tmp/s27 so the other steps load no
+#               tower) and prism loadgen from 1 client over HTTP: requests of 8 frames of 640x360 (PNG) and
+#               24 questions (tools/device/make_images.py, each with frames of its own): 1 warm-up, then 5
+#               distinct (cold: the tower runs on each; loadgen-images-cold.json), then one of them 5 times
+#               (its evidence from the prefix cache; loadgen-images-repeat.json); /stats at the end
+#               (stats-images.json: vision.ms_per_image is the tower's time per image); log serve-images.log
 # Any step: PRISM_STACKS_ON_SIGQUIT=1 in the environment and `kill -QUIT PID` on a hung prism write
 # every thread's stack to its stderr (crates/prism-server/src/stack_dump.rs; carry an unstripped build).
 # The binaries are taken from .device-carry/NAME.xz (xz of a stripped `--features cuda` build; unpacked
@@ -113,6 +122,41 @@ PY
     kill -TERM $pid; wait $pid
     echo "serve think exit rc=$?"
 }
+# prism serve on /tmp/s27 with the 27B's vision tower at int8, 8 frames and 24 questions a request.
+images27() {
+    local port=18702 url=http://127.0.0.1:18702 mmproj=/tmp/s27v/mmproj-Qwen3.5-27B-synth-F16.gguf
+    if [ ! -f $mmproj ]; then
+        /tmp/prism synth --shape 27b --type q8_0 --mmproj-only --out /tmp/s27v > "$OUT/synth27v.log" 2>&1 \
+            || { echo "synth of the vision tower failed"; return 1; }
+    fi
+    python3 tools/device/make_images.py 1 0 /tmp/images-warm.jsonl
+    python3 tools/device/make_images.py 5 1 /tmp/images-cold.jsonl
+    head -1 /tmp/images-cold.jsonl > /tmp/images-repeat.jsonl
+    /tmp/prism serve --gguf /tmp/s27/model.gguf --model-dir /tmp/s27 --mmproj $mmproj --device cuda \
+        --precision int8 --max-body-bytes 33554432 --port $port > "$OUT/serve-images.log" 2>&1 &
+    local pid=$! waited=0
+    until grep -q "Ready on" "$OUT/serve-images.log" 2> /dev/null; do
+        sleep 1; waited=$((waited + 1))
+        if [ $waited -gt 400 ] || ! kill -0 $pid 2> /dev/null; then
+            echo "serve images not ready after ${waited}s"; kill $pid 2> /dev/null; return 1
+        fi
+    done
+    echo "serve images ready after ${waited}s"
+    for tag in warm cold repeat; do
+        local n=5
+        [ $tag = warm ] && n=1
+        /tmp/prism loadgen --url $url --requests /tmp/images-$tag.jsonl --clients 1 --duration 120 \
+            --max-requests $n --check $n --expect-identical --json-out "$OUT/loadgen-images-$tag.json" \
+            > "$OUT/loadgen-images-$tag.txt" 2>&1
+        echo "loadgen images $tag rc=$?"
+    done
+    python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' \
+        $url/stats > "$OUT/stats-images.json"
+    python3 -c 'import json, sys; v = json.load(open(sys.argv[1])).get("vision"); print("vision tower:", v)' \
+        "$OUT/stats-images.json"
+    kill -TERM $pid; wait $pid
+    echo "serve images exit rc=$?"
+}
 # prism serve on /tmp/s27 at precision $1, loadgen runs against it (outputs tagged $2).
 serve27() {
     local precision=$1 tag=$2 port=18700 url=http://127.0.0.1:18700 check=""
@@ -173,6 +217,7 @@ for step in "$@"; do
         serve27-int8) serve27 int8 int8 ;;
         serve27-bf16) serve27 bf16 bf16 ;;
         serve27-think) serve27_think ;;
+        images27) images27 ;;
         think27)
             /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --think "${THINK:-128}" \
                 --think-batch 1,64 --runs 1 --profile "${PROFILE:-sync}" > "$OUT/think-27b-int8.json" 2> "$OUT/think-27b-int8.log"

@@ -2,7 +2,8 @@
 //!
 //! The whole product path without the HTTP layer, through the same engine as `prism serve`: parse and
 //! validate the request, render each question, chat-template and tokenize, run the decoder (shared
-//! evidence prefix computed once), read the letters.
+//! evidence prefix computed once), read the letters. Images are read as `prism serve` reads them, by the
+//! vision tower of `--mmproj` or the one `mmproj-*.gguf` in `--model-dir`.
 //! Without `--gguf` it uses the tiny model bundled in the repository (random weights: the answers mean
 //! nothing, but every number is checked against transformers in the test suite).
 
@@ -18,11 +19,12 @@ use crate::DecideArgs;
 pub fn run(args: &DecideArgs) -> Result<()> {
     // The same model-source call as `prism serve` (cmd_serve.rs): one rule, `model_source`, reached from
     // each command's own flags.
-    let (source, demo) = model_source(
+    let (mut source, demo) = model_source(
         &args.gguf,
         &args.model_dir,
         "pass --gguf FILE [--model-dir DIR]",
     )?;
+    source.mmproj = args.mmproj.clone();
     if demo {
         tracing::info!(
             "no --gguf given: using the bundled tiny random-weight model {}",

@@ -7,6 +7,12 @@
 //! then the GGUF is streamed (generated and quantized in parallel, written by a second thread), and
 //! finally read back: every offset validated, the configuration compared with what was asked for and
 //! with `config.json`.
+//!
+//! With `--mmproj`, DIR also gets the size's vision tower as `mmproj-Qwen3.5-<SIZE>-synth-<TYPE>.gguf`
+//! ([`prism_model::synth_vision`]: the keys and tensor names of llama.cpp's converter, random seeded
+//! weights, the merger writing the decoder's width), read back and checked the same way; an earlier
+//! synthetic mmproj of another type is removed, so the directory holds one and `prism serve
+//! --model-dir DIR` finds it. `--mmproj-only` writes that file alone.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -17,6 +23,8 @@ use prism_decision::synth_files::{self, ModelDirFiles, GGUF_NAME};
 use prism_decision::tokenizer::RankedVocabulary;
 use prism_gguf::GgufFile;
 use prism_model::synth::{self, SynthFileType, SynthSize, SynthSpec};
+use prism_model::synth_vision::{self, MmprojFileType, SynthVisionSpec};
+use prism_model::vision::VisionConfig;
 use prism_model::Qwen35Config;
 
 use crate::SynthArgs;
@@ -49,6 +57,31 @@ pub fn run(args: &SynthArgs) -> Result<()> {
         spec.name = format!("{} ({layers} layers)", spec.name);
     }
     spec.mtp = args.mtp;
+    let vision = if args.mmproj || args.mmproj_only {
+        let mut v =
+            SynthVisionSpec::new(size, MmprojFileType::parse(&args.mmproj_type)?, args.seed);
+        if let Some(blocks) = args.vision_blocks {
+            v = v.with_blocks(blocks)?;
+            v.name = format!("{} ({blocks} blocks)", v.name);
+        }
+        // The merger writes the decoder's width, whatever was cut above.
+        v.config.projection = spec.config.hidden_size;
+        Some(v)
+    } else {
+        if args.vision_blocks.is_some() {
+            bail!("--vision-blocks needs --mmproj");
+        }
+        None
+    };
+
+    if args.mmproj_only {
+        if let Some(vision) = &vision {
+            std::fs::create_dir_all(&args.out)
+                .with_context(|| format!("cannot create {}", args.out.display()))?;
+            write_mmproj(args, size, vision)?;
+        }
+        return Ok(());
+    }
 
     let ranks_path = args.ranks.clone().unwrap_or_else(default_ranks);
     let text = std::fs::read_to_string(&ranks_path).with_context(|| {
@@ -184,10 +217,82 @@ pub fn run(args: &SynthArgs) -> Result<()> {
         gb(summary.file_bytes) / write_secs.max(1e-9),
         started.elapsed().as_secs_f64()
     );
+    if let Some(vision) = &vision {
+        write_mmproj(args, size, vision)?;
+    }
     println!(
         "try: prism decide --gguf {} --model-dir {} examples/request.json",
         gguf_path.display(),
         args.out.display()
+    );
+    Ok(())
+}
+
+/// Writes the vision tower next to the model, removes a synthetic mmproj of another type written
+/// there before, and reads the file back: its configuration must be the one asked for and its tensors
+/// the planned ones.
+fn write_mmproj(args: &SynthArgs, size: SynthSize, spec: &SynthVisionSpec) -> Result<()> {
+    let model_name = format!("Qwen3.5-{}-synth", size.label());
+    let file_name = spec.file_name(&model_name);
+    for other in [
+        MmprojFileType::F32,
+        MmprojFileType::F16,
+        MmprojFileType::Bf16,
+    ] {
+        let stale = args
+            .out
+            .join(format!("mmproj-{model_name}-{}.gguf", other.name()));
+        if other != spec.file_type && stale.exists() {
+            std::fs::remove_file(&stale)
+                .with_context(|| format!("removing the earlier {}", stale.display()))?;
+            eprintln!("synth: removed the earlier {}", stale.display());
+        }
+    }
+    let path = args.out.join(&file_name);
+    let c = &spec.config;
+    eprintln!(
+        "synth: vision tower {} — {} blocks, width {}, {} heads, MLP {}, merger → {}",
+        spec.file_type.name(),
+        c.blocks,
+        c.hidden,
+        c.heads,
+        c.ffn,
+        c.projection
+    );
+    let writing = Instant::now();
+    let summary = synth_vision::write_mmproj(&path, spec, |_| {})
+        .with_context(|| format!("writing {}", path.display()))?;
+    let gguf = GgufFile::open(&path).with_context(|| format!("reading back {}", path.display()))?;
+    let config = VisionConfig::from_gguf(&gguf).context("the written mmproj's configuration")?;
+    if &config != c {
+        bail!("the written mmproj reads back as {config:?}, not {c:?}");
+    }
+    let planned: Vec<(String, Vec<u64>)> = spec
+        .tensors()
+        .into_iter()
+        .map(|t| (t.name, t.dims))
+        .collect();
+    let found: Vec<(String, Vec<u64>)> = gguf
+        .tensors()
+        .iter()
+        .map(|t| (t.name.clone(), t.dims.clone()))
+        .collect();
+    if planned != found || gguf.file_len() != summary.file_bytes {
+        bail!(
+            "the written mmproj has {} tensors and {} bytes; {} and {} were written",
+            found.len(),
+            gguf.file_len(),
+            planned.len(),
+            summary.file_bytes
+        );
+    }
+    println!(
+        "wrote {} ({:.2} GB, {} tensors, {:.3} B parameters) in {:.1} s",
+        path.display(),
+        gb(summary.file_bytes),
+        summary.n_tensors,
+        summary.n_elements as f64 / 1e9,
+        writing.elapsed().as_secs_f64()
     );
     Ok(())
 }

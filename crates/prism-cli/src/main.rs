@@ -129,6 +129,10 @@ pub struct DecideArgs {
     /// tokenizer and chat template come from the GGUF and the decision config takes its defaults.
     #[arg(long)]
     pub model_dir: Option<PathBuf>,
+    /// The vision tower (`mmproj-*.gguf`) that lets the model read the request's `images`. Default: the
+    /// one `mmproj-*.gguf` in --model-dir, if any; without one, a request with images is refused (422).
+    #[arg(long)]
+    pub mmproj: Option<PathBuf>,
     /// Arithmetic of the forward pass: `f32` (dequantized weights, the reference), `int8` (Q8_0 files),
     /// `w4a8` (K-quant files), `auto` (by the file's weights), `bf16` or `f64`.
     #[arg(long, default_value = "f32")]
@@ -171,6 +175,20 @@ pub struct SynthArgs {
     /// Test only: keep the first N ranks of the vocabulary (rows = N + 33 added tokens).
     #[arg(long, hide = true)]
     pub vocab_ranks: Option<usize>,
+    /// Also write the size's vision tower, `mmproj-Qwen3.5-<SIZE>-synth-<TYPE>.gguf`, which `prism serve
+    /// --model-dir DIR` loads so that requests with images are answered.
+    #[arg(long)]
+    pub mmproj: bool,
+    /// Write only the vision tower into DIR (implies --mmproj; `--type` is then not used): to add one
+    /// to a synthetic model written before, or to keep it apart from that model (serve with --mmproj).
+    #[arg(long)]
+    pub mmproj_only: bool,
+    /// The mmproj's type: f16 (as released), bf16 or f32.
+    #[arg(long, default_value = "f16")]
+    pub mmproj_type: String,
+    /// Keep only the first N blocks of the vision tower (real widths).
+    #[arg(long)]
+    pub vision_blocks: Option<usize>,
 }
 
 /// Arguments of `prism bench`.

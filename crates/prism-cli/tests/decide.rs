@@ -98,3 +98,54 @@ fn model_dir_without_gguf_is_refused() {
     assert_eq!(output.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&output.stderr).contains("--model-dir needs --gguf"));
 }
+
+/// Images through `prism decide`: the vision fixture's tower (found in --model-dir, or named by
+/// --mmproj) answers a request with an image, its 64 tokens counted; the bundled text-only model
+/// refuses it (422, exit status 1).
+#[test]
+fn reads_images_with_a_vision_tower() {
+    let vl = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-vl-tiny");
+    let image = std::fs::read(vl.join("images/square_256x256.png")).expect("fixture image");
+    let request = serde_json::json!({
+        "state": "The dock: <image>",
+        "images": [base64::Engine::encode(&base64::engine::general_purpose::STANDARD, image)],
+        "questions": {"busy": {"type": "noul", "instructions": "Is the dock in use?"}},
+    });
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("decide_image.json");
+    std::fs::write(&path, serde_json::to_vec(&request).unwrap()).unwrap();
+    let (gguf, dir, mmproj) = (
+        vl.join("tiny-vl-BF16.gguf"),
+        vl.clone(),
+        vl.join("mmproj-tiny-vl-F32.gguf"),
+    );
+    let common = [
+        "decide",
+        path.to_str().unwrap(),
+        "--gguf",
+        gguf.to_str().unwrap(),
+        "--model-dir",
+        dir.to_str().unwrap(),
+    ];
+    let mut bodies = Vec::new();
+    for extra in [&[][..], &["--mmproj", mmproj.to_str().unwrap()][..]] {
+        let output = prism(&[&common[..], extra].concat());
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let response: Value = serde_json::from_slice(&output.stdout).expect("response JSON");
+        assert!(
+            response["usage"]["input_tokens"].as_u64().unwrap() > 64,
+            "{response}"
+        );
+        let noul = response["answers"]["busy"]["noul"].as_f64().unwrap();
+        assert!(noul > 0.0 && noul < 1.0);
+        bodies.push(response["answers"].clone());
+    }
+    assert_eq!(bodies[0], bodies[1]);
+    let refused = prism(&["decide", path.to_str().unwrap()]);
+    assert_eq!(refused.status.code(), Some(1));
+    let body: Value = serde_json::from_slice(&refused.stdout).expect("error JSON");
+    assert!(body.to_string().contains("vision"), "{body}");
+}

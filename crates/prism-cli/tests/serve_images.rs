@@ -201,3 +201,77 @@ fn the_typesafe_sdk_uploads_an_image() {
     assert_eq!(reply["answers"], report["answers"], "{reply}\n{report}");
     assert_eq!(reply["usage"], report["usage"]);
 }
+
+/// `prism synth --mmproj`: a real-width 0.8B (1 layer, a cut vocabulary) with its vision tower cut to
+/// one block. Two runs write the same mmproj bytes; `prism serve --model-dir DIR` finds the mmproj
+/// and answers an image request, counting the image's 64 tokens.
+#[test]
+fn a_synthetic_model_with_its_mmproj_answers_images() {
+    let synth = |name: &str| -> std::path::PathBuf {
+        let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+        let _ = std::fs::remove_dir_all(&dir);
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_prism"))
+            .args(["synth", "--out", dir.to_str().unwrap()])
+            .args(["--shape", "0.8b", "--layers", "1", "--type", "q8_0"])
+            .args(["--vocab-ranks", "1000", "--seed", "3"])
+            .args(["--mmproj", "--vision-blocks", "1"])
+            .env("RAYON_NUM_THREADS", "2")
+            .output()
+            .expect("run prism synth");
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        dir
+    };
+    let (a, b) = (synth("synth_mmproj_a"), synth("synth_mmproj_b"));
+    let file = "mmproj-Qwen3.5-0.8B-synth-F16.gguf";
+    let bytes = std::fs::read(a.join(file)).expect("the mmproj is written");
+    assert!(
+        bytes == std::fs::read(b.join(file)).unwrap(),
+        "same seed, same bytes"
+    );
+    let gguf = prism_gguf::GgufFile::from_bytes(bytes).unwrap();
+    let tower = prism_model::vision::VisionWeights::load(&gguf, &candle_core::Device::Cpu).unwrap();
+    assert_eq!(
+        (
+            tower.config.hidden,
+            tower.config.blocks,
+            tower.config.projection
+        ),
+        (768, 1, 1024)
+    );
+
+    let server = Server::start(&[
+        "--gguf",
+        a.join("model.gguf").to_str().unwrap(),
+        "--model-dir",
+        a.to_str().unwrap(),
+    ]);
+    assert!(
+        server.output().contains("vision tower"),
+        "{}",
+        server.output()
+    );
+    let reply = server.post_json(
+        "/v1/systemone",
+        &body("A photo from the dock.", vec![image("square_256x256.png")]),
+    );
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    let text_only = server.post_json("/v1/systemone", &body("A photo from the dock.", vec![]));
+    let tokens = |r: &serve_common::Reply| r.json()["usage"]["input_tokens"].as_u64().unwrap();
+    assert!(tokens(&reply) >= tokens(&text_only) + 2 * 64);
+    // /stats counts the tower's image and its time.
+    let stats = server.get("/stats").json();
+    assert_eq!(stats["vision"]["images"], 1, "{stats}");
+    assert!(
+        stats["vision"]["ms_per_image"].as_f64().unwrap() > 0.0,
+        "{stats}"
+    );
+}

@@ -38,6 +38,7 @@ pub mod qwen35;
 pub mod rope;
 pub mod state;
 pub mod synth;
+pub mod synth_vision;
 pub mod top;
 pub mod vision;
 pub mod weights;

@@ -744,20 +744,33 @@ pub fn write_gguf_to<W: Write + Send>(
     out: W,
     spec: &SynthSpec,
     tokenizer_metadata: Vec<(String, MetadataValue)>,
-    mut progress: impl FnMut(&SynthProgress<'_>),
+    progress: impl FnMut(&SynthProgress<'_>),
 ) -> Result<(W, SynthSummary), SynthError> {
     spec.check()?;
-    let tensors = spec.tensors();
-    let mut writer = GgufWriter::new();
-    for (key, value) in spec
+    let metadata = spec
         .metadata()
         .into_iter()
         .chain(tokenizer_metadata)
-        .chain(spec.trailing_metadata())
-    {
+        .chain(spec.trailing_metadata());
+    write_tensors_to(out, metadata, &spec.tensors(), spec.seed, progress)
+}
+
+/// Writes a GGUF of `metadata` (in order) and `tensors` (in order, each value drawn from `seed` and the
+/// tensor's name as [`fill_values`] does) to `out`; returns it with the summary. What [`write_gguf_to`]
+/// and the synthetic mmproj ([`crate::synth_vision`]) both use: the same bytes whatever the chunking
+/// and the number of threads.
+pub fn write_tensors_to<W: Write + Send>(
+    out: W,
+    metadata: impl IntoIterator<Item = (String, MetadataValue)>,
+    tensors: &[SynthTensor],
+    seed: u64,
+    mut progress: impl FnMut(&SynthProgress<'_>),
+) -> Result<(W, SynthSummary), SynthError> {
+    let mut writer = GgufWriter::new();
+    for (key, value) in metadata {
         writer.add_metadata(key, value)?;
     }
-    for t in &tensors {
+    for t in tensors {
         writer.add_tensor(t.name.clone(), &t.dims, t.ty)?;
     }
     let planned = writer.planned_tensors()?;
@@ -774,10 +787,7 @@ pub fn write_gguf_to<W: Write + Send>(
             })
         })
         .collect();
-    let keys: Vec<u64> = tensors
-        .iter()
-        .map(|t| tensor_key(spec.seed, &t.name))
-        .collect();
+    let keys: Vec<u64> = tensors.iter().map(|t| tensor_key(seed, &t.name)).collect();
 
     let out = CountingWriter {
         inner: out,

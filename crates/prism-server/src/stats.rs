@@ -220,6 +220,11 @@ impl Stats {
                     "steps": engine.thought_steps,
                     "think_seqs": engine.think_seqs,
                 },
+                "vision": {
+                    "images": engine.vision_images,
+                    "seconds": engine.vision_seconds,
+                    "ms_per_image": if engine.vision_images == 0 { Value::Null } else { json!(engine.vision_seconds * 1e3 / engine.vision_images as f64) },
+                },
                 "gpu_memory_bytes": engine.device_memory.map(|m| json!({
                     "used": m.used_bytes,
                     "total": m.total_bytes,
@@ -229,6 +234,7 @@ impl Stats {
                     format!("latency percentiles are over the last {LATENCY_WINDOW} answered requests"),
                     "engine.requests_per_pass / prompts_per_pass: forward passes by how many requests / prompts they held",
                     "thoughts: v1.1 AutoThink thoughts whose prompt was read / that finished, the tokens the finished ones decoded, the thought steps run (one per thought per pass), and --think-seqs",
+                    "vision: images the vision tower encoded and its time on them (from the tower's start to the device finishing it, per request with images)",
                     "gpu_memory_bytes: the device's memory in use and in all after the last pass, and the most in use after any pass (the driver's count; null on the CPU or before the first pass)",
                 ],
             })

@@ -11,6 +11,7 @@ mod kernels;
 mod kv_fp8;
 mod model;
 mod quant;
+mod vision;
 
 use anyhow::Result;
 use harness::{fixtures, run_group};
@@ -65,4 +66,21 @@ fn model_integer() -> Result<()> {
 #[test]
 fn kv_fp8() -> Result<()> {
     run_group("fp8 K/V", |r, gpu| kv_fp8::checks(r, gpu, &fixtures()))
+}
+
+/// The vision tower on CUDA against the CPU and transformers, and a real-shape tower's time per image
+/// (`vision.rs`).
+#[test]
+fn vision_tower() -> Result<()> {
+    run_group("vision tower", |r, gpu| {
+        vision::tower_checks(r, gpu)?;
+        vision::real_shape_timing(r, gpu)
+    })
+}
+
+/// The vision fixture's prompts with images, tower and decoder in f32 on CUDA against the CPU
+/// (`vision.rs`).
+#[test]
+fn vision_prompts() -> Result<()> {
+    run_group("vision prompts", vision::prompt_checks)
 }

@@ -13,4 +13,5 @@
 //!
 //! or by hand: `device-tests --test-threads=1 --nocapture` from the repository root, with
 //! `PRISM_DEVICE_JSON=FILE` for the machine-readable record of every check and
-//! `PRISM_DEVICE_FIXTURES=DIR` when the fixtures are not at `tests/fixtures/qwen35-tiny`.
+//! `PRISM_DEVICE_FIXTURES=DIR` when the fixtures are not at `tests/fixtures/qwen35-tiny` (and
+//! `PRISM_DEVICE_VL_FIXTURES=DIR` when the vision fixture is not `qwen35-vl-tiny` next to it).

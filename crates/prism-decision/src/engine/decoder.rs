@@ -7,6 +7,7 @@
 //! not the whole vocabulary.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use prism_gguf::{GgufError, GgufFile};
@@ -119,6 +120,9 @@ pub struct DecoderLetterModel {
     decoder: Qwen35Model,
     /// The vision tower (from the mmproj file), when the model reads images.
     vision: Option<VisionWeights>,
+    /// Images the tower has encoded, and its time on them in nanoseconds ([`PassModel::vision_totals`]).
+    vision_images: AtomicU64,
+    vision_nanos: AtomicU64,
     format: Arc<PromptFormat>,
     max_prompt_tokens: usize,
 }
@@ -185,6 +189,8 @@ impl DecoderLetterModel {
                 name,
                 decoder,
                 vision,
+                vision_images: AtomicU64::new(0),
+                vision_nanos: AtomicU64::new(0),
                 format: Arc::new(format),
                 max_prompt_tokens,
             },
@@ -486,14 +492,28 @@ impl DecoderLetterModel {
         })?;
         let all = images.embeddings(|decoded| -> Result<candle_core::Tensor, ModelError> {
             let device = self.decoder.device().clone();
-            prism_model::profile::time("vision tower", &device, || -> prism_model::Result<_> {
-                let each = decoded
-                    .iter()
-                    .map(|image| vision.forward_pixels(&image.pixels, image.grid))
-                    .collect::<prism_model::Result<Vec<_>>>()?;
-                Ok(candle_core::Tensor::cat(&each, 0)?)
-            })
-            .map_err(backend)
+            let started = std::time::Instant::now();
+            let out = prism_model::profile::time(
+                "vision tower",
+                &device,
+                || -> prism_model::Result<_> {
+                    let each = decoded
+                        .iter()
+                        .map(|image| vision.forward_pixels(&image.pixels, image.grid))
+                        .collect::<prism_model::Result<Vec<_>>>()?;
+                    Ok(candle_core::Tensor::cat(&each, 0)?)
+                },
+            )
+            .map_err(backend)?;
+            // Once per request with images: the device's work counted in the tower's time.
+            device.synchronize().map_err(backend)?;
+            self.vision_images
+                .fetch_add(decoded.len() as u64, Ordering::Relaxed);
+            self.vision_nanos.fetch_add(
+                u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
+                Ordering::Relaxed,
+            );
+            Ok(out)
         })?;
         if all.dims().first() != Some(&images.pad_rows.len()) {
             return Err(ModelError::Backend(format!(
@@ -732,6 +752,14 @@ impl PassModel for DecoderLetterModel {
 
     fn device_memory(&self) -> Option<(u64, u64)> {
         prism_model::device_memory(self.decoder.device())
+    }
+
+    fn vision_totals(&self) -> Option<(u64, f64)> {
+        self.vision.as_ref()?;
+        Some((
+            self.vision_images.load(Ordering::Relaxed),
+            self.vision_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
+        ))
     }
 }
 

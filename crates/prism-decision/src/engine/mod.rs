@@ -256,6 +256,10 @@ pub struct EngineStats {
     pub thought_steps: u64,
     /// Most thoughts decoded at once (`--think-seqs`).
     pub think_seqs: usize,
+    /// Images the vision tower has encoded, and its time on them in seconds (from before the tower to
+    /// after the device finished it, per request): `vision_seconds / vision_images` is the time per image.
+    pub vision_images: u64,
+    pub vision_seconds: f64,
 }
 
 impl EngineStats {
@@ -289,7 +293,11 @@ impl EngineStats {
             thought_tokens,
             thought_steps,
             think_seqs,
+            vision_images,
+            vision_seconds,
         } = other;
+        self.vision_images += vision_images;
+        self.vision_seconds += vision_seconds;
         self.think_seqs += think_seqs;
         self.thoughts_started += thoughts_started;
         self.thoughts_finished += thoughts_finished;

@@ -166,6 +166,12 @@ pub trait PassModel: Send {
     fn device_memory(&self) -> Option<(u64, u64)> {
         None
     }
+
+    /// Images the model's vision tower has encoded so far and the seconds it spent on them, asked
+    /// after each pass (`None`, the default: no vision tower).
+    fn vision_totals(&self) -> Option<(u64, f64)> {
+        None
+    }
 }
 
 /// Turns a prompt into the token ids the model reads (chat template with thinking off, tokenizer). The

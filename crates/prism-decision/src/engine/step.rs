@@ -520,7 +520,12 @@ impl<M: PassModel> StepLoop<M> {
             self.active[i].solo = false;
         }
         let memory = self.model.device_memory();
+        let vision = self.model.vision_totals();
         self.shared.stats(|s| {
+            if let Some((images, seconds)) = vision {
+                s.vision_images = images;
+                s.vision_seconds = seconds;
+            }
             if let Some((used, total)) = memory {
                 let max = s.device_memory.map_or(0, |m| m.max_used_bytes).max(used);
                 s.device_memory = Some(super::DeviceMemory {
