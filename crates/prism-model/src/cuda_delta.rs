@@ -345,9 +345,39 @@ fn launch(
         bail!("delta rule (cuda): {count} segments in one launch (1 to {MAX_SEGMENTS})");
     }
     // The states, contiguous and 16-byte aligned, kept alive for the launch.
-    let held = held_states(parts)?;
-    let inputs = state_inputs(&held)?;
-    let views = state_views(&inputs)?;
+    let held = parts
+        .iter()
+        .map(|p| {
+            Ok([
+                aligned(&p.state.chunk_start)?,
+                aligned(&p.state.pending_k)?,
+                aligned(&p.state.pending_u)?,
+                p.state.pending_gamma.contiguous()?,
+            ])
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let inputs = held
+        .iter()
+        .map(|t| {
+            Ok((
+                Input::new(&t[0], DType::F32, "memory")?,
+                Input::new(&t[1], DType::F32, "pending keys")?,
+                Input::new(&t[2], DType::F32, "pending values")?,
+                Input::new(&t[3], DType::F64, "pending decays")?,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let views = inputs
+        .iter()
+        .map(|(s, pk, pu, gam)| {
+            Ok((
+                s.view::<f32>()?,
+                pk.view::<f32>()?,
+                pu.view::<f32>()?,
+                gam.view::<f64>()?,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
 
     let stream = dev.cuda_stream();
     let (args, chunks, guards) = segment_args(&stream, x, parts, &views)?;
@@ -445,51 +475,6 @@ fn launch(
                 pending: (p.state.pending + p.tokens) % CHUNK,
                 rows: crate::delta_rule::PendingRows::new((p.state.pending + p.tokens) % CHUNK),
             })
-        })
-        .collect()
-}
-
-/// The parts' states as the kernels read them (contiguous, 16-byte aligned: each tensor itself where it
-/// already is, else a copy), kept alive for the launch: memory, pending keys, values and decays.
-fn held_states(parts: &[Part<'_>]) -> Result<Vec<[Tensor; 4]>> {
-    parts
-        .iter()
-        .map(|p| {
-            Ok([
-                aligned(&p.state.chunk_start)?,
-                aligned(&p.state.pending_k)?,
-                aligned(&p.state.pending_u)?,
-                p.state.pending_gamma.contiguous()?,
-            ])
-        })
-        .collect()
-}
-
-/// [`held_states`] checked as kernel inputs (dtypes, contiguity).
-fn state_inputs(held: &[[Tensor; 4]]) -> Result<Vec<[Input<'_>; 4]>> {
-    held.iter()
-        .map(|t| {
-            Ok([
-                Input::new(&t[0], DType::F32, "memory")?,
-                Input::new(&t[1], DType::F32, "pending keys")?,
-                Input::new(&t[2], DType::F32, "pending values")?,
-                Input::new(&t[3], DType::F64, "pending decays")?,
-            ])
-        })
-        .collect()
-}
-
-/// [`state_inputs`] as device views.
-fn state_views<'a>(inputs: &'a [[Input<'a>; 4]]) -> Result<Vec<StateViews<'a>>> {
-    inputs
-        .iter()
-        .map(|[s, pk, pu, gam]| {
-            Ok((
-                s.view::<f32>()?,
-                pk.view::<f32>()?,
-                pu.view::<f32>()?,
-                gam.view::<f64>()?,
-            ))
         })
         .collect()
 }
@@ -635,9 +620,39 @@ fn launch_decode(
                 && p.state.rows.claim(p.state.pending)
         })
         .collect();
-    let held = held_states(parts)?;
-    let inputs = state_inputs(&held)?;
-    let views = state_views(&inputs)?;
+    let held = parts
+        .iter()
+        .map(|p| {
+            Ok([
+                aligned(&p.state.chunk_start)?,
+                aligned(&p.state.pending_k)?,
+                aligned(&p.state.pending_u)?,
+                p.state.pending_gamma.contiguous()?,
+            ])
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let inputs = held
+        .iter()
+        .map(|t| {
+            Ok((
+                Input::new(&t[0], DType::F32, "memory")?,
+                Input::new(&t[1], DType::F32, "pending keys")?,
+                Input::new(&t[2], DType::F32, "pending values")?,
+                Input::new(&t[3], DType::F64, "pending decays")?,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let views = inputs
+        .iter()
+        .map(|(s, pk, pu, gam)| {
+            Ok((
+                s.view::<f32>()?,
+                pk.view::<f32>()?,
+                pu.view::<f32>()?,
+                gam.view::<f64>()?,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
     let stream = dev.cuda_stream();
     let (args, _, guards) = segment_args(&stream, x, parts, &views)?;
 
