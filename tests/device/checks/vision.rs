@@ -66,34 +66,6 @@ fn read_png(path: &Path) -> Result<(Vec<u8>, usize, usize)> {
     Ok((buf, info.height as usize, info.width as usize))
 }
 
-/// The processor's pixel values of an image already at its resized size (mean = std = 0.5, patch 16,
-/// merge 2, 2 frames): rows in merge-window order, each `[channel][frame][y][x]`; and its grid.
-fn patchify(rgb: &[u8], height: usize, width: usize) -> (Vec<f32>, [usize; 3]) {
-    let (p, m, t) = (16, 2, 2);
-    let (gh, gw) = (height / p, width / p);
-    let mut out = Vec::with_capacity(gh * gw * 3 * t * p * p);
-    for wr in 0..gh / m {
-        for wc in 0..gw / m {
-            for r in 0..m {
-                for c in 0..m {
-                    let (py0, px0) = ((wr * m + r) * p, (wc * m + c) * p);
-                    for ch in 0..3 {
-                        for _ in 0..t {
-                            for y in 0..p {
-                                let line = ((py0 + y) * width + px0) * 3;
-                                for x in 0..p {
-                                    out.push((rgb[line + x * 3 + ch] as f32 - 127.5) / 127.5);
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-    (out, [1, gh, gw])
-}
-
 /// Image `name`'s pixel values and grid, from its resized PNG (`ref_images.json`'s `resized_file`,
 /// whose pixels are exactly the processor's), the grid checked against the processor's.
 fn pixels(dir: &Path, images: &Value, name: &str) -> Result<(Vec<f32>, [usize; 3])> {
@@ -102,7 +74,12 @@ fn pixels(dir: &Path, images: &Value, name: &str) -> Result<(Vec<f32>, [usize; 3
         .as_str()
         .with_context(|| format!("ref_images.json: {name} has no resized_file"))?;
     let (rgb, h, w) = read_png(&dir.join(file))?;
-    let (values, grid) = patchify(&rgb, h, w);
+    let (values, grid) = prism_decision::vision::patchify(
+        &rgb,
+        h,
+        w,
+        &prism_decision::vision::ImageConfig::default(),
+    )?;
     let want: Vec<usize> = entry["grid_thw"]
         .as_array()
         .map(|a| {
