@@ -876,12 +876,24 @@ delta_rule_scan_batch_f32(const float* __restrict__ q,       // [N, HK, dk]
 // [dk][CW] and the pending u rows' slice [r][CW] by cp.async, the pending k̂ rows in pieces of
 // DECODE_PIECE columns (each dot product runs on over the pieces, i in order). Thread s < r forms A_s,
 // thread CHUNK + s (s ≤ r) B_s; thread j < CW forms u_j, thread CW + j forms o_j. The memory is not
-// written (no chunk closes: the launcher hands back the input's); the pending rows are written whole
-// (rows past r zero), as the scan kernel does; slice 0 writes the keys and decays.
+// written (no chunk closes: the launcher hands back the input's); the pending rows go where
+// DecodeOutputs says: row r into the state's own buffers, or the whole rows into fresh ones (rows past
+// r zero), as the scan kernel writes them; slice 0 writes the keys and decays.
 // =====================================================================================================
 
 #define DECODE_THREADS 128
 #define DECODE_PIECE 32
+
+// Where each segment of a decode launch writes its new pending rows (a kernel parameter; mirrored by
+// `DecodeOutputs` in cuda_delta.rs): `[H, CHUNK, dk]`, `[H, CHUNK, dv]`, `[H, CHUNK]` each. With
+// `in_place` set they are the segment's own input buffers (sg.pk_in, …: the launcher claimed row r of
+// them) and only row r is written; otherwise fresh buffers, written whole.
+struct DecodeOutputs {
+    float* pk[MAXSEG];
+    float* pu[MAXSEG];
+    double* gam[MAXSEG];
+    int in_place[MAXSEG];
+};
 
 extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
 delta_rule_decode_batch_f32(const float* __restrict__ q,     // [N, HK, dk]
@@ -890,10 +902,7 @@ delta_rule_decode_batch_f32(const float* __restrict__ q,     // [N, HK, dk]
                             const float* __restrict__ g,     // [N, H]
                             const float* __restrict__ beta,  // [N, H]
                             float* __restrict__ out,         // [N, H, dv]
-                            float* __restrict__ pk_out,      // [segments, H, CHUNK, dk]
-                            float* __restrict__ pu_out,      // [segments, H, CHUNK, dv]
-                            double* __restrict__ gam_out,    // [segments, H, CHUNK]
-                            const DeltaSegments sg) {
+                            const DeltaSegments sg, const DecodeOutputs wo) {
     extern __shared__ double smem_d[];
     const int h = blockIdx.x, c0 = blockIdx.y * CW, seg = blockIdx.z, tid = threadIdx.x;
     const int H = sg.heads, HK = sg.key_heads, kh = h % HK, dk = sg.dk, dv = sg.dv;
@@ -987,19 +996,28 @@ delta_rule_decode_batch_f32(const float* __restrict__ q,     // [N, HK, dk]
         out[((size_t)tok * H + h) * dv + c0 + j] = o;
     }
 
-    // The new pending rows: rows s < r as they were, row r new, the rest zero.
-    float* puo = pu_out + ((size_t)seg * H + h) * CHUNK * dv + c0;
+    // The new pending rows: in place, row r alone (rows s < r are the input's, read above, and rows
+    // past r are read by nobody); otherwise rows s < r as they were, row r new, the rest zero.
+    float* puo = wo.pu[seg] + (size_t)h * CHUNK * dv + c0;
+    float* pko = wo.pk[seg] + (size_t)h * CHUNK * dk;
+    double* go = wo.gam[seg] + (size_t)h * CHUNK;
+    if (wo.in_place[seg]) {
+        if (tid < CW) puo[(size_t)r * dv + tid] = U[tid];
+        if (blockIdx.y == 0) {
+            for (int i = tid; i < dk; i += DECODE_THREADS) pko[(size_t)r * dk + i] = kr[i];
+            if (tid == 0) go[r] = gam[r];
+        }
+        return;
+    }
     for (int idx = tid; idx < CHUNK * CW; idx += DECODE_THREADS) {
         const int s = idx / CW, jj = idx % CW;
         puo[(size_t)s * dv + jj] = s < r ? P[s * CW + jj] : s == r ? U[jj] : 0.f;
     }
     if (blockIdx.y == 0) {
-        float* pko = pk_out + ((size_t)seg * H + h) * CHUNK * dk;
         for (int idx = tid; idx < CHUNK * dk; idx += DECODE_THREADS) {
             const int s = idx / dk;
             pko[idx] = s < r ? pk_in[idx] : s == r ? kr[idx % dk] : 0.f;
         }
-        double* go = gam_out + ((size_t)seg * H + h) * CHUNK;
         for (int s = tid; s < CHUNK; s += DECODE_THREADS) go[s] = s <= r ? gam[s] : 0.0;
     }
 }

@@ -233,6 +233,7 @@ fn delta_rule_launch(
         pending_u: wrap(pu_out, dev, (heads, CHUNK, dv)),
         pending_gamma: wrap(gam_out, dev, (heads, CHUNK)),
         pending: (state.pending + n) % CHUNK,
+        rows: crate::delta_rule::PendingRows::new((state.pending + n) % CHUNK),
     })
 }
 

@@ -110,7 +110,7 @@ pub fn delta_rule_batch(
     segments: &[RuleSegment],
     states: &[RuleState],
 ) -> Result<(Tensor, Vec<RuleState>)> {
-    delta_rule_batch_with(q, k, v, g, beta, segments, states, true)
+    delta_rule_batch_with(q, k, v, g, beta, segments, states, Some(DECODE_WRITES))
 }
 
 /// [`delta_rule_batch`] with every segment on the pair and scan kernels (the decode kernel's
@@ -124,7 +124,30 @@ pub fn delta_rule_batch_general(
     segments: &[RuleSegment],
     states: &[RuleState],
 ) -> Result<(Tensor, Vec<RuleState>)> {
-    delta_rule_batch_with(q, k, v, g, beta, segments, states, false)
+    delta_rule_batch_with(q, k, v, g, beta, segments, states, None)
+}
+
+/// [`delta_rule_batch`] with the decode steps' pending rows written in place where their claim allows
+/// ([`DecodeWrites::InPlace`]; the device checks compare it with the copies).
+pub fn delta_rule_batch_in_place(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    segments: &[RuleSegment],
+    states: &[RuleState],
+) -> Result<(Tensor, Vec<RuleState>)> {
+    delta_rule_batch_with(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        segments,
+        states,
+        Some(DecodeWrites::InPlace),
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -136,7 +159,7 @@ fn delta_rule_batch_with(
     beta: &Tensor,
     segments: &[RuleSegment],
     states: &[RuleState],
-    decode: bool,
+    decode: Option<DecodeWrites>,
 ) -> Result<(Tensor, Vec<RuleState>)> {
     let dims = check_batch(q, k, v, g, beta, segments, states)?;
     let (tokens, heads, dk, dv) = (dims.tokens, dims.heads, dims.dk, dims.dv);
@@ -204,7 +227,7 @@ fn delta_rule_batch_with(
             });
         }
         // Decode steps: one launch of the decode kernel per MAX_SEGMENTS of them.
-        if decode {
+        if let Some(writes) = decode {
             let steps: Vec<usize> = (0..work.len())
                 .filter(|&wi| {
                     let w = &work[wi];
@@ -220,7 +243,7 @@ fn delta_rule_batch_with(
                         state: &work[wi].state,
                     })
                     .collect();
-                let next = launch_decode(&dev, &x, &out, &parts)?;
+                let next = launch_decode(&dev, &x, &out, &parts, writes)?;
                 drop(parts);
                 for (&wi, state) in group.iter().zip(next) {
                     work[wi].done = 1;
@@ -450,6 +473,7 @@ fn launch(
                 pending_u: pu_all.get(j)?,
                 pending_gamma: gam_all.get(j)?,
                 pending: (p.state.pending + p.tokens) % CHUNK,
+                rows: crate::delta_rule::PendingRows::new((p.state.pending + p.tokens) % CHUNK),
             })
         })
         .collect()
@@ -526,14 +550,52 @@ const DECODE_THREADS: u32 = 128;
 /// Columns of the pending keys staged at a time by the decode kernel (`DECODE_PIECE`).
 const DECODE_PIECE: usize = 32;
 
+/// Where decode steps write their new pending rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeWrites {
+    /// Always into fresh buffers (the whole pending rows copied).
+    Copy,
+    /// Row `pending` into the state's own buffers when its [`crate::delta_rule::PendingRows`] claim
+    /// succeeds (nobody has continued that state yet), else into fresh buffers.
+    InPlace,
+}
+
+/// What [`delta_rule_batch`] uses. In-place writes stay off until the device checks have compared them
+/// with the copies on a GPU (`tests/device/checks/delta.rs`, `decode_kernel_checks`).
+pub const DECODE_WRITES: DecodeWrites = DecodeWrites::Copy;
+
+/// Per-segment destinations of a decode launch: the C layout of `DecodeOutputs` in delta_rule.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DecodeOutputs {
+    pk: [u64; MAX_SEGMENTS],
+    pu: [u64; MAX_SEGMENTS],
+    gam: [u64; MAX_SEGMENTS],
+    in_place: [i32; MAX_SEGMENTS],
+}
+
+// SAFETY: plain integers in the layout of the kernel's `DecodeOutputs` (3·32 pointers, 32 ints: 896
+// bytes, checked below).
+unsafe impl DeviceRepr for DecodeOutputs {}
+
+const _: () = assert!(std::mem::size_of::<DecodeOutputs>() == 896);
+
+/// Whether `t`'s elements are its own storage from its start, contiguous and 16-byte aligned: what a
+/// kernel may write in place (`aligned` would hand back a copy otherwise).
+fn writable_in_place(t: &Tensor) -> bool {
+    t.is_contiguous() && t.layout().start_offset() * t.dtype().size_in_bytes() % 16 == 0
+}
+
 /// One launch of the decode kernel over `parts` (at most [`MAX_SEGMENTS`] one-token segments whose
 /// pending rows stay under [`CHUNK`]): writes their output rows into `out` and returns their states
-/// (the memory is the input's: no chunk closes).
+/// (the memory is the input's: no chunk closes). With [`DecodeWrites::InPlace`], a part whose state
+/// still owns its next pending row writes it into its own buffers, and its new state shares them.
 fn launch_decode(
     dev: &CudaDevice,
     x: &BatchInputs<'_>,
     out: &CudaSlice<f32>,
     parts: &[Part<'_>],
+    writes: DecodeWrites,
 ) -> Result<Vec<RuleState>> {
     let (heads, dk, dv) = (x.heads, x.dk, x.dv);
     let count = parts.len();
@@ -546,6 +608,18 @@ fn launch_decode(
     {
         bail!("delta rule decode (cuda): a part is not a one-token step inside its chunk");
     }
+    // In place where the buffers can be written as they are and the claim on the next row succeeds
+    // (claimed last: a refused layout must not consume the claim).
+    let in_place: Vec<bool> = parts
+        .iter()
+        .map(|p| {
+            writes == DecodeWrites::InPlace
+                && writable_in_place(&p.state.pending_k)
+                && writable_in_place(&p.state.pending_u)
+                && p.state.pending_gamma.is_contiguous()
+                && p.state.rows.claim(p.state.pending)
+        })
+        .collect();
     let held = parts
         .iter()
         .map(|p| {
@@ -582,9 +656,40 @@ fn launch_decode(
     let stream = dev.cuda_stream();
     let (args, _, guards) = segment_args(&stream, x, parts, &views)?;
 
-    let pk_out = alloc::<f32>(dev, count * heads * CHUNK * dk)?;
-    let pu_out = alloc::<f32>(dev, count * heads * CHUNK * dv)?;
-    let gam_out = alloc::<f64>(dev, count * heads * CHUNK)?;
+    // Fresh buffers for the parts that copy, one slot each.
+    let copies = in_place.iter().filter(|&&p| !p).count();
+    let slots = copies.max(1);
+    let pk_out = alloc::<f32>(dev, slots * heads * CHUNK * dk)?;
+    let pu_out = alloc::<f32>(dev, slots * heads * CHUNK * dv)?;
+    let gam_out = alloc::<f64>(dev, slots * heads * CHUNK)?;
+    let mut wo = DecodeOutputs {
+        pk: [0; MAX_SEGMENTS],
+        pu: [0; MAX_SEGMENTS],
+        gam: [0; MAX_SEGMENTS],
+        in_place: [0; MAX_SEGMENTS],
+    };
+    let mut slot_of = vec![None; count];
+    {
+        let (p_pk, _g1) = pk_out.device_ptr(&stream);
+        let (p_pu, _g2) = pu_out.device_ptr(&stream);
+        let (p_gam, _g3) = gam_out.device_ptr(&stream);
+        let mut next = 0usize;
+        for j in 0..count {
+            if in_place[j] {
+                // The part's own buffers: the pointers segment_args put in the table.
+                wo.pk[j] = args.pk_in[j];
+                wo.pu[j] = args.pu_in[j];
+                wo.gam[j] = args.gam_in[j];
+                wo.in_place[j] = 1;
+            } else {
+                wo.pk[j] = p_pk + (next * heads * CHUNK * dk * 4) as u64;
+                wo.pu[j] = p_pu + (next * heads * CHUNK * dv * 4) as u64;
+                wo.gam[j] = p_gam + (next * heads * CHUNK * 8) as u64;
+                slot_of[j] = Some(next);
+                next += 1;
+            }
+        }
+    }
     // Shared memory as laid out at the top of the kernel: Γ, the memory's and the pending u rows'
     // slices, k̂_r, q̂_r, A, B, u_r, a piece of the pending k̂ rows.
     let smem = CHUNK * 8
@@ -600,31 +705,37 @@ fn launch_decode(
     {
         let mut b = kernel.builder();
         b.arg(&x.q).arg(&x.k).arg(&x.v).arg(&x.g).arg(&x.beta);
-        b.arg(out)
-            .arg(&pk_out)
-            .arg(&pu_out)
-            .arg(&gam_out)
-            .arg(&args);
+        b.arg(out).arg(&args).arg(&wo);
         // SAFETY: the arguments match the kernel's signature; each part's row `start` is inside the
         // packed inputs (check_batch) and its state holds `heads` heads of dk × dv with CHUNK pending
-        // rows (checked by segment_args); `out` holds every row of the packed call; the state outputs
-        // hold `count` segments.
+        // rows (checked by segment_args); `out` holds every row of the packed call. A part writing in
+        // place writes row `pending` of its own contiguous buffers (held alive by `held` until the
+        // launch is queued, and by its states after), which its claim gave it alone and which no
+        // state reads; the others write their slot of the fresh buffers, which hold `copies` slots.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
     drop(guards);
-    let pk_all = wrap(pk_out, dev, (count, heads, CHUNK, dk));
-    let pu_all = wrap(pu_out, dev, (count, heads, CHUNK, dv));
-    let gam_all = wrap(gam_out, dev, (count, heads, CHUNK));
+    let pk_all = wrap(pk_out, dev, (slots, heads, CHUNK, dk));
+    let pu_all = wrap(pu_out, dev, (slots, heads, CHUNK, dv));
+    let gam_all = wrap(gam_out, dev, (slots, heads, CHUNK));
     parts
         .iter()
-        .enumerate()
-        .map(|(j, p)| {
-            Ok(RuleState {
-                chunk_start: p.state.chunk_start.clone(),
-                pending_k: pk_all.get(j)?,
-                pending_u: pu_all.get(j)?,
-                pending_gamma: gam_all.get(j)?,
-                pending: p.state.pending + 1,
+        .zip(slot_of)
+        .map(|(p, slot)| {
+            let pending = p.state.pending + 1;
+            Ok(match slot {
+                None => RuleState {
+                    pending,
+                    ..p.state.clone()
+                },
+                Some(i) => RuleState {
+                    chunk_start: p.state.chunk_start.clone(),
+                    pending_k: pk_all.get(i)?,
+                    pending_u: pu_all.get(i)?,
+                    pending_gamma: gam_all.get(i)?,
+                    pending,
+                    rows: crate::delta_rule::PendingRows::new(pending),
+                },
             })
         })
         .collect()

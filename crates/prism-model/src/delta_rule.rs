@@ -88,6 +88,34 @@ pub struct RuleState {
     pub pending_gamma: Tensor,
     /// Tokens of the current chunk already processed (the sequence length mod [`CHUNK`]).
     pub pending: usize,
+    /// Rows of the pending buffers handed out, shared by every state that reads a prefix of them (its
+    /// clones and the states continued from it in place): a state whose `pending` equals it may write
+    /// its next row into the buffers themselves; any other copies them first (see
+    /// [`PendingRows::claim`]).
+    pub rows: PendingRows,
+}
+
+/// The claim on a state's pending-row buffers: how many rows of them have been handed out. States
+/// read only their first `pending` rows, so a continuation may write row `pending` in place when nobody
+/// has claimed it — as [`crate::state::KvRoom`] does for K/V rows.
+#[derive(Debug, Clone)]
+pub struct PendingRows(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl PendingRows {
+    /// A claim on fresh buffers whose first `rows` rows are written.
+    pub fn new(rows: usize) -> Self {
+        Self(std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(
+            rows,
+        )))
+    }
+
+    /// Claims row `pending` for a state with `pending` rows: true if nobody has claimed it.
+    pub fn claim(&self, pending: usize) -> bool {
+        use std::sync::atomic::Ordering;
+        self.0
+            .compare_exchange(pending, pending + 1, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
 }
 
 impl RuleState {
@@ -112,6 +140,7 @@ impl RuleState {
             pending_u: Tensor::zeros((heads, CHUNK, dv), dtype, device)?,
             pending_gamma: Tensor::zeros((heads, CHUNK), DType::F64, device)?,
             pending: 0,
+            rows: PendingRows::new(0),
         })
     }
 
@@ -513,6 +542,7 @@ fn chunked_typed<F: Float + WithDType>(
         pending_u: Tensor::from_vec(pu, (heads, CHUNK, dv), device)?,
         pending_gamma: Tensor::from_vec(gamma, (heads, CHUNK), device)?,
         pending: (state.pending + t_len) % CHUNK,
+        rows: PendingRows::new((state.pending + t_len) % CHUNK),
     };
     Ok((
         Tensor::from_vec(out, (t_len, heads, dv), device)?,
@@ -620,6 +650,27 @@ fn close_chunk<F: Float>(
 mod tests {
     use super::*;
     use crate::ops::l2_norm;
+
+    #[test]
+    fn a_pending_row_is_claimed_once_and_clones_share_the_claim() {
+        let state = RuleState::zeros(2, 4, 4, DType::F32, &Device::Cpu).unwrap();
+        let clone = state.clone();
+        assert!(state.rows.claim(0), "a fresh state's first row is free");
+        assert!(
+            !clone.rows.claim(0),
+            "a clone shares the claim: row 0 is taken"
+        );
+        assert!(
+            state.rows.claim(1),
+            "the continued state claims the next row"
+        );
+        assert!(!state.rows.claim(0) && !state.rows.claim(3));
+        let other = RuleState::zeros(2, 4, 4, DType::F32, &Device::Cpu).unwrap();
+        assert!(
+            other.rows.claim(0),
+            "another state's buffers have their own claim"
+        );
+    }
 
     fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
         (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())

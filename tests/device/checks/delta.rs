@@ -23,7 +23,9 @@
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
-use prism_model::cuda_delta::{delta_rule_batch_general, delta_rule_per_segment_v1};
+use prism_model::cuda_delta::{
+    delta_rule_batch_general, delta_rule_batch_in_place, delta_rule_per_segment_v1,
+};
 use prism_model::delta_rule::{self, chunked_batch, expand_key_heads, RuleSegment, RuleState};
 use serde_json::json;
 
@@ -288,7 +290,84 @@ fn decode_kernel_checks(r: &mut Report, gpu: &Device) -> Result<()> {
         &decoded,
         &old,
     )?;
+    // Pending rows written in place: the first call finds every claim free (the branches continue
+    // their parent's new state in place too), the second, from the same states, finds them taken and
+    // copies. A state's rows past its pending count are read by nobody (a branch continued in place
+    // writes them), so the comparison masks them.
+    let in_place = delta_rule_batch_in_place(q, k, v, g, beta, &segments, &states)?;
+    same_results(
+        r,
+        "delta rule decode kernel, rows in place (claims free) vs the pair and scan kernels (rows past pending masked)",
+        &masked(&in_place)?,
+        &masked(&general)?,
+    )?;
+    let shared = in_place.1[3].pending_k.clone();
+    let continued_in_place = same_storage(&shared, &states[3].pending_k)?;
+    r.check(
+        "  … the state continued in place shares its buffers",
+        "",
+        continued_in_place,
+        json!({"check": "decode in place shares the state's buffers", "ok": continued_in_place}),
+    );
+    let again = delta_rule_batch_in_place(q, k, v, g, beta, &segments, &states)?;
+    same_results(
+        r,
+        "delta rule decode kernel, in place again from the same states (claims taken: copies) vs the pair and scan kernels",
+        &masked(&again)?,
+        &masked(&general)?,
+    )?;
+    let copied = !same_storage(&again.1[3].pending_k, &states[3].pending_k)?;
+    r.check(
+        "  … a state whose row is claimed is copied",
+        "",
+        copied,
+        json!({"check": "decode with its row claimed copies", "ok": copied}),
+    );
     Ok(())
+}
+
+/// Outputs and states with every pending row past each state's count zeroed (on the host).
+fn masked(result: &(Tensor, Vec<RuleState>)) -> Result<(Tensor, Vec<RuleState>)> {
+    let mask = |t: &Tensor, pending: usize| -> Result<Tensor> {
+        let t = t.to_device(&Device::Cpu)?;
+        let rows = t.dim(1)?;
+        let kept = t.narrow(1, 0, pending)?;
+        let mut shape = t.dims().to_vec();
+        shape[1] = rows - pending;
+        Ok(Tensor::cat(
+            &[&kept, &Tensor::zeros(shape, t.dtype(), &Device::Cpu)?],
+            1,
+        )?)
+    };
+    let states = result
+        .1
+        .iter()
+        .map(|s| {
+            Ok(RuleState {
+                pending_k: mask(&s.pending_k, s.pending)?,
+                pending_u: mask(&s.pending_u, s.pending)?,
+                pending_gamma: mask(&s.pending_gamma, s.pending)?,
+                ..s.clone()
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((result.0.clone(), states))
+}
+
+/// Whether two CUDA tensors start at the same device address.
+fn same_storage(a: &Tensor, b: &Tensor) -> Result<bool> {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    let ptr = |t: &Tensor| -> Result<u64> {
+        let (storage, layout) = t.storage_and_layout();
+        let candle_core::Storage::Cuda(cs) = &*storage else {
+            bail!("not a CUDA tensor");
+        };
+        let slice = cs.as_cuda_slice::<f32>()?;
+        let stream = cs.device.cuda_stream();
+        let (p, _guard) = slice.device_ptr(&stream);
+        Ok(p + (layout.start_offset() * 4) as u64)
+    };
+    Ok(ptr(a)? == ptr(b)?)
 }
 
 fn launch_limit_checks(r: &mut Report, gpu: &Device) -> Result<()> {
