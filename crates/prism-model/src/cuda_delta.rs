@@ -560,9 +560,9 @@ pub enum DecodeWrites {
     InPlace,
 }
 
-/// What [`delta_rule_batch`] uses. In-place writes stay off until the device checks have compared them
-/// with the copies on a GPU (`tests/device/checks/delta.rs`, `decode_kernel_checks`).
-pub const DECODE_WRITES: DecodeWrites = DecodeWrites::Copy;
+/// What [`delta_rule_batch`] uses: in place where the claim allows (bit for bit the copies and the pair
+/// and scan kernels: `tests/device/checks/delta.rs`, `decode_kernel_checks`).
+pub const DECODE_WRITES: DecodeWrites = DecodeWrites::InPlace;
 
 /// Per-segment destinations of a decode launch: the C layout of `DecodeOutputs` in delta_rule.cu.
 #[repr(C)]
