@@ -23,6 +23,9 @@
 #   loads9      9B bf16 loads from 1, 4, 8 and 16 loader threads (--load-threads), one bench run each
 #               after no warm-up (answer digests comparable across them); each killed after 120 s
 #   ncu27       ncu kernel times of one warm pass per scenario of the 27B bf16 bench
+#   ncu-think27 ncu kernel times of $NCU_COUNT launches (default 3,000: two or three decode steps) after
+#               the first $NCU_SKIP (default 20,000) of 64 thoughts decoded at once on /tmp/s27 at int8
+#               (ncu-think.csv; tools/ncu_summary.py sums it by kernel)
 #   serve27-int8 / serve27-bf16   prism serve on /tmp/s27 (int8 / bf16) and prism loadgen against it:
 #               20 variants of one short question (tools/device/short.jsonl) and of the three-question
 #               request (shared.jsonl), each sent once from 1 client (cold: new evidence); follow-ups
@@ -256,6 +259,12 @@ for step in "$@"; do
                 --metrics gpu__time_duration.sum --csv --log-file "$OUT/ncu-27b.csv" \
                 /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision bf16 --runs 1 --warmup 1 \
                 --profiler-range > "$OUT/bench-27b-under-ncu.txt" 2>&1 ;;
+        ncu-think27)
+            "$NCU" --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
+                --launch-skip "${NCU_SKIP:-20000}" --launch-count "${NCU_COUNT:-3000}" --log-file "$OUT/ncu-think.csv" \
+                /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --think "${THINK:-48}" \
+                --think-batch 64 --runs 1 > "$OUT/think-under-ncu.txt" 2>&1
+            echo "ncu-think27 rc=$?" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
     echo "   $step rc=$?"
