@@ -384,12 +384,17 @@ struct QwTile {
     static constexpr int SMEM = BARS + 2 * STAGES * 8 + 1024;
 };
 
+// Split over K (gridDim.z = splits: 1, 2 or 4): CTA z takes parts 4z/splits .. 4(z+1)/splits of the
+// contract's four (their runs in order, each part from +0) and writes, instead of y, its share of the
+// part tree to ws[z] ([splits, M, N]): with 4 splits its part, with 2 (p0 + p1) or (p2 + p3);
+// qgemm_parts_combine then forms (p0 + p1) + (p2 + p3) and the non-finite rows. With 1 split the CTA
+// does all four and writes y itself.
 template <int BM>
 __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const TmaDesc* tmap_b,
                                                    const float* __restrict__ sa_t, int ldsa,
                                                    const float* __restrict__ sw_t, int ldsw,
                                                    const unsigned int* __restrict__ bad_rows, int M, int N,
-                                                   int K, float* __restrict__ y) {
+                                                   int K, float* __restrict__ y, float* __restrict__ ws) {
 #ifdef HAVE_WGMMA
     extern __shared__ unsigned char smem_raw[];
     using T = QwTile<BM>;
@@ -398,6 +403,9 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
     unsigned long long* empty = full + T::STAGES;
     const int R = (K + 127) / 128;
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * T::BN;
+    const int splits = gridDim.z;
+    const int part_lo = blockIdx.z * 4 / splits, part_hi = (blockIdx.z + 1) * 4 / splits;
+    const int r_lo = part_lo * R / 4, r_hi = part_hi * R / 4;
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         for (int s = 0; s < T::STAGES; ++s) {
@@ -412,9 +420,9 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
         if (threadIdx.x == 0) {
             tma_prefetch_desc(tmap_a);
             tma_prefetch_desc(tmap_b);
-            for (int r = 0; r < R; ++r) {
-                const int s = r % T::STAGES;
-                mbar_wait(empty + s, ((r / T::STAGES) & 1) ^ 1);
+            for (int r = r_lo; r < r_hi; ++r) {
+                const int s = (r - r_lo) % T::STAGES;
+                mbar_wait(empty + s, (((r - r_lo) / T::STAGES) & 1) ^ 1);
                 unsigned char* st = smem + s * T::STAGE;
                 mbar_arrive_expect_tx(full + s, T::BYTES);
                 tma_load_2d(st + T::A, tmap_a, r * 128, m0, full + s);
@@ -439,13 +447,13 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
         const int row_in = c_rows + 16 * warp + lane / 4;  // the thread's rows: row_in, row_in + 8
         const int col_in = c_cols + 2 * (lane % 4);        // its columns: col_in + 8·j (+1)
 #pragma unroll 1
-        for (int part = 0; part < 4; ++part) {
+        for (int part = part_lo; part < part_hi; ++part) {
 #pragma unroll
             for (int i = 0; i < 64; ++i) facc[i] = 0.f;
 #pragma unroll 1
             for (int r = part * R / 4; r < (part + 1) * R / 4; ++r) {
-                const int s = r % T::STAGES;
-                mbar_wait(full + s, (r / T::STAGES) & 1);
+                const int s = (r - r_lo) % T::STAGES;
+                mbar_wait(full + s, ((r - r_lo) / T::STAGES) & 1);
                 const unsigned char* st = smem + s * T::STAGE;
                 const unsigned long long da = wgmma_desc(smem_addr(st + T::A + a_off));
                 const unsigned long long db = wgmma_desc(smem_addr(st + T::B + b_off));
@@ -473,18 +481,44 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
                 }
                 mbar_arrive_warp(empty + s);
             }
-            if (part == 0) {
+            if (splits == 1 && part == 0) {
 #pragma unroll
                 for (int i = 0; i < 64; ++i) slot[256 * i] = facc[i];
-            } else if (part == 1) {
+            } else if (splits == 1 && part == 1) {
 #pragma unroll
                 for (int i = 0; i < 64; ++i) slot[256 * i] = __fadd_rn(slot[256 * i], facc[i]);
-            } else if (part == 2) {
+            } else if (part == 2 || (splits == 2 && part == 0)) {
 #pragma unroll
                 for (int i = 0; i < 64; ++i) p2[i] = facc[i];
             }
         }
         const int r0 = m0 + row_in;
+        if (splits > 1) {
+            // This CTA's share of the tree: its part (4 splits), or the sum of its two (2 splits).
+            float* wz = ws + (size_t)blockIdx.z * M * N;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = r0 + 8 * h, col = n0 + 8 * j + col_in;
+                    if (row >= M) continue;
+                    float v[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int i = 4 * j + 2 * h + e;
+                        v[e] = splits == 2 ? __fadd_rn(p2[i], facc[i]) : facc[i];
+                    }
+                    float* out = wz + (size_t)row * N + col;
+                    if (col + 1 < N && (N % 2) == 0) {
+                        *reinterpret_cast<float2*>(out) = make_float2(v[0], v[1]);
+                    } else {
+                        if (col < N) out[0] = v[0];
+                        if (col + 1 < N) out[1] = v[1];
+                    }
+                }
+            }
+            return;
+        }
         const bool bad0 = r0 < M && bad_rows[r0], bad1 = r0 + 8 < M && bad_rows[r0 + 8];
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
@@ -516,12 +550,26 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
 extern "C" __global__ void __launch_bounds__(384, 1)
     qgemm_wg_q8_0(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
                   const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
-                  int M, int N, int K, float* y) {
-    qgemm_wg_q8_0_body<128>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y);
+                  int M, int N, int K, float* y, float* ws) {
+    qgemm_wg_q8_0_body<128>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws);
 }
 extern "C" __global__ void __launch_bounds__(384, 1)
     qgemm_wg_q8_0_m64(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
                       const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
-                      int M, int N, int K, float* y) {
-    qgemm_wg_q8_0_body<64>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y);
+                      int M, int N, int K, float* y, float* ws) {
+    qgemm_wg_q8_0_body<64>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws);
+}
+
+// The split tile's last step: y = (p0 + p1) + (p2 + p3) from ws [splits, M, N] (4 splits: the parts;
+// 2: the two sums), NaN on the rows with a non-finite input. One thread an output.
+extern "C" __global__ void qgemm_parts_combine(const float* __restrict__ ws, int splits,
+                                               const unsigned int* __restrict__ bad_rows, int M, int N,
+                                               float* __restrict__ y) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x, total = (size_t)M * N;
+    if (i >= total) return;
+    const int row = (int)(i / N);
+    float v = splits == 2 ? __fadd_rn(ws[i], ws[total + i])
+                          : __fadd_rn(__fadd_rn(ws[i], ws[total + i]), __fadd_rn(ws[2 * total + i], ws[3 * total + i]));
+    if (bad_rows[row]) v = __int_as_float(0x7fc00000);
+    y[i] = v;
 }

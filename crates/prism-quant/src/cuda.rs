@@ -182,8 +182,12 @@ pub enum Kernel {
     Auto,
     /// The simple kernels (one thread an output, dp4a): the comparison for the device checks.
     Simple,
-    /// The Hopper tile of this shape where it runs (Q8_0, compute capability 9.0), else the simple one.
+    /// The Hopper tile of this shape where it runs (Q8_0, compute capability 9.0), else the simple one;
+    /// split over K by [`tile_splits`].
     Tile(TileShape),
+    /// [`Kernel::Tile`] split over K into 1, 2 or 4 CTAs an output tile (the device checks compare
+    /// every split with the others).
+    TileSplit(TileShape, usize),
     /// The skinny kernel where it runs (Q8_0, at most [`SKINNY_ROWS`] rows, K a multiple of 16), else
     /// the simple one. [`Kernel::Auto`] takes it up to [`AUTO_SKINNY_ROWS`] rows.
     Skinny,
@@ -238,9 +242,10 @@ pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Te
         .hopper
         .as_ref()
         .zip(match kernel {
-            Kernel::Auto => Some(TileShape::auto(m)),
+            Kernel::Auto => Some((TileShape::auto(m), None)),
             Kernel::Simple | Kernel::Skinny => None,
-            Kernel::Tile(shape) => Some(shape),
+            Kernel::Tile(shape) => Some((shape, None)),
+            Kernel::TileSplit(shape, splits) => Some((shape, Some(splits))),
         })
         .filter(|_| m > 0 && n > 0 && !skinny);
     let ldsa = m.div_ceil(WG_TILE) * WG_TILE;
@@ -292,8 +297,12 @@ pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Te
         // run < runs index inside sa_len), sums m·k/32 i32 when asked, bad m u32.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
-    if let Some((h, shape)) = hopper {
-        hopper_q8_0(&dev, &qa, &sa, ldsa, &bad, w, h, shape, (m, n, k), &y)?;
+    if let Some((h, (shape, splits))) = hopper {
+        let splits = match splits {
+            Some(s) => s,
+            None => tile_splits(&dev, shape, m, n)?,
+        };
+        hopper_q8_0(&dev, &qa, &sa, ldsa, &bad, w, h, shape, splits, (m, n, k), &y)?;
         return Ok(wrap(y, &dev, (m, n)));
     }
     if skinny {
@@ -368,8 +377,33 @@ pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Te
     Ok(wrap(y, &dev, (m, n)))
 }
 
+/// How many CTAs share an output tile of the Hopper tile (each one or two of the contract's four parts
+/// over K; `qgemm_parts_combine` adds them in the contract's tree): the most of 4, 2, 1 that keeps the
+/// grid within one CTA per multiprocessor. A product with few output tiles (a few dozen rows against
+/// `ffn_down`'s 5,120 outputs: 20 tiles) otherwise leaves most of the GPU idle.
+pub fn tile_splits(dev: &CudaDevice, shape: TileShape, m: usize, n: usize) -> Result<usize> {
+    static SMS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let sms = match SMS.get() {
+        Some(&s) => s,
+        None => {
+            let count = dev
+                .cuda_stream()
+                .context()
+                .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .map_err(launch_err)?;
+            *SMS.get_or_init(|| usize::try_from(count).unwrap_or(1).max(1))
+        }
+    };
+    let (bm, bn) = shape.rows();
+    let tiles = m.div_ceil(bm) * n.div_ceil(bn);
+    Ok([4, 2]
+        .into_iter()
+        .find(|s| s * tiles <= sms)
+        .unwrap_or(1))
+}
+
 /// The Q8_0 warpgroup tile (`qgemm_wg_q8_0`): `y = qa · qᵀ` by the contract, `qa` `[m, k]` bytes with
-/// run scales `sa` run-major `[runs, ldsa]`.
+/// run scales `sa` run-major `[runs, ldsa]`, each output tile computed by `splits` CTAs (1, 2 or 4).
 #[allow(clippy::too_many_arguments)]
 fn hopper_q8_0(
     dev: &CudaDevice,
@@ -380,9 +414,13 @@ fn hopper_q8_0(
     w: &CudaQuantWeight,
     h: &HopperQ8,
     shape: TileShape,
+    splits: usize,
     (m, n, k): (usize, usize, usize),
     y: &CudaSlice<f32>,
 ) -> Result<()> {
+    if ![1, 2, 4].contains(&splits) {
+        bail!("integer matmul tile: {splits} splits over K (1, 2 or 4)");
+    }
     let (bm, bn) = shape.rows();
     let too_many = |what: String| candle_core::Error::Msg(format!("integer matmul: {what}"));
     let gx =
@@ -406,10 +444,12 @@ fn hopper_q8_0(
     let func = load_kernel(dev, MODULE, IMAGE, shape.kernel())?;
     func.allow_dynamic_shared(shape.smem(), "integer matmul tile")?;
     let cfg = LaunchConfig {
-        grid_dim: (gx, gy, 1),
+        grid_dim: (gx, gy, splits as u32),
         block_dim: (WG_THREADS, 1, 1),
         shared_mem_bytes: shape.smem() as u32,
     };
+    // The split CTAs' shares of the part tree, [splits, m, n] (none without a split).
+    let ws = alloc::<f32>(dev, if splits > 1 { splits * m * n } else { 1 })?;
     let (ldsa_i, ldsw_i) = (i32_arg(ldsa, "scale rows")?, i32_arg(h.ldsw, "scale rows")?);
     let (m_i, n_i, k_i) = (
         i32_arg(m, "rows")?,
@@ -419,11 +459,31 @@ fn hopper_q8_0(
     let mut b = func.builder();
     b.arg(&maps[0]).arg(&maps[1]);
     b.arg(sa).arg(&ldsa_i).arg(&sw).arg(&ldsw_i).arg(bad);
-    b.arg(&m_i).arg(&n_i).arg(&k_i).arg(y);
+    b.arg(&m_i).arg(&n_i).arg(&k_i).arg(y).arg(&ws);
     // SAFETY: the maps describe qa (m·k bytes) and the weight (n·k bytes), both alive until the launch
     // is queued; sa holds runs·ldsa f32 and sw_t runs·ldsw (ldsa, ldsw whole tiles, so every CTA's
-    // 512-byte scale copies stay inside); bad m u32; y m·n f32.
+    // 512-byte scale copies stay inside); bad m u32; y m·n f32; with splits, ws splits·m·n f32 (CTA z
+    // writes ws[z], every element of it).
     unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    if splits > 1 {
+        let total = m * n;
+        let func = load_kernel(dev, MODULE, IMAGE, "qgemm_parts_combine")?;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(total.div_ceil(THREADS as usize))
+                    .map_err(|_| too_many(format!("{m} × {n} outputs are too many")))?,
+                1,
+                1,
+            ),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let splits_i = i32_arg(splits, "splits")?;
+        let mut b = func.builder();
+        b.arg(&ws).arg(&splits_i).arg(bad).arg(&m_i).arg(&n_i).arg(y);
+        // SAFETY: ws holds splits·m·n f32 written by the tile above (same stream), bad m u32, y m·n f32.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    }
     Ok(())
 }
 

@@ -86,11 +86,20 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
             )?;
             // Every kernel gives the same bits: the simple one and, on Hopper, both tile shapes
             // (elsewhere those run the simple kernel).
-            let mut kernels = vec![("simple kernel", Kernel::Simple)];
+            let mut kernels = vec![("simple kernel".to_string(), Kernel::Simple)];
             if ty == GgmlType::Q8_0 {
-                kernels.push(("skinny kernel", Kernel::Skinny));
-                kernels.push(("128-row tile", Kernel::Tile(TileShape::M128)));
-                kernels.push(("64-row tile", Kernel::Tile(TileShape::M64)));
+                kernels.push(("skinny kernel".into(), Kernel::Skinny));
+                kernels.push(("128-row tile".into(), Kernel::Tile(TileShape::M128)));
+                kernels.push(("64-row tile".into(), Kernel::Tile(TileShape::M64)));
+                // Every split over K: the parts' tree is the same whoever computes each part.
+                for (rows, shape) in [(128, TileShape::M128), (64, TileShape::M64)] {
+                    for splits in [1, 2, 4] {
+                        kernels.push((
+                            format!("{rows}-row tile in {splits} split(s)"),
+                            Kernel::TileSplit(shape, splits),
+                        ));
+                    }
+                }
             }
             for (label, kernel) in kernels {
                 r.identical(
@@ -122,6 +131,16 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
             &got,
             &Tensor::from_vec(want, (6, n), &Device::Cpu)?,
         )?;
+        if ty == GgmlType::Q8_0 {
+            let xg = Tensor::from_vec(x.clone(), (6, k), gpu)?;
+            for splits in [1, 2, 4] {
+                r.identical(
+                    &format!("{tag}: NaN / inf rows, 64-row tile in {splits} split(s)"),
+                    &matmul_with(&xg, &dw, Kernel::TileSplit(TileShape::M64, splits))?,
+                    &got,
+                )?;
+            }
+        }
         // The candle op on a CUDA tensor (what the model calls): the same bits.
         let op = prism_quant::QuantMatmul::new(std::sync::Arc::new(w.clone()));
         r.identical(
