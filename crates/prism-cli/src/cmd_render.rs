@@ -1,13 +1,19 @@
 //! `prism render`: each question's prompt messages (system and user text, option ids in letter order),
 //! before the chat template. A request the API would refuse prints the API's error body and exits 1.
+//! Images are decoded and resized as a Qwen3.5 vision tower reads them (patches of 16 merged 2 × 2) and
+//! placed by spec §3's rules: each prompt says where each image goes and how many pad tokens it takes,
+//! and with `--model-dir` the token ids have each image's `<|image_pad|>` expanded as the engine does.
 
 use std::io::Write;
 
 use anyhow::{Context, Result};
-use prism_decision::chat_template::{ChatMessage, PromptFormat, RenderedPrompt};
+use prism_decision::chat_template::{PromptFormat, RenderedPrompt};
+use prism_decision::engine::decoder::{expand_image_pads, prompt_messages};
+use prism_decision::image_input::{decode_images, ImageLimits};
+use prism_decision::vision::ImageConfig;
 use prism_decision::{
-    render_request, DecisionConfig, DecisionRequest, LetterPrompt, ReadMode, RenderedQuestion,
-    RequestDefaults,
+    render_request, render_request_with_images, DecisionConfig, DecisionError, DecisionRequest,
+    FieldErrors, LetterPrompt, ReadMode, RenderedQuestion, RequestDefaults,
 };
 use serde_json::json;
 
@@ -34,8 +40,20 @@ pub fn run(args: &RenderArgs) -> Result<()> {
     };
     let body = std::fs::read(&args.request)
         .with_context(|| format!("cannot read {}", args.request.display()))?;
-    let rendered = DecisionRequest::parse(&body, &RequestDefaults::default())
-        .and_then(|request| render_request(&request, &config));
+    let rendered =
+        DecisionRequest::parse(&body, &RequestDefaults::default()).and_then(|request| {
+            if request.images.is_empty() {
+                return render_request(&request, &config);
+            }
+            let images = decode_images(
+                &request.images,
+                &ImageConfig::default(),
+                &ImageLimits::default(),
+            )
+            .map_err(|errors| DecisionError::Request(FieldErrors(errors)))?;
+            let tokens: Vec<usize> = images.iter().map(|image| image.tokens()).collect();
+            render_request_with_images(&request, &config, &tokens)
+        });
     let questions = match rendered {
         Ok(questions) => questions,
         Err(error) => {
@@ -81,17 +99,46 @@ fn mode_name(mode: ReadMode) -> &'static str {
 }
 
 /// The prompt through the chat template with thinking off, as the model reads it.
+/// With images, the text shows the template's one `<|image_pad|>` per image and the ids have each
+/// expanded to the image's pad tokens, as the engine reads it.
 fn templated(prompt: &LetterPrompt, format: &PromptFormat) -> Result<RenderedPrompt> {
-    let messages = [
-        ChatMessage::system(prompt.system.as_str()),
-        ChatMessage::user(prompt.user.as_str()),
-    ];
-    Ok(format.render_and_encode(&messages, false)?)
+    let mut rendered = format.render_and_encode(&prompt_messages(prompt), false)?;
+    if !prompt.images.is_empty() {
+        let pad = format.special_tokens().image_pad.context(
+            "the model directory's tokenizer has no <|image_pad|> token, so images cannot be placed",
+        )?;
+        rendered.ids = expand_image_pads(rendered.ids, pad, &prompt.images)?;
+    }
+    Ok(rendered)
+}
+
+/// Where each image of a prompt goes: its byte offset in the user message and its pad tokens.
+fn image_lines(prompt: &LetterPrompt) -> Vec<String> {
+    prompt
+        .images
+        .iter()
+        .enumerate()
+        .map(|(i, slot)| {
+            format!(
+                "image {} at byte {} of the user message: {} tokens",
+                i + 1,
+                slot.at,
+                slot.tokens
+            )
+        })
+        .collect()
 }
 
 fn prompt_json(prompt: &LetterPrompt, format: Option<&PromptFormat>) -> Result<serde_json::Value> {
     let mut value =
         json!({"system": prompt.system, "user": prompt.user, "order": prompt.option_ids});
+    if !prompt.images.is_empty() {
+        value["images"] = prompt
+            .images
+            .iter()
+            .map(|slot| json!({"at": slot.at, "tokens": slot.tokens}))
+            .collect();
+    }
     if let Some(format) = format {
         let rendered = templated(prompt, format)?;
         value["text"] = json!(rendered.text);
@@ -146,6 +193,9 @@ fn write_text(
         }
         writeln!(out, "--- system\n{}", prompt.system)?;
         writeln!(out, "--- user\n{}", prompt.user)?;
+        for line in image_lines(prompt) {
+            writeln!(out, "--- {line}")?;
+        }
         writeln!(
             out,
             "--- options in letter order: {}",

@@ -15,7 +15,7 @@ use anyhow::{bail, Context, Result};
 use clap::{ArgAction, Args};
 use prism_decision::engine::{Engine, EngineObserver};
 use prism_decision::setup::{device_free_memory, model_source, open_devices, resolve_precision};
-use prism_decision::{LetterModel, RequestDefaults};
+use prism_decision::{Family, LetterModel, RequestDefaults};
 use prism_model::{KvStorage, LoadOptions, LoadProgress};
 use prism_server::launch::{self, Budgets};
 use prism_server::{router, serve, Counters, Metrics, ModelInfo, ServerConfig, Stats};
@@ -144,8 +144,9 @@ pub struct ServeArgs {
     #[arg(long)]
     pub think_seqs: Option<usize>,
     /// The family the bundled demo model is served as: `v1` (one read-out), `v1.1` (AutoThink: thoughts
-    /// and the none option) or `instant` (v1.1 Instant: both option orders, the none option). Only
-    /// without --gguf: a release's own decision_config.json says its family.
+    /// and the none option) or `instant` (v1.1 Instant: both option orders, the none option). The v1.1
+    /// families read images with the demo's bundled vision tower (random weights too) unless --mmproj
+    /// names another. Only without --gguf: a release's own decision_config.json says its family.
     #[arg(long, value_parser = ["v1", "v1.1", "instant"])]
     pub demo: Option<String>,
     /// Do not serve the playground page at `GET /` (a page to try the model in a browser; served
@@ -201,6 +202,17 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         "pass --gguf FILE [--model-dir DIR]",
     )?;
     source.mmproj = args.mmproj.clone();
+    let demo_family = launch::demo_family(args.demo.as_deref(), demo)?;
+    if let (Some(family), None) = (demo_family, &source.mmproj) {
+        // The v1.1 families read images: the demo gets its bundled tower.
+        if family != Family::V1 {
+            source.mmproj = source
+                .model_dir
+                .as_ref()
+                .map(|dir| dir.join(prism_model::synth_vision::DEMO_MMPROJ))
+                .filter(|path| path.is_file());
+        }
+    }
     if demo {
         let dir = source.model_dir.as_deref().unwrap_or(&source.gguf);
         say!("");
@@ -264,7 +276,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         args.max_tokens,
         &mut |i, d, r| say!("      replica {i} (device {d}, copy {r}):"),
     )?;
-    if let Some(family) = launch::demo_family(args.demo.as_deref(), demo)? {
+    if let Some(family) = demo_family {
         config.family = family;
         say!("      the demo model is served as a {family} model (--demo)");
     }

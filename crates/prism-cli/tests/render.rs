@@ -193,3 +193,116 @@ fn a_missing_file_is_an_error() {
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("/nonexistent/request.json"));
 }
+
+fn vision_fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-vl-tiny")
+}
+
+/// The vision fixture's image `name` (`square`, `frame0`, ...) as base64.
+fn fixture_image(name: &str) -> String {
+    use base64::Engine as _;
+    let dir = vision_fixture().join("images");
+    let path = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with(&format!("{name}_"))
+        })
+        .unwrap_or_else(|| panic!("no image {name}"));
+    base64::engine::general_purpose::STANDARD.encode(std::fs::read(path).unwrap())
+}
+
+/// Each reference prompt with images of the vision fixture (transformers' processor: one and several
+/// images, first and placed by marks), sent as a request: `prism render --json` gives its token ids,
+/// each image's pad expanded, and where each image goes.
+#[test]
+fn renders_requests_with_images_as_the_processor_tokenizes_them() {
+    let refs: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(vision_fixture().join("ref_prompts.json")).unwrap(),
+    )
+    .unwrap();
+    let dir = std::env::temp_dir().join(format!("prism-render-images-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut checked = 0;
+    for p in refs["prompts"].as_array().unwrap() {
+        let names: Vec<&str> = p["images"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n.as_str().unwrap())
+            .collect();
+        if names.is_empty() {
+            continue;
+        }
+        let name = p["name"].as_str().unwrap();
+        let content = p["messages"][1]["content"].as_array().unwrap();
+        let text = content.last().unwrap()["text"].as_str().unwrap();
+        let (instructions, options) = text
+            .split("Question: ")
+            .nth(1)
+            .unwrap()
+            .split_once("\nOptions:\n")
+            .unwrap();
+        let ids: Vec<&str> = options
+            .lines()
+            .map(|l| l.split_once(") ").unwrap().1)
+            .collect();
+        let body = serde_json::json!({
+            "state": p["state"],
+            "images": names.iter().map(|n| fixture_image(n)).collect::<Vec<_>>(),
+            "questions": {"q": {"type": "choice", "instructions": instructions, "criteria": ids}},
+        });
+        let file = dir.join(format!("{name}.json"));
+        std::fs::write(&file, body.to_string()).unwrap();
+        let output = prism(&[
+            "render",
+            file.to_str().unwrap(),
+            "--model-dir",
+            vision_fixture().to_str().unwrap(),
+            "--json",
+        ]);
+        assert!(
+            output.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+        let prompt = &json["q"]["prompts"][0];
+        assert_eq!(prompt["ids"], p["input_ids"], "{name}: token ids");
+        let images = prompt["images"].as_array().unwrap();
+        assert_eq!(images.len(), names.len(), "{name}: image slots");
+        let pads: u64 = images.iter().map(|i| i["tokens"].as_u64().unwrap()).sum();
+        let pad = 4108;
+        let want = p["input_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|&t| t == pad)
+            .count() as u64;
+        assert_eq!(pads, want, "{name}: pad tokens");
+        checked += 1;
+    }
+    assert_eq!(checked, 6, "every reference prompt with images");
+    // A bad image is the API's error, under its path.
+    let bad = dir.join("bad.json");
+    std::fs::write(
+        &bad,
+        serde_json::json!({
+            "state": "two pictures",
+            "images": [fixture_image("square"), "bm90IGFuIGltYWdl"],
+            "questions": {"q": {"type": "noul", "instructions": "Is it sunny?"}},
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let output = prism(&["render", bad.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(1));
+    let body = String::from_utf8_lossy(&output.stdout);
+    assert!(body.contains("images[1]"), "{body}");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("HTTP 400"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -15,8 +15,9 @@
 //!   option stays last), and the two read-outs are averaged per option; it never thinks.
 //!
 //! A v1 or Instant model refuses `think_mode: "always"` (422). Images need the engine with a vision
-//! model ([`DecisionTask::with_images`], called by `crate::engine` after decoding them); [`decide`] and
-//! [`render_request`] read text only and refuse them (422).
+//! model ([`DecisionTask::with_images`], called by `crate::engine` after decoding them;
+//! [`render_request_with_images`] places them without a model); [`decide`] and [`render_request`] read
+//! text only and refuse them (422).
 
 use std::time::Instant;
 
@@ -99,9 +100,34 @@ pub fn render_request(
     request: &DecisionRequest,
     config: &DecisionConfig,
 ) -> Result<Vec<RenderedQuestion>, DecisionError> {
+    render_questions(request, config, None)
+}
+
+/// [`render_request`] for a request whose images take `image_tokens` pad tokens each (in order, one
+/// per image: [`crate::image_input::DecodedImage::tokens`]), placed in the evidence by spec §3's rules.
+pub fn render_request_with_images(
+    request: &DecisionRequest,
+    config: &DecisionConfig,
+    image_tokens: &[usize],
+) -> Result<Vec<RenderedQuestion>, DecisionError> {
+    if image_tokens.len() != request.images.len() {
+        return Err(DecisionError::ModelOutput(format!(
+            "{} image token counts for {} images",
+            image_tokens.len(),
+            request.images.len()
+        )));
+    }
+    render_questions(request, config, Some(image_tokens))
+}
+
+fn render_questions(
+    request: &DecisionRequest,
+    config: &DecisionConfig,
+    image_tokens: Option<&[usize]>,
+) -> Result<Vec<RenderedQuestion>, DecisionError> {
     config.validate()?;
-    check_supported(request, config.family, false)?;
-    let state = Evidence::text_only(&request.state);
+    check_supported(request, config.family, image_tokens.is_some())?;
+    let state = evidence(&request.state, image_tokens.unwrap_or_default())?;
     Ok(request
         .questions
         .iter()

@@ -290,16 +290,22 @@ fn check_size(
     Ok(())
 }
 
-/// Decodes every image of a request, reporting every bad one (each under its own path).
+/// Decodes every image of a request (in parallel on the rayon pool), reporting every bad one (each
+/// under its own path, in the request's order).
 pub fn decode_images(
     images: &[RequestImage],
     cfg: &ImageConfig,
     limits: &ImageLimits,
 ) -> Result<Vec<DecodedImage>, Vec<FieldError>> {
+    use rayon::prelude::*;
+    let decoded: Vec<_> = images
+        .par_iter()
+        .map(|image| decode_image(image, cfg, limits))
+        .collect();
     let mut out = Vec::with_capacity(images.len());
     let mut errors = Vec::new();
-    for image in images {
-        match decode_image(image, cfg, limits) {
+    for result in decoded {
+        match result {
             Ok(decoded) => out.push(decoded),
             Err(e) => errors.push(e),
         }

@@ -118,6 +118,14 @@ impl SynthSize {
     }
 }
 
+/// The bundled demo model's vision tower ([`SynthVisionSpec::demo`]), relative to the demo model's
+/// directory (`tests/fixtures/qwen35-tiny`): in a folder of its own, so loading that directory finds no
+/// `mmproj-*.gguf` by itself (the v1 demo reads no images).
+pub const DEMO_MMPROJ: &str = "vision/mmproj-qwen35-tiny-demo-F16.gguf";
+
+/// The seed of the demo tower's weights.
+pub const DEMO_SEED: u64 = 22;
+
 /// A synthetic mmproj: the tower's shape, the output type and the seed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SynthVisionSpec {
@@ -165,6 +173,23 @@ impl SynthVisionSpec {
             config: size.vision_config(),
             file_type,
             seed,
+        }
+    }
+
+    /// The bundled demo model's vision tower (`tests/fixtures/qwen35-tiny/vision/`): the shape of a
+    /// tiny reference tower (`like`: the qwen35-vl-tiny fixture's, read from its mmproj), its merger
+    /// writing `projection` (the demo decoder's width), random seeded weights. The demo model's weights
+    /// are random too; this lets the demo read images.
+    /// F16, seed [`DEMO_SEED`]; the file is [`DEMO_MMPROJ`] in the demo model's directory.
+    pub fn demo(like: &VisionConfig, projection: usize) -> Self {
+        Self {
+            name: format!("qwen35-tiny demo vision tower (random weights, seed {DEMO_SEED})"),
+            config: VisionConfig {
+                projection,
+                ..like.clone()
+            },
+            file_type: MmprojFileType::F16,
+            seed: DEMO_SEED,
         }
     }
 

@@ -231,7 +231,8 @@ pub struct VisionBlock {
     pub down: (Tensor, Tensor),
 }
 
-/// The tower's weights, row-major in f32 (`[out, in]` for linears).
+/// The tower's weights, row-major in f32 (`[out, in]` for linears; the block and merger matrices in
+/// bf16 after [`VisionWeights::with_matrices`]).
 #[derive(Debug, Clone)]
 pub struct VisionWeights {
     pub config: VisionConfig,
@@ -372,6 +373,28 @@ fn rotate_half(x: &Tensor) -> Result<Tensor> {
 }
 
 impl VisionWeights {
+    /// The tower with its block and merger matrices in `dtype`. BF16 on a GPU runs those products on
+    /// the tensor cores (bf16 operands, f32 results); the patch embedding, norms, attention and
+    /// everything between stay f32. The outputs then differ from the f32 tower by bf16 rounding (the
+    /// device checks measure it); each image is still computed alone, so its embeddings do not depend
+    /// on what else is encoded.
+    pub fn with_matrices(mut self, dtype: DType) -> Result<Self> {
+        let cast = |w: &mut Tensor| -> Result<()> {
+            *w = w.to_dtype(dtype)?;
+            Ok(())
+        };
+        for block in &mut self.blocks {
+            cast(&mut block.qkv.0)?;
+            cast(&mut block.out.0)?;
+            cast(&mut block.up.0)?;
+            cast(&mut block.down.0)?;
+        }
+        for m in &mut self.merger {
+            cast(&mut m.0)?;
+        }
+        Ok(self)
+    }
+
     /// The device the tower's weights live on (and its outputs are computed on).
     pub fn device(&self) -> &Device {
         self.positions.device()

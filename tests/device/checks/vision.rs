@@ -153,6 +153,45 @@ pub fn tower_checks(r: &mut Report, gpu: &Device) -> Result<()> {
     let a = cuda.forward_pixels(&values, grid)?;
     let b = cuda.forward_pixels(&values, grid)?;
     r.identical("vision tower wide on CUDA: run twice", &a, &b)?;
+    // What the engine runs on a GPU: the block and merger products in bf16. Measured against
+    // transformers relative to the embeddings' largest magnitude.
+    let bf16 = load_tower(&dir, gpu)?.with_matrices(DType::BF16)?;
+    for name in ["square", "wide", "tall"] {
+        let (values, grid) = pixels(&dir, &images, name)?;
+        let got = bf16.forward_pixels(&values, grid)?;
+        let want = reference_embeddings(&dir, name, width)?;
+        let scale = want.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+        let rel = max_abs(&got, &want)? / scale;
+        r.check(
+            &format!("vision tower {name}, bf16 products on CUDA: vs transformers, max |Δ| / max |ref|"),
+            &format!("{rel:.3e}  bound 2e-2"),
+            rel <= 2e-2,
+            json!({"check": format!("vision tower {name} bf16 vs transformers"), "max_rel": rel,
+                   "bound": 2e-2, "ok": rel <= 2e-2}),
+        );
+    }
+    // Frames of one size together (what the engine does with a request's same-size images): each
+    // frame's rows as when it runs alone, within the products' rounding.
+    let (f0, g0) = pixels(&dir, &images, "frame0")?;
+    let (f1, _) = pixels(&dir, &images, "frame1")?;
+    let both: Vec<f32> = f0.iter().chain(&f1).copied().collect();
+    let together = bf16.forward_pixels(&both, [2, g0[1], g0[2]])?;
+    let alone = Tensor::cat(
+        &[
+            bf16.forward_pixels(&f0, g0)?,
+            bf16.forward_pixels(&f1, g0)?,
+        ],
+        0,
+    )?;
+    let scale = alone.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+    let rel = max_abs(&together, &alone)? / scale;
+    r.check(
+        "vision tower, bf16: two frames together vs each alone, max |Δ| / max",
+        &format!("{rel:.3e}  bound 1e-2"),
+        rel <= 1e-2,
+        json!({"check": "vision tower bf16 frames together vs alone", "max_rel": rel, "bound": 1e-2,
+               "ok": rel <= 1e-2}),
+    );
     Ok(())
 }
 
@@ -313,14 +352,16 @@ pub fn prompt_checks(r: &mut Report, gpu: &Device) -> Result<()> {
 }
 
 /// A real-shape tower (the 27B's: 27 blocks, width 1152, merger → 5120; random F16 weights as
-/// `prism synth --mmproj` writes them) on CUDA: time per 640×352 frame (880 patches, 220 tokens) and
-/// for 8 frames, output finite.
+/// `prism synth --mmproj` writes them) on CUDA with bf16 products (as the engine runs it): time per
+/// 640×352 frame (880 patches, 220 tokens), for 8 frames one at a time and together, and one frame with
+/// f32 products; output finite.
 pub fn real_shape_timing(r: &mut Report, gpu: &Device) -> Result<()> {
     let spec = SynthVisionSpec::new(SynthSize::B27, MmprojFileType::F16, 0);
     let (bytes, _) = write_mmproj_to(Vec::new(), &spec, |_| {})?;
     let gguf = GgufFile::from_bytes(bytes)?;
-    let tower = VisionWeights::load(&gguf, gpu)?;
+    let f32_tower = VisionWeights::load(&gguf, gpu)?;
     drop(gguf);
+    let tower = f32_tower.clone().with_matrices(DType::BF16)?;
     let grid = [1, 22, 40];
     let n = 22 * 40;
     let width = tower.config.patch_width();
@@ -350,6 +391,19 @@ pub fn real_shape_timing(r: &mut Report, gpu: &Device) -> Result<()> {
     r.note(
         "27B-shape tower on CUDA: ms for 8 frames one at a time (median of 3)",
         json!(eight * 1e3),
+    );
+    let eight_frames: Vec<f32> = (0..8).flat_map(|_| frame.iter().copied()).collect();
+    let together = median_seconds(gpu, 3, || {
+        Ok(tower.forward_pixels(&eight_frames, [8, grid[1], grid[2]])?)
+    })?;
+    r.note(
+        "27B-shape tower on CUDA: ms for 8 frames together (median of 3)",
+        json!(together * 1e3),
+    );
+    let f32_one = median_seconds(gpu, 3, || Ok(f32_tower.forward_pixels(&frame, grid)?))?;
+    r.note(
+        "27B-shape tower on CUDA with f32 products: ms per frame (median of 3)",
+        json!(f32_one * 1e3),
     );
     Ok(())
 }

@@ -12,7 +12,10 @@ use std::sync::Arc;
 
 use prism_gguf::{GgufError, GgufFile};
 use prism_model::vision::VisionWeights;
-use prism_model::{BatchItem, EmbeddingRows, LoadOptions, Position3, Qwen35Model, SequenceState};
+use candle_core::DType;
+use prism_model::{
+    BatchItem, EmbeddingRows, LoadOptions, Position3, Precision, Qwen35Model, SequenceState,
+};
 
 use super::pass::{
     GroupInput, GroupOutput, NextLogits, PassModel, PrefixImages, PromptEncoder, ThoughtMarkers,
@@ -247,13 +250,13 @@ fn prompt_tokens(
     format: &PromptFormat,
     prompt: &LetterPrompt,
 ) -> Result<Vec<u32>, PromptFormatError> {
-    Ok(format.render_and_encode(&messages(prompt), false)?.ids)
+    Ok(format.render_and_encode(&prompt_messages(prompt), false)?.ids)
 }
 
 /// A prompt's chat messages: the system text, and the user message as text, or as text and image
 /// parts when it has images (a slot that is not on a character boundary puts its image at the next
 /// one; the engine's slots always are).
-fn messages(prompt: &LetterPrompt) -> [ChatMessage; 2] {
+pub fn prompt_messages(prompt: &LetterPrompt) -> [ChatMessage; 2] {
     let user = if prompt.images.is_empty() {
         ChatMessage::user(prompt.user.as_str())
     } else {
@@ -279,7 +282,11 @@ fn messages(prompt: &LetterPrompt) -> [ChatMessage; 2] {
 }
 
 /// Expands each `<|image_pad|>` of `ids` (one per image part, in order) to its image's pad tokens.
-fn expand_image_pads(ids: Vec<u32>, pad: u32, slots: &[ImageSlot]) -> Result<Vec<u32>, ModelError> {
+pub fn expand_image_pads(
+    ids: Vec<u32>,
+    pad: u32,
+    slots: &[ImageSlot],
+) -> Result<Vec<u32>, ModelError> {
     let found = ids.iter().filter(|&&t| t == pad).count();
     if found != slots.len() {
         return Err(ModelError::Backend(format!(
@@ -326,7 +333,14 @@ fn load_vision(
         reason,
     };
     let gguf = GgufFile::open(path).map_err(|e| fail(e.to_string()))?;
-    let vision = VisionWeights::load(&gguf, decoder.device()).map_err(|e| fail(e.to_string()))?;
+    let mut vision =
+        VisionWeights::load(&gguf, decoder.device()).map_err(|e| fail(e.to_string()))?;
+    // On a GPU the tower's products run in bf16 unless the decoder itself runs in f32.
+    if decoder.device().is_cuda() && decoder.precision() != Precision::F32 {
+        vision = vision
+            .with_matrices(DType::BF16)
+            .map_err(|e| fail(e.to_string()))?;
+    }
     let hidden = decoder.config().hidden_size;
     if vision.config.projection != hidden {
         return Err(fail(format!(
@@ -422,7 +436,7 @@ impl PromptEncoder for FormatEncoder {
         }
         let ids = self
             .format
-            .render_and_encode(&messages(prompt), true)
+            .render_and_encode(&prompt_messages(prompt), true)
             .map_err(|e| ModelError::Backend(format!("tokenizer: {e}")))?
             .ids;
         self.expand(ids, prompt)
@@ -497,10 +511,20 @@ impl DecoderLetterModel {
                 "vision tower",
                 &device,
                 || -> prism_model::Result<_> {
-                    let each = decoded
-                        .iter()
-                        .map(|image| vision.forward_pixels(&image.pixels, image.grid))
-                        .collect::<prism_model::Result<Vec<_>>>()?;
+                    // Consecutive images of one size go through the tower together, as the frames
+                    // of one video (frames attend only within themselves): the same computation per
+                    // image, in fewer and larger products.
+                    let mut each = Vec::new();
+                    for group in decoded.chunk_by(|a, b| a.grid == b.grid && a.grid[0] == 1) {
+                        let [t, h, w] = group[0].grid;
+                        each.push(if let [image] = group {
+                            vision.forward_pixels(&image.pixels, image.grid)?
+                        } else {
+                            let pixels: Vec<f32> =
+                                group.iter().flat_map(|i| i.pixels.iter().copied()).collect();
+                            vision.forward_pixels(&pixels, [t * group.len(), h, w])?
+                        });
+                    }
                     Ok(candle_core::Tensor::cat(&each, 0)?)
                 },
             )
