@@ -110,7 +110,7 @@ pub fn delta_rule_batch(
     segments: &[RuleSegment],
     states: &[RuleState],
 ) -> Result<(Tensor, Vec<RuleState>)> {
-    delta_rule_batch_with(q, k, v, g, beta, segments, states, Some(DECODE_WRITES))
+    delta_rule_batch_with(q, k, v, g, beta, segments, states, true)
 }
 
 /// [`delta_rule_batch`] with every segment on the pair and scan kernels (the decode kernel's
@@ -124,30 +124,7 @@ pub fn delta_rule_batch_general(
     segments: &[RuleSegment],
     states: &[RuleState],
 ) -> Result<(Tensor, Vec<RuleState>)> {
-    delta_rule_batch_with(q, k, v, g, beta, segments, states, None)
-}
-
-/// [`delta_rule_batch`] with the decode steps' pending rows written in place where their claim allows
-/// ([`DecodeWrites::InPlace`]; the device checks compare it with the copies).
-pub fn delta_rule_batch_in_place(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-    segments: &[RuleSegment],
-    states: &[RuleState],
-) -> Result<(Tensor, Vec<RuleState>)> {
-    delta_rule_batch_with(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        segments,
-        states,
-        Some(DecodeWrites::InPlace),
-    )
+    delta_rule_batch_with(q, k, v, g, beta, segments, states, false)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -159,7 +136,7 @@ fn delta_rule_batch_with(
     beta: &Tensor,
     segments: &[RuleSegment],
     states: &[RuleState],
-    decode: Option<DecodeWrites>,
+    decode: bool,
 ) -> Result<(Tensor, Vec<RuleState>)> {
     let dims = check_batch(q, k, v, g, beta, segments, states)?;
     let (tokens, heads, dk, dv) = (dims.tokens, dims.heads, dims.dk, dims.dv);
@@ -227,7 +204,7 @@ fn delta_rule_batch_with(
             });
         }
         // Decode steps: one launch of the decode kernel per MAX_SEGMENTS of them.
-        if let Some(writes) = decode {
+        if decode {
             let steps: Vec<usize> = (0..work.len())
                 .filter(|&wi| {
                     let w = &work[wi];
@@ -243,7 +220,7 @@ fn delta_rule_batch_with(
                         state: &work[wi].state,
                     })
                     .collect();
-                let next = launch_decode(&dev, &x, &out, &parts, writes)?;
+                let next = launch_decode(&dev, &x, &out, &parts)?;
                 drop(parts);
                 for (&wi, state) in group.iter().zip(next) {
                     work[wi].done = 1;
@@ -550,20 +527,6 @@ const DECODE_THREADS: u32 = 128;
 /// Columns of the pending keys staged at a time by the decode kernel (`DECODE_PIECE`).
 const DECODE_PIECE: usize = 32;
 
-/// Where decode steps write their new pending rows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DecodeWrites {
-    /// Always into fresh buffers (the whole pending rows copied).
-    Copy,
-    /// Row `pending` into the state's own buffers when its [`crate::delta_rule::PendingRows`] claim
-    /// succeeds (nobody has continued that state yet), else into fresh buffers.
-    InPlace,
-}
-
-/// What [`delta_rule_batch`] uses: in place where the claim allows (bit for bit the copies and the pair
-/// and scan kernels: `tests/device/checks/delta.rs`, `decode_kernel_checks`).
-pub const DECODE_WRITES: DecodeWrites = DecodeWrites::InPlace;
-
 /// Per-segment destinations of a decode launch: the C layout of `DecodeOutputs` in delta_rule.cu.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -588,14 +551,14 @@ fn writable_in_place(t: &Tensor) -> bool {
 
 /// One launch of the decode kernel over `parts` (at most [`MAX_SEGMENTS`] one-token segments whose
 /// pending rows stay under [`CHUNK`]): writes their output rows into `out` and returns their states
-/// (the memory is the input's: no chunk closes). With [`DecodeWrites::InPlace`], a part whose state
-/// still owns its next pending row writes it into its own buffers, and its new state shares them.
+/// (the memory is the input's: no chunk closes). A part whose state still owns its next pending row
+/// ([`crate::delta_rule::PendingRows::claim`]) writes it into its own buffers, and its new state shares
+/// them; the others write whole new pending rows into fresh buffers.
 fn launch_decode(
     dev: &CudaDevice,
     x: &BatchInputs<'_>,
     out: &CudaSlice<f32>,
     parts: &[Part<'_>],
-    writes: DecodeWrites,
 ) -> Result<Vec<RuleState>> {
     let (heads, dk, dv) = (x.heads, x.dk, x.dv);
     let count = parts.len();
@@ -613,8 +576,7 @@ fn launch_decode(
     let in_place: Vec<bool> = parts
         .iter()
         .map(|p| {
-            writes == DecodeWrites::InPlace
-                && writable_in_place(&p.state.pending_k)
+            writable_in_place(&p.state.pending_k)
                 && writable_in_place(&p.state.pending_u)
                 && p.state.pending_gamma.is_contiguous()
                 && p.state.rows.claim(p.state.pending)

@@ -24,7 +24,7 @@
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use prism_model::cuda_delta::{
-    delta_rule_batch_general, delta_rule_batch_in_place, delta_rule_per_segment_v1,
+    delta_rule_batch_general, delta_rule_per_segment_v1,
 };
 use prism_model::delta_rule::{self, chunked_batch, expand_key_heads, RuleSegment, RuleState};
 use serde_json::json;
@@ -275,46 +275,40 @@ fn decode_kernel_checks(r: &mut Report, gpu: &Device) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let x = on_device(&batch_inputs(&mut rng, 70, h, hk, dk, dv)?, gpu)?;
     let [q, k, v, g, beta] = &x;
+    // The decode kernel writes a step's pending row in place when its state's claim on that row is
+    // free: this first call finds every claim free (the branches continue their parent's new state in
+    // place too). A state's rows past its pending count are read by nobody (a continuation in place
+    // writes them), so the comparisons with the pair and scan kernels mask them.
     let decoded = chunked_batch(q, k, v, g, beta, &segments, &states)?;
-    let general = delta_rule_batch_general(q, k, v, g, beta, &segments, &states)?;
-    same_results(
-        r,
-        "delta rule decode kernel: 70 one-token steps (pending 0..=63, branches) vs the pair and scan kernels",
-        &decoded,
-        &general,
-    )?;
-    let old = delta_rule_per_segment_v1(q, k, v, g, beta, &segments, &states)?;
-    same_results(
-        r,
-        "delta rule decode kernel: 70 one-token steps vs the per-segment kernels (v1)",
-        &decoded,
-        &old,
-    )?;
-    // Pending rows written in place: the first call finds every claim free (the branches continue
-    // their parent's new state in place too), the second, from the same states, finds them taken and
-    // copies. A state's rows past its pending count are read by nobody (a branch continued in place
-    // writes them), so the comparison masks them.
-    let in_place = delta_rule_batch_in_place(q, k, v, g, beta, &segments, &states)?;
-    same_results(
-        r,
-        "delta rule decode kernel, rows in place (claims free) vs the pair and scan kernels (rows past pending masked)",
-        &masked(&in_place)?,
-        &masked(&general)?,
-    )?;
-    let shared = in_place.1[3].pending_k.clone();
-    let continued_in_place = same_storage(&shared, &states[3].pending_k)?;
+    let continued_in_place = same_storage(&decoded.1[3].pending_k, &states[3].pending_k)?;
     r.check(
-        "  … the state continued in place shares its buffers",
+        "delta rule decode kernel: the state continued in place shares its buffers",
         "",
         continued_in_place,
         json!({"check": "decode in place shares the state's buffers", "ok": continued_in_place}),
     );
-    let again = delta_rule_batch_in_place(q, k, v, g, beta, &segments, &states)?;
+    let general = delta_rule_batch_general(q, k, v, g, beta, &segments, &states)?;
     same_results(
         r,
-        "delta rule decode kernel, in place again from the same states (claims taken: copies) vs the pair and scan kernels",
-        &masked(&again)?,
+        "delta rule decode kernel, rows in place: 70 one-token steps (pending 0..=63, branches) vs the pair and scan kernels (rows past pending masked)",
+        &masked(&decoded)?,
         &masked(&general)?,
+    )?;
+    let old = delta_rule_per_segment_v1(q, k, v, g, beta, &segments, &states)?;
+    same_results(
+        r,
+        "delta rule: the per-segment kernels (v1) vs the pair and scan kernels, 70 one-token steps",
+        &old,
+        &general,
+    )?;
+    // From the same states again: every claim is taken, so each step copies its rows (whole, rows
+    // past pending zero, as the scan kernel writes them): the same bits unmasked.
+    let again = chunked_batch(q, k, v, g, beta, &segments, &states)?;
+    same_results(
+        r,
+        "delta rule decode kernel, again from the same states (claims taken: copies) vs the pair and scan kernels",
+        &again,
+        &general,
     )?;
     let copied = !same_storage(&again.1[3].pending_k, &states[3].pending_k)?;
     r.check(
