@@ -9,6 +9,9 @@
 #               the integer matmul's included) from .device-carry/device-tests.xz, built here by
 #               tools/device/build-tests.sh; log in checks.log (exit status kept), every check's row in
 #               checks.json
+#   ncu-vision  ncu kernel times of the device checks' vision tower test (the fixture's tiny tower,
+#               then the 27B-shape one: $NCU_SKIP launches skipped, default 1,500, then $NCU_COUNT,
+#               default 3,000) from .device-carry/device-tests.xz (ncu-vision.csv)
 #   synth27     a synthetic 27B Q8_0 model directory in /tmp/s27 (about 30 GB of disk)
 #   synth27q4   a synthetic 27B Q4_K_M model directory in /tmp/s27q4 (about 17 GB; llama-quantize's
 #               Q4_K / Q6_K mix, quantized by prism-gguf: about 2 minutes on 16 cores)
@@ -60,7 +63,7 @@
 # every thread's stack to its stderr (crates/prism-server/src/stack_dump.rs; carry an unstripped build).
 # The binaries are taken from .device-carry/NAME.xz (xz of a stripped `--features cuda` build; unpacked
 # by xz or Python's lzma) or .device-carry/NAME.gz, unless /tmp/NAME exists: NAME is prism for every
-# step but checks, which needs only device-tests.
+# step but checks and ncu-vision, which need only device-tests.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -79,7 +82,7 @@ unpack() {
     fi && chmod +x "/tmp/$name"
 }
 for step in "$@"; do
-    if [ "$step" != checks ]; then
+    if [ "$step" != checks ] && [ "$step" != ncu-vision ]; then
         unpack prism || exit 1
         break
     fi
@@ -259,6 +262,12 @@ for step in "$@"; do
                 --metrics gpu__time_duration.sum --csv --log-file "$OUT/ncu-27b.csv" \
                 /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision bf16 --runs 1 --warmup 1 \
                 --profiler-range > "$OUT/bench-27b-under-ncu.txt" 2>&1 ;;
+        ncu-vision)
+            unpack device-tests || exit 1
+            "$NCU" --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
+                --launch-skip "${NCU_SKIP:-1500}" --launch-count "${NCU_COUNT:-3000}" --log-file "$OUT/ncu-vision.csv" \
+                /tmp/device-tests --test-threads=1 --nocapture vision_tower > "$OUT/vision-under-ncu.txt" 2>&1
+            echo "ncu-vision rc=$?" ;;
         ncu-think27)
             "$NCU" --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
                 --launch-skip "${NCU_SKIP:-20000}" --launch-count "${NCU_COUNT:-3000}" --log-file "$OUT/ncu-think.csv" \
