@@ -497,3 +497,92 @@ extern "C" __global__ void qk_norm_rope_f32(const float* __restrict__ q, long lo
         put(y, (size_t)r * D + i, val, y_bf16);
     }
 }
+
+// =====================================================================================================
+// The vision tower's row kernels (crates/prism-model/src/vision.rs on CUDA): each replaces a chain of
+// candle's broadcast ops, whose strided indexing dominated the tower's time. One block of ROW_THREADS a
+// row; the sums and maxima are block reductions in a fixed order (thread-strided partials, then the
+// warps in order), so a row's result depends on that row alone.
+// =====================================================================================================
+
+#define ROW_THREADS 256
+
+// The block's sum (op 0) or maximum (op 1) of each thread's v; every thread gets it.
+__device__ __forceinline__ float block_reduce(float v, int op, float* scratch) {
+    for (int off = 16; off > 0; off >>= 1) {
+        const float o = __shfl_xor_sync(0xffffffffu, v, off);
+        v = op ? fmaxf(v, o) : v + o;
+    }
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    __syncthreads();  // scratch may still be read by a previous reduction
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float total = scratch[0];
+    for (int w = 1; w < ROW_THREADS / WARP; ++w) total = op ? fmaxf(total, scratch[w]) : total + scratch[w];
+    return total;
+}
+
+// LayerNorm of contiguous rows [rows, D]: mean = Σx / D, c = x − mean, var = Σc² / D,
+// y = c · (1 / sqrt(var + eps)) · w + b (each operation rounded on its own, as the CPU's chain of ops).
+extern "C" __global__ void __launch_bounds__(ROW_THREADS)
+layer_norm_rows_f32(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b, int D,
+                    float eps, float* __restrict__ y) {
+    __shared__ float scratch[ROW_THREADS / WARP];
+    const float* xr = x + (size_t)blockIdx.x * D;
+    float* yr = y + (size_t)blockIdx.x * D;
+    float s = 0.f;
+    for (int i = threadIdx.x; i < D; i += ROW_THREADS) s += xr[i];
+    const float mean = __fdiv_rn(block_reduce(s, 0, scratch), (float)D);
+    float s2 = 0.f;
+    for (int i = threadIdx.x; i < D; i += ROW_THREADS) {
+        const float c = __fsub_rn(xr[i], mean);
+        s2 = __fadd_rn(s2, __fmul_rn(c, c));
+    }
+    const float var = __fdiv_rn(block_reduce(s2, 0, scratch), (float)D);
+    const float inv = __frcp_rn(__fsqrt_rn(__fadd_rn(var, eps)));
+    for (int i = threadIdx.x; i < D; i += ROW_THREADS) {
+        const float c = __fsub_rn(xr[i], mean);
+        yr[i] = __fadd_rn(__fmul_rn(__fmul_rn(c, inv), w[i]), b[i]);
+    }
+}
+
+// Softmax of scale · x over contiguous rows [rows, D], in place: s = x · scale, e = exp(s − max s),
+// y = e / Σe.
+extern "C" __global__ void __launch_bounds__(ROW_THREADS)
+softmax_rows_scaled_f32(float* __restrict__ x, int D, float scale) {
+    __shared__ float scratch[ROW_THREADS / WARP];
+    float* xr = x + (size_t)blockIdx.x * D;
+    float m = -INFINITY;
+    for (int i = threadIdx.x; i < D; i += ROW_THREADS) m = fmaxf(m, __fmul_rn(xr[i], scale));
+    m = block_reduce(m, 1, scratch);
+    float s = 0.f;
+    for (int i = threadIdx.x; i < D; i += ROW_THREADS) {
+        const float e = expf(__fsub_rn(__fmul_rn(xr[i], scale), m));
+        xr[i] = e;
+        s += e;
+    }
+    const float total = block_reduce(s, 0, scratch);
+    for (int i = threadIdx.x; i < D; i += ROW_THREADS) xr[i] = __fdiv_rn(xr[i], total);
+}
+
+// The tower's fused q|k|v [n, 3, heads, hd] (contiguous) split into q, k, v [heads, n, hd], the 2-D
+// rotary embedding applied to q and k: x · cos + rotate_half(x) · sin with cos, sin [n, hd] and
+// rotate_half(x)[d] = −x[d + hd/2] for d < hd/2, x[d − hd/2] after. One thread an output element.
+extern "C" __global__ void vision_qkv_rope_f32(const float* __restrict__ qkv, const float* __restrict__ cosv,
+                                               const float* __restrict__ sinv, int n, int heads, int hd,
+                                               float* __restrict__ q, float* __restrict__ k, float* __restrict__ v) {
+    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x, per = (size_t)heads * n * hd;
+    if (idx >= 3 * per) return;
+    const int which = (int)(idx / per);
+    const size_t o = idx % per;
+    const int h = (int)(o / ((size_t)n * hd)), p = (int)(o / hd % n), d = (int)(o % hd);
+    const float* row = qkv + ((size_t)p * 3 + which) * heads * hd + (size_t)h * hd;
+    if (which == 2) {
+        v[o] = row[d];
+        return;
+    }
+    const int half = hd / 2;
+    const float rh = d < half ? -row[d + half] : row[d - half];
+    const float val = __fadd_rn(__fmul_rn(row[d], cosv[(size_t)p * hd + d]), __fmul_rn(rh, sinv[(size_t)p * hd + d]));
+    (which == 0 ? q : k)[o] = val;
+}

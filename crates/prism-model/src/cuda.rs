@@ -11,7 +11,7 @@ use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::CudaDevice;
-use candle_core::{bail, DType, Result, Shape, Storage, StorageRef, Tensor};
+use candle_core::{bail, DType, Result, Shape, Storage, StorageRef, Tensor, D};
 use prism_quant::cuda_launch::{alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input};
 
 use crate::delta_rule::{RuleState, CHUNK};
@@ -1386,4 +1386,130 @@ pub fn qk_norm_rope(
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
     Ok((yq.wrap(&dev, (n, n_h, hd)), yk.wrap(&dev, (n, n_kv, hd))))
+}
+
+/// Threads of the vision tower's row kernels (`ROW_THREADS` in ops.cu).
+const ROW_THREADS: u32 = 256;
+
+fn row_config(rows: usize) -> Result<LaunchConfig> {
+    Ok(LaunchConfig {
+        grid_dim: (
+            u32::try_from(rows).map_err(|_| {
+                candle_core::Error::Msg(format!("{rows} rows are too many for one launch"))
+            })?,
+            1,
+            1,
+        ),
+        block_dim: (ROW_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// The vision tower's LayerNorm on CUDA: `x` `[rows, d]` f32, `(weight, bias)` `[d]`; one block a row
+/// (the CPU's chain of ops, summed in another order).
+pub fn layer_norm_rows(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    let dev = cuda_device(x)?;
+    let d = x.dim(D::Minus1)?;
+    let rows = x.elem_count() / d.max(1);
+    if weight.dims() != [d] || bias.dims() != [d] {
+        bail!(
+            "layer norm (cuda): weight {:?} and bias {:?} for rows of {d}",
+            weight.dims(),
+            bias.dims()
+        );
+    }
+    let y = alloc::<f32>(&dev, rows * d)?;
+    if rows * d > 0 {
+        let (x, weight, bias) = (x.contiguous()?, weight.contiguous()?, bias.contiguous()?);
+        let (ix, iw, ib) = (
+            Input::new(&x, DType::F32, "layer norm input")?,
+            Input::new(&weight, DType::F32, "layer norm weight")?,
+            Input::new(&bias, DType::F32, "layer norm bias")?,
+        );
+        let func = load_kernel(&dev, "prism_ops", OPS_IMAGE, "layer_norm_rows_f32")?;
+        let (d_i, eps_f) = (i32_arg(d, "row length")?, eps as f32);
+        let (vx, vw, vb) = (ix.view::<f32>()?, iw.view::<f32>()?, ib.view::<f32>()?);
+        let mut b = func.builder();
+        b.arg(&vx).arg(&vw).arg(&vb).arg(&d_i).arg(&eps_f).arg(&y);
+        // SAFETY: x and y hold rows × d f32, weight and bias d.
+        unsafe { b.launch(row_config(rows)?) }.map_err(launch_err)?;
+    }
+    Ok(wrap(y, &dev, x.dims()))
+}
+
+/// Softmax over the last axis of `scale · x` on CUDA (`x` f32, made contiguous; the result in place of
+/// that copy): one block a row.
+pub fn softmax_scaled(x: &Tensor, scale: f64) -> Result<Tensor> {
+    let dev = cuda_device(x)?;
+    let d = x.dim(D::Minus1)?;
+    let rows = x.elem_count() / d.max(1);
+    let mut y = alloc::<f32>(&dev, rows * d)?;
+    if rows * d > 0 {
+        let x = x.contiguous()?;
+        let ix = Input::new(&x, DType::F32, "softmax input")?;
+        let stream = dev.cuda_stream();
+        stream
+            .memcpy_dtod(&ix.view::<f32>()?, &mut y)
+            .map_err(launch_err)?;
+        let func = load_kernel(&dev, "prism_ops", OPS_IMAGE, "softmax_rows_scaled_f32")?;
+        let (d_i, scale_f) = (i32_arg(d, "row length")?, scale as f32);
+        let mut b = func.builder();
+        b.arg(&y).arg(&d_i).arg(&scale_f);
+        // SAFETY: y holds rows × d f32.
+        unsafe { b.launch(row_config(rows)?) }.map_err(launch_err)?;
+    }
+    Ok(wrap(y, &dev, x.dims()))
+}
+
+/// The vision tower's fused `qkv` `[n, 3·heads·hd]` (f32) split into q, k, v `[heads, n, hd]`, the
+/// rotary embedding (`cos`, `sin`: `[n, hd]`) applied to q and k, in one launch.
+pub fn vision_qkv_rope(
+    qkv: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    heads: usize,
+    hd: usize,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dev = cuda_device(qkv)?;
+    let n = qkv.dim(0)?;
+    if qkv.elem_count() != n * 3 * heads * hd
+        || cos.dims() != [n, hd]
+        || sin.dims() != [n, hd]
+        || hd % 2 != 0
+    {
+        bail!(
+            "vision q|k|v (cuda): {:?} with cos {:?}, sin {:?} for {heads} heads of {hd}",
+            qkv.dims(),
+            cos.dims(),
+            sin.dims()
+        );
+    }
+    let per = heads * n * hd;
+    let (q, k, v) = (
+        alloc::<f32>(&dev, per)?,
+        alloc::<f32>(&dev, per)?,
+        alloc::<f32>(&dev, per)?,
+    );
+    if per > 0 {
+        let (qkv, cos, sin) = (qkv.contiguous()?, cos.contiguous()?, sin.contiguous()?);
+        let (ix, ic, is) = (
+            Input::new(&qkv, DType::F32, "vision q|k|v")?,
+            Input::new(&cos, DType::F32, "rotary cos")?,
+            Input::new(&sin, DType::F32, "rotary sin")?,
+        );
+        let func = load_kernel(&dev, "prism_ops", OPS_IMAGE, "vision_qkv_rope_f32")?;
+        let (n_i, h_i, hd_i) = (
+            i32_arg(n, "patches")?,
+            i32_arg(heads, "heads")?,
+            i32_arg(hd, "head dim")?,
+        );
+        let (vx, vc, vs) = (ix.view::<f32>()?, ic.view::<f32>()?, is.view::<f32>()?);
+        let mut b = func.builder();
+        b.arg(&vx).arg(&vc).arg(&vs).arg(&n_i).arg(&h_i).arg(&hd_i);
+        b.arg(&q).arg(&k).arg(&v);
+        // SAFETY: qkv holds n × 3·heads·hd f32, cos and sin n × hd; q, k, v heads·n·hd each.
+        unsafe { b.launch(elementwise_config(3 * per)?) }.map_err(launch_err)?;
+    }
+    let shape = (heads, n, hd);
+    Ok((wrap(q, &dev, shape), wrap(k, &dev, shape), wrap(v, &dev, shape)))
 }

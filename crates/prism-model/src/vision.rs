@@ -349,6 +349,10 @@ fn bilinear_taps(index: usize, size: usize, side: usize) -> [(usize, f32); 2] {
 
 /// LayerNorm over the last axis with the biased variance, as torch's `nn.LayerNorm`.
 fn layer_norm(x: &Tensor, (weight, bias): &(Tensor, Tensor), eps: f64) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && x.dtype() == DType::F32 {
+        return Ok(crate::cuda::layer_norm_rows(x, weight, bias, eps)?);
+    }
     let mean = x.mean_keepdim(D::Minus1)?;
     let centred = x.broadcast_sub(&mean)?;
     let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
@@ -357,6 +361,48 @@ fn layer_norm(x: &Tensor, (weight, bias): &(Tensor, Tensor), eps: f64) -> Result
         .broadcast_mul(&inv_std)?
         .broadcast_mul(weight)?
         .broadcast_add(bias)?)
+}
+
+/// q, k and v `[heads, n, head_dim]` of the fused `qkv` `[n, 3·heads·head_dim]`, q and k rotated
+/// (`cos`, `sin`: `[n, 1, head_dim]`): `x · cos + rotate_half(x) · sin`. One kernel on CUDA.
+fn qkv_rope(
+    qkv: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    heads: usize,
+    hd: usize,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if qkv.device().is_cuda() && qkv.dtype() == DType::F32 {
+        return Ok(crate::cuda::vision_qkv_rope(
+            qkv,
+            &cos.squeeze(1)?,
+            &sin.squeeze(1)?,
+            heads,
+            hd,
+        )?);
+    }
+    let n = qkv.dim(0)?;
+    let qkv = qkv.reshape((n, 3, heads, hd))?;
+    let rope = |t: &Tensor| -> Result<Tensor> {
+        Ok((t.broadcast_mul(cos)? + rotate_half(t)?.broadcast_mul(sin)?)?)
+    };
+    let part = |i: usize| -> Result<Tensor> { Ok(qkv.narrow(1, i, 1)?.squeeze(1)?) };
+    let heads_first = |t: Tensor| -> Result<Tensor> { Ok(t.transpose(0, 1)?.contiguous()?) };
+    Ok((
+        heads_first(rope(&part(0)?)?)?,
+        heads_first(rope(&part(1)?)?)?,
+        heads_first(part(2)?)?,
+    ))
+}
+
+/// Softmax over the last axis of `scores · scale`. One kernel on CUDA.
+fn scaled_softmax(scores: &Tensor, scale: f64) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if scores.device().is_cuda() && scores.dtype() == DType::F32 {
+        return Ok(crate::cuda::softmax_scaled(scores, scale)?);
+    }
+    Ok(softmax_last_dim(&(scores * scale)?)?)
 }
 
 /// `x · Wᵀ + b` for a `(W [out, in], b [out])` pair ([`linear`]: row-invariant on the CPU).
@@ -581,22 +627,9 @@ impl VisionWeights {
         let per_frame = h * w;
         for block in &self.blocks {
             let normed = layer_norm(&x, &block.ln1, cfg.eps)?;
-            let qkv = affine(&normed, &block.qkv)?.reshape((n, 3, heads, hd))?;
-            let rope = |t: &Tensor| -> Result<Tensor> {
-                Ok((t.broadcast_mul(&cos)? + rotate_half(t)?.broadcast_mul(&sin)?)?)
-            };
-            // [heads, n, head_dim] each.
-            let q = rope(&qkv.narrow(1, 0, 1)?.squeeze(1)?)?
-                .transpose(0, 1)?
-                .contiguous()?;
-            let k = rope(&qkv.narrow(1, 1, 1)?.squeeze(1)?)?
-                .transpose(0, 1)?
-                .contiguous()?;
-            let v = qkv
-                .narrow(1, 2, 1)?
-                .squeeze(1)?
-                .transpose(0, 1)?
-                .contiguous()?;
+            let qkv = affine(&normed, &block.qkv)?;
+            // [heads, n, head_dim] each, the rotary embedding applied to q and k.
+            let (q, k, v) = qkv_rope(&qkv, &cos, &sin, heads, hd)?;
             let mut outs = Vec::with_capacity(frames * per_frame.div_ceil(QUERY_CHUNK));
             for f in 0..frames {
                 let part = |t: &Tensor| t.narrow(1, f * per_frame, per_frame);
@@ -605,8 +638,7 @@ impl VisionWeights {
                 for q0 in (0..per_frame).step_by(QUERY_CHUNK) {
                     let rows = QUERY_CHUNK.min(per_frame - q0);
                     let qc = q.narrow(1, f * per_frame + q0, rows)?;
-                    let scores = (qc.matmul(&kt)? * scale)?;
-                    let probs = softmax_last_dim(&scores)?;
+                    let probs = scaled_softmax(&qc.matmul(&kt)?, scale)?;
                     outs.push(probs.matmul(&vf)?);
                 }
             }
