@@ -364,6 +364,18 @@ __device__ __forceinline__ void wgmma_m64n128k32_s8(int (&d)[64], unsigned long 
 }
 #endif
 
+// Outputs (row, col) and (row, col + 1) of a row-major [·, N] matrix: one float2 store where both
+// exist and the pair is 8-byte aligned, else each that exists.
+__device__ __forceinline__ void store_pair(float* y, int row, int col, int N, float v0, float v1) {
+    float* out = y + (size_t)row * N + col;
+    if (col + 1 < N && (N % 2) == 0) {
+        *reinterpret_cast<float2*>(out) = make_float2(v0, v1);
+    } else {
+        if (col < N) out[0] = v0;
+        if (col + 1 < N) out[1] = v1;
+    }
+}
+
 // The tile's two shapes: BM = 128 activation rows × BN = 128 outputs (each consumer warpgroup 64 rows ×
 // 128 outputs), or BM = 64 × BN = 256 (both warpgroups on the same 64 rows, 128 outputs each: for M a little
 // over a multiple of 128, where a 128-row tile computes up to twice the rows). A stage: the A box, the B
@@ -508,13 +520,7 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
                         const int i = 4 * j + 2 * h + e;
                         v[e] = splits == 2 ? __fadd_rn(p2[i], facc[i]) : facc[i];
                     }
-                    float* out = wz + (size_t)row * N + col;
-                    if (col + 1 < N && (N % 2) == 0) {
-                        *reinterpret_cast<float2*>(out) = make_float2(v[0], v[1]);
-                    } else {
-                        if (col < N) out[0] = v[0];
-                        if (col + 1 < N) out[1] = v[1];
-                    }
+                    store_pair(wz, row, col, N, v[0], v[1]);
                 }
             }
             return;
@@ -533,13 +539,7 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
                     v[e] = __fadd_rn(slot[256 * i], __fadd_rn(p2[i], facc[i]));
                     if (h ? bad1 : bad0) v[e] = __int_as_float(0x7fc00000);
                 }
-                float* out = y + (size_t)row * N + col;
-                if (col + 1 < N && (N % 2) == 0) {
-                    *reinterpret_cast<float2*>(out) = make_float2(v[0], v[1]);
-                } else {
-                    if (col < N) out[0] = v[0];
-                    if (col + 1 < N) out[1] = v[1];
-                }
+                store_pair(y, row, col, N, v[0], v[1]);
             }
         }
     }

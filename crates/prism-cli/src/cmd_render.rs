@@ -40,20 +40,19 @@ pub fn run(args: &RenderArgs) -> Result<()> {
     };
     let body = std::fs::read(&args.request)
         .with_context(|| format!("cannot read {}", args.request.display()))?;
-    let rendered =
-        DecisionRequest::parse(&body, &RequestDefaults::default()).and_then(|request| {
-            if request.images.is_empty() {
-                return render_request(&request, &config);
-            }
-            let images = decode_images(
-                &request.images,
-                &ImageConfig::default(),
-                &ImageLimits::default(),
-            )
-            .map_err(|errors| DecisionError::Request(FieldErrors(errors)))?;
-            let tokens: Vec<usize> = images.iter().map(|image| image.tokens()).collect();
-            render_request_with_images(&request, &config, &tokens)
-        });
+    let rendered = DecisionRequest::parse(&body, &RequestDefaults::default()).and_then(|request| {
+        if request.images.is_empty() {
+            return render_request(&request, &config);
+        }
+        let images = decode_images(
+            &request.images,
+            &ImageConfig::default(),
+            &ImageLimits::default(),
+        )
+        .map_err(|errors| DecisionError::Request(FieldErrors(errors)))?;
+        let tokens: Vec<usize> = images.iter().map(|image| image.tokens()).collect();
+        render_request_with_images(&request, &config, &tokens)
+    });
     let questions = match rendered {
         Ok(questions) => questions,
         Err(error) => {

@@ -221,10 +221,9 @@ fn fixture_image(name: &str) -> String {
 /// each image's pad expanded, and where each image goes.
 #[test]
 fn renders_requests_with_images_as_the_processor_tokenizes_them() {
-    let refs: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(vision_fixture().join("ref_prompts.json")).unwrap(),
-    )
-    .unwrap();
+    let refs: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(vision_fixture().join("ref_prompts.json")).unwrap())
+            .unwrap();
     let dir = std::env::temp_dir().join(format!("prism-render-images-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut checked = 0;

@@ -39,6 +39,7 @@ fn demo_v1_1_thinks_end_to_end() {
     let models = server.get("/v1/models").json();
     let model = &models["models"][0];
     assert_eq!(model["family"], "v1.1");
+
     assert_eq!(model["supports"]["thoughts"], true);
     assert_eq!(model["supports"]["think_mode"]["always"], "yes");
 
@@ -280,4 +281,42 @@ fn what_the_typesafe_sdk_sees_of_v1_1() {
             .contains("choice"),
         "{report}"
     );
+}
+
+/// The v1.1 demo reads images with its bundled tower (`tests/fixtures/qwen35-tiny/vision/`); the v1 demo
+/// has none.
+#[test]
+fn the_v1_1_demo_reads_images() {
+    let server = Server::start(&["--demo", "v1.1"]);
+    let models = server.get("/v1/models").json();
+    let images = models["models"][0]["supports"]["images"].as_str().unwrap();
+    assert!(images.starts_with("yes"), "{models}");
+    // The README's image example answers, its
+    // usage counting the image's 70 tokens (96 × 64 pixels resized to 320 × 224) in every prompt.
+    let readme = std::fs::read_to_string(repo_path("README.md")).unwrap();
+    assert!(readme.lines().any(|l| l.starts_with("curl ")
+        && l.contains("/v1/systemone")
+        && l.contains("-d @examples/image-request.json")));
+    let image_request = std::fs::read(repo_path("examples/image-request.json")).unwrap();
+    let reply = server.post_json("/v1/systemone", &image_request);
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    let mut plain: Value = serde_json::from_slice(&image_request).unwrap();
+    plain.as_object_mut().unwrap().remove("images");
+    let state = plain["state"].as_str().unwrap().replace("<image>", "");
+    plain["state"] = json!(state);
+    let without = post(&server, &plain).json();
+    let with = reply.json();
+    assert!(
+        with["usage"]["input_tokens"].as_u64().unwrap()
+            >= without["usage"]["input_tokens"].as_u64().unwrap() + 2 * 70,
+        "two questions, each reading the image's 70 pads: {with} / {without}"
+    );
+    assert_ne!(with["answers"], without["answers"], "the image is read");
+    let v1 = Server::start(&["--demo", "v1"]);
+    assert_eq!(v1.post_json("/v1/systemone", &image_request).status, 422);
 }

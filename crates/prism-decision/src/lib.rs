@@ -22,7 +22,8 @@ pub mod vision;
 
 pub use config::{DecisionConfig, Family, WideChoiceConfig};
 pub use decide::{
-    decide, render_request, render_request_with_images, DecisionTask, ReadMode, RenderedQuestion, ThoughtId, NONE_OPTION_ID,
+    decide, render_request, render_request_with_images, DecisionTask, ReadMode, RenderedQuestion,
+    ThoughtId, NONE_OPTION_ID,
 };
 pub use engine::{
     CancelToken, DecoderLetterModel, Engine, EngineError, EngineOptions, EngineStats, EngineWorker,

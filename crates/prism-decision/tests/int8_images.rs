@@ -114,7 +114,10 @@ fn check(gguf: &str, precision: Precision) {
     let stats = batched.stats();
     for (i, want) in alone.iter().enumerate() {
         assert_eq!(&together[i], want, "{precision:?}: request {i} batched");
-        assert_eq!(&cached[i], want, "{precision:?}: request {i} from the cache");
+        assert_eq!(
+            &cached[i], want,
+            "{precision:?}: request {i} from the cache"
+        );
     }
     assert!(
         stats.max_requests_per_pass >= 2,
@@ -129,7 +132,11 @@ fn check(gguf: &str, precision: Precision) {
     // The images change the answers: the first request without its image reads otherwise.
     let mut plain = bodies[0].clone();
     plain.as_object_mut().unwrap().remove("images");
-    assert_ne!(answer(&single, &plain), alone[0], "{precision:?}: the image is read");
+    assert_ne!(
+        answer(&single, &plain),
+        alone[0],
+        "{precision:?}: the image is read"
+    );
 }
 
 #[test]

@@ -1511,5 +1511,9 @@ pub fn vision_qkv_rope(
         unsafe { b.launch(elementwise_config(3 * per)?) }.map_err(launch_err)?;
     }
     let shape = (heads, n, hd);
-    Ok((wrap(q, &dev, shape), wrap(k, &dev, shape), wrap(v, &dev, shape)))
+    Ok((
+        wrap(q, &dev, shape),
+        wrap(k, &dev, shape),
+        wrap(v, &dev, shape),
+    ))
 }

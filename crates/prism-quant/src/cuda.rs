@@ -302,7 +302,19 @@ pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Te
             Some(s) => s,
             None => tile_splits(&dev, shape, m, n)?,
         };
-        hopper_q8_0(&dev, &qa, &sa, ldsa, &bad, w, h, shape, splits, (m, n, k), &y)?;
+        hopper_q8_0(
+            &dev,
+            &qa,
+            &sa,
+            ldsa,
+            &bad,
+            w,
+            h,
+            shape,
+            splits,
+            (m, n, k),
+            &y,
+        )?;
         return Ok(wrap(y, &dev, (m, n)));
     }
     if skinny {
@@ -377,10 +389,12 @@ pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Te
     Ok(wrap(y, &dev, (m, n)))
 }
 
-/// How many CTAs share an output tile of the Hopper tile (each one or two of the contract's four parts
-/// over K; `qgemm_parts_combine` adds them in the contract's tree): the most of 4, 2, 1 that keeps the
-/// grid within one CTA per multiprocessor. A product with few output tiles (a few dozen rows against
-/// `ffn_down`'s 5,120 outputs: 20 tiles) otherwise leaves most of the GPU idle.
+/// How many CTAs share an output tile of the Hopper tile (each one of the contract's four parts over K;
+/// `qgemm_parts_combine` adds them in the contract's tree): 4 when four CTAs a tile still fit one per
+/// multiprocessor, else 1. A product with few output tiles (a few dozen rows against the 5,120 outputs
+/// of `ffn_down` and the output projections: 20 tiles) otherwise leaves most of the GPU idle; measured at
+/// 64 rows on the 27B (`docs/optimization-log.md`), 4 splits of those took the MLP from 15.3 to 12.0 ms a
+/// step, while 2 splits of the 64-tile DeltaNet input projection were 4 % slower than none.
 pub fn tile_splits(dev: &CudaDevice, shape: TileShape, m: usize, n: usize) -> Result<usize> {
     static SMS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     let sms = match SMS.get() {
@@ -396,10 +410,7 @@ pub fn tile_splits(dev: &CudaDevice, shape: TileShape, m: usize, n: usize) -> Re
     };
     let (bm, bn) = shape.rows();
     let tiles = m.div_ceil(bm) * n.div_ceil(bn);
-    Ok([4, 2]
-        .into_iter()
-        .find(|s| s * tiles <= sms)
-        .unwrap_or(1))
+    Ok(if 4 * tiles <= sms { 4 } else { 1 })
 }
 
 /// The Q8_0 warpgroup tile (`qgemm_wg_q8_0`): `y = qa · qᵀ` by the contract, `qa` `[m, k]` bytes with
@@ -480,7 +491,12 @@ fn hopper_q8_0(
         };
         let splits_i = i32_arg(splits, "splits")?;
         let mut b = func.builder();
-        b.arg(&ws).arg(&splits_i).arg(bad).arg(&m_i).arg(&n_i).arg(y);
+        b.arg(&ws)
+            .arg(&splits_i)
+            .arg(bad)
+            .arg(&m_i)
+            .arg(&n_i)
+            .arg(y);
         // SAFETY: ws holds splits·m·n f32 written by the tile above (same stream), bad m u32, y m·n f32.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }

@@ -23,9 +23,7 @@
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
-use prism_model::cuda_delta::{
-    delta_rule_batch_general, delta_rule_per_segment_v1,
-};
+use prism_model::cuda_delta::{delta_rule_batch_general, delta_rule_per_segment_v1};
 use prism_model::delta_rule::{self, chunked_batch, expand_key_heads, RuleSegment, RuleState};
 use serde_json::json;
 

@@ -166,7 +166,9 @@ pub fn tower_checks(r: &mut Report, gpu: &Device) -> Result<()> {
         let scale = want.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
         let rel = max_abs(&got, &want)? / scale;
         r.check(
-            &format!("vision tower {name}, bf16 products on CUDA: vs transformers, max |Δ| / max |ref|"),
+            &format!(
+                "vision tower {name}, bf16 products on CUDA: vs transformers, max |Δ| / max |ref|"
+            ),
             &format!("{rel:.3e}  bound 2e-2"),
             rel <= 2e-2,
             json!({"check": format!("vision tower {name} bf16 vs transformers"), "max_rel": rel,
@@ -180,10 +182,7 @@ pub fn tower_checks(r: &mut Report, gpu: &Device) -> Result<()> {
     let both: Vec<f32> = f0.iter().chain(&f1).copied().collect();
     let together = bf16.forward_pixels(&both, [2, g0[1], g0[2]])?;
     let alone = Tensor::cat(
-        &[
-            bf16.forward_pixels(&f0, g0)?,
-            bf16.forward_pixels(&f1, g0)?,
-        ],
+        &[bf16.forward_pixels(&f0, g0)?, bf16.forward_pixels(&f1, g0)?],
         0,
     )?;
     let scale = alone.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;

@@ -10,9 +10,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use candle_core::DType;
 use prism_gguf::{GgufError, GgufFile};
 use prism_model::vision::VisionWeights;
-use candle_core::DType;
 use prism_model::{
     BatchItem, EmbeddingRows, LoadOptions, Position3, Precision, Qwen35Model, SequenceState,
 };
@@ -250,7 +250,9 @@ fn prompt_tokens(
     format: &PromptFormat,
     prompt: &LetterPrompt,
 ) -> Result<Vec<u32>, PromptFormatError> {
-    Ok(format.render_and_encode(&prompt_messages(prompt), false)?.ids)
+    Ok(format
+        .render_and_encode(&prompt_messages(prompt), false)?
+        .ids)
 }
 
 /// A prompt's chat messages: the system text, and the user message as text, or as text and image
@@ -520,8 +522,10 @@ impl DecoderLetterModel {
                         each.push(if let [image] = group {
                             vision.forward_pixels(&image.pixels, image.grid)?
                         } else {
-                            let pixels: Vec<f32> =
-                                group.iter().flat_map(|i| i.pixels.iter().copied()).collect();
+                            let pixels: Vec<f32> = group
+                                .iter()
+                                .flat_map(|i| i.pixels.iter().copied())
+                                .collect();
                             vision.forward_pixels(&pixels, [t * group.len(), h, w])?
                         });
                     }
