@@ -364,18 +364,6 @@ __device__ __forceinline__ void wgmma_m64n128k32_s8(int (&d)[64], unsigned long 
 }
 #endif
 
-// Outputs (row, col) and (row, col + 1) of a row-major [·, N] matrix: one float2 store where both
-// exist and the pair is 8-byte aligned, else each that exists.
-__device__ __forceinline__ void store_pair(float* y, int row, int col, int N, float v0, float v1) {
-    float* out = y + (size_t)row * N + col;
-    if (col + 1 < N && (N % 2) == 0) {
-        *reinterpret_cast<float2*>(out) = make_float2(v0, v1);
-    } else {
-        if (col < N) out[0] = v0;
-        if (col + 1 < N) out[1] = v1;
-    }
-}
-
 // The tile's two shapes: BM = 128 activation rows × BN = 128 outputs (each consumer warpgroup 64 rows ×
 // 128 outputs), or BM = 64 × BN = 256 (both warpgroups on the same 64 rows, 128 outputs each: for M a little
 // over a multiple of 128, where a 128-row tile computes up to twice the rows). A stage: the A box, the B
@@ -506,7 +494,9 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
         }
         const int r0 = m0 + row_in;
         if (splits > 1) {
-            // This CTA's share of the tree: its part (4 splits), or the sum of its two (2 splits).
+            // This CTA's share of the tree: its part (4 splits), or the sum of its two (2 splits). The
+            // store is the unsplit path's below, into ws[z] (kept written out twice as device-checked on
+            // 2026-12-02; a shared helper is a later, device-checked change).
             float* wz = ws + (size_t)blockIdx.z * M * N;
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
@@ -520,7 +510,13 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
                         const int i = 4 * j + 2 * h + e;
                         v[e] = splits == 2 ? __fadd_rn(p2[i], facc[i]) : facc[i];
                     }
-                    store_pair(wz, row, col, N, v[0], v[1]);
+                    float* out = wz + (size_t)row * N + col;
+                    if (col + 1 < N && (N % 2) == 0) {
+                        *reinterpret_cast<float2*>(out) = make_float2(v[0], v[1]);
+                    } else {
+                        if (col < N) out[0] = v[0];
+                        if (col + 1 < N) out[1] = v[1];
+                    }
                 }
             }
             return;
@@ -539,7 +535,13 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
                     v[e] = __fadd_rn(slot[256 * i], __fadd_rn(p2[i], facc[i]));
                     if (h ? bad1 : bad0) v[e] = __int_as_float(0x7fc00000);
                 }
-                store_pair(y, row, col, N, v[0], v[1]);
+                float* out = y + (size_t)row * N + col;
+                if (col + 1 < N && (N % 2) == 0) {
+                    *reinterpret_cast<float2*>(out) = make_float2(v[0], v[1]);
+                } else {
+                    if (col < N) out[0] = v[0];
+                    if (col + 1 < N) out[1] = v[1];
+                }
             }
         }
     }
