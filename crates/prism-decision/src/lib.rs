@@ -9,6 +9,7 @@ pub mod eval;
 pub mod image_input;
 pub mod logits;
 pub mod model;
+pub mod preview;
 pub mod pyjson;
 pub mod readout;
 pub mod render;
