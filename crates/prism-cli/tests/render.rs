@@ -198,7 +198,8 @@ fn vision_fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-vl-tiny")
 }
 
-/// The vision fixture's image `name` (`square`, `frame0`, ...) as base64.
+/// The vision fixture's image `name` (`square`, `frame0`, ...) as base64. (prism-decision's
+/// `vision_engine.rs` looks the files up the same way: two crates' tests share no module.)
 fn fixture_image(name: &str) -> String {
     use base64::Engine as _;
     let dir = vision_fixture().join("images");
