@@ -9,7 +9,7 @@
 
 use anyhow::{Context, Result};
 use prism_decision::engine::{Engine, EngineDecideError, EngineOptions};
-use prism_decision::setup::{model_source, open_device};
+use prism_decision::setup::open_device;
 use prism_decision::{DecisionRequest, DecoderLetterModel, RequestDefaults};
 use prism_model::{LoadOptions, Precision};
 use std::io::Write;
@@ -17,14 +17,8 @@ use std::io::Write;
 use crate::DecideArgs;
 
 pub fn run(args: &DecideArgs) -> Result<()> {
-    // The same model-source call as `prism serve` (cmd_serve.rs): one rule, `model_source`, reached from
-    // each command's own flags.
-    let (mut source, demo) = model_source(
-        &args.gguf,
-        &args.model_dir,
-        "pass --gguf FILE [--model-dir DIR]",
-    )?;
-    source.mmproj = args.mmproj.clone();
+    // The same flags and model-source rule as `prism serve` (`ModelFiles`).
+    let (source, demo) = args.files.source()?;
     if demo {
         tracing::info!(
             "no --gguf given: using the bundled tiny random-weight model {}",

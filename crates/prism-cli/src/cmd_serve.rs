@@ -7,14 +7,13 @@
 //! stderr.
 
 use std::io::Write;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::{ArgAction, Args};
 use prism_decision::engine::{Engine, EngineObserver};
-use prism_decision::setup::{device_free_memory, model_source, open_devices, resolve_precision};
+use prism_decision::setup::{device_free_memory, open_devices, resolve_precision};
 use prism_decision::{Family, LetterModel, RequestDefaults};
 use prism_model::{KvStorage, LoadOptions, LoadProgress};
 use prism_server::launch::{self, Budgets};
@@ -23,17 +22,8 @@ use prism_server::{router, serve, Counters, Metrics, ModelInfo, ServerConfig, St
 /// Arguments of `prism serve`.
 #[derive(Args)]
 pub struct ServeArgs {
-    /// The model's GGUF file. Default: the bundled demo model (tiny, random weights: meaningless answers).
-    #[arg(long)]
-    pub gguf: Option<PathBuf>,
-    /// The model directory (tokenizer, chat template, config.json, decision_config.json). Without it the
-    /// tokenizer and chat template come from the GGUF and the decision config takes its defaults.
-    #[arg(long)]
-    pub model_dir: Option<PathBuf>,
-    /// The vision tower (`mmproj-*.gguf`) that lets the model read images. Default: the one
-    /// `mmproj-*.gguf` in --model-dir, if any; without one, requests with images get 422.
-    #[arg(long)]
-    pub mmproj: Option<PathBuf>,
+    #[command(flatten)]
+    pub files: crate::ModelFiles,
     /// Address to bind. The default serves this machine only; give e.g. 0.0.0.0 to serve the network.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -196,12 +186,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         "Prism {} — /v1/systemone server ({device_name}, precision {asked})",
         env!("CARGO_PKG_VERSION")
     );
-    let (mut source, demo) = model_source(
-        &args.gguf,
-        &args.model_dir,
-        "pass --gguf FILE [--model-dir DIR]",
-    )?;
-    source.mmproj = args.mmproj.clone();
+    let (mut source, demo) = args.files.source()?;
     let demo_family = launch::demo_family(args.demo.as_deref(), demo)?;
     if let (Some(family), None) = (demo_family, &source.mmproj) {
         // The v1.1 families read images: the demo gets its bundled tower.

@@ -117,22 +117,43 @@ pub struct LogitsArgs {
     pub full: bool,
 }
 
-/// Arguments of `prism decide`.
+/// The model's files, as `prism serve` and `prism decide` take them.
 #[derive(Args)]
-pub struct DecideArgs {
-    /// The request body (JSON, as sent to /v1/systemone).
-    pub request: PathBuf,
-    /// The model's GGUF file. Default: the tiny random-weight model bundled in the repository.
+pub struct ModelFiles {
+    /// The model's GGUF file. Default: the bundled demo model (tiny, random weights: meaningless answers).
     #[arg(long)]
     pub gguf: Option<PathBuf>,
     /// The model directory (tokenizer, chat template, config.json, decision_config.json). Without it the
     /// tokenizer and chat template come from the GGUF and the decision config takes its defaults.
     #[arg(long)]
     pub model_dir: Option<PathBuf>,
-    /// The vision tower (`mmproj-*.gguf`) that lets the model read the request's `images`. Default: the
-    /// one `mmproj-*.gguf` in --model-dir, if any; without one, a request with images is refused (422).
+    /// The vision tower (`mmproj-*.gguf`) that lets the model read a request's `images`. Default: the one
+    /// `mmproj-*.gguf` in --model-dir, if any; without one, a request with images is refused (422).
     #[arg(long)]
     pub mmproj: Option<PathBuf>,
+}
+
+impl ModelFiles {
+    /// The model to load ([`prism_decision::setup::model_source`]) with its vision tower; the bool is
+    /// true for the bundled demo model.
+    pub fn source(&self) -> anyhow::Result<(prism_decision::ModelSource, bool)> {
+        let (mut source, demo) = prism_decision::setup::model_source(
+            &self.gguf,
+            &self.model_dir,
+            "pass --gguf FILE [--model-dir DIR]",
+        )?;
+        source.mmproj = self.mmproj.clone();
+        Ok((source, demo))
+    }
+}
+
+/// Arguments of `prism decide`.
+#[derive(Args)]
+pub struct DecideArgs {
+    /// The request body (JSON, as sent to /v1/systemone).
+    pub request: PathBuf,
+    #[command(flatten)]
+    pub files: ModelFiles,
     /// Arithmetic of the forward pass: `f32` (dequantized weights, the reference), `int8` (Q8_0 files),
     /// `w4a8` (K-quant files), `auto` (by the file's weights), `bf16` or `f64`.
     #[arg(long, default_value = "f32")]
