@@ -110,6 +110,15 @@ pub fn render_request_with_images(
     config: &DecisionConfig,
     image_tokens: &[usize],
 ) -> Result<Vec<RenderedQuestion>, DecisionError> {
+    check_image_count(request, image_tokens)?;
+    render_questions(request, config, Some(image_tokens))
+}
+
+/// One pad-token count per image of the request (the caller's decoding of them).
+fn check_image_count(
+    request: &DecisionRequest,
+    image_tokens: &[usize],
+) -> Result<(), DecisionError> {
     if image_tokens.len() != request.images.len() {
         return Err(DecisionError::ModelOutput(format!(
             "{} image token counts for {} images",
@@ -117,7 +126,7 @@ pub fn render_request_with_images(
             request.images.len()
         )));
     }
-    render_questions(request, config, Some(image_tokens))
+    Ok(())
 }
 
 fn render_questions(
@@ -384,13 +393,7 @@ impl DecisionTask {
         config: &DecisionConfig,
         image_tokens: &[usize],
     ) -> Result<Self, DecisionError> {
-        if image_tokens.len() != request.images.len() {
-            return Err(DecisionError::ModelOutput(format!(
-                "{} image token counts for {} images",
-                image_tokens.len(),
-                request.images.len()
-            )));
-        }
+        check_image_count(&request, image_tokens)?;
         Self::build(request, config, Some(image_tokens))
     }
 
