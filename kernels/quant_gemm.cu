@@ -274,8 +274,8 @@ QGEMV_ENTRY(qgemv_q8_0_m8, 8)
 // int32 sums I_r in 64 registers a thread, then every output takes
 //   acc = fma(f32(I_r), sa_r · sw_r, acc)
 // (f32(I_r) is exact: |I_r| ≤ 2,080,768 < 2^24). The four
-// parts: part 0's result is parked in shared memory (the slot), part 1 is added to it there, part 2
-// stays in registers while part 3 runs, then y = slot + (p2 + p3).
+// parts: p0 waits in registers while part 1 runs, p0 + p1 in shared memory (the slot), p2 in registers
+// while part 3 runs, then y = slot + (p2 + p3).
 //
 // Layouts: qa [M, K] and q [N, K] bytes (TMA maps, boxes of 128 bytes × 128 rows, 128-byte swizzle;
 // rows and bytes past the tensor read as zero); activation scales sa_t [R, ldsa] (ldsa a multiple of 128
@@ -350,7 +350,15 @@ __device__ __forceinline__ unsigned long long wgmma_desc(unsigned smem_address) 
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accesses of `acc` across this point (an in-flight wgmma owns them).
+__device__ __forceinline__ void fence_acc(int (&acc)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+r"(acc[i])::"memory");
+}
 // d = a·b (scale_d = 0) or d += a·b, m64n128k32 s8 × s8 → s32. Register i of a thread of warp w (of
 // the warpgroup), lane l: row 16·w + l/4 + 8·((i >> 1) & 1), column 8·(i >> 2) + 2·(l % 4) + (i & 1).
 __device__ __forceinline__ void wgmma_m64n128k32_s8(int (&d)[64], unsigned long long da, unsigned long long db,
@@ -362,17 +370,27 @@ __device__ __forceinline__ void wgmma_m64n128k32_s8(int (&d)[64], unsigned long 
         : "l"(da), "l"(db), "r"(scale_d)
         : "memory");
 }
+// The first product of a run: d = a·b, the old d not read (so the registers are free until then).
+__device__ __forceinline__ void wgmma_m64n128k32_s8_first(int (&d)[64], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p;\n}\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]), "=r"(d[4]), "=r"(d[5]), "=r"(d[6]), "=r"(d[7]), "=r"(d[8]), "=r"(d[9]), "=r"(d[10]), "=r"(d[11]), "=r"(d[12]), "=r"(d[13]), "=r"(d[14]), "=r"(d[15]), "=r"(d[16]), "=r"(d[17]), "=r"(d[18]), "=r"(d[19]), "=r"(d[20]), "=r"(d[21]), "=r"(d[22]), "=r"(d[23]), "=r"(d[24]), "=r"(d[25]), "=r"(d[26]), "=r"(d[27]), "=r"(d[28]), "=r"(d[29]), "=r"(d[30]), "=r"(d[31]), "=r"(d[32]), "=r"(d[33]), "=r"(d[34]), "=r"(d[35]), "=r"(d[36]), "=r"(d[37]), "=r"(d[38]), "=r"(d[39]), "=r"(d[40]), "=r"(d[41]), "=r"(d[42]), "=r"(d[43]), "=r"(d[44]), "=r"(d[45]), "=r"(d[46]), "=r"(d[47]), "=r"(d[48]), "=r"(d[49]), "=r"(d[50]), "=r"(d[51]), "=r"(d[52]), "=r"(d[53]), "=r"(d[54]), "=r"(d[55]), "=r"(d[56]), "=r"(d[57]), "=r"(d[58]), "=r"(d[59]), "=r"(d[60]), "=r"(d[61]), "=r"(d[62]), "=r"(d[63])
+        : "l"(da), "l"(db), "r"(0)
+        : "memory");
+}
 #endif
 
 // The tile's two shapes: BM = 128 activation rows × BN = 128 outputs (each consumer warpgroup 64 rows ×
 // 128 outputs), or BM = 64 × BN = 256 (both warpgroups on the same 64 rows, 128 outputs each: for M a little
 // over a multiple of 128, where a 128-row tile computes up to twice the rows). A stage: the A box, the B
 // box, BM activation scales, BN weight scales, padded to 1,024 bytes (TMA's 128-byte swizzle repeats
-// every 1,024).
-template <int BM>
+// every 1,024). Then the part slot (a float for each consumer thread and output: 64 KiB) and the
+// stages' full and empty barriers.
+template <int BM, int STAGES_>
 struct QwTile {
     static constexpr int BN = 128 * 128 / BM;
-    static constexpr int STAGES = BM == 128 ? 4 : 3;
+    static constexpr int STAGES = STAGES_;
     static constexpr int A = 0;
     static constexpr int B = BM * 128;
     static constexpr int SA = B + BN * 128;
@@ -384,12 +402,45 @@ struct QwTile {
     static constexpr int SMEM = BARS + 2 * STAGES * 8 + 1024;
 };
 
+// A consumer thread's 64 outputs of a tile: rows r0 and r0 + 8, columns col + 8·j and col + 8·j + 1
+// (j < 16); element 4·j + 2·h + e is row r0 + 8·h, column col + 8·j + e.
+// Stores v into out [M, N] (rows past M and columns past N skipped); NAN_ROWS: a row with a non-finite
+// input (bad_rows) gets NaN.
+template <bool NAN_ROWS>
+__device__ __forceinline__ void qw_store(float* __restrict__ out, const float (&v)[64],
+                                         const unsigned int* __restrict__ bad_rows, int r0, int col, int M,
+                                         int N) {
+    const bool bad0 = NAN_ROWS && r0 < M && bad_rows[r0];
+    const bool bad1 = NAN_ROWS && r0 + 8 < M && bad_rows[r0 + 8];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = r0 + 8 * h, cc = col + 8 * j;
+            if (row >= M) continue;
+            const bool bad = h ? bad1 : bad0;
+            const float x0 = bad ? __int_as_float(0x7fc00000) : v[4 * j + 2 * h];
+            const float x1 = bad ? __int_as_float(0x7fc00000) : v[4 * j + 2 * h + 1];
+            float* o = out + (size_t)row * N + cc;
+            if (cc + 1 < N && (N % 2) == 0) {
+                *reinterpret_cast<float2*>(o) = make_float2(x0, x1);
+            } else {
+                if (cc < N) o[0] = x0;
+                if (cc + 1 < N) o[1] = x1;
+            }
+        }
+    }
+}
+
 // Split over K (gridDim.z = splits: 1, 2 or 4): CTA z takes parts 4z/splits .. 4(z+1)/splits of the
 // contract's four (their runs in order, each part from +0) and writes, instead of y, its share of the
 // part tree to ws[z] ([splits, M, N]): with 4 splits its part, with 2 (p0 + p1) or (p2 + p3);
 // qgemm_parts_combine then forms (p0 + p1) + (p2 + p3) and the non-finite rows. With 1 split the CTA
 // does all four and writes y itself.
-template <int BM>
+//
+// A consumer warpgroup, per run: its four wgmma, a wait for them, the promotion. p0 and p2 wait in
+// registers (hold), p0 + p1 in the shared-memory slot; y = slot + (p2 + p3).
+template <int BM, int STAGES>
 __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const TmaDesc* tmap_b,
                                                    const float* __restrict__ sa_t, int ldsa,
                                                    const float* __restrict__ sw_t, int ldsw,
@@ -397,10 +448,10 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
                                                    int K, float* __restrict__ y, float* __restrict__ ws) {
 #ifdef HAVE_WGMMA
     extern __shared__ unsigned char smem_raw[];
-    using T = QwTile<BM>;
+    using T = QwTile<BM, STAGES>;
     unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
     unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + T::BARS);
-    unsigned long long* empty = full + T::STAGES;
+    unsigned long long* empty = full + STAGES;
     const int R = (K + 127) / 128;
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * T::BN;
     const int splits = gridDim.z;
@@ -408,7 +459,7 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
     const int r_lo = part_lo * R / 4, r_hi = part_hi * R / 4;
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
-        for (int s = 0; s < T::STAGES; ++s) {
+        for (int s = 0; s < STAGES; ++s) {
             mbar_init(full + s, 1);
             mbar_init(empty + s, 8);  // the 8 consumer warps
         }
@@ -421,8 +472,8 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
             tma_prefetch_desc(tmap_a);
             tma_prefetch_desc(tmap_b);
             for (int r = r_lo; r < r_hi; ++r) {
-                const int s = (r - r_lo) % T::STAGES;
-                mbar_wait(empty + s, (((r - r_lo) / T::STAGES) & 1) ^ 1);
+                const int s = (r - r_lo) % STAGES;
+                mbar_wait(empty + s, (((r - r_lo) / STAGES) & 1) ^ 1);
                 unsigned char* st = smem + s * T::STAGE;
                 mbar_arrive_expect_tx(full + s, T::BYTES);
                 tma_load_2d(st + T::A, tmap_a, r * 128, m0, full + s);
@@ -440,127 +491,99 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
         const int c_rows = BM == 128 ? 64 * c : 0, c_cols = BM == 128 ? 0 : 128 * c;
         const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
         float* slot = reinterpret_cast<float*>(smem + T::SLOT) + c * 128 + t;  // element i at slot[256·i]
-        int acc[64];
-        float facc[64], p2[64];
-#pragma unroll
-        for (int i = 0; i < 64; ++i) p2[i] = 0.f;
         const int row_in = c_rows + 16 * warp + lane / 4;  // the thread's rows: row_in, row_in + 8
         const int col_in = c_cols + 2 * (lane % 4);        // its columns: col_in + 8·j (+1)
-#pragma unroll 1
-        for (int part = part_lo; part < part_hi; ++part) {
+        const int r0 = m0 + row_in, col0 = n0 + col_in;
+        float* wz = ws + (size_t)blockIdx.z * M * N;
+        float facc[64];
 #pragma unroll
-            for (int i = 0; i < 64; ++i) facc[i] = 0.f;
-#pragma unroll 1
-            for (int r = part * R / 4; r < (part + 1) * R / 4; ++r) {
-                const int s = (r - r_lo) % T::STAGES;
-                mbar_wait(full + s, ((r - r_lo) / T::STAGES) & 1);
-                const unsigned char* st = smem + s * T::STAGE;
-                const unsigned long long da = wgmma_desc(smem_addr(st + T::A + a_off));
-                const unsigned long long db = wgmma_desc(smem_addr(st + T::B + b_off));
-                wgmma_fence();
-                wgmma_m64n128k32_s8(acc, da, db, 0);
-                wgmma_m64n128k32_s8(acc, da + 2, db + 2, 1);
-                wgmma_m64n128k32_s8(acc, da + 4, db + 4, 1);
-                wgmma_m64n128k32_s8(acc, da + 6, db + 6, 1);
-                wgmma_commit();
-                wgmma_wait0();
-#pragma unroll
-                for (int i = 0; i < 64; ++i) asm volatile("" : "+r"(acc[i])::"memory");
-                const float* ssa = reinterpret_cast<const float*>(st + T::SA);
-                const float* ssw = reinterpret_cast<const float*>(st + T::SW);
-                const float a0 = ssa[row_in], a1 = ssa[row_in + 8];
-#pragma unroll
-                for (int j = 0; j < 16; ++j) {
-                    const float2 w = *reinterpret_cast<const float2*>(ssw + 8 * j + col_in);
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int i = 4 * j + e;
-                        const float pw = __fmul_rn((e & 2) ? a1 : a0, (e & 1) ? w.y : w.x);
-                        facc[i] = __fmaf_rn(__int2float_rn(acc[i]), pw, facc[i]);
-                    }
-                }
-                mbar_arrive_warp(empty + s);
-            }
-            if (splits == 1 && part == 0) {
-#pragma unroll
-                for (int i = 0; i < 64; ++i) slot[256 * i] = facc[i];
-            } else if (splits == 1 && part == 1) {
-#pragma unroll
-                for (int i = 0; i < 64; ++i) slot[256 * i] = __fadd_rn(slot[256 * i], facc[i]);
-            } else if (part == 2 || (splits == 2 && part == 0)) {
-#pragma unroll
-                for (int i = 0; i < 64; ++i) p2[i] = facc[i];
-            }
-        }
-        const int r0 = m0 + row_in;
-        if (splits > 1) {
-            // This CTA's share of the tree: its part (4 splits), or the sum of its two (2 splits). The
-            // store is the unsplit path's below, into ws[z] (kept written out twice as device-checked on
-            // 2026-12-02; a shared helper is a later, device-checked change).
-            float* wz = ws + (size_t)blockIdx.z * M * N;
+        for (int i = 0; i < 64; ++i) facc[i] = 0.f;
+        // Waits for run r's stage and issues its four wgmma into acc.
+        auto issue = [&](int (&acc)[64], int r) {
+            const int s = (r - r_lo) % STAGES;
+            mbar_wait(full + s, ((r - r_lo) / STAGES) & 1);
+            const unsigned char* st = smem + s * T::STAGE;
+            const unsigned long long da = wgmma_desc(smem_addr(st + T::A + a_off));
+            const unsigned long long db = wgmma_desc(smem_addr(st + T::B + b_off));
+            wgmma_fence();
+            // The boxes start on 1,024-byte boundaries, so the address field's low bits are free: the
+            // K slices 32, 64 and 96 bytes on are ORs.
+            wgmma_m64n128k32_s8_first(acc, da, db);
+            wgmma_m64n128k32_s8(acc, da | 2, db | 2, 1);
+            wgmma_m64n128k32_s8(acc, da | 4, db | 4, 1);
+            wgmma_m64n128k32_s8(acc, da | 6, db | 6, 1);
+            wgmma_commit();
+            fence_acc(acc);
+        };
+        // Adds run r's sums (acc, complete) to facc with the stage's scales, then frees the stage.
+        auto promote = [&](int (&acc)[64], int r) {
+            fence_acc(acc);
+            const int s = (r - r_lo) % STAGES;
+            const unsigned char* st = smem + s * T::STAGE;
+            const float* ssa = reinterpret_cast<const float*>(st + T::SA);
+            const float* ssw = reinterpret_cast<const float*>(st + T::SW);
+            const float a0 = ssa[row_in], a1 = ssa[row_in + 8];
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
+                const float2 w = *reinterpret_cast<const float2*>(ssw + 8 * j + col_in);
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = r0 + 8 * h, col = n0 + 8 * j + col_in;
-                    if (row >= M) continue;
-                    float v[2];
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int i = 4 * j + 2 * h + e;
-                        v[e] = splits == 2 ? __fadd_rn(p2[i], facc[i]) : facc[i];
-                    }
-                    float* out = wz + (size_t)row * N + col;
-                    if (col + 1 < N && (N % 2) == 0) {
-                        *reinterpret_cast<float2*>(out) = make_float2(v[0], v[1]);
-                    } else {
-                        if (col < N) out[0] = v[0];
-                        if (col + 1 < N) out[1] = v[1];
-                    }
+                for (int e = 0; e < 4; ++e) {
+                    const int i = 4 * j + e;
+                    const float pw = __fmul_rn((e & 2) ? a1 : a0, (e & 1) ? w.y : w.x);
+                    facc[i] = __fmaf_rn(__int2float_rn(acc[i]), pw, facc[i]);
                 }
             }
-            return;
-        }
-        const bool bad0 = r0 < M && bad_rows[r0], bad1 = r0 + 8 < M && bad_rows[r0 + 8];
+            mbar_arrive_warp(empty + s);
+        };
+        int acc[64];
+        float hold[64];
+#pragma unroll 1
+        for (int part = part_lo; part < part_hi; ++part) {
+#pragma unroll 1
+            for (int r = part * R / 4; r < (part + 1) * R / 4; ++r) {
+                issue(acc, r);
+                wgmma_wait<0>();
+                promote(acc, r);
+            }
+            // The end of part `part`, facc its sum.
+            if (splits == 4) {
+                qw_store<false>(wz, facc, bad_rows, r0, col0, M, N);
+            } else if ((part & 1) == 0) {
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+                for (int i = 0; i < 64; ++i) hold[i] = facc[i];
+            } else {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = r0 + 8 * h, col = n0 + 8 * j + col_in;
-                if (row >= M) continue;
-                float v[2];
+                for (int i = 0; i < 64; ++i) facc[i] = __fadd_rn(hold[i], facc[i]);
+                if (splits == 2) {
+                    qw_store<false>(wz, facc, bad_rows, r0, col0, M, N);
+                } else if (part == 1) {
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int i = 4 * j + 2 * h + e;
-                    v[e] = __fadd_rn(slot[256 * i], __fadd_rn(p2[i], facc[i]));
-                    if (h ? bad1 : bad0) v[e] = __int_as_float(0x7fc00000);
-                }
-                float* out = y + (size_t)row * N + col;
-                if (col + 1 < N && (N % 2) == 0) {
-                    *reinterpret_cast<float2*>(out) = make_float2(v[0], v[1]);
+                    for (int i = 0; i < 64; ++i) slot[256 * i] = facc[i];
                 } else {
-                    if (col < N) out[0] = v[0];
-                    if (col + 1 < N) out[1] = v[1];
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) facc[i] = __fadd_rn(slot[256 * i], facc[i]);
+                    qw_store<true>(y, facc, bad_rows, r0, col0, M, N);
                 }
             }
+#pragma unroll
+            for (int i = 0; i < 64; ++i) facc[i] = 0.f;
         }
     }
 #endif
 }
 
 // Grid: x over activation-row tiles (consecutive CTAs share a weight tile), y over weight-row tiles.
-extern "C" __global__ void __launch_bounds__(384, 1)
-    qgemm_wg_q8_0(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
-                  const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
-                  int M, int N, int K, float* y, float* ws) {
-    qgemm_wg_q8_0_body<128>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws);
-}
-extern "C" __global__ void __launch_bounds__(384, 1)
-    qgemm_wg_q8_0_m64(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
-                      const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
-                      int M, int N, int K, float* y, float* ws) {
-    qgemm_wg_q8_0_body<64>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws);
-}
+#define QW_ENTRY(NAME, BM, STAGES)                                                                     \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                               \
+        NAME(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,           \
+             const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,    \
+             int M, int N, int K, float* y, float* ws) {                                              \
+        qgemm_wg_q8_0_body<BM, STAGES>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y,  \
+                                       ws);                                                           \
+    }
+
+QW_ENTRY(qgemm_wg_q8_0, 128, 4)
+QW_ENTRY(qgemm_wg_q8_0_m64, 64, 3)
 
 // The split tile's last step: y = (p0 + p1) + (p2 + p3) from ws [splits, M, N] (4 splits: the parts;
 // 2: the two sums), NaN on the rows with a non-finite input. One thread an output.
