@@ -272,7 +272,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub load_threads: Option<usize>,
     /// Also run each scenario through the engine the server runs (its step loop, prefix cache off) and
-    /// report its median next to the direct path's.
+    /// report its median next to the direct path's; with --profile, profile one run there too.
     #[arg(long)]
     pub engine: bool,
     /// CUDA builds: wrap the last timed run of each scenario in a CUDA profiler range

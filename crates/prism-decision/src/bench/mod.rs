@@ -567,7 +567,8 @@ pub struct BenchOptions {
     /// A profiled run of each scenario after the timed ones, in this mode (off: none).
     pub profile: prism_model::profile::Mode,
     pub load_threads: Option<usize>,
-    /// Each scenario through the engine too.
+    /// Each scenario through the engine too (with `profile`, one profiled run of each there as well:
+    /// the report's `engine_profile`).
     pub engine: bool,
     /// A CUDA profiler range around the last timed run of each scenario.
     pub profiler_range: bool,
@@ -693,32 +694,9 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
             })?;
             device.synchronize()?;
             let total = start.elapsed().as_secs_f64();
-            let sections = prism_model::profile::take()?;
-            progress(format!(
-                "profile ({}) of {} (one run, {:.1} ms; device ms, share, host ms):",
-                args.profile.as_str(),
-                scenario.name,
-                ms(total)
-            ));
-            let mut rows = Vec::new();
-            for s in &sections {
-                let t = s.device.as_secs_f64();
-                let h = s.host.as_secs_f64();
-                progress(format!(
-                    "  {:<45} {:>10.2} ms {:>6.1}% {:>10.2} ms {:>6} calls",
-                    s.name,
-                    ms(t),
-                    100.0 * t / total,
-                    ms(h),
-                    s.calls
-                ));
-                rows.push(
-                    json!({"section": s.name, "ms": ms(t), "host_ms": ms(h), "calls": s.calls}),
-                );
-            }
             profiles.insert(
                 scenario.name.to_string(),
-                json!({"mode": args.profile.as_str(), "total_ms": ms(total), "sections": rows}),
+                profile_report(args.profile, scenario.name, "", total, progress)?,
             );
         }
         prism_model::profile::set_mode(prism_model::profile::Mode::Off);
@@ -726,11 +704,11 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
     let model_name = crate::LetterModel::model_name(&model).to_string();
     // The same requests through the engine the server runs (its step loop, one request at a time, the
     // prefix cache off so every run computes its evidence): what the engine adds to the decision path.
-    let engine_runs = if args.engine {
-        engine_timings(model, &loaded.config, &scenarios, args, precision)?
+    let (engine_runs, engine_profiles) = if args.engine {
+        engine_timings(model, &loaded.config, &scenarios, args, precision, progress)?
     } else {
         drop(model);
-        Vec::new()
+        (Vec::new(), serde_json::Map::new())
     };
     // Memory before the floor measurements, whose buffers would otherwise be the peak.
     let memory_after = process_memory();
@@ -789,6 +767,7 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
     }
     let report = json!({
         "profile": profiles,
+        "engine_profile": engine_profiles,
         "model": model_name,
         "gguf": gguf_path.display().to_string(),
         "device": args.device,
@@ -829,7 +808,8 @@ fn engine_timings(
     scenarios: &[Scenario],
     args: &BenchOptions,
     precision: Precision,
-) -> Result<Vec<Timings>> {
+    progress: &mut dyn FnMut(String),
+) -> Result<(Vec<Timings>, serde_json::Map<String, Value>)> {
     let (engine, worker) = bench_engine(model, config.clone(), 64)?;
     let mut all = Vec::new();
     for scenario in scenarios {
@@ -848,9 +828,66 @@ fn engine_timings(
         timings.check_same(scenario.name, precision)?;
         all.push(timings);
     }
+    // One more run of each scenario with the model's profile on: the sections of the engine's passes,
+    // to set against the direct path's (what the engine adds, where).
+    let mut profiles = serde_json::Map::new();
+    if args.profile != prism_model::profile::Mode::Off {
+        prism_model::profile::set_mode(args.profile);
+        prism_model::profile::take()?;
+        for scenario in scenarios {
+            let start = Instant::now();
+            engine.decide(scenario.request.clone(), None).map_err(|e| {
+                anyhow::anyhow!("profiling {} through the engine: {e}", scenario.name)
+            })?;
+            let total = start.elapsed().as_secs_f64();
+            profiles.insert(
+                scenario.name.to_string(),
+                profile_report(
+                    args.profile,
+                    scenario.name,
+                    " through the engine",
+                    total,
+                    progress,
+                )?,
+            );
+        }
+        prism_model::profile::set_mode(prism_model::profile::Mode::Off);
+    }
     drop(engine);
     worker.join();
-    Ok(all)
+    Ok((all, profiles))
+}
+
+/// The profile sections recorded since the last [`prism_model::profile::take`], printed (one run of
+/// `scenario`, `total` seconds; `path` names the path when not the direct one) and as JSON.
+fn profile_report(
+    mode: prism_model::profile::Mode,
+    scenario: &str,
+    path: &str,
+    total: f64,
+    progress: &mut dyn FnMut(String),
+) -> Result<Value> {
+    let sections = prism_model::profile::take()?;
+    progress(format!(
+        "profile ({}) of {scenario}{path} (one run, {:.1} ms; device ms, share, host ms):",
+        mode.as_str(),
+        ms(total)
+    ));
+    let mut rows = Vec::new();
+    for s in &sections {
+        let t = s.device.as_secs_f64();
+        let h = s.host.as_secs_f64();
+        progress(format!(
+            "  {:<45} {:>10.2} ms {:>6.1}% {:>10.2} ms {:>6} calls",
+            s.name,
+            ms(t),
+            100.0 * t / total,
+            ms(h),
+            s.calls
+        ));
+        rows.push(json!({"section": s.name, "ms": ms(t), "host_ms": ms(h), "calls": s.calls}));
+    }
+    Ok(json!({"mode": mode.as_str(), "total_ms": ms(total), "sections": rows}))
 }
 
 /// An engine for the benchmarks on `model`: the prefix cache off (every run computes its evidence),
