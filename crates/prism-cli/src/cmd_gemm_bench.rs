@@ -80,7 +80,7 @@ pub fn run(args: &GemmBenchArgs) -> Result<()> {
         );
         for (shape, s) in &t.tiles {
             println!(
-                "{:>22} tile {shape:?}: {:.3} ms, {:.1} TOPS",
+                "{:>22} tile {shape}: {:.3} ms, {:.1} TOPS",
                 "",
                 s * 1e3,
                 rate(*s)

@@ -35,8 +35,9 @@ pub struct GemmTiming {
     pub m: usize,
     /// The integer product with the kernel the model picks.
     pub int8: f64,
-    /// Each tile shape forced.
-    pub tiles: Vec<(TileShape, f64)>,
+    /// Each tile shape forced (`M128`, `M64`: their split over K picked by M), and at M ≤ 512 the
+    /// 64-row tile with each split over K (`M64 split 1` …).
+    pub tiles: Vec<(String, f64)>,
     /// The simple kernel (when asked for).
     pub simple: Option<f64>,
     /// cuBLAS's int8 GEMM (when every dimension is a multiple of 4).
@@ -57,7 +58,7 @@ impl GemmTiming {
         let tiles: Vec<Value> = self
             .tiles
             .iter()
-            .map(|(shape, t)| json!({"shape": format!("{shape:?}"), "ms": t * 1e3, "tops": rate(*t)}))
+            .map(|(shape, t)| json!({"shape": shape, "ms": t * 1e3, "tops": rate(*t)}))
             .collect();
         json!({
             "k": self.k, "n": self.n, "m": self.m,
@@ -138,14 +139,26 @@ pub fn time_shape(
         matmul_with(&x, &dw, Kernel::Auto)?;
         Ok(())
     })?;
-    // Both tile shapes (the default picks one by M).
+    // Both tile shapes (the default picks one by M), and at a few dozen rows every split over K.
+    let mut kernels = vec![
+        ("M128".to_string(), Kernel::Tile(TileShape::M128)),
+        ("M64".to_string(), Kernel::Tile(TileShape::M64)),
+    ];
+    if m <= 512 {
+        for splits in [1, 2, 4] {
+            kernels.push((
+                format!("M64 split {splits}"),
+                Kernel::TileSplit(TileShape::M64, splits),
+            ));
+        }
+    }
     let mut shapes_ms = Vec::new();
-    for shape in [TileShape::M128, TileShape::M64] {
+    for (label, kernel) in kernels {
         let t = time_median(gpu, runs, reps, || {
-            matmul_with(&x, &dw, Kernel::Tile(shape))?;
+            matmul_with(&x, &dw, kernel)?;
             Ok(())
         })?;
-        shapes_ms.push((shape, t));
+        shapes_ms.push((label, t));
     }
     let t_simple = if simple {
         Some(time_median(gpu, runs.min(5), reps, || {
