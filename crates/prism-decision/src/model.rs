@@ -99,30 +99,26 @@ pub trait LetterModel {
     }
 }
 
-impl<M: LetterModel + ?Sized> LetterModel for &mut M {
-    fn model_name(&self) -> &str {
-        (**self).model_name()
-    }
+/// `&mut M` and `Box<M>` are letter models wherever `M` is: every method forwarded.
+macro_rules! forward_letter_model {
+    ($($holder:ty),+) => {$(
+        impl<M: LetterModel + ?Sized> LetterModel for $holder {
+            fn model_name(&self) -> &str {
+                (**self).model_name()
+            }
 
-    fn letter_logits(&mut self, prompts: &[LetterPrompt]) -> Result<LetterLogits, ModelError> {
-        (**self).letter_logits(prompts)
-    }
+            fn letter_logits(&mut self, prompts: &[LetterPrompt]) -> Result<LetterLogits, ModelError> {
+                (**self).letter_logits(prompts)
+            }
 
-    fn think(&mut self, thoughts: &[ThoughtRequest]) -> Result<Vec<ThoughtOutcome>, ModelError> {
-        (**self).think(thoughts)
-    }
+            fn think(
+                &mut self,
+                thoughts: &[ThoughtRequest],
+            ) -> Result<Vec<ThoughtOutcome>, ModelError> {
+                (**self).think(thoughts)
+            }
+        }
+    )+};
 }
 
-impl<M: LetterModel + ?Sized> LetterModel for Box<M> {
-    fn model_name(&self) -> &str {
-        (**self).model_name()
-    }
-
-    fn letter_logits(&mut self, prompts: &[LetterPrompt]) -> Result<LetterLogits, ModelError> {
-        (**self).letter_logits(prompts)
-    }
-
-    fn think(&mut self, thoughts: &[ThoughtRequest]) -> Result<Vec<ThoughtOutcome>, ModelError> {
-        (**self).think(thoughts)
-    }
-}
+forward_letter_model!(&mut M, Box<M>);
