@@ -381,63 +381,51 @@ mod x86 {
         out
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn tile_f32(xs: [&[f32]; MR], ws: [&[f32]; NR], k: usize) -> [[f32; NR]; MR] {
-        let full = k / LANES * LANES;
-        let mut acc = [[_mm256_setzero_ps(); NR]; MR];
-        let xp = [xs[0].as_ptr(), xs[1].as_ptr(), xs[2].as_ptr()];
-        let wp = [
-            ws[0].as_ptr(),
-            ws[1].as_ptr(),
-            ws[2].as_ptr(),
-            ws[3].as_ptr(),
-        ];
-        let mut base = 0;
-        while base < full {
-            // 12 accumulators + 3 activations + 1 weight: the 16 registers, no spills.
-            let mut xv = [_mm256_setzero_ps(); MR];
-            for i in 0..MR {
-                xv[i] = _mm256_loadu_ps(xp[i].add(base));
-            }
-            for j in 0..NR {
-                let wv = _mm256_loadu_ps(wp[j].add(base));
-                for i in 0..MR {
-                    acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+    /// The f32 tile over weights of type `$w`, each 8 weights at `$p` read into f32 lanes by `$load`
+    /// (spliced into the loop, not a closure: it runs under the function's target features): one loop
+    /// for f32 and bf16 weights.
+    macro_rules! tile_f32_over {
+        ($name:ident, $w:ty, |$p:ident| $load:block) => {
+            #[target_feature(enable = "avx2,fma")]
+            pub unsafe fn $name(xs: [&[f32]; MR], ws: [&[$w]; NR], k: usize) -> [[f32; NR]; MR] {
+                let full = k / LANES * LANES;
+                let mut acc = [[_mm256_setzero_ps(); NR]; MR];
+                let xp = [xs[0].as_ptr(), xs[1].as_ptr(), xs[2].as_ptr()];
+                let wp = [
+                    ws[0].as_ptr(),
+                    ws[1].as_ptr(),
+                    ws[2].as_ptr(),
+                    ws[3].as_ptr(),
+                ];
+                let mut base = 0;
+                while base < full {
+                    // 12 accumulators + 3 activations + 1 weight: the 16 registers, no spills.
+                    let mut xv = [_mm256_setzero_ps(); MR];
+                    for i in 0..MR {
+                        xv[i] = _mm256_loadu_ps(xp[i].add(base));
+                    }
+                    for j in 0..NR {
+                        let wv = {
+                            let $p = wp[j].add(base);
+                            $load
+                        };
+                        for i in 0..MR {
+                            acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+                        }
+                    }
+                    base += LANES;
                 }
+                finish_tile(xs, ws, k, store(acc))
             }
-            base += LANES;
-        }
-        finish_tile(xs, ws, k, store(acc))
+        };
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn tile_f32_bf16(xs: [&[f32]; MR], ws: [&[bf16]; NR], k: usize) -> [[f32; NR]; MR] {
-        let full = k / LANES * LANES;
-        let mut acc = [[_mm256_setzero_ps(); NR]; MR];
-        let xp = [xs[0].as_ptr(), xs[1].as_ptr(), xs[2].as_ptr()];
-        let wp = [
-            ws[0].as_ptr(),
-            ws[1].as_ptr(),
-            ws[2].as_ptr(),
-            ws[3].as_ptr(),
-        ];
-        let mut base = 0;
-        while base < full {
-            let mut xv = [_mm256_setzero_ps(); MR];
-            for i in 0..MR {
-                xv[i] = _mm256_loadu_ps(xp[i].add(base));
-            }
-            for j in 0..NR {
-                let raw = _mm_loadu_si128(wp[j].add(base) as *const __m128i);
-                let wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-                for i in 0..MR {
-                    acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
-                }
-            }
-            base += LANES;
-        }
-        finish_tile(xs, ws, k, store(acc))
-    }
+    tile_f32_over!(tile_f32, f32, |p| { _mm256_loadu_ps(p) });
+    // bf16 → f32 is the upper half of the f32: widen to 32 bits, shift left by 16.
+    tile_f32_over!(tile_f32_bf16, bf16, |p| {
+        let raw = _mm_loadu_si128(p as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
+    });
 
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn tile_f64(xs: [&[f64]; MR], ws: [&[f64]; NR], k: usize) -> [[f64; NR]; MR] {
