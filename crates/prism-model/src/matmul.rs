@@ -55,85 +55,54 @@ pub trait Float:
     fn axpy(alpha: Self, x: &[Self], y: &mut [Self]);
 }
 
-impl Float for f32 {
-    const ZERO: Self = 0.0;
-    const ONE: Self = 1.0;
-    const NEG_INFINITY: Self = f32::NEG_INFINITY;
-    #[inline(always)]
-    fn fma(self, b: Self, c: Self) -> Self {
-        self.mul_add(b, c)
-    }
-    #[inline(always)]
-    fn exp(self) -> Self {
-        f32::exp(self)
-    }
-    #[inline(always)]
-    fn from_f64(x: f64) -> Self {
-        x as f32
-    }
-    #[inline(always)]
-    fn to_f64(self) -> f64 {
-        f64::from(self)
-    }
-    #[inline]
-    fn dot(a: &[Self], b: &[Self]) -> Self {
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2_fma() {
-            // SAFETY: the CPU has the features.
-            return unsafe { x86::dot_f32(a, b) };
+/// `Float` for f32 and f64: the same methods, each type's own conversions and SIMD dot product.
+macro_rules! impl_float {
+    ($t:ident, $simd_dot:ident, |$x:ident| $from_f64:expr, |$y:ident| $to_f64:expr) => {
+        impl Float for $t {
+            const ZERO: Self = 0.0;
+            const ONE: Self = 1.0;
+            const NEG_INFINITY: Self = $t::NEG_INFINITY;
+            #[inline(always)]
+            fn fma(self, b: Self, c: Self) -> Self {
+                self.mul_add(b, c)
+            }
+            #[inline(always)]
+            fn exp(self) -> Self {
+                $t::exp(self)
+            }
+            #[inline(always)]
+            fn from_f64($x: f64) -> Self {
+                $from_f64
+            }
+            #[inline(always)]
+            fn to_f64(self) -> f64 {
+                let $y = self;
+                $to_f64
+            }
+            #[inline]
+            fn dot(a: &[Self], b: &[Self]) -> Self {
+                #[cfg(target_arch = "x86_64")]
+                if has_avx2_fma() {
+                    // SAFETY: the CPU has the features.
+                    return unsafe { x86::$simd_dot(a, b) };
+                }
+                dot_portable(a, b)
+            }
+            #[inline]
+            fn axpy(alpha: Self, x: &[Self], y: &mut [Self]) {
+                #[cfg(target_arch = "x86_64")]
+                if has_avx2_fma() {
+                    // SAFETY: the CPU has the features.
+                    return unsafe { x86::axpy(alpha, x, y) };
+                }
+                axpy_portable(alpha, x, y)
+            }
         }
-        dot_portable(a, b)
-    }
-    #[inline]
-    fn axpy(alpha: Self, x: &[Self], y: &mut [Self]) {
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2_fma() {
-            // SAFETY: the CPU has the features.
-            return unsafe { x86::axpy(alpha, x, y) };
-        }
-        axpy_portable(alpha, x, y)
-    }
+    };
 }
 
-impl Float for f64 {
-    const ZERO: Self = 0.0;
-    const ONE: Self = 1.0;
-    const NEG_INFINITY: Self = f64::NEG_INFINITY;
-    #[inline(always)]
-    fn fma(self, b: Self, c: Self) -> Self {
-        self.mul_add(b, c)
-    }
-    #[inline(always)]
-    fn exp(self) -> Self {
-        f64::exp(self)
-    }
-    #[inline(always)]
-    fn from_f64(x: f64) -> Self {
-        x
-    }
-    #[inline(always)]
-    fn to_f64(self) -> f64 {
-        self
-    }
-    #[inline]
-    fn dot(a: &[Self], b: &[Self]) -> Self {
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2_fma() {
-            // SAFETY: the CPU has the features.
-            return unsafe { x86::dot_f64(a, b) };
-        }
-        dot_portable(a, b)
-    }
-    #[inline]
-    fn axpy(alpha: Self, x: &[Self], y: &mut [Self]) {
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2_fma() {
-            // SAFETY: the CPU has the features.
-            return unsafe { x86::axpy(alpha, x, y) };
-        }
-        axpy_portable(alpha, x, y)
-    }
-}
+impl_float!(f32, dot_f32, |x| x as f32, |y| f64::from(y));
+impl_float!(f64, dot_f64, |x| x, |y| y);
 
 /// A stored weight element, widened exactly to the compute type.
 pub trait Widen<T>: Copy + Send + Sync {
