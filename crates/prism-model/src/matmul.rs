@@ -431,35 +431,26 @@ mod x86 {
     }
 }
 
-impl TileKernel<f32> for f32 {
-    #[inline(always)]
-    unsafe fn tile_simd(xs: [&[f32]; MR], ws: [&[f32]; NR], k: usize) -> [[f32; NR]; MR] {
-        #[cfg(target_arch = "x86_64")]
-        return x86::tile_f32(xs, ws, k);
-        #[cfg(not(target_arch = "x86_64"))]
-        return tile_portable(xs, ws, k);
-    }
+/// `TileKernel<$w>` for `$t`: the x86 SIMD tile `$simd` there, the portable one elsewhere.
+macro_rules! impl_tile_kernel {
+    ($($t:ty, $w:ty, $simd:ident);+ $(;)?) => {$(
+        impl TileKernel<$w> for $t {
+            #[inline(always)]
+            unsafe fn tile_simd(xs: [&[$t]; MR], ws: [&[$w]; NR], k: usize) -> [[$t; NR]; MR] {
+                #[cfg(target_arch = "x86_64")]
+                return x86::$simd(xs, ws, k);
+                #[cfg(not(target_arch = "x86_64"))]
+                return tile_portable(xs, ws, k);
+            }
+        }
+    )+};
 }
 
-impl TileKernel<bf16> for f32 {
-    #[inline(always)]
-    unsafe fn tile_simd(xs: [&[f32]; MR], ws: [&[bf16]; NR], k: usize) -> [[f32; NR]; MR] {
-        #[cfg(target_arch = "x86_64")]
-        return x86::tile_f32_bf16(xs, ws, k);
-        #[cfg(not(target_arch = "x86_64"))]
-        return tile_portable(xs, ws, k);
-    }
-}
-
-impl TileKernel<f64> for f64 {
-    #[inline(always)]
-    unsafe fn tile_simd(xs: [&[f64]; MR], ws: [&[f64]; NR], k: usize) -> [[f64; NR]; MR] {
-        #[cfg(target_arch = "x86_64")]
-        return x86::tile_f64(xs, ws, k);
-        #[cfg(not(target_arch = "x86_64"))]
-        return tile_portable(xs, ws, k);
-    }
-}
+impl_tile_kernel!(
+    f32, f32, tile_f32;
+    f32, bf16, tile_f32_bf16;
+    f64, f64, tile_f64;
+);
 
 /// One block: rows `m0..m1` of `x` against rows `n0..n1` of `w`, written row-major into `out`
 /// (`(m1 − m0) × (n1 − n0)`). Short tiles at the edges repeat their last row; the duplicates are computed
