@@ -44,7 +44,7 @@
 #               eval-int8/ with results.json, report.md, reliability.png; logs eval-*.log)
 #   think27     thought decoding of /tmp/s27 at int8 through the engine (prism bench --think): one thought
 #               of $THINK tokens (default 128) alone, then 64 at once, then each profiled (think-27b-int8.json;
-#               $PROFILE: sync, the default, or events)
+#               $PROFILE: sync, the default, events, or none for no profiled run)
 #   serve27-think  prism serve on /tmp/s27 at int8 as a v1.1 AutoThink model (the synthetic directory's
 #               decision_config.json gets "family": "v1.1") and loadgen from 64 clients for $LOAD_S seconds:
 #               the three-question requests of shared.jsonl made 512 distinct, with think_mode auto, gate 0.9,
@@ -80,6 +80,13 @@ unpack() {
     else
         gzip -dc ".device-carry/$name.gz" > "/tmp/$name"
     fi && chmod +x "/tmp/$name"
+}
+# think27's profile flag: sync unless $PROFILE says events, or none (no profiled run).
+think_profile() {
+    case "${PROFILE:-sync}" in
+        none) ;;
+        *) echo "--profile ${PROFILE:-sync}" ;;
+    esac
 }
 for step in "$@"; do
     if [ "$step" != checks ] && [ "$step" != ncu-vision ]; then
@@ -226,7 +233,7 @@ for step in "$@"; do
         images27) images27 ;;
         think27)
             /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --think "${THINK:-128}" \
-                --think-batch 1,64 --runs 1 --profile "${PROFILE:-sync}" > "$OUT/think-27b-int8.json" 2> "$OUT/think-27b-int8.log"
+                --think-batch 1,64 --runs 1 $(think_profile) > "$OUT/think-27b-int8.json" 2> "$OUT/think-27b-int8.log"
             echo "think27 rc=$?" ;;
         eval27)
             python3 tools/device/make_suite.py "${EVAL_N:-2000}" /tmp/suite.jsonl
