@@ -930,6 +930,13 @@ fn gguf_without_or_with_bad_vocabulary_keys_is_a_typed_error() {
             .filter(|(k, _)| *k != key)
             .collect::<Vec<_>>()
     };
+    // The base keys after `edit`: the error they give.
+    type Keys = Vec<(&'static str, MetadataValue)>;
+    let edited = |edit: &dyn Fn(&mut Keys)| {
+        let mut keys = base("gpt2", "qwen35");
+        edit(&mut keys);
+        PromptTokenizer::from_gguf(&file(&keys)).unwrap_err()
+    };
     for key in [
         "tokenizer.ggml.pre",
         "tokenizer.ggml.tokens",
@@ -953,9 +960,7 @@ fn gguf_without_or_with_bad_vocabulary_keys_is_a_typed_error() {
         "{err}"
     );
 
-    let mut keys = base("gpt2", "qwen35");
-    keys[3].1 = types(&type_list[1..]);
-    let err = PromptTokenizer::from_gguf(&file(&keys)).unwrap_err();
+    let err = edited(&|keys| keys[3].1 = types(&type_list[1..]));
     assert!(
         matches!(
             err,
@@ -967,9 +972,7 @@ fn gguf_without_or_with_bad_vocabulary_keys_is_a_typed_error() {
         "{err}"
     );
 
-    let mut keys = base("gpt2", "qwen35");
-    keys[2].1 = MetadataValue::U32(7);
-    let err = PromptTokenizer::from_gguf(&file(&keys)).unwrap_err();
+    let err = edited(&|keys| keys[2].1 = MetadataValue::U32(7));
     assert!(
         matches!(
             err,
@@ -981,9 +984,7 @@ fn gguf_without_or_with_bad_vocabulary_keys_is_a_typed_error() {
         "{err}"
     );
 
-    let mut keys = base("gpt2", "qwen35");
-    keys.push(("tokenizer.ggml.eos_token_id", MetadataValue::U32(999)));
-    let err = PromptTokenizer::from_gguf(&file(&keys)).unwrap_err();
+    let err = edited(&|keys| keys.push(("tokenizer.ggml.eos_token_id", MetadataValue::U32(999))));
     assert!(
         matches!(
             err,
@@ -997,10 +998,10 @@ fn gguf_without_or_with_bad_vocabulary_keys_is_a_typed_error() {
     );
 
     // A byte without a token: text containing it could not be encoded faithfully.
-    let mut keys = base("gpt2", "qwen35");
-    keys[2].1 = strings(&token_refs[1..]);
-    keys[3].1 = types(&type_list[1..]);
-    let err = PromptTokenizer::from_gguf(&file(&keys)).unwrap_err();
+    let err = edited(&|keys| {
+        keys[2].1 = strings(&token_refs[1..]);
+        keys[3].1 = types(&type_list[1..]);
+    });
     assert!(
         matches!(err, TokenizerError::MissingByteToken { byte: 0 }),
         "{err}"
