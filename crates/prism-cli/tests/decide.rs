@@ -1,23 +1,14 @@
 //! `prism decide` on the bundled tiny model: the whole product path without the HTTP layer.
 
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
 
+use std::process::Output;
+
+use common::{example, repo, run_prism};
 use serde_json::Value;
 
-fn example(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../examples")
-        .join(name)
-}
-
-fn prism(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_prism"))
-        .args(args)
-        .env("RAYON_NUM_THREADS", "1")
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("run prism")
+fn prism(args: &[&str]) -> Output {
+    run_prism(args, &[("RAYON_NUM_THREADS", "1"), ("RUST_BACKTRACE", "0")])
 }
 
 #[test]
@@ -60,12 +51,7 @@ fn answers_the_example_request_with_the_bundled_model() {
     assert!(p_yes > 0.0 && p_yes < 1.0);
 
     let mood = &answers["mood"];
-    let p: Vec<f64> = mood["probabilities"]
-        .as_object()
-        .unwrap()
-        .values()
-        .map(|v| v.as_f64().unwrap())
-        .collect();
+    let p = common::probabilities(mood);
     let score: f64 = p.iter().enumerate().map(|(i, p)| i as f64 * p).sum();
     assert!((mood["score"].as_f64().unwrap() - score).abs() < 1e-12);
     assert_eq!(mood["legend"]["2"], "angry");
@@ -104,7 +90,7 @@ fn model_dir_without_gguf_is_refused() {
 /// refuses it (422, exit status 1).
 #[test]
 fn reads_images_with_a_vision_tower() {
-    let vl = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-vl-tiny");
+    let vl = repo("tests/fixtures/qwen35-vl-tiny");
     let image = std::fs::read(vl.join("images/square_256x256.png")).expect("fixture image");
     let request = serde_json::json!({
         "state": "The dock: <image>",

@@ -3,6 +3,7 @@
 //! states); the reliability PNG's bars; bad lines; sys1bench's manifest format; Ctrl-C's partial report.
 //! The metrics themselves are checked against scikit-learn in prism-decision's `tests/eval_sklearn.rs`.
 
+mod common;
 mod serve_common;
 
 use std::io::{BufRead, BufReader};
@@ -10,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use common::probabilities;
 use serde_json::Value;
 use serve_common::{repo_path, Server};
 
@@ -48,6 +50,13 @@ fn eval_ok(args: &[&str]) -> Value {
 fn results(out: &Path) -> Value {
     serde_json::from_slice(&std::fs::read(out.join("results.json")).expect("results.json"))
         .expect("results.json is JSON")
+}
+
+/// An empty out dir `name`, made, and the sample suite's text to build a suite of one's own from.
+fn dir_for_a_suite(name: &str) -> (PathBuf, String) {
+    let dir = out_dir(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    (dir, std::fs::read_to_string(sample()).unwrap())
 }
 
 fn sample() -> String {
@@ -101,12 +110,7 @@ fn sample_suite_in_process_and_over_http_give_the_same_results() {
     let (mut correct, mut labelled) = (0, 0);
     for item in items {
         for (_, answer) in item["answers"].as_object().unwrap() {
-            let sum: f64 = answer["probabilities"]
-                .as_object()
-                .unwrap()
-                .values()
-                .map(|p| p.as_f64().unwrap())
-                .sum();
+            let sum: f64 = probabilities(answer).iter().sum();
             assert!((sum - 1.0).abs() < 1e-9, "{item}");
             if let Some(ok) = answer["correct"].as_bool() {
                 labelled += 1;
@@ -180,7 +184,8 @@ fn compare_int8_against_f32_on_the_fixture() {
     let report = std::fs::read_to_string(int8_dir.join("report.md")).unwrap();
     assert!(report.contains("83 decisions agree"), "{report}");
     assert!(report.contains("| r01 | sentiment |"), "{report}");
-    // A run against itself: full agreement, no drift.
+    // A run against itself: full agreement, no drift. (Its command line has the shape of the int8 run's
+    // above; each is the run its checks are about.)
     let self_dir = out_dir("self");
     let r = eval_ok(&[
         "eval",
@@ -264,9 +269,7 @@ fn reliability_png_has_the_bins_bars() {
 
 #[test]
 fn bad_lines_name_line_and_field_and_skip_bad_goes_on() {
-    let dir = out_dir("bad");
-    std::fs::create_dir_all(&dir).unwrap();
-    let text = std::fs::read_to_string(sample()).unwrap();
+    let (dir, text) = dir_for_a_suite("bad");
     let mut lines: Vec<String> = text.lines().take(3).map(str::to_string).collect();
     lines[1] = lines[1].replace("\"team\": \"billing\"", "\"team\": \"finance\"");
     lines.push("{\"id\": \"x\"".to_string());
@@ -351,9 +354,7 @@ fn reads_sys1bench_manifest_rows() {
 /// Ctrl-C (SIGINT) while a long suite runs: what is done is kept, the report says it is partial, exit 130.
 #[test]
 fn ctrl_c_writes_a_partial_report() {
-    let dir = out_dir("ctrlc");
-    std::fs::create_dir_all(&dir).unwrap();
-    let text = std::fs::read_to_string(sample()).unwrap();
+    let (dir, text) = dir_for_a_suite("ctrlc");
     let mut long = String::new();
     for copy in 0..20 {
         for line in text.lines() {
@@ -366,6 +367,8 @@ fn ctrl_c_writes_a_partial_report() {
     let suite = dir.join("long.jsonl");
     std::fs::write(&suite, long).unwrap();
     let out = dir.join("out");
+    // Flag and value pairs, written out as the other command-line tests write theirs (kv_fp8_cli's and
+    // synth_bench's bench runs): alike in shape only, each is the command its test runs.
     let mut child = Command::new(env!("CARGO_BIN_EXE_prism"))
         .args([
             "eval",

@@ -3,20 +3,17 @@
 //! requests are batched or served from the prefix cache, and stay close to the answers with native
 //! keys and values. The model-level accuracy and invariance tests are prism-model's `tests/kv_fp8.rs`.
 
+mod common;
 mod serve_common;
 
-use std::process::Command;
+use std::process::Output;
 
+use common::run_prism;
 use serde_json::{json, Value};
 use serve_common::{repo_path, send, Server};
 
-fn prism(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_prism"))
-        .args(args)
-        .env("RAYON_NUM_THREADS", "2")
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("run prism")
+fn prism(args: &[&str]) -> Output {
+    run_prism(args, &[("RAYON_NUM_THREADS", "2"), ("RUST_BACKTRACE", "0")])
 }
 
 #[test]
@@ -60,13 +57,7 @@ fn probabilities(body: &[u8]) -> Vec<f64> {
         let a = &v["answers"][key];
         match a["type"].as_str().unwrap() {
             "noul" => out.push(a["noul"].as_f64().unwrap()),
-            _ => out.extend(
-                a["probabilities"]
-                    .as_object()
-                    .unwrap()
-                    .values()
-                    .map(|p| p.as_f64().unwrap()),
-            ),
+            _ => out.extend(common::probabilities(a)),
         }
     }
     out
@@ -82,12 +73,7 @@ fn serve_with_fp8_kv_answers_invariantly_and_close_to_native() {
         .iter()
         .map(|b| {
             let reply = server.post_json("/v1/systemone", b);
-            assert_eq!(
-                reply.status,
-                200,
-                "{}",
-                String::from_utf8_lossy(&reply.body)
-            );
+            reply.assert_status(200);
             reply
         })
         .collect();
@@ -149,6 +135,8 @@ fn serve_with_fp8_kv_answers_invariantly_and_close_to_native() {
 fn bench_reports_the_kv_storage() {
     let dir = repo_path("tests/fixtures/qwen35-tiny");
     let gguf = dir.join("tiny-Q8_0.gguf");
+    // The bench command of synth_bench's test with other settings (int8, no warm-up, a shorter long
+    // prompt): written out whole, as each test's command is.
     let run = |extra: &[&str]| -> Value {
         let mut args = vec![
             "bench",

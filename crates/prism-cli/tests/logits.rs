@@ -56,6 +56,14 @@ fn run(name: &str, tokens: &str, extra: &[&str]) -> Output {
     prism_logits(&args)
 }
 
+/// Asserts that the run exited with `code` and that its stderr names `message`.
+#[track_caller]
+fn assert_fails(out: &Output, code: i32, message: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(code), "{stderr}");
+    assert!(stderr.contains(message), "{stderr}");
+}
+
 fn floats(v: &Value) -> Vec<f64> {
     v.as_array()
         .unwrap()
@@ -64,7 +72,8 @@ fn floats(v: &Value) -> Vec<f64> {
         .collect()
 }
 
-/// max |a − b| over the pairs of `a` and `b`.
+/// max |a − b| over the pairs of `a` and `b`. (prism-decision's `tests/engine.rs` has the same fold:
+/// two crates' tests share no module.)
 fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
     a.iter()
         .zip(b)
@@ -174,8 +183,7 @@ fn bad_inputs_fail_with_a_message() {
         "--prompt-file".as_ref(),
         missing.as_os_str(),
     ]);
-    assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("no-such-prompt.txt"));
+    assert_fails(&out, 1, "no-such-prompt.txt");
 }
 
 #[test]
@@ -332,7 +340,8 @@ fn hf_dir_flag_errors() {
     let tokens = dir.join("tokens.json");
     std::fs::write(&tokens, "[[4097, 82, 597]]").unwrap();
     let (gguf_path, fixture) = (tiny_gguf(), fixture_dir());
-    // Both sources, or neither: a usage error (clap's exit code 2).
+    // Both sources, or neither: a usage error (clap's exit code 2). The command lines are written out
+    // flag by flag like the one of `hf_dir_matches_transformers_and_the_gguf`: alike in shape only.
     let both = prism_logits(&[
         "--gguf".as_ref(),
         gguf_path.as_os_str(),
@@ -341,11 +350,9 @@ fn hf_dir_flag_errors() {
         "--tokens".as_ref(),
         tokens.as_os_str(),
     ]);
-    assert_eq!(both.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&both.stderr).contains("cannot be used with"));
+    assert_fails(&both, 2, "cannot be used with");
     let neither = prism_logits(&["--tokens".as_ref(), tokens.as_os_str()]);
-    assert_eq!(neither.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&neither.stderr).contains("--gguf"));
+    assert_fails(&neither, 2, "--gguf");
     // A directory without config.json, then one without weights: exit 1 naming what is missing.
     let hf_dir_tokens = || {
         prism_logits(&[
@@ -364,9 +371,7 @@ fn hf_dir_flag_errors() {
     );
     std::fs::copy(fixture_dir().join("config.json"), dir.join("config.json")).unwrap();
     let no_weights = hf_dir_tokens();
-    let stderr = String::from_utf8_lossy(&no_weights.stderr);
-    assert_eq!(no_weights.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("no model.safetensors"), "{stderr}");
+    assert_fails(&no_weights, 1, "no model.safetensors");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

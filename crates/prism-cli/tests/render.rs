@@ -1,19 +1,14 @@
 //! `prism render` on the sample requests in `examples/`.
 
+mod common;
+
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::Output;
 
-fn example(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../examples")
-        .join(name)
-}
+use common::{example, run_prism};
 
-fn prism(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_prism"))
-        .args(args)
-        .output()
-        .expect("run prism")
+fn prism(args: &[&str]) -> Output {
+    run_prism(args, &[])
 }
 
 const EVIDENCE: &str = "Evidence:\n{\"ticket\": \"I was charged twice for my March invoice and now the app says my card is \
@@ -140,6 +135,7 @@ fn with_a_model_dir_shows_the_chat_templated_text_and_its_tokens() {
             ),
             "{name}"
         );
+        // (prism-gguf's fixture_reference reads its shapes the same way: another crate's tests.)
         let ids: Vec<u64> = prompt["ids"]
             .as_array()
             .unwrap()
@@ -195,7 +191,7 @@ fn a_missing_file_is_an_error() {
 }
 
 fn vision_fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-vl-tiny")
+    common::repo("tests/fixtures/qwen35-vl-tiny")
 }
 
 /// The vision fixture's image `name` (`square`, `frame0`, ...) as base64. (prism-decision's

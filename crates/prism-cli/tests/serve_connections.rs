@@ -75,12 +75,7 @@ fn past_the_connection_limit_a_new_connection_gets_a_503_and_the_server_goes_on(
         .collect();
     std::thread::sleep(Duration::from_millis(200));
     let reply = server.get("/health");
-    assert_eq!(
-        reply.status,
-        503,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
+    reply.assert_status(503);
     assert_eq!(reply.error_type(), "overloaded");
     assert_eq!(reply.header("retry-after"), Some("1"));
     drop(held);
@@ -114,6 +109,8 @@ fn a_half_sent_header_does_not_hold_shutdown() {
     );
 }
 
+// Each connection test starts its own server with the flag it is about and ends on its own checks:
+// alike at their edges only.
 #[test]
 fn a_body_too_slow_is_a_408_counted_apart_from_504s() {
     let server = Server::start(&["--timeout", "0.5"]);
@@ -244,12 +241,7 @@ fn a_transfer_coding_other_than_chunked_is_a_501() {
         ],
         body,
     );
-    assert_eq!(
-        reply.status,
-        200,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
+    reply.assert_status(200);
     let stats = server.get("/stats").json();
     assert_eq!(stats["requests"]["by_status"]["501"], 2, "{stats}");
 }

@@ -57,12 +57,7 @@ fn alone_bodies(requests: &[Vec<u8>]) -> Vec<Vec<u8>> {
         .iter()
         .map(|body| {
             let reply = server.post_json("/v1/systemone", body);
-            assert_eq!(
-                reply.status,
-                200,
-                "{}",
-                String::from_utf8_lossy(&reply.body)
-            );
+            reply.assert_status(200);
             reply.answer_bytes().to_vec()
         })
         .collect()
@@ -485,23 +480,13 @@ fn one_request_cannot_ask_for_unbounded_work() {
     let body = noul_questions(2000);
     let started = Instant::now();
     let reply = server.post_json("/v1/systemone", &body);
-    assert_eq!(
-        reply.status,
-        422,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
+    reply.assert_status(422);
     assert_eq!(reply.locs()[0], ["body", "questions"]);
     assert!(started.elapsed() < Duration::from_secs(10));
     // Within the question limit but over the request's token limit.
     let server = Server::start(&["--max-request-tokens", "500"]);
     let reply = server.post_json("/v1/systemone", &requests()[1]);
-    assert_eq!(
-        reply.status,
-        422,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
+    reply.assert_status(422);
     assert_eq!(reply.locs()[0], ["body", "questions"]);
     assert_eq!(reply.json()["detail"][0]["type"], "request_too_long");
     // The server goes on.
@@ -534,12 +519,7 @@ fn memory_per_question_stays_well_below_the_old_two_megabytes() {
     let before = peak_rss(server.pid());
     let body = noul_questions(400);
     let reply = server.post_json("/v1/systemone", &body);
-    assert_eq!(
-        reply.status,
-        200,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
+    reply.assert_status(200);
     assert_eq!(reply.json()["answers"].as_object().unwrap().len(), 400);
     let grown = peak_rss(server.pid()).saturating_sub(before);
     let per_question = grown as f64 / 400.0;
@@ -557,21 +537,22 @@ fn memory_per_question_stays_well_below_the_old_two_megabytes() {
 #[test]
 fn text_too_long_by_its_length_alone_is_refused_without_tokenizing() {
     let server = Server::start(&["--timeout", "600"]);
+    // A 422 within 3 s: too soon for tokenizing.
+    let refused_at_once = |body: &[u8]| {
+        let started = Instant::now();
+        let reply = server.post_json("/v1/systemone", body);
+        let took = started.elapsed();
+        reply.assert_status(422);
+        assert!(took < Duration::from_secs(3), "refused after {took:?}");
+        reply
+    };
     let state = "word ".repeat(1_600_000);
     let body = serde_json::to_vec(&json!({
         "state": state,
         "questions": {"late": {"type": "noul", "instructions": "Is it late?"}},
     }))
     .unwrap();
-    let started = Instant::now();
-    let reply = server.post_json("/v1/systemone", &body);
-    let took = started.elapsed();
-    assert_eq!(
-        reply.status,
-        422,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
+    let reply = refused_at_once(&body);
     assert_eq!(reply.locs(), [["body", "questions", "late"]]);
     // (8,000,000 bytes of state + 11 of instructions) / 64 bytes a token, rounded up.
     let error = reply.json()["error"]
@@ -579,7 +560,6 @@ fn text_too_long_by_its_length_alone_is_refused_without_tokenizing() {
         .unwrap_or_default()
         .to_string();
     assert!(error.contains("at least 125001 tokens"), "{error}");
-    assert!(took < Duration::from_secs(3), "refused after {took:?}");
 
     let questions: serde_json::Map<String, Value> = (0..128)
         .map(|i| {
@@ -591,18 +571,9 @@ fn text_too_long_by_its_length_alone_is_refused_without_tokenizing() {
         .collect();
     let body =
         serde_json::to_vec(&json!({"state": "w".repeat(600_000), "questions": questions})).unwrap();
-    let started = Instant::now();
-    let reply = server.post_json("/v1/systemone", &body);
-    let took = started.elapsed();
-    assert_eq!(
-        reply.status,
-        422,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
+    let reply = refused_at_once(&body);
     assert_eq!(reply.locs(), [["body", "questions"]]);
     assert_eq!(reply.json()["detail"][0]["type"], "request_too_long");
-    assert!(took < Duration::from_secs(3), "refused after {took:?}");
     // Nothing was left behind: a small request is answered.
     let small =
         br#"{"state": "s", "questions": {"q": {"type": "noul", "instructions": "Is it?"}}}"#;

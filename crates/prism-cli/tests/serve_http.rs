@@ -3,6 +3,7 @@
 //! itself checked against transformers and the reference renderer) and the decoder's batch invariance
 //! (a question answers with the same bytes alone, in a request with others, and under concurrency).
 
+mod common;
 mod serve_common;
 
 use std::process::Command;
@@ -39,17 +40,13 @@ fn post(server: &Server, body: &Value) -> Reply {
     server.post_json("/v1/systemone", &serde_json::to_vec(body).unwrap())
 }
 
+/// A noul answer's probability, or a choice or score answer's probabilities.
 fn probabilities(answer: &Value) -> Vec<f64> {
-    let map = if answer["type"] == "noul" {
-        return vec![answer["noul"].as_f64().unwrap()];
+    if answer["type"] == "noul" {
+        vec![answer["noul"].as_f64().unwrap()]
     } else {
-        &answer["probabilities"]
-    };
-    map.as_object()
-        .unwrap()
-        .values()
-        .map(|p| p.as_f64().unwrap())
-        .collect()
+        common::probabilities(answer)
+    }
 }
 
 /// TypeSafe's confidences, recomputed from the probabilities.
@@ -145,12 +142,7 @@ fn readme_examples_endpoints_and_banner() {
         serde_json::from_slice(&std::fs::read(repo_path("examples/request.json")).unwrap())
             .unwrap();
     let reply = post(&server, &example);
-    assert_eq!(
-        reply.status,
-        200,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
+    reply.assert_status(200);
     assert_eq!(reply.header("content-type"), Some("application/json"));
     let body = reply.json();
     let cli = decide_cli(&example);
@@ -298,12 +290,7 @@ fn decision_rules_through_http() {
     for state in states {
         let request = json!({"state": state, "questions": questions, "model": "jev-latest", "think_mode": "never"});
         let reply = post(&server, &request);
-        assert_eq!(
-            reply.status,
-            200,
-            "{}",
-            String::from_utf8_lossy(&reply.body)
-        );
+        reply.assert_status(200);
         let body = reply.json();
         let cli = decide_cli(&request);
         assert_eq!(body["answers"], cli["answers"], "state {state}");
@@ -455,6 +442,8 @@ fn hostile_cases() -> Vec<Case> {
     let asset_json = format!(
         r#"{{"state": "<image:1>", {q}, "assets": {{"<image:1>": {{"type": "image", "part": "asset-0"}}}}}}"#
     );
+    // One row a refused request: rows alike in shape differ in the body and the `loc` they expect,
+    // and each stays whole so that a failure names one case.
     let mut cases = vec![
         case(
             "truncated JSON",
@@ -1053,12 +1042,7 @@ fn body_size_limits() {
         &[("Content-Type", "application/json")],
         &big,
     );
-    assert_eq!(
-        declared.status,
-        413,
-        "{}",
-        String::from_utf8_lossy(&declared.body)
-    );
+    declared.assert_status(413);
     assert_eq!(declared.error_type(), "too_large");
     // No length given (chunked): refused once the limit is passed.
     let chunked = send(
@@ -1277,7 +1261,7 @@ fn full_queue_timeout_and_prompt_limit() {
     // A request that outlives --timeout gets 504; the server goes on.
     let server = Server::start(&["--timeout", "0.2", "--max-tokens", "3500"]);
     let late = server.post_json("/v1/systemone", &slow_body());
-    assert_eq!(late.status, 504, "{}", String::from_utf8_lossy(&late.body));
+    late.assert_status(504);
     assert_eq!(late.error_type(), "timeout");
     // A prompt beyond --max-tokens is refused before any model work (once the abandoned request is done).
     let started = Instant::now();
@@ -1292,7 +1276,7 @@ fn full_queue_timeout_and_prompt_limit() {
         )
         .unwrap(),
     );
-    assert_eq!(long.status, 422, "{}", String::from_utf8_lossy(&long.body));
+    long.assert_status(422);
     assert_eq!(long.locs()[0], ["body", "questions", "q"]);
     assert_eq!(server.get("/health").status, 200);
     assert_eq!(server.get("/stats").json()["requests"]["timed_out"], 1);
@@ -1321,12 +1305,7 @@ fn sigterm_finishes_the_request_in_flight() {
     }
     server.sigterm();
     let reply = in_flight.join().unwrap();
-    assert_eq!(
-        reply.status,
-        200,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
+    reply.assert_status(200);
     assert!(reply.json()["answers"]["q"]["noul"].is_number());
     let status = server.wait_exit(Duration::from_secs(30));
     assert!(status.success(), "{status}\n{}", server.output());

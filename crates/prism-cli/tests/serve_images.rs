@@ -61,12 +61,7 @@ fn images_are_answered_over_http() {
         .iter()
         .map(|b| {
             let reply = server.post_json("/v1/systemone", b);
-            assert_eq!(
-                reply.status,
-                200,
-                "{}",
-                String::from_utf8_lossy(&reply.body)
-            );
+            reply.assert_status(200);
             reply.answer_bytes().to_vec()
         })
         .collect();
@@ -167,6 +162,8 @@ fn a_model_without_mmproj_refuses_images() {
 /// part), sync and async, answered as the same image sent as base64 in plain JSON, placed by a mark.
 #[test]
 fn the_typesafe_sdk_uploads_an_image() {
+    // The virtualenv lookup every SDK test makes (serve_engine's metrics test too), each naming the
+    // module it needs; without it the test returns early.
     let Some(python) = serve_common::venv_program(
         "python",
         &["-c", "import typesafe_sdk"],
@@ -191,12 +188,7 @@ fn the_typesafe_sdk_uploads_an_image() {
         },
     });
     let reply = server.post_json("/v1/systemone", &serde_json::to_vec(&plain).unwrap());
-    assert_eq!(
-        reply.status,
-        200,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
+    reply.assert_status(200);
     let reply = reply.json();
     assert_eq!(reply["answers"], report["answers"], "{reply}\n{report}");
     assert_eq!(reply["usage"], report["usage"]);
@@ -258,12 +250,7 @@ fn a_synthetic_model_with_its_mmproj_answers_images() {
         "/v1/systemone",
         &body("A photo from the dock.", vec![image("square_256x256.png")]),
     );
-    assert_eq!(
-        reply.status,
-        200,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
+    reply.assert_status(200);
     let text_only = server.post_json("/v1/systemone", &body("A photo from the dock.", vec![]));
     let tokens = |r: &serve_common::Reply| r.json()["usage"]["input_tokens"].as_u64().unwrap();
     assert!(tokens(&reply) >= tokens(&text_only) + 2 * 64);

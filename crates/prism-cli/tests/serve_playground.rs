@@ -7,8 +7,7 @@
 
 mod serve_common;
 
-use serde_json::Value;
-use serve_common::{repo_path, send, Server};
+use serve_common::{check_report, repo_path, send, Server};
 
 fn browser() -> Option<(String, String)> {
     let chromium = std::env::var("CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
@@ -41,14 +40,7 @@ fn the_playground_shows_the_apis_answers_in_a_real_browser() {
         .env("CHROMEDRIVER", &driver)
         .output()
         .expect("run python3");
-    assert!(
-        output.status.success(),
-        "the browser check failed:\n{}\n{}\n{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr),
-        server.output()
-    );
-    let report: Value = serde_json::from_slice(&output.stdout).expect("the check prints JSON");
+    let report = check_report(&output, "the browser check", &server);
     // Three questions: the choice's three options and none, yes, and the score's three levels.
     assert!(
         report["probabilities_compared"].as_u64().unwrap() >= 8,

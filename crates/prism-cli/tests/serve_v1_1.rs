@@ -2,8 +2,10 @@
 //! thoughts end to end (`--demo v1.1`), the none option and `allow_none`, Instant (`--demo instant`),
 //! and what the official TypeSafe SDK sees of them (`tests/sdk/check_sdk_v1_1.py`).
 
+mod common;
 mod serve_common;
 
+use common::probabilities;
 use serde_json::{json, Value};
 use serve_common::{repo_path, run_sdk_check, venv_program, Server};
 
@@ -49,12 +51,7 @@ fn demo_v1_1_thinks_end_to_end() {
         "think_mode": "always", "return_thought": true, "return_details": true,
     });
     let reply = post(&server, &request);
-    assert_eq!(
-        reply.status,
-        200,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
+    reply.assert_status(200);
     let body = reply.json();
     let mut thought_tokens = 0;
     for name in ["team", "urgent", "mood"] {
@@ -170,12 +167,7 @@ fn the_none_option_and_allow_none_over_http() {
         let none = answer["none_probability"]
             .as_f64()
             .expect("none_probability");
-        let listed: Vec<f64> = answer["probabilities"]
-            .as_object()
-            .unwrap()
-            .values()
-            .map(|v| v.as_f64().unwrap())
-            .collect();
+        let listed = probabilities(&answer);
         assert!(
             (listed.iter().sum::<f64>() + none - 1.0).abs() < 1e-9,
             "{answer}"
@@ -195,12 +187,7 @@ fn the_none_option_and_allow_none_over_http() {
         no_none["none_check"] = json!(false);
         let plain = post(&server, &no_none).json()["answers"]["pick"].clone();
         assert!(plain.get("none_probability").is_none(), "{plain}");
-        let sum: f64 = plain["probabilities"]
-            .as_object()
-            .unwrap()
-            .values()
-            .map(|v| v.as_f64().unwrap())
-            .sum();
+        let sum: f64 = probabilities(&plain).iter().sum();
         assert!((sum - 1.0).abs() < 1e-9);
     }
     eprintln!("{nulls} of 12 null choices");
@@ -299,12 +286,7 @@ fn the_v1_1_demo_reads_images() {
         && l.contains("-d @examples/image-request.json")));
     let image_request = std::fs::read(repo_path("examples/image-request.json")).unwrap();
     let reply = server.post_json("/v1/systemone", &image_request);
-    assert_eq!(
-        reply.status,
-        200,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
+    reply.assert_status(200);
     let mut plain: Value = serde_json::from_slice(&image_request).unwrap();
     plain.as_object_mut().unwrap().remove("images");
     let state = plain["state"].as_str().unwrap().replace("<image>", "");

@@ -100,6 +100,8 @@ fn sigquit_writes_every_threads_stack_and_the_server_carries_on() {
         .count()
         < 2
     {
+        // A poll like serve_engine's wait for cancellations: each loop checks its own condition and
+        // limit, so it stays written out here.
         assert!(
             started.elapsed() < Duration::from_secs(30),
             "no second dump"

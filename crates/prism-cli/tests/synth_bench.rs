@@ -8,26 +8,18 @@
 //! - `prism bench` on the tiny fixture: the three scenarios, their token counts against `prism decide`'s
 //!   usage, the long prompt near its target, and every latency above its measured floor.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use common::{probabilities, repo, run_prism};
 use prism_gguf::{GgmlType, GgufFile};
 use prism_model::synth::{SynthFileType, SynthSize, SynthSpec};
 use serde_json::Value;
 
-fn repo(path: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .join(path)
-}
-
 fn prism(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_prism"))
-        .args(args)
-        .env("RAYON_NUM_THREADS", "2")
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("run prism")
+    run_prism(args, &[("RAYON_NUM_THREADS", "2"), ("RUST_BACKTRACE", "0")])
 }
 
 fn ok(output: &Output) -> &Output {
@@ -51,10 +43,9 @@ fn synth(out: &Path, args: &[&str]) {
     ok(&prism(&all));
 }
 
-/// `prism decide` on the README request: three answers whose probabilities are finite and sum to 1.
-/// Returns the response.
-fn decide(dir: &Path) -> Value {
-    let gguf = dir.join("model.gguf");
+/// `prism decide --gguf GGUF --model-dir DIR` on the README request (`examples/request.json`), which must
+/// succeed: its response.
+fn decide_response(gguf: &Path, dir: &Path) -> Value {
     let request = repo("examples/request.json");
     let output = prism(&[
         "decide",
@@ -64,19 +55,20 @@ fn decide(dir: &Path) -> Value {
         dir.to_str().unwrap(),
         request.to_str().unwrap(),
     ]);
-    let response: Value = serde_json::from_slice(&ok(&output).stdout).expect("response JSON");
+    serde_json::from_slice(&ok(&output).stdout).expect("response JSON")
+}
+
+/// `prism decide` on the README request: three answers whose probabilities are finite and sum to 1.
+/// Returns the response.
+fn decide(dir: &Path) -> Value {
+    let response = decide_response(&dir.join("model.gguf"), dir);
     let answers = response["answers"].as_object().expect("answers");
     assert_eq!(
         answers.keys().collect::<Vec<_>>(),
         ["team", "urgent", "mood"]
     );
     for name in ["team", "mood"] {
-        let p: Vec<f64> = answers[name]["probabilities"]
-            .as_object()
-            .unwrap()
-            .values()
-            .map(|v| v.as_f64().unwrap())
-            .collect();
+        let p = probabilities(&answers[name]);
         assert_eq!(p.len(), 3);
         assert!(
             p.iter().all(|x| x.is_finite() && *x > 0.0 && *x < 1.0),
@@ -219,6 +211,7 @@ fn bad_synth_arguments_are_refused() {
 fn bench_runs_the_three_scenarios_on_the_tiny_model() {
     let dir = repo("tests/fixtures/qwen35-tiny");
     let gguf = dir.join("tiny-Q8_0.gguf");
+    // Flag by flag like `decide_response`'s command: alike in shape only.
     let output = prism(&[
         "bench",
         "--model-dir",
@@ -257,16 +250,7 @@ fn bench_runs_the_three_scenarios_on_the_tiny_model() {
     // The short question is the shared request's first question on the same ticket.
     assert_eq!(short[0], shared[0]);
     // The shared request is examples/request.json: prism decide counts the same prompt tokens.
-    let request = repo("examples/request.json");
-    let decided = prism(&[
-        "decide",
-        "--gguf",
-        gguf.to_str().unwrap(),
-        "--model-dir",
-        dir.to_str().unwrap(),
-        request.to_str().unwrap(),
-    ]);
-    let response: Value = serde_json::from_slice(&ok(&decided).stdout).unwrap();
+    let response = decide_response(&gguf, &dir);
     assert_eq!(
         response["usage"]["input_tokens"].as_u64().unwrap(),
         shared.iter().sum::<u64>()

@@ -9,6 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
+use common::{ids_of, read_json};
 use prism_decision::chat_template::{
     ChatMessage, ChatRole, ChatTemplate, ChatTemplateError, ContentPart, PromptFormat,
     PromptFormatError, RenderOptions, TemplateOrigin, LETTERS,
@@ -17,22 +18,10 @@ use prism_decision::tokenizer::{PromptTokenizer, TokenizerJsonPipeline};
 use prism_gguf::GgufFile;
 use serde_json::Value;
 
+mod common;
+
 fn tiny_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny")
-}
-
-fn read_json(path: &Path) -> Value {
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-fn ids_of(value: &Value) -> Vec<u32> {
-    value
-        .as_array()
-        .expect("ids")
-        .iter()
-        .map(|v| v.as_u64().expect("id") as u32)
-        .collect()
 }
 
 /// Messages in the JSON shape transformers takes.
@@ -416,6 +405,8 @@ count={{ ns.count }} last={{ ns.last }}
 "##;
 
 /// jinja2 3.1.6's renders (transformers' environment) of the cases below.
+// Kept as jinja2's script wrote it: cases repeat the same messages on purpose, each one a whole
+// input next to its output, so the reference can be compared with a fresh run line for line.
 const JINJA2_REFERENCE: &str = r##"{
  "jinja2": "3.1.6",
  "cases": [

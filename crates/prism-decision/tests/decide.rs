@@ -245,8 +245,11 @@ fn unsupported_features_are_refused_not_faked() {
     assert!(decide(&request(&never), &DecisionConfig::default(), &mut model).is_ok());
 }
 
+/// How a `FailingModel` answers a pass.
+type Answering = fn(&[LetterPrompt]) -> Result<LetterLogits, ModelError>;
+
 /// A model that fails in a chosen way.
-struct FailingModel(fn(&[LetterPrompt]) -> Result<LetterLogits, ModelError>);
+struct FailingModel(Answering);
 
 impl LetterModel for FailingModel {
     fn model_name(&self) -> &str {
@@ -276,27 +279,28 @@ fn model_failures() {
     let error = decide(&request, &config, &mut model).unwrap_err();
     assert!(matches!(error, DecisionError::Model(_)));
     assert_eq!(error.status(), 500);
-    // Wrong shapes and non-finite logits are errors, not answers.
-    let mut model = FailingModel(|p| {
-        Ok(LetterLogits {
-            logits: vec![vec![0.0; 2]; p.len() - 1],
-            ..Default::default()
-        })
-    });
-    assert!(matches!(
-        decide(&request, &config, &mut model),
-        Err(DecisionError::ModelOutput(_))
-    ));
-    let mut model = FailingModel(|p| {
-        Ok(LetterLogits {
-            logits: vec![vec![0.0; 2]; p.len()],
-            ..Default::default()
-        })
-    });
-    assert!(matches!(
-        decide(&request, &config, &mut model),
-        Err(DecisionError::ModelOutput(_))
-    ));
+    // Wrong shapes (a prompt without logits; two logits where a prompt has more letters) and
+    // non-finite logits are errors, not answers.
+    let wrong_shapes: [Answering; 2] = [
+        |p| {
+            Ok(LetterLogits {
+                logits: vec![vec![0.0; 2]; p.len() - 1],
+                ..Default::default()
+            })
+        },
+        |p| {
+            Ok(LetterLogits {
+                logits: vec![vec![0.0; 2]; p.len()],
+                ..Default::default()
+            })
+        },
+    ];
+    for shape in wrong_shapes {
+        assert!(matches!(
+            decide(&request, &config, &mut FailingModel(shape)),
+            Err(DecisionError::ModelOutput(_))
+        ));
+    }
     let mut model = FailingModel(|p| {
         Ok(LetterLogits {
             logits: p

@@ -4,12 +4,15 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use common::submit_with;
 use prism_decision::{
     decide, DecisionConfig, DecisionRequest, DecoderLetterModel, EngineError, LetterModel,
     LetterPrompt, ModelSource, RequestDefaults,
 };
 use prism_model::LoadOptions;
 use serde_json::Value;
+
+mod common;
 
 fn fixture_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-tiny")
@@ -21,14 +24,22 @@ fn read_json(name: &str) -> Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-fn load(gguf: &str, max_tokens: usize) -> (DecoderLetterModel, DecisionConfig) {
-    let source = ModelSource {
+/// The fixture's GGUF `gguf` with the model directory `model_dir` (tokenizer, template, configs), no mmproj.
+fn source(gguf: &str, model_dir: Option<PathBuf>) -> ModelSource {
+    ModelSource {
         gguf: fixture_dir().join(gguf),
-        model_dir: Some(fixture_dir()),
+        model_dir,
         mmproj: None,
-    };
-    let loaded = DecoderLetterModel::load(&source, &LoadOptions::default(), max_tokens)
-        .expect("model loads");
+    }
+}
+
+fn load(gguf: &str, max_tokens: usize) -> (DecoderLetterModel, DecisionConfig) {
+    let loaded = DecoderLetterModel::load(
+        &source(gguf, Some(fixture_dir())),
+        &LoadOptions::default(),
+        max_tokens,
+    )
+    .expect("model loads");
     (loaded.model, loaded.config)
 }
 
@@ -192,11 +203,7 @@ fn a_prompt_over_the_limit_is_refused_naming_its_question() {
 
 #[test]
 fn load_errors_name_what_is_wrong() {
-    let missing = ModelSource {
-        gguf: fixture_dir().join("no-such.gguf"),
-        model_dir: None,
-        mmproj: None,
-    };
+    let missing = source("no-such.gguf", None);
     match DecoderLetterModel::load(&missing, &LoadOptions::default(), 100) {
         Err(EngineError::Gguf { path, .. }) => assert!(path.ends_with("no-such.gguf")),
         Err(other) => panic!("unexpected error {other}"),
@@ -223,11 +230,7 @@ fn load_errors_name_what_is_wrong() {
         serde_json::json!({ "letter_token_ids": ids }).to_string(),
     )
     .expect("write config");
-    let source = ModelSource {
-        gguf: fixture_dir().join("tiny-Q8_0.gguf"),
-        model_dir: Some(dir.clone()),
-        mmproj: None,
-    };
+    let source = source("tiny-Q8_0.gguf", Some(dir.clone()));
     let result = DecoderLetterModel::load(&source, &LoadOptions::default(), 100);
     let _ = std::fs::remove_dir_all(&dir);
     match result {
@@ -275,11 +278,7 @@ fn questions_sharing_evidence_read_the_same_alone_or_together() {
 #[test]
 fn the_gguf_alone_serves_the_same_read_out() {
     // Without a model directory the tokenizer and chat template come from the GGUF's own metadata.
-    let source = ModelSource {
-        gguf: fixture_dir().join("tiny-Q8_0.gguf"),
-        model_dir: None,
-        mmproj: None,
-    };
+    let source = source("tiny-Q8_0.gguf", None);
     let mut alone = DecoderLetterModel::load(&source, &LoadOptions::default(), 4096)
         .expect("loads")
         .model;
@@ -391,19 +390,12 @@ fn sampled_thoughts_are_the_same_alone_and_among_others() {
         ("The supplier missed two deadlines.", r#", "seed": 11"#),
     ];
     for (state, seed) in others {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let prepared = engine.prepare(parse(body(state, seed))).expect("prepared");
-        engine
-            .submit(
-                prepared,
-                Box::new(move |r| {
-                    let _ = tx.send(r);
-                }),
-                None,
-                Default::default(),
-            )
-            .expect("queued");
-        receivers.push(rx);
+        receivers.push(submit_with(
+            &engine,
+            parse(body(state, seed)),
+            None,
+            Default::default(),
+        ));
     }
     let among = engine.decide(mine, None).expect("among").response;
     assert_eq!(answer(&among), answer(&alone));

@@ -8,6 +8,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::submit_with;
 use prism_decision::engine::{
     thinking::think_alone, Branch, CancelToken, Engine, EngineOptions, GroupInput, GroupOutput,
     JobError, JobResult, NextLogits, PassModel, PrefixCacheLimits, PromptEncoder, SubmitError,
@@ -17,6 +18,8 @@ use prism_decision::{
     decide, Answer, DecisionConfig, DecisionRequest, DecisionResponse, Family, LetterLogits,
     LetterModel, LetterPrompt, ModelError, RequestDefaults, ThoughtOutcome, ThoughtRequest,
 };
+
+mod common;
 
 /// One token per byte of `system \n user`; with thinking on, the token 258 (`<think>`) after them.
 /// Tokens 256 (`</think>`) and 257 (end of sequence) end a thought.
@@ -311,27 +314,6 @@ fn submit(engine: &Engine, request: DecisionRequest) -> mpsc::Receiver<JobResult
     submit_with(engine, request, None, CancelToken::default())
 }
 
-fn submit_with(
-    engine: &Engine,
-    request: DecisionRequest,
-    deadline: Option<Instant>,
-    cancel: CancelToken,
-) -> mpsc::Receiver<JobResult> {
-    let (tx, rx) = mpsc::channel();
-    let prepared = engine.prepare(request).unwrap();
-    engine
-        .submit(
-            prepared,
-            Box::new(move |r| {
-                let _ = tx.send(r);
-            }),
-            deadline,
-            cancel,
-        )
-        .unwrap();
-    rx
-}
-
 #[test]
 fn requests_share_passes_and_answer_as_alone() {
     let (go, gate) = mpsc::channel();
@@ -546,6 +528,8 @@ fn a_failing_pass_is_retried_one_request_at_a_time() {
     worker.join();
 }
 
+// Like the tests above, this one starts its own gated engine with its own options and ends by dropping
+// it and joining the worker: the gate and the options are what each test is about, so they stay inline.
 #[test]
 fn a_full_queue_is_refused_and_long_prompts_get_a_422() {
     let (go, gate) = mpsc::channel();

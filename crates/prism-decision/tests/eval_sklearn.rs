@@ -53,21 +53,17 @@ fn metrics_equal_scikit_learn() {
         for curve in case["calibration"].as_array().expect("calibration") {
             let bins = curve["bins"].as_u64().expect("bins") as usize;
             let metrics = Metrics::of(&refs, scored.len(), bins);
-            close(
-                &format!("{name}: brier"),
-                metrics.brier.expect("brier"),
-                case["brier"].as_f64().expect("brier"),
-            );
-            close(
-                &format!("{name}: log loss"),
-                metrics.log_loss.expect("ll"),
-                case["log_loss"].as_f64().expect("ll"),
-            );
-            close(
-                &format!("{name}: accuracy"),
-                metrics.accuracy.expect("acc"),
-                case["accuracy"].as_f64().expect("acc"),
-            );
+            for (key, ours) in [
+                ("brier", metrics.brier),
+                ("log_loss", metrics.log_loss),
+                ("accuracy", metrics.accuracy),
+            ] {
+                close(
+                    &format!("{name}: {key}"),
+                    ours.expect(key),
+                    case[key].as_f64().expect(key),
+                );
+            }
             let pairs: Vec<(f64, bool)> = scored
                 .iter()
                 .map(|s| (s.confidence(), s.correct()))
@@ -107,16 +103,17 @@ fn metrics_equal_scikit_learn() {
                     prob_pred[i],
                 );
             }
-            close(
-                &format!("{name}, {bins} bins: ece"),
-                metrics.ece.expect("ece"),
-                curve["ece"].as_f64().expect("ece"),
-            );
-            close(
-                &format!("{name}, {bins} bins: ece()"),
-                ece(&calibration(&pairs, bins)).expect("ece"),
-                curve["ece"].as_f64().expect("ece"),
-            );
+            // The metrics' ECE and `ece()` over the same bins both equal scikit-learn's.
+            for (what, ours) in [
+                ("ece", metrics.ece),
+                ("ece()", ece(&calibration(&pairs, bins))),
+            ] {
+                close(
+                    &format!("{name}, {bins} bins: {what}"),
+                    ours.expect("ece"),
+                    curve["ece"].as_f64().expect("ece"),
+                );
+            }
         }
     }
 }

@@ -119,7 +119,8 @@ fn whitespace_and_separators() {
 
 #[test]
 fn malformed_json_is_refused_with_its_position() {
-    // (text, message prefix, line, column) — positions as CPython reports them.
+    // (text, message prefix, line, column) — positions as CPython reports them. One row a case: rows
+    // alike in shape are different inputs, kept one a line so each reads against CPython's message.
     let cases = [
         ("01", "Extra data", 1, 2),
         ("1.", "Extra data", 1, 2),

@@ -8,6 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
+use common::{ids_of, read_json, tiny_added_tokens};
 use prism_decision::synth_files::{
     gguf_tokenizer_metadata, merges_from_ranks, qwen35_vocabulary, tokenizer_config_json,
     tokenizer_json, write_model_dir, ModelDirFiles, SynthFilesError, QWEN35_ADDED_TOKENS,
@@ -16,15 +17,12 @@ use prism_decision::tokenizer::{
     GgufVocabulary, PromptTokenizer, RankedVocabulary, TokenizerJsonPipeline, WholePieceLookup,
 };
 use prism_decision::DecisionConfig;
-use serde_json::{json, Value};
+use serde_json::json;
+
+mod common;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
-fn read_json(path: &Path) -> Value {
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 fn full_ranks() -> RankedVocabulary {
@@ -114,18 +112,7 @@ fn tiny_fixture_tokenizer_files_are_rebuilt_from_its_ranks() {
 #[test]
 fn added_tokens_are_the_release_tokens() {
     // The tiny fixture's added tokens are the 33 real ones renumbered; vocab_ref.json has their real ids.
-    let tiny = read_json(&fixtures().join("qwen35-tiny/tokenizer.json"));
-    let theirs: Vec<(String, bool)> = tiny["added_tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| {
-            (
-                t["content"].as_str().unwrap().to_string(),
-                t["special"].as_bool().unwrap(),
-            )
-        })
-        .collect();
+    let theirs = tiny_added_tokens();
     let ours: Vec<(String, bool)> = QWEN35_ADDED_TOKENS
         .iter()
         .map(|(c, s)| (c.to_string(), *s))
@@ -199,12 +186,7 @@ fn full_vocabulary_encodes_like_tiktoken_through_gguf_keys_and_tokenizer_json() 
     assert_eq!(pairs.len(), 100);
     for pair in pairs {
         let text = pair["text"].as_str().unwrap();
-        let ids: Vec<u32> = pair["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect();
+        let ids = ids_of(&pair["ids"]);
         assert_eq!(from_gguf.encode(text).unwrap(), ids, "GGUF keys: {text:?}");
         assert_eq!(
             from_json.encode(text).unwrap(),

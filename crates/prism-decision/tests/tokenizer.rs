@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use common::{ids_of, read_json, tiny_added_tokens};
 use prism_decision::tokenizer::{
     bytes_to_text, text_to_bytes, AddedTokenSpec, GgufVocabulary, PromptTokenizer, RankListProblem,
     RankedVocabulary, TokenizerError, TokenizerJsonPipeline, TokenizerSource, WholePieceLookup,
@@ -16,26 +17,14 @@ use prism_decision::tokenizer::{
 use prism_gguf::{GgufFile, MetadataValue};
 use serde_json::Value;
 
+mod common;
+
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
 }
 
 fn tiny_dir() -> PathBuf {
     fixtures().join("qwen35-tiny")
-}
-
-fn read_json(path: &Path) -> Value {
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-fn ids_of(value: &Value) -> Vec<u32> {
-    value
-        .as_array()
-        .expect("ids array")
-        .iter()
-        .map(|v| v.as_u64().expect("id") as u32)
-        .collect()
 }
 
 /// (text, ids, nfc_changes_text) from vocab_ref.json. Its first 59 texts are make_tiny.py's
@@ -397,18 +386,7 @@ fn gguf_vocabulary_gives_the_same_ids_as_tokenizer_json() {
 /// same 33 tokens in the same order, renumbered).
 fn full_added_tokens() -> Vec<AddedTokenSpec> {
     let vocab_ref = read_json(&fixtures().join("qwen35-vocab/vocab_ref.json"));
-    let tiny = read_json(&tiny_dir().join("tokenizer.json"));
-    let special: HashMap<String, bool> = tiny["added_tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| {
-            (
-                t["content"].as_str().unwrap().to_string(),
-                t["special"].as_bool().unwrap(),
-            )
-        })
-        .collect();
+    let special: HashMap<String, bool> = tiny_added_tokens().into_iter().collect();
     let added: Vec<AddedTokenSpec> = vocab_ref["added_tokens"]
         .as_array()
         .unwrap()
@@ -783,18 +761,16 @@ fn missing_and_corrupt_tokenizer_json_are_typed_errors() {
 
     let good = std::fs::read(tiny_dir().join("tokenizer.json")).unwrap();
     let path = Path::new("x/tokenizer.json");
+    let refused = |bytes: &[u8], pipeline| {
+        PromptTokenizer::from_tokenizer_json_bytes(bytes, path, pipeline).unwrap_err()
+    };
     for corrupt in [
         &good[..good.len() / 2],
         b"{}".as_slice(),
         b"not json".as_slice(),
         b"[1, 2]".as_slice(),
     ] {
-        let err = PromptTokenizer::from_tokenizer_json_bytes(
-            corrupt,
-            path,
-            TokenizerJsonPipeline::Qwen35,
-        )
-        .unwrap_err();
+        let err = refused(corrupt, TokenizerJsonPipeline::Qwen35);
         assert!(
             matches!(err, TokenizerError::BadTokenizerJson { .. }),
             "{err}"
@@ -804,12 +780,10 @@ fn missing_and_corrupt_tokenizer_json_are_typed_errors() {
     // An added token whose id in the file is not the id it gets.
     let mut json: Value = serde_json::from_slice(&good).unwrap();
     json["added_tokens"][1]["id"] = Value::from(4200);
-    let err = PromptTokenizer::from_tokenizer_json_bytes(
+    let err = refused(
         &serde_json::to_vec(&json).unwrap(),
-        path,
         TokenizerJsonPipeline::Qwen35,
-    )
-    .unwrap_err();
+    );
     assert!(
         matches!(&err, TokenizerError::AddedTokenIdMismatch { content, expected: 4200, actual: Some(4097) } if content == "<|im_start|>"),
         "{err}"
@@ -818,12 +792,10 @@ fn missing_and_corrupt_tokenizer_json_are_typed_errors() {
     // A merge naming a token that is not in the vocabulary.
     let mut json: Value = serde_json::from_slice(&good).unwrap();
     json["model"]["merges"][0] = serde_json::json!(["Ġ", "nope"]);
-    let err = PromptTokenizer::from_tokenizer_json_bytes(
+    let err = refused(
         &serde_json::to_vec(&json).unwrap(),
-        path,
         TokenizerJsonPipeline::AsWritten,
-    )
-    .unwrap_err();
+    );
     assert!(
         matches!(err, TokenizerError::BadTokenizerJson { .. }),
         "{err}"
@@ -833,9 +805,7 @@ fn missing_and_corrupt_tokenizer_json_are_typed_errors() {
     // (BPE would silently drop that byte), accepted as written.
     let (tokens, merges) = whole_piece_vocabulary();
     let json = crafted_tokenizer_json(&tokens[1..], &merges, false);
-    let err =
-        PromptTokenizer::from_tokenizer_json_bytes(&json, path, TokenizerJsonPipeline::Qwen35)
-            .unwrap_err();
+    let err = refused(&json, TokenizerJsonPipeline::Qwen35);
     assert!(
         matches!(err, TokenizerError::MissingByteToken { byte: 0 }),
         "{err}"
@@ -960,6 +930,13 @@ fn gguf_without_or_with_bad_vocabulary_keys_is_a_typed_error() {
             .filter(|(k, _)| *k != key)
             .collect::<Vec<_>>()
     };
+    // The base keys after `edit`: the error they give.
+    type Keys = Vec<(&'static str, MetadataValue)>;
+    let edited = |edit: &dyn Fn(&mut Keys)| {
+        let mut keys = base("gpt2", "qwen35");
+        edit(&mut keys);
+        PromptTokenizer::from_gguf(&file(&keys)).unwrap_err()
+    };
     for key in [
         "tokenizer.ggml.pre",
         "tokenizer.ggml.tokens",
@@ -983,9 +960,7 @@ fn gguf_without_or_with_bad_vocabulary_keys_is_a_typed_error() {
         "{err}"
     );
 
-    let mut keys = base("gpt2", "qwen35");
-    keys[3].1 = types(&type_list[1..]);
-    let err = PromptTokenizer::from_gguf(&file(&keys)).unwrap_err();
+    let err = edited(&|keys| keys[3].1 = types(&type_list[1..]));
     assert!(
         matches!(
             err,
@@ -997,9 +972,7 @@ fn gguf_without_or_with_bad_vocabulary_keys_is_a_typed_error() {
         "{err}"
     );
 
-    let mut keys = base("gpt2", "qwen35");
-    keys[2].1 = MetadataValue::U32(7);
-    let err = PromptTokenizer::from_gguf(&file(&keys)).unwrap_err();
+    let err = edited(&|keys| keys[2].1 = MetadataValue::U32(7));
     assert!(
         matches!(
             err,
@@ -1011,9 +984,7 @@ fn gguf_without_or_with_bad_vocabulary_keys_is_a_typed_error() {
         "{err}"
     );
 
-    let mut keys = base("gpt2", "qwen35");
-    keys.push(("tokenizer.ggml.eos_token_id", MetadataValue::U32(999)));
-    let err = PromptTokenizer::from_gguf(&file(&keys)).unwrap_err();
+    let err = edited(&|keys| keys.push(("tokenizer.ggml.eos_token_id", MetadataValue::U32(999))));
     assert!(
         matches!(
             err,
@@ -1027,10 +998,10 @@ fn gguf_without_or_with_bad_vocabulary_keys_is_a_typed_error() {
     );
 
     // A byte without a token: text containing it could not be encoded faithfully.
-    let mut keys = base("gpt2", "qwen35");
-    keys[2].1 = strings(&token_refs[1..]);
-    keys[3].1 = types(&type_list[1..]);
-    let err = PromptTokenizer::from_gguf(&file(&keys)).unwrap_err();
+    let err = edited(&|keys| {
+        keys[2].1 = strings(&token_refs[1..]);
+        keys[3].1 = types(&type_list[1..]);
+    });
     assert!(
         matches!(err, TokenizerError::MissingByteToken { byte: 0 }),
         "{err}"
@@ -1046,6 +1017,7 @@ fn gguf_without_or_with_bad_vocabulary_keys_is_a_typed_error() {
     assert_eq!(tok.eos_ids(), &[257]);
 }
 
+// The same one-line check as chat_template.rs makes for PromptFormat: each type has its own test.
 #[test]
 fn tokenizers_can_be_shared_across_threads() {
     fn shared<T: Send + Sync>() {}
@@ -1058,57 +1030,60 @@ fn bad_gguf_vocabulary_contents_are_typed_errors() {
     let good = crafted_gguf_vocabulary(tokens, merges);
     PromptTokenizer::from_gguf_vocabulary(&good).unwrap();
 
-    let mut v = good.clone();
-    v.merges.push("a".into());
-    let err = PromptTokenizer::from_gguf_vocabulary(&v).unwrap_err();
-    assert!(
-        matches!(err, TokenizerError::BadMerge { index: 1, .. }),
-        "{err}"
-    );
-    let mut v = good.clone();
-    v.merges.push("ab zz".into());
-    let err = PromptTokenizer::from_gguf_vocabulary(&v).unwrap_err();
-    assert!(
-        matches!(&err, TokenizerError::BadMerge { reason, .. } if reason.contains("\"zz\"")),
-        "{err}"
-    );
-    let mut v = good.clone();
-    v.merges.push("ab ab".into());
-    let err = PromptTokenizer::from_gguf_vocabulary(&v).unwrap_err();
-    assert!(
-        matches!(&err, TokenizerError::BadMerge { reason, .. } if reason.contains("abab")),
-        "{err}"
-    );
-
-    let mut v = good.clone();
-    v.token_types[5] = 6;
-    let err = PromptTokenizer::from_gguf_vocabulary(&v).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            TokenizerError::UnsupportedTokenType {
-                id: 5,
-                token_type: 6,
-                ..
-            }
+    // Each edit of the good vocabulary, and the error it must give.
+    type Edit = fn(&mut GgufVocabulary);
+    type Expect = fn(&TokenizerError) -> bool;
+    let bad: [(&str, Edit, Expect); 5] = [
+        (
+            "merge without a space",
+            |v| v.merges.push("a".into()),
+            |e| matches!(e, TokenizerError::BadMerge { index: 1, .. }),
         ),
-        "{err}"
-    );
-
-    let mut v = good.clone();
-    v.tokens[7] = v.tokens[6].clone();
-    let err = PromptTokenizer::from_gguf_vocabulary(&v).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            TokenizerError::DuplicateToken {
-                first: 6,
-                second: 7,
-                ..
-            }
+        (
+            "merge of an unknown piece",
+            |v| v.merges.push("ab zz".into()),
+            |e| matches!(e, TokenizerError::BadMerge { reason, .. } if reason.contains("\"zz\"")),
         ),
-        "{err}"
-    );
+        (
+            "merge whose result is no token",
+            |v| v.merges.push("ab ab".into()),
+            |e| matches!(e, TokenizerError::BadMerge { reason, .. } if reason.contains("abab")),
+        ),
+        (
+            "token type 6",
+            |v| v.token_types[5] = 6,
+            |e| {
+                matches!(
+                    e,
+                    TokenizerError::UnsupportedTokenType {
+                        id: 5,
+                        token_type: 6,
+                        ..
+                    }
+                )
+            },
+        ),
+        (
+            "duplicate token",
+            |v| v.tokens[7] = v.tokens[6].clone(),
+            |e| {
+                matches!(
+                    e,
+                    TokenizerError::DuplicateToken {
+                        first: 6,
+                        second: 7,
+                        ..
+                    }
+                )
+            },
+        ),
+    ];
+    for (what, edit, expect) in bad {
+        let mut v = good.clone();
+        edit(&mut v);
+        let err = PromptTokenizer::from_gguf_vocabulary(&v).unwrap_err();
+        assert!(expect(&err), "{what}: {err}");
+    }
 
     // Unused (type 5) entries are padding ids: skipped, not an error, and not encodable.
     let mut v = good.clone();

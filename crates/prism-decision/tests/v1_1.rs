@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{FixedModel, ShaModel};
+use common::{fixed_read_out, FixedModel, ShaModel};
 use prism_decision::readout::softmax;
 use prism_decision::thought::StopReason;
 use prism_decision::{
@@ -209,14 +209,7 @@ impl LetterModel for Thinker {
     }
 
     fn letter_logits(&mut self, prompts: &[LetterPrompt]) -> Result<LetterLogits, ModelError> {
-        Ok(LetterLogits {
-            logits: prompts
-                .iter()
-                .map(|p| self.first[..p.option_ids.len()].to_vec())
-                .collect(),
-            input_tokens: 10 * prompts.len() as u64,
-            output_tokens: 0,
-        })
+        Ok(fixed_read_out(&self.first, prompts))
     }
 
     fn think(&mut self, thoughts: &[ThoughtRequest]) -> Result<Vec<ThoughtOutcome>, ModelError> {

@@ -115,71 +115,28 @@ fn top_level_fields() {
     );
     assert_eq!(refusal(r#"[1]"#), (422, vec!["body".into()]));
     let q = r#""questions": {"q": {"type": "noul"}}"#;
+    // Each field, next to a valid state and question, and the path it is refused under (422).
     let cases = [
+        (r#""think_mode": "sometimes""#, "think_mode"),
+        (r#""gate": 1.5"#, "gate"),
+        (r#""gate": "0.5""#, "gate"),
+        (r#""mix": -0.1"#, "mix"),
+        (r#""think_budget": -1"#, "think_budget"),
+        (r#""think_budget": 10.0"#, "think_budget"),
+        (r#""none_check": "yes""#, "none_check"),
+        (r#""return_details": 1"#, "return_details"),
+        (r#""model": 3"#, "model"),
+        (r#""images": "abc""#, "images"),
+        (r#""images": ["a", 2]"#, "images[1]"),
         (
-            format!(r#"{{"state": "s", {q}, "think_mode": "sometimes"}}"#),
-            422,
-            "think_mode",
-        ),
-        (
-            format!(r#"{{"state": "s", {q}, "gate": 1.5}}"#),
-            422,
-            "gate",
-        ),
-        (
-            format!(r#"{{"state": "s", {q}, "gate": "0.5"}}"#),
-            422,
-            "gate",
-        ),
-        (format!(r#"{{"state": "s", {q}, "mix": -0.1}}"#), 422, "mix"),
-        (
-            format!(r#"{{"state": "s", {q}, "think_budget": -1}}"#),
-            422,
-            "think_budget",
-        ),
-        (
-            format!(r#"{{"state": "s", {q}, "think_budget": 10.0}}"#),
-            422,
-            "think_budget",
-        ),
-        (
-            format!(r#"{{"state": "s", {q}, "none_check": "yes"}}"#),
-            422,
-            "none_check",
-        ),
-        (
-            format!(r#"{{"state": "s", {q}, "return_details": 1}}"#),
-            422,
-            "return_details",
-        ),
-        (
-            format!(r#"{{"state": "s", {q}, "model": 3}}"#),
-            422,
-            "model",
-        ),
-        (
-            format!(r#"{{"state": "s", {q}, "images": "abc"}}"#),
-            422,
+            r#""images": ["a","a","a","a","a","a","a","a","a"]"#,
             "images",
         ),
-        (
-            format!(r#"{{"state": "s", {q}, "images": ["a", 2]}}"#),
-            422,
-            "images[1]",
-        ),
-        (
-            format!(r#"{{"state": "s", {q}, "images": ["a","a","a","a","a","a","a","a","a"]}}"#),
-            422,
-            "images",
-        ),
-        (
-            format!(r#"{{"state": "s", {q}, "assets": {{"x": {{}}}}}}"#),
-            422,
-            "assets",
-        ),
+        (r#""assets": {"x": {}}"#, "assets"),
     ];
-    for (body, status, path) in cases {
-        assert_eq!(refusal(&body), (status, vec![path.to_string()]), "{body}");
+    for (field, path) in cases {
+        let body = format!(r#"{{"state": "s", {q}, {field}}}"#);
+        assert_eq!(refusal(&body), (422, vec![path.to_string()]), "{body}");
     }
     // Up to 8 images parse (whether the engine can use them is decide's business).
     let body = format!(r#"{{"state": "s", {q}, "images": ["a","a","a","a","a","a","a","a"]}}"#);
@@ -351,28 +308,29 @@ fn question_fields() {
     );
 }
 
+/// The first question's option descriptions as JSON text, in the order of its options.
+fn level_descriptions(request: &DecisionRequest) -> Vec<String> {
+    request.questions[0]
+        .options
+        .iter()
+        .map(|o| o.description.as_ref().unwrap().dumps())
+        .collect()
+}
+
 #[test]
 fn score_dicts_are_ordered_by_numeric_key() {
     let request = parse(&with_question(
         r#"{"type": "score", "instructions": "x", "criteria": {"10": "ten", "2": "two", "9": "nine", "0": "zero"}}"#,
     ))
     .unwrap();
-    let levels: Vec<String> = request.questions[0]
-        .options
-        .iter()
-        .map(|o| o.description.as_ref().unwrap().dumps())
-        .collect();
+    let levels = level_descriptions(&request);
     assert_eq!(levels, ["\"zero\"", "\"two\"", "\"nine\"", "\"ten\""]);
     // Not all numeric: the client's order (as the reference keeps {"b": .., "a": ..}).
     let request = parse(&with_question(
         r#"{"type": "score", "instructions": "x", "criteria": {"b": "bee", "1": "one"}}"#,
     ))
     .unwrap();
-    let levels: Vec<String> = request.questions[0]
-        .options
-        .iter()
-        .map(|o| o.description.as_ref().unwrap().dumps())
-        .collect();
+    let levels = level_descriptions(&request);
     assert_eq!(levels, ["\"bee\"", "\"one\""]);
 }
 

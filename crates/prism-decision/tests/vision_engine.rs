@@ -14,6 +14,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use base64::Engine as _;
+use common::ids_of;
 use prism_decision::engine::EngineDecideError;
 use prism_decision::image_input::ImageLimits;
 use prism_decision::request::QuestionType;
@@ -23,6 +24,8 @@ use prism_decision::{
 };
 use prism_model::{LoadOptions, Precision};
 use serde_json::{json, Value};
+
+mod common;
 
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-vl-tiny")
@@ -181,12 +184,7 @@ fn every_prompt_tokenizes_as_the_processor() {
         let prompts = task.next_prompts();
         assert_eq!(prompts.len(), 1);
         let ids = encoder.encode(&prompts[0]).unwrap();
-        let want: Vec<u32> = p["input_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect();
+        let want = ids_of(&p["input_ids"]);
         assert_eq!(ids, want, "{name}: token ids");
     }
 }

@@ -10,9 +10,8 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::PathBuf;
 
-use common::header_fields;
+use common::{fixture_path, header_fields, Rng};
 use prism_gguf::{GgmlType, GgufError, GgufFile, GgufWriter, MetadataValue};
 
 mod common;
@@ -86,26 +85,6 @@ fn tracked<T>(f: impl FnOnce() -> T) -> (T, usize, usize) {
 
 // ---------------------------------------------------------------------------------------------------
 // Inputs.
-
-struct Rng(u64);
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n.max(1) as u64) as usize
-    }
-}
-
-fn fixture_path(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/qwen35-tiny")
-        .join(name)
-}
 
 /// A small file with every metadata value type and tensors of every dequantizable type.
 fn synthetic_gguf() -> Vec<u8> {

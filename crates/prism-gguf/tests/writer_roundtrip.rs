@@ -1,33 +1,9 @@
 //! The writer against the reader, and against llama.cpp's own files.
 
-use std::path::PathBuf;
-
+use common::{fixture_path, Rng};
 use prism_gguf::{blocks, quantize, GgmlType, GgufError, GgufFile, GgufWriter, MetadataValue};
 
-fn fixture_path(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/qwen35-tiny")
-        .join(name)
-}
-
-/// splitmix64: deterministic test data without a rand crate.
-struct Rng(u64);
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Roughly normal, scale `sigma`.
-    fn normal(&mut self, sigma: f32) -> f32 {
-        let s: f32 = (0..4)
-            .map(|_| (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32)
-            .sum();
-        (s - 2.0) * sigma * 1.7
-    }
-}
+mod common;
 
 fn every_value_type() -> Vec<(String, MetadataValue)> {
     use MetadataValue as V;

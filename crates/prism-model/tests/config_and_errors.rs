@@ -30,6 +30,8 @@ struct Size {
     value_dim: usize,
 }
 
+// The reference table as it is, one whole entry a size, though the small ones share most widths: each
+// entry reads against its row of the reference doc.
 const SIZES: [Size; 5] = [
     Size {
         name: "0.8B",
@@ -567,16 +569,10 @@ fn tied_embeddings_use_the_embedding_matrix_as_the_head() {
     // The head of the tied model at row r is the embedding of token r: logits = ⟨h, E[r]⟩.
     let h = model.last_hidden(&[&prompts()[1]]).unwrap();
     let rows = [0u32, 7, 4128];
-    let got = model
-        .logits_for_rows(&h, &rows)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
+    let got = flat_f32(&model.logits_for_rows(&h, &rows).unwrap());
     let src = GgufFile::open(fixture_dir().join("tiny-BF16.gguf")).unwrap();
     let embed = src.dequantize("token_embd.weight").unwrap();
-    let hv = h.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let hv = flat_f32(&h);
     for (g, &r) in got.iter().zip(&rows) {
         let e = &embed[r as usize * 256..(r as usize + 1) * 256];
         let want: f32 = e.iter().zip(&hv).map(|(a, b)| a * b).sum();

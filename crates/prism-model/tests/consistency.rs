@@ -17,7 +17,7 @@ mod common;
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use common::*;
 use prism_model::state::LayerState;
 use prism_model::{BatchItem, Precision, Qwen35Model, SequenceState};
@@ -66,26 +66,6 @@ fn one_shot_hidden(model: &Qwen35Model, i: usize) -> Tensor {
 fn last_row(t: &Tensor) -> Tensor {
     let n = t.dim(0).unwrap();
     t.narrow(0, n - 1, 1).unwrap()
-}
-
-/// The exact bit patterns of a float tensor (f32 widened losslessly to its bits, or f64).
-fn bits(t: &Tensor) -> Vec<u64> {
-    let flat = t.flatten_all().unwrap();
-    match flat.dtype() {
-        DType::F64 => flat
-            .to_vec1::<f64>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits())
-            .collect(),
-        DType::F32 => flat
-            .to_vec1::<f32>()
-            .unwrap()
-            .iter()
-            .map(|x| u64::from(x.to_bits()))
-            .collect(),
-        other => panic!("unexpected dtype {other:?}"),
-    }
 }
 
 /// Asserts that `got` and `want` (hidden states, `[rows, d]`) are bitwise equal, and so are the full
@@ -331,21 +311,10 @@ fn branching_with_an_empty_suffix_returns_the_prefix_state() {
 fn prompt_in_pieces_equals_one_shot() {
     // Prompt 3 (376 tokens) in pieces that start and end on and off the 64-token chunk boundaries.
     let p = &prompts()[3];
-    let sizes = [1usize, 7, 63, 64, 65, 1, 2, 100];
-    let rest = p.len() - sizes.iter().sum::<usize>();
+    let mut sizes = vec![1usize, 7, 63, 64, 65, 1, 2, 100];
+    sizes.push(p.len() - sizes.iter().sum::<usize>());
     for model in models() {
-        let mut state = model.new_state().unwrap();
-        let mut rows = Vec::new();
-        let mut at = 0;
-        for &n in sizes.iter().chain(std::iter::once(&rest)) {
-            let out = model
-                .forward(&mut [BatchItem::new(&mut state, &p[at..at + n])])
-                .unwrap();
-            rows.push(out.hidden);
-            at += n;
-        }
-        assert_eq!(at, p.len());
-        let pieces = Tensor::cat(&rows, 0).unwrap();
+        let (pieces, mut state) = forward_in_pieces(model, p, &sizes);
         assert_identical(
             model,
             "prompt 3 in 9 pieces vs one shot (all positions)",
@@ -427,6 +396,8 @@ fn rooms(state: &SequenceState) -> Vec<std::sync::Arc<prism_model::state::KvRoom
         .collect()
 }
 
+// Starts as `branches_do_not_see_each_other` does (branches of a 30-token state of prompt 1, checked
+// against one shot): kept inline, as each test spells out the branches it makes and what it checks.
 #[test]
 fn kv_rooms_grow_in_place_and_branches_copy_their_prefix() {
     // The first continuation of a state writes its keys and values into the state's room (no copy);

@@ -14,7 +14,7 @@ use prism_model::linear::{FusedLinear, Linear};
 use prism_model::weights::WeightLoader;
 use prism_model::{LayerKind, Precision, Qwen35Config};
 
-use common::{fixture_dir, single_threaded_matmuls};
+use common::{bits, fixture_dir, single_threaded_matmuls};
 
 fn open(file: &str) -> GgufFile {
     GgufFile::open(fixture_dir().join(file)).unwrap_or_else(|e| panic!("{file}: {e}"))
@@ -60,26 +60,6 @@ fn activations(rows: usize, cols: usize, dtype: DType) -> Tensor {
         .unwrap()
         .to_dtype(dtype)
         .unwrap()
-}
-
-fn bits(t: &Tensor) -> Vec<u64> {
-    let t = t.flatten_all().unwrap();
-    match t.dtype() {
-        DType::F64 => t
-            .to_vec1::<f64>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits())
-            .collect(),
-        _ => t
-            .to_dtype(DType::F32)
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .iter()
-            .map(|v| u64::from(v.to_bits()))
-            .collect(),
-    }
 }
 
 /// Loads every group fused and each part alone from `file` at `precision`, runs both on the same input

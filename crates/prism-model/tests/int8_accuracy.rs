@@ -99,6 +99,19 @@ fn report(name: &str, s: &Stats, drift: (f64, usize)) {
     );
 }
 
+/// The accuracy contract: logits within `max` and `mean` of the reference, the reference's argmax at
+/// 11 of 12 prompts or more, and letter probabilities within 0.03 of f32's with the same letter at all 12.
+fn assert_accurate(s: &Stats, drift: (f64, usize), max: f32, mean: f32) {
+    assert!(
+        s.max <= max && s.mean <= mean,
+        "logits: max {} mean {}",
+        s.max,
+        s.mean
+    );
+    assert!(s.argmax_agree >= 11, "argmax {}/12", s.argmax_agree);
+    assert!(drift.0 < 0.03 && drift.1 == 12, "letters: {drift:?}");
+}
+
 #[test]
 fn int8_on_q8_0_against_transformers_with_the_same_weights() {
     let got = last_logits(int8_model());
@@ -115,14 +128,7 @@ fn int8_on_q8_0_against_transformers_with_the_same_weights() {
     // rounding of the weights, which llama.cpp does not have. The bounds below guard the measured
     // numbers (~5 % for rounding changes elsewhere in the f32 path); the old contract measured
     // 2.23 / 0.313.
-    assert!(
-        s.max <= 1.13 && s.mean <= 0.17,
-        "logits: max {} mean {}",
-        s.max,
-        s.mean
-    );
-    assert!(s.argmax_agree >= 11, "argmax {}/12", s.argmax_agree);
-    assert!(drift.0 < 0.03 && drift.1 == 12, "letters: {drift:?}");
+    assert_accurate(&s, drift, 1.13, 0.17);
 }
 
 #[test]
@@ -155,16 +161,10 @@ fn w4a8_on_q4_k_m_against_transformers_with_the_same_weights() {
     report("w4a8 / tiny-Q4_K_M.gguf", &s, drift);
     // Issue #20: mean no worse than llama.cpp's 0.201 (its max: 1.355). Measured: max 0.898, mean
     // 0.153, argmax 11/12, letters 0.0215 and 12/12 (the old contract: 2.39 / 0.389).
-    assert!(
-        s.max <= 0.95 && s.mean <= 0.16,
-        "logits: max {} mean {}",
-        s.max,
-        s.mean
-    );
-    assert!(s.argmax_agree >= 11, "argmax {}/12", s.argmax_agree);
-    assert!(drift.0 < 0.03 && drift.1 == 12, "letters: {drift:?}");
+    assert_accurate(&s, drift, 0.95, 0.16);
 }
 
+// A table of fixture files like parallel_load's: the two tests ask different things of the same files.
 #[test]
 fn auto_precision_follows_the_file() {
     for (file, want) in [

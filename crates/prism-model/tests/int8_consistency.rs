@@ -6,22 +6,12 @@ mod common;
 mod quantized;
 
 use candle_core::Tensor;
-use common::prompts;
+use common::{bits, forward_in_pieces, prompts};
 use prism_model::{BatchItem, Qwen35Model};
 use quantized::{int8_model, letter_ids, w4a8_model};
 
 fn models() -> [(&'static str, &'static Qwen35Model); 2] {
     [("int8", int8_model()), ("w4a8", w4a8_model())]
-}
-
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_bits())
-        .collect()
 }
 
 /// The target request: 90 tokens of prompt 3.
@@ -118,18 +108,7 @@ fn a_request_run_in_pieces_reads_the_same_as_in_one_call() {
             .forward(&mut [BatchItem::new(&mut state, p)])
             .unwrap()
             .hidden;
-        let mut state = model.new_state().unwrap();
-        let mut pieces = Vec::new();
-        let mut at = 0;
-        for len in [1usize, 7, 63, 64, 65, 1, 2, 57] {
-            let out = model
-                .forward(&mut [BatchItem::new(&mut state, &p[at..at + len])])
-                .unwrap();
-            pieces.push(out.hidden);
-            at += len;
-        }
-        assert_eq!(at, p.len());
-        let pieces = Tensor::cat(&pieces, 0).unwrap();
+        let (pieces, _) = forward_in_pieces(model, p, &[1, 7, 63, 64, 65, 1, 2, 57]);
         assert_eq!(
             bits(&pieces),
             bits(&one_shot),

@@ -150,13 +150,7 @@ fn greedy_generation_reproduces_transformers() {
         for (step, s) in g["steps"].as_array().unwrap().iter().enumerate() {
             let top_ids = ids(&s["top5_ids"]);
             let top_logits = floats(&s["top5_logits"]);
-            let got = model
-                .logits_for_rows(&hidden, &top_ids)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
+            let got = flat_f32(&model.logits_for_rows(&hidden, &top_ids).unwrap());
             let d = max_abs_diff(&got, &top_logits);
             worst = worst.max(d);
             assert!(

@@ -2,10 +2,12 @@
 //! (`tests/fixtures/qwen35-vl-tiny/mmproj-tiny-vl-F32.gguf`, its `tensors.json`): the configuration, every
 //! tensor's shape and values, and the errors for a missing tensor, a misshapen one and another projector.
 
+mod common;
+
 use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
-use prism_gguf::{GgufFile, GgufWriter, MetadataValue};
+use prism_gguf::{GgufFile, MetadataValue};
 use prism_model::vision::{VisionConfig, VisionWeights};
 use serde_json::Value;
 
@@ -23,28 +25,7 @@ fn rewritten(
     meta: impl Fn(&str, &MetadataValue) -> MetadataValue,
     tensor: impl Fn(&str, &[u64]) -> Option<Vec<u64>>,
 ) -> GgufFile {
-    let src = mmproj();
-    let mut w = GgufWriter::new();
-    for (key, value) in src.metadata() {
-        w.add_metadata(key.clone(), meta(key, value)).unwrap();
-    }
-    let mut kept = Vec::new();
-    for info in src.tensors() {
-        if let Some(dims) = tensor(&info.name, &info.dims) {
-            w.add_tensor(info.name.clone(), &dims, info.ggml_type)
-                .unwrap();
-            kept.push(info.clone());
-        }
-    }
-    let mut out = Vec::new();
-    {
-        let mut data = w.write_header(&mut out).unwrap();
-        for info in &kept {
-            data.write_bytes(src.tensor_bytes(info)).unwrap();
-        }
-        data.finish().unwrap();
-    }
-    GgufFile::from_bytes(out).expect("the rewritten mmproj parses")
+    common::rewrite(&mmproj(), |key, value| Some(meta(key, value)), &[], tensor)
 }
 
 #[test]
@@ -136,12 +117,15 @@ fn the_fixture_loads_with_its_configuration_shapes_and_values() {
 #[test]
 fn a_missing_or_misshapen_tensor_or_another_projector_is_refused_by_name() {
     let keep_meta = |_: &str, v: &MetadataValue| v.clone();
+    let load_error = |gguf: &GgufFile| {
+        VisionWeights::load(gguf, &Device::Cpu)
+            .unwrap_err()
+            .to_string()
+    };
     let missing = rewritten(keep_meta, |name, dims| {
         (name != "v.blk.1.ffn_up.bias").then(|| dims.to_vec())
     });
-    let e = VisionWeights::load(&missing, &Device::Cpu)
-        .unwrap_err()
-        .to_string();
+    let e = load_error(&missing);
     assert!(
         e.contains("v.blk.1.ffn_up.bias") && e.contains("missing"),
         "{e}"
@@ -154,9 +138,7 @@ fn a_missing_or_misshapen_tensor_or_another_projector_is_refused_by_name() {
             dims.to_vec()
         })
     });
-    let e = VisionWeights::load(&misshapen, &Device::Cpu)
-        .unwrap_err()
-        .to_string();
+    let e = load_error(&misshapen);
     assert!(
         e.contains("v.blk.0.attn_qkv.weight") && e.contains("shape"),
         "{e}"

@@ -145,18 +145,22 @@ fn fused_k_quant_columns_equal_the_separate_products_bit_for_bit() {
     );
 }
 
+/// The error of `concat_rows` over the tensors `names` of `gguf` (in that order), after checking that
+/// they have the formats `formats`.
+fn concat_error(gguf: &GgufFile, names: [&str; 2], formats: [WeightFormat; 2]) -> QuantError {
+    let parts = names.map(|n| weight(gguf, n));
+    assert_eq!(parts.each_ref().map(|w| w.format()), formats, "{names:?}");
+    QuantWeight::concat_rows(&[&parts[0], &parts[1]]).unwrap_err()
+}
+
 #[test]
 fn mismatched_parts_are_typed_errors_naming_both_tensors() {
     let gguf = fixture("tiny-Q4_K_M.gguf");
-    let (qkv, gate) = (
-        weight(&gguf, "blk.0.attn_qkv.weight"),
-        weight(&gguf, "blk.0.attn_gate.weight"),
+    let err = concat_error(
+        &gguf,
+        ["blk.0.attn_gate.weight", "blk.0.attn_qkv.weight"],
+        [WeightFormat::Q4K, WeightFormat::Q6K],
     );
-    assert_eq!(
-        (qkv.format(), gate.format()),
-        (WeightFormat::Q6K, WeightFormat::Q4K)
-    );
-    let err = QuantWeight::concat_rows(&[&gate, &qkv]).unwrap_err();
     assert!(
         matches!(&err, QuantError::ConcatFormat { first, other, first_format: WeightFormat::Q4K, other_format: WeightFormat::Q6K }
             if first == "blk.0.attn_gate.weight" && other == "blk.0.attn_qkv.weight"),
@@ -169,15 +173,11 @@ fn mismatched_parts_are_typed_errors_naming_both_tensors() {
     );
 
     // ffn_down reads the 512-wide MLP activation, ffn_up the 256-wide hidden state.
-    let (up, down) = (
-        weight(&gguf, "blk.1.ffn_up.weight"),
-        weight(&gguf, "blk.1.ffn_down.weight"),
+    let err = concat_error(
+        &gguf,
+        ["blk.1.ffn_up.weight", "blk.1.ffn_down.weight"],
+        [WeightFormat::Q4K, WeightFormat::Q4K],
     );
-    assert_eq!(
-        (up.format(), down.format()),
-        (WeightFormat::Q4K, WeightFormat::Q4K)
-    );
-    let err = QuantWeight::concat_rows(&[&up, &down]).unwrap_err();
     assert!(
         matches!(&err, QuantError::ConcatCols { first, other, first_cols: 256, other_cols: 512 }
             if first == "blk.1.ffn_up.weight" && other == "blk.1.ffn_down.weight"),
@@ -189,5 +189,6 @@ fn mismatched_parts_are_typed_errors_naming_both_tensors() {
         Err(QuantError::ConcatEmpty)
     ));
     // One part: the same weight.
+    let up = weight(&gguf, "blk.1.ffn_up.weight");
     assert_eq!(QuantWeight::concat_rows(&[&up]).unwrap(), up);
 }

@@ -172,6 +172,8 @@ fn reference_q8_scales(bytes: &[u8], cols: usize, n: usize, scales: Q8Scales) ->
         .collect()
 }
 
+// Takes the same arguments and gives the same tuple as `element` (one element of the raw bytes), which
+// it re-blocks for Q8_0: the signatures stay alike on purpose.
 /// The weight a kernel multiplies for element `e` of row `n`, from the bytes: `(q, sc, m, w, wmin)`
 /// with `x = w·sc·q − wmin·m`; for Q8_0 the re-blocked `q'` and its run's `sw`.
 fn kernel_element(

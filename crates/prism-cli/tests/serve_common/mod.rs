@@ -68,16 +68,22 @@ pub fn run_sdk_check(
         command.env(key, value);
     }
     let output = command.output().expect("run the SDK check");
+    let report = check_report(&output, &format!("the SDK check {script}"), server);
+    assert_eq!(report["sdk_version"], "0.7.5", "the version .ci/run pins");
+    report
+}
+
+/// The JSON object that a check script run against `server` printed; fails the test with the script's
+/// and the server's output unless the script succeeded. `what` names the check in the failure.
+pub fn check_report(output: &std::process::Output, what: &str, server: &Server) -> Value {
     assert!(
         output.status.success(),
-        "the SDK check {script} failed:\n{}\n{}\n{}",
+        "{what} failed:\n{}\n{}\n{}",
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr),
         server.output()
     );
-    let report: Value = serde_json::from_slice(&output.stdout).expect("the SDK check prints JSON");
-    assert_eq!(report["sdk_version"], "0.7.5", "the version .ci/run pins");
-    report
+    serde_json::from_slice(&output.stdout).unwrap_or_else(|e| panic!("{what} prints no JSON: {e}"))
 }
 
 /// A running `prism serve`, killed when dropped.
@@ -228,6 +234,17 @@ pub struct Reply {
 }
 
 impl Reply {
+    /// Asserts that the status is `status`, showing the body when it is not.
+    #[track_caller]
+    pub fn assert_status(&self, status: u16) {
+        assert_eq!(
+            self.status,
+            status,
+            "{}",
+            String::from_utf8_lossy(&self.body)
+        );
+    }
+
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers
             .iter()

@@ -1,15 +1,74 @@
-//! Shared test helpers: the golden file and fake letter models.
+//! Shared test helpers: fixture JSON, the golden file and fake letter models.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::Instant;
 
+use prism_decision::engine::{CancelToken, Engine, JobResult};
 use prism_decision::pyjson::{self, PyValue};
+use prism_decision::DecisionRequest;
 use prism_decision::{LetterLogits, LetterModel, LetterPrompt, ModelError};
+use serde_json::Value;
 
 pub fn fixture_path(relative: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures")
         .join(relative)
+}
+
+/// A JSON file, parsed with serde_json; panics naming the file.
+pub fn read_json(path: &Path) -> Value {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// A JSON array of token ids.
+pub fn ids_of(value: &Value) -> Vec<u32> {
+    value
+        .as_array()
+        .expect("ids array")
+        .iter()
+        .map(|v| v.as_u64().expect("id") as u32)
+        .collect()
+}
+
+/// The added tokens of `qwen35-tiny/tokenizer.json` in its order: (content, special).
+pub fn tiny_added_tokens() -> Vec<(String, bool)> {
+    let tiny = read_json(&fixture_path("qwen35-tiny/tokenizer.json"));
+    tiny["added_tokens"]
+        .as_array()
+        .expect("added_tokens")
+        .iter()
+        .map(|t| {
+            (
+                t["content"].as_str().expect("content").to_string(),
+                t["special"].as_bool().expect("special"),
+            )
+        })
+        .collect()
+}
+
+/// Prepares `request` and queues it on `engine`; its result arrives on the receiver.
+pub fn submit_with(
+    engine: &Engine,
+    request: DecisionRequest,
+    deadline: Option<Instant>,
+    cancel: CancelToken,
+) -> mpsc::Receiver<JobResult> {
+    let (tx, rx) = mpsc::channel();
+    let prepared = engine.prepare(request).unwrap();
+    engine
+        .submit(
+            prepared,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+            deadline,
+            cancel,
+        )
+        .unwrap();
+    rx
 }
 
 /// `golden.json`, read with our Python-compatible parser so its number forms survive.
@@ -79,14 +138,20 @@ impl LetterModel for FixedModel {
 
     fn letter_logits(&mut self, prompts: &[LetterPrompt]) -> Result<LetterLogits, ModelError> {
         self.calls += 1;
-        Ok(LetterLogits {
-            logits: prompts
-                .iter()
-                .map(|p| self.logits[..p.option_ids.len()].to_vec())
-                .collect(),
-            input_tokens: 10 * prompts.len() as u64,
-            output_tokens: 0,
-        })
+        Ok(fixed_read_out(&self.logits, prompts))
+    }
+}
+
+/// The read-out of fixed logits: each prompt gets the first of `logits`, one per option, and counts
+/// 10 input tokens.
+pub fn fixed_read_out(logits: &[f64], prompts: &[LetterPrompt]) -> LetterLogits {
+    LetterLogits {
+        logits: prompts
+            .iter()
+            .map(|p| logits[..p.option_ids.len()].to_vec())
+            .collect(),
+        input_tokens: 10 * prompts.len() as u64,
+        output_tokens: 0,
     }
 }
 

@@ -1,4 +1,42 @@
-//! Helpers shared by the robustness tests.
+//! Helpers shared by the robustness and writer tests: fixture paths, deterministic test data, GGUF
+//! header offsets.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+/// A file of the `qwen35-tiny` fixture.
+pub fn fixture_path(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/qwen35-tiny")
+        .join(name)
+}
+
+/// splitmix64: deterministic test data without a rand crate. (prism-quant's tests/common has the same
+/// generator: two crates' tests share no module.)
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (in `0..1` when `n` is 0).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n.max(1) as u64) as usize
+    }
+
+    /// Roughly normal, scale `sigma`.
+    pub fn normal(&mut self, sigma: f32) -> f32 {
+        let s: f32 = (0..4)
+            .map(|_| (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32)
+            .sum();
+        (s - 2.0) * sigma * 1.7
+    }
+}
 
 /// Where each header field of a well-formed GGUF sits: (offset, width in bytes, description).
 /// Descriptions: "version", "tensor count", "kv count", "key length", "value type", "1-byte value",

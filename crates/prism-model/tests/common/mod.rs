@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 
 use candle_core::{DType, Tensor};
 use prism_gguf::{GgufFile, GgufWriter, MetadataValue};
-use prism_model::{LoadOptions, Precision, Qwen35Model};
+use prism_model::{BatchItem, LoadOptions, Precision, Qwen35Model, SequenceState};
 use serde_json::Value;
 
 /// libtest already runs tests on every core; rayon worker threads (candle's and our kernels') would spin
@@ -95,6 +95,11 @@ pub fn to_vec2(t: &Tensor) -> Vec<Vec<f32>> {
     t.to_vec2::<f32>().unwrap()
 }
 
+/// Every element of an f32 tensor, flattened in row-major order.
+pub fn flat_f32(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
+
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "length mismatch");
     a.iter()
@@ -103,11 +108,9 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-/// max |a − b| over all elements, computed in f64 (either input may be f32 or f64).
-pub fn max_abs_diff_tensors(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a.to_dtype(DType::F64).unwrap();
-    let b = b.to_dtype(DType::F64).unwrap();
-    (a - b)
+/// max |t| over all elements, computed in f64.
+pub fn max_abs(t: &Tensor) -> f64 {
+    t.to_dtype(DType::F64)
         .unwrap()
         .abs()
         .unwrap()
@@ -119,6 +122,58 @@ pub fn max_abs_diff_tensors(a: &Tensor, b: &Tensor) -> f64 {
         .unwrap()
 }
 
+/// max |a − b| over all elements, computed in f64 (either input may be f32 or f64).
+pub fn max_abs_diff_tensors(a: &Tensor, b: &Tensor) -> f64 {
+    let a = a.to_dtype(DType::F64).unwrap();
+    let b = b.to_dtype(DType::F64).unwrap();
+    max_abs(&(a - b).unwrap())
+}
+
+/// The dtype and every element's bits: f64 elements as they are, any other dtype's converted to f32
+/// (exact for the float types and bytes the tests compare). Equal results mean bit-identical tensors
+/// of one dtype.
+pub fn bits(t: &Tensor) -> (DType, Vec<u64>) {
+    let flat = t.flatten_all().unwrap();
+    let bits = match flat.dtype() {
+        DType::F64 => flat
+            .to_vec1::<f64>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect(),
+        _ => flat
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| u64::from(x.to_bits()))
+            .collect(),
+    };
+    (t.dtype(), bits)
+}
+
+/// `tokens` through `model.forward` in pieces of `sizes` tokens, one after another on one state (the
+/// sizes must add up to all the tokens): every position's hidden state, and the state left behind.
+pub fn forward_in_pieces(
+    model: &Qwen35Model,
+    tokens: &[u32],
+    sizes: &[usize],
+) -> (Tensor, SequenceState) {
+    let mut state = model.new_state().unwrap();
+    let mut rows = Vec::new();
+    let mut at = 0;
+    for &n in sizes {
+        let out = model
+            .forward(&mut [BatchItem::new(&mut state, &tokens[at..at + n])])
+            .unwrap();
+        rows.push(out.hidden);
+        at += n;
+    }
+    assert_eq!(at, tokens.len(), "the pieces cover all the tokens");
+    (Tensor::cat(&rows, 0).unwrap(), state)
+}
+
 /// Copies tiny-BF16.gguf in memory, letting `edit_meta` change metadata, `added_meta` append keys and
 /// `edit_tensor` rename, reshape (same bytes) or drop (None) tensors.
 pub fn rewritten(
@@ -127,6 +182,17 @@ pub fn rewritten(
     edit_tensor: impl Fn(&str, &[u64]) -> Option<Vec<u64>>,
 ) -> GgufFile {
     let src = GgufFile::open(fixture_dir().join("tiny-BF16.gguf")).unwrap();
+    rewrite(&src, edit_meta, added_meta, edit_tensor)
+}
+
+/// `src` written again in memory: `edit_meta` changes (or drops, None) metadata, `added_meta` appends
+/// keys and `edit_tensor` renames, reshapes (same bytes) or drops (None) tensors.
+pub fn rewrite(
+    src: &GgufFile,
+    edit_meta: impl Fn(&str, &MetadataValue) -> Option<MetadataValue>,
+    added_meta: &[(&str, MetadataValue)],
+    edit_tensor: impl Fn(&str, &[u64]) -> Option<Vec<u64>>,
+) -> GgufFile {
     let mut w = GgufWriter::new();
     for (key, value) in src.metadata() {
         if let Some(v) = edit_meta(key, value) {

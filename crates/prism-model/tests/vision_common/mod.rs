@@ -10,6 +10,8 @@ use prism_gguf::GgufFile;
 use prism_model::vision::VisionWeights;
 use serde_json::Value;
 
+// `common` has the same two helpers for `qwen35-tiny`; the vision tests keep their own for the vision
+// fixture so that they do not depend on the text model's helpers.
 pub fn dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen35-vl-tiny")
 }
