@@ -350,10 +350,7 @@ __device__ __forceinline__ unsigned long long wgmma_desc(unsigned smem_address) 
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 // Keeps the compiler from moving accesses of `acc` across this point (an in-flight wgmma owns them).
 __device__ __forceinline__ void fence_acc(int (&acc)[64]) {
 #pragma unroll
@@ -387,10 +384,10 @@ __device__ __forceinline__ void wgmma_m64n128k32_s8_first(int (&d)[64], unsigned
 // box, BM activation scales, BN weight scales, padded to 1,024 bytes (TMA's 128-byte swizzle repeats
 // every 1,024). Then the part slot (a float for each consumer thread and output: 64 KiB) and the
 // stages' full and empty barriers.
-template <int BM, int STAGES_>
+template <int BM>
 struct QwTile {
     static constexpr int BN = 128 * 128 / BM;
-    static constexpr int STAGES = STAGES_;
+    static constexpr int STAGES = BM == 128 ? 4 : 3;
     static constexpr int A = 0;
     static constexpr int B = BM * 128;
     static constexpr int SA = B + BN * 128;
@@ -440,7 +437,7 @@ __device__ __forceinline__ void qw_store(float* __restrict__ out, const float (&
 //
 // A consumer warpgroup, per run: its four wgmma, a wait for them, the promotion. p0 and p2 wait in
 // registers (hold), p0 + p1 in the shared-memory slot; y = slot + (p2 + p3).
-template <int BM, int STAGES>
+template <int BM>
 __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const TmaDesc* tmap_b,
                                                    const float* __restrict__ sa_t, int ldsa,
                                                    const float* __restrict__ sw_t, int ldsw,
@@ -448,7 +445,8 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
                                                    int K, float* __restrict__ y, float* __restrict__ ws) {
 #ifdef HAVE_WGMMA
     extern __shared__ unsigned char smem_raw[];
-    using T = QwTile<BM, STAGES>;
+    using T = QwTile<BM>;
+    constexpr int STAGES = T::STAGES;
     unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
     unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + T::BARS);
     unsigned long long* empty = full + STAGES;
@@ -542,7 +540,7 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
 #pragma unroll 1
             for (int r = part * R / 4; r < (part + 1) * R / 4; ++r) {
                 issue(acc, r);
-                wgmma_wait<0>();
+                wgmma_wait0();
                 promote(acc, r);
             }
             // The end of part `part`, facc its sum.
@@ -573,17 +571,18 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
 }
 
 // Grid: x over activation-row tiles (consecutive CTAs share a weight tile), y over weight-row tiles.
-#define QW_ENTRY(NAME, BM, STAGES)                                                                     \
-    extern "C" __global__ void __launch_bounds__(384, 1)                                               \
-        NAME(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,           \
-             const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,    \
-             int M, int N, int K, float* y, float* ws) {                                              \
-        qgemm_wg_q8_0_body<BM, STAGES>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y,  \
-                                       ws);                                                           \
-    }
-
-QW_ENTRY(qgemm_wg_q8_0, 128, 4)
-QW_ENTRY(qgemm_wg_q8_0_m64, 64, 3)
+extern "C" __global__ void __launch_bounds__(384, 1)
+    qgemm_wg_q8_0(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
+                  const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
+                  int M, int N, int K, float* y, float* ws) {
+    qgemm_wg_q8_0_body<128>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws);
+}
+extern "C" __global__ void __launch_bounds__(384, 1)
+    qgemm_wg_q8_0_m64(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
+                      const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
+                      int M, int N, int K, float* y, float* ws) {
+    qgemm_wg_q8_0_body<64>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws);
+}
 
 // The split tile's last step: y = (p0 + p1) + (p2 + p3) from ws [splits, M, N] (4 splits: the parts;
 // 2: the two sums), NaN on the rows with a non-finite input. One thread an output.
