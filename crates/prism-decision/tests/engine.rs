@@ -5,11 +5,12 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use common::submit_with;
+use prism_decision::engine::{Branch, GroupInput};
 use prism_decision::{
     decide, DecisionConfig, DecisionRequest, DecoderLetterModel, EngineError, LetterModel,
-    LetterPrompt, ModelSource, RequestDefaults,
+    LetterPrompt, ModelSource, PassModel, RequestDefaults,
 };
-use prism_model::LoadOptions;
+use prism_model::{LoadOptions, SequenceState};
 use serde_json::Value;
 
 mod common;
@@ -272,6 +273,88 @@ fn questions_sharing_evidence_read_the_same_alone_or_together() {
             together.logits[i],
             "prompt {i} in reverse order"
         );
+    }
+}
+
+#[test]
+fn a_pass_reads_the_same_wherever_the_evidence_is_cut() {
+    // Batch A's four prompts share 286 tokens. The engine cuts a text evidence at a multiple of 64
+    // (256 here) and its decoder runs the branches' shared tokens once, as an item they continue: every
+    // question must read what it reads alone (one sequence) and with the evidence cut at its end.
+    let (mut model, _) = load("tiny-Q8_0.gguf", 4096);
+    let prompts: Vec<LetterPrompt> = fixture_prompts()
+        .into_iter()
+        .filter(|(i, _)| (4..=7).contains(i))
+        .map(|(_, p)| p)
+        .collect();
+    let tokens: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| model.prompt_tokens(p).expect("tokenizes"))
+        .collect();
+    let common = (0..tokens[0].len())
+        .take_while(|&j| tokens.iter().all(|t| t.get(j) == tokens[0].get(j)))
+        .count();
+    assert!(common > 256 && common % 64 != 0, "{common} shared tokens");
+    let read = |model: &mut DecoderLetterModel, cut: usize, together: bool| -> Vec<Vec<f64>> {
+        let branches = |range: std::ops::Range<usize>| -> Vec<Branch<'_>> {
+            range
+                .map(|i| Branch {
+                    tokens: &tokens[i][cut..],
+                    letters: 26,
+                })
+                .collect()
+        };
+        let groups: Vec<GroupInput<'_, _>> = if together {
+            vec![group(&tokens[0][..cut], branches(0..tokens.len()))]
+        } else {
+            (0..tokens.len())
+                .map(|i| group(&tokens[i][..cut], branches(i..i + 1)))
+                .collect()
+        };
+        model
+            .run_pass(&groups)
+            .expect("pass")
+            .into_iter()
+            .flat_map(|g| g.logits)
+            .collect()
+    };
+    let alone = read(&mut model, 0, false);
+    assert_eq!(alone.len(), 4);
+    for (cut, together) in [(256, true), (256, false), (common, true), (0, true)] {
+        assert_eq!(
+            read(&mut model, cut, together),
+            alone,
+            "evidence cut at {cut}, questions together: {together}"
+        );
+    }
+    // From the evidence's saved state (a prefix-cache hit): the branches alone, sharing their tail.
+    let mut evidence = group(&tokens[0][..256], Vec::new());
+    evidence.want_state = true;
+    let saved = model.run_pass(&[evidence]).expect("evidence pass")[0]
+        .state
+        .take()
+        .expect("the evidence's state");
+    let branches: Vec<Branch<'_>> = tokens
+        .iter()
+        .map(|t| Branch {
+            tokens: &t[256..],
+            letters: 26,
+        })
+        .collect();
+    let mut cached = group(&[], branches);
+    cached.start = Some(&saved);
+    let from_cache: Vec<Vec<f64>> = model.run_pass(&[cached]).expect("pass")[0].logits.clone();
+    assert_eq!(from_cache, alone, "from the saved evidence");
+}
+
+fn group<'a>(prefix: &'a [u32], branches: Vec<Branch<'a>>) -> GroupInput<'a, SequenceState> {
+    GroupInput {
+        start: None,
+        prefix,
+        branches,
+        want_state: false,
+        want_logits: None,
+        images: None,
     }
 }
 

@@ -18,7 +18,8 @@ use prism_model::{
 };
 
 use super::pass::{
-    GroupInput, GroupOutput, NextLogits, PassModel, PrefixImages, PromptEncoder, ThoughtMarkers,
+    Branch, GroupInput, GroupOutput, NextLogits, PassModel, PrefixImages, PromptEncoder,
+    ThoughtMarkers,
 };
 use crate::chat_template::{ChatMessage, ChatRole, ContentPart, PromptFormat, PromptFormatError};
 use crate::config::{ConfigError, DecisionConfig};
@@ -562,6 +563,30 @@ impl DecoderLetterModel {
     }
 }
 
+/// How many leading tokens every one of `branches` shares, when there are two or more, leaving each at
+/// least one token of its own (its read-out is at its last token); 0 otherwise.
+fn shared_branch_tokens(branches: &[Branch<'_>]) -> usize {
+    let Some((first, rest)) = branches.split_first() else {
+        return 0;
+    };
+    if rest.is_empty() {
+        return 0;
+    }
+    let mut shared = first.tokens.len();
+    for b in rest {
+        shared = shared.min(
+            first
+                .tokens
+                .iter()
+                .zip(b.tokens)
+                .take_while(|(x, y)| x == y)
+                .count(),
+        );
+    }
+    let shortest = branches.iter().map(|b| b.tokens.len()).min().unwrap_or(0);
+    shared.min(shortest.saturating_sub(1))
+}
+
 impl PassModel for DecoderLetterModel {
     type State = SequenceState;
 
@@ -584,11 +609,13 @@ impl PassModel for DecoderLetterModel {
         }
         // One decoder batch: per group its prefix item (when it has prefix tokens), then its branches,
         // which continue the prefix item in the same pass or, without one, start from the group's state.
-        // A fresh state (a new sequence, and the placeholders of branches that continue a prefix item
-        // of the pass), made only when some group needs one: a pass of decode steps needs none.
+        // A fresh state (a new sequence, and the placeholders of branches that continue a prefix or
+        // shared-tail item of the pass), made only when some group needs one: a pass of decode steps
+        // needs none.
         let needs_fresh = groups.iter().any(|g| {
             (g.start.is_none() && !(g.prefix.is_empty() && g.branches.is_empty()))
                 || (!g.prefix.is_empty() && !g.branches.is_empty())
+                || shared_branch_tokens(&g.branches) > 0
         });
         let fresh = if needs_fresh {
             Some(self.decoder.new_state().map_err(backend)?)
@@ -649,6 +676,24 @@ impl PassModel for DecoderLetterModel {
                     }
                 }
             }
+            // The tokens all of the group's branches begin with (the evidence's last tokens past
+            // its chunk-aligned key, the question template's shared words) run once, as an item
+            // the branches continue.
+            let shared = shared_branch_tokens(&group.branches);
+            let from = if shared == 0 {
+                root
+            } else {
+                states.push(if root.is_some() {
+                    fresh_state()?
+                } else {
+                    start()?
+                });
+                tokens.push(&group.branches[0].tokens[..shared]);
+                extras.push(None);
+                parents.push(root);
+                keep.push(false);
+                Some(states.len() - 1)
+            };
             for branch in &group.branches {
                 if branch.letters == 0 || branch.letters > 26 {
                     return Err(ModelError::Backend(format!(
@@ -656,14 +701,14 @@ impl PassModel for DecoderLetterModel {
                         branch.letters
                     )));
                 }
-                states.push(if root.is_some() {
+                states.push(if from.is_some() {
                     fresh_state()?
                 } else {
                     start()?
                 });
-                tokens.push(branch.tokens);
+                tokens.push(&branch.tokens[shared..]);
                 extras.push(None);
-                parents.push(root);
+                parents.push(from);
                 // Only the letter logits of a branch are read: its states go layer by layer.
                 keep.push(false);
                 branch_items.push((states.len() - 1, branch.letters));
