@@ -1041,23 +1041,16 @@ pub fn causal_attention(
     scale: f64,
 ) -> Result<Tensor> {
     let dev = cuda_device(q)?;
-    let (t_len, n_h, hd) = q.dims3()?;
-    let (n_kv, total, hd_k) = k.dims3()?;
-    if v.dims() != k.dims()
-        || hd_k != hd
-        || total != past + t_len
-        || n_kv == 0
-        || n_h % n_kv != 0
-        || hd % 32 != 0
-        || hd > 256
-    {
+    let dims = crate::attention::attention_dims(q.dims(), k.dims(), v.dims(), past)
+        .filter(|&(.., hd)| hd % 32 == 0 && hd <= 256);
+    let Some((t_len, n_h, n_kv, hd)) = dims else {
         bail!(
             "causal attention (cuda): q {:?}, k {:?}, v {:?} after {past} cached tokens do not fit",
             q.dims(),
             k.dims(),
             v.dims()
         );
-    }
+    };
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let (iq, ik, iv) = (
         Input::new(&q, DType::F32, "q")?,
