@@ -263,65 +263,50 @@ impl DecisionRequest {
             )),
         }
 
-        let think_mode = match object.get("think_mode") {
-            None | Some(PyValue::Null) => defaults.think_mode,
-            Some(PyValue::Str(mode)) if mode == "auto" => ThinkMode::Auto,
-            Some(PyValue::Str(mode)) if mode == "never" => ThinkMode::Never,
-            Some(PyValue::Str(mode)) if mode == "always" => ThinkMode::Always,
-            Some(other) => {
-                errors.push(FieldError::malformed(
-                    root.key("think_mode"),
-                    "value_error",
-                    format!(
-                        "must be \"auto\", \"never\" or \"always\", got {}",
-                        other.dumps()
-                    ),
-                ));
-                defaults.think_mode
-            }
-        };
+        let think_mode = optional(
+            object,
+            "think_mode",
+            defaults.think_mode,
+            &mut errors,
+            "value_error",
+            "must be \"auto\", \"never\" or \"always\"",
+            |value| match value {
+                PyValue::Str(mode) if mode == "auto" => Some(ThinkMode::Auto),
+                PyValue::Str(mode) if mode == "never" => Some(ThinkMode::Never),
+                PyValue::Str(mode) if mode == "always" => Some(ThinkMode::Always),
+                _ => None,
+            },
+        );
         let gate = unit_number(object, "gate", defaults.gate, &mut errors);
         let mix = unit_number(object, "mix", defaults.mix, &mut errors);
-        let think_budget = match object.get("think_budget") {
-            None | Some(PyValue::Null) => defaults.think_budget,
-            Some(PyValue::Int(int))
-                if int
-                    .to_i64()
-                    .is_some_and(|v| (0..=u32::MAX as i64).contains(&v)) =>
-            {
-                int.to_i64().unwrap_or(0) as u32
-            }
-            Some(other) => {
-                errors.push(FieldError::malformed(
-                    root.key("think_budget"),
-                    "value_error",
-                    format!(
-                        "must be a non-negative integer (tokens), got {}",
-                        other.dumps()
-                    ),
-                ));
-                defaults.think_budget
-            }
-        };
+        let think_budget = optional(
+            object,
+            "think_budget",
+            defaults.think_budget,
+            &mut errors,
+            "value_error",
+            "must be a non-negative integer (tokens)",
+            |value| match value {
+                PyValue::Int(int) => int.to_i64().and_then(|v| u32::try_from(v).ok()),
+                _ => None,
+            },
+        );
         let none_check = flag(object, "none_check", defaults.none_check, &mut errors);
         let allow_none = flag(object, "allow_none", defaults.allow_none, &mut errors);
         let return_details = flag(object, "return_details", false, &mut errors);
         let return_thought = flag(object, "return_thought", false, &mut errors);
-        let seed = match object.get("seed") {
-            None | Some(PyValue::Null) => None,
-            Some(PyValue::Int(int)) if int.to_u64().is_some() => int.to_u64(),
-            Some(other) => {
-                errors.push(FieldError::malformed(
-                    root.key("seed"),
-                    "value_error",
-                    format!(
-                        "must be an integer from 0 to 2^64 - 1, got {}",
-                        other.dumps()
-                    ),
-                ));
-                None
-            }
-        };
+        let seed = optional(
+            object,
+            "seed",
+            None,
+            &mut errors,
+            "value_error",
+            "must be an integer from 0 to 2^64 - 1",
+            |value| match value {
+                PyValue::Int(int) => int.to_u64().map(Some),
+                _ => None,
+            },
+        );
         let model = match object.get("model") {
             None | Some(PyValue::Null) => None,
             Some(PyValue::Str(name)) => Some(name.clone()),
@@ -359,34 +344,55 @@ impl DecisionRequest {
 
 /// A number in [0, 1] (`gate`, `mix`).
 fn unit_number(object: &PyObject, key: &str, default: f64, errors: &mut Vec<FieldError>) -> f64 {
-    match object.get(key) {
-        None | Some(PyValue::Null) => default,
-        Some(value) => match value.as_f64() {
-            Some(number) if (0.0..=1.0).contains(&number) => number,
-            _ => {
-                errors.push(FieldError::malformed(
-                    FieldPath::root().key(key),
-                    "value_error",
-                    format!("must be a number from 0 to 1, got {}", value.dumps()),
-                ));
-                default
-            }
-        },
-    }
+    optional(
+        object,
+        key,
+        default,
+        errors,
+        "value_error",
+        "must be a number from 0 to 1",
+        |value| value.as_f64().filter(|number| (0.0..=1.0).contains(number)),
+    )
 }
 
+/// A boolean (`none_check`, `return_details`, ...).
 fn flag(object: &PyObject, key: &str, default: bool, errors: &mut Vec<FieldError>) -> bool {
+    optional(
+        object,
+        key,
+        default,
+        errors,
+        "type_error",
+        "must be true or false",
+        |value| match value {
+            PyValue::Bool(value) => Some(*value),
+            _ => None,
+        },
+    )
+}
+
+/// The optional top-level field `key`: `default` when it is absent or null, else what `read` makes of
+/// its value. A value `read` refuses (`None`) is reported as a `code` error, "`must`, got <its JSON>",
+/// and gives `default`.
+fn optional<T>(
+    object: &PyObject,
+    key: &str,
+    default: T,
+    errors: &mut Vec<FieldError>,
+    code: &'static str,
+    must: &str,
+    read: impl FnOnce(&PyValue) -> Option<T>,
+) -> T {
     match object.get(key) {
         None | Some(PyValue::Null) => default,
-        Some(PyValue::Bool(value)) => *value,
-        Some(other) => {
+        Some(value) => read(value).unwrap_or_else(|| {
             errors.push(FieldError::malformed(
                 FieldPath::root().key(key),
-                "type_error",
-                format!("must be true or false, got {}", other.dumps()),
+                code,
+                format!("{must}, got {}", value.dumps()),
             ));
             default
-        }
+        }),
     }
 }
 

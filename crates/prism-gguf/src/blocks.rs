@@ -361,25 +361,22 @@ mod tests {
 
     #[test]
     fn wrong_lengths_are_typed_errors() {
+        // The error of `n` values of type `ty` from `bytes` zero bytes.
+        let error = |ty, bytes: usize, n| dequantize(ty, &vec![0u8; bytes], n).unwrap_err();
         assert!(matches!(
-            dequantize(GgmlType::Q8_0, &[0u8; 34], 31),
-            Err(GgufError::PartialBlock { .. })
+            error(GgmlType::Q8_0, 34, 31),
+            GgufError::PartialBlock { .. }
         ));
+        for (ty, bytes, n) in [
+            (GgmlType::Q8_0, 33, 32),
+            (GgmlType::Q4_K, 145, 256),
+            (GgmlType::F32, 8, usize::MAX),
+        ] {
+            assert!(matches!(error(ty, bytes, n), GgufError::ByteLength { .. }));
+        }
         assert!(matches!(
-            dequantize(GgmlType::Q8_0, &[0u8; 33], 32),
-            Err(GgufError::ByteLength { .. })
-        ));
-        assert!(matches!(
-            dequantize(GgmlType::Q4_K, &[0u8; 145], 256),
-            Err(GgufError::ByteLength { .. })
-        ));
-        assert!(matches!(
-            dequantize(GgmlType::IQ2_XXS, &[0u8; 66], 256),
-            Err(GgufError::UnsupportedType { .. })
-        ));
-        assert!(matches!(
-            dequantize(GgmlType::F32, &[0u8; 8], usize::MAX),
-            Err(GgufError::ByteLength { .. })
+            error(GgmlType::IQ2_XXS, 66, 256),
+            GgufError::UnsupportedType { .. }
         ));
     }
 

@@ -99,24 +99,18 @@ impl Backing {
 pub struct GgufFile {
     backing: Backing,
     path: Option<PathBuf>,
-    version: u32,
-    metadata: Vec<(String, MetadataValue)>,
-    key_index: HashMap<String, usize>,
-    tensors: Vec<TensorInfo>,
-    tensor_index: HashMap<String, usize>,
-    alignment: u64,
-    data_offset: u64,
+    header: Header,
 }
 
 impl std::fmt::Debug for GgufFile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GgufFile")
             .field("path", &self.path)
-            .field("version", &self.version)
-            .field("n_metadata", &self.metadata.len())
-            .field("n_tensors", &self.tensors.len())
-            .field("alignment", &self.alignment)
-            .field("data_offset", &self.data_offset)
+            .field("version", &self.header.version)
+            .field("n_metadata", &self.header.metadata.len())
+            .field("n_tensors", &self.header.tensors.len())
+            .field("alignment", &self.header.alignment)
+            .field("data_offset", &self.header.data_offset)
             .finish()
     }
 }
@@ -154,13 +148,7 @@ impl GgufFile {
         Ok(GgufFile {
             backing,
             path: None,
-            version: header.version,
-            metadata: header.metadata,
-            key_index: header.key_index,
-            tensors: header.tensors,
-            tensor_index: header.tensor_index,
-            alignment: header.alignment,
-            data_offset: header.data_offset,
+            header,
         })
     }
 
@@ -170,18 +158,19 @@ impl GgufFile {
     }
 
     pub fn version(&self) -> u32 {
-        self.version
+        self.header.version
     }
 
     /// All metadata, in file order.
     pub fn metadata(&self) -> &[(String, MetadataValue)] {
-        &self.metadata
+        &self.header.metadata
     }
 
     pub fn get(&self, key: &str) -> Option<&MetadataValue> {
-        self.key_index
+        self.header
+            .key_index
             .get(key)
-            .and_then(|&i| self.metadata.get(i))
+            .and_then(|&i| self.header.metadata.get(i))
             .map(|(_, v)| v)
     }
 
@@ -224,12 +213,12 @@ impl GgufFile {
 
     /// `general.alignment`, or 32 when absent.
     pub fn alignment(&self) -> u64 {
-        self.alignment
+        self.header.alignment
     }
 
     /// Absolute byte offset of the data section.
     pub fn data_offset(&self) -> u64 {
-        self.data_offset
+        self.header.data_offset
     }
 
     /// Length of the whole file in bytes.
@@ -239,13 +228,14 @@ impl GgufFile {
 
     /// All tensor infos, in file order.
     pub fn tensors(&self) -> &[TensorInfo] {
-        &self.tensors
+        &self.header.tensors
     }
 
     pub fn tensor_info(&self, name: &str) -> Option<&TensorInfo> {
-        self.tensor_index
+        self.header
+            .tensor_index
             .get(name)
-            .and_then(|&i| self.tensors.get(i))
+            .and_then(|&i| self.header.tensors.get(i))
     }
 
     /// The bytes of `info`'s data. For a record of this file the range was validated at open; a record
@@ -253,7 +243,7 @@ impl GgufFile {
     /// rather than a panic when it falls outside the file.
     pub fn tensor_bytes(&self, info: &TensorInfo) -> &[u8] {
         let range = checked_n_bytes(&info.dims, info.ggml_type).and_then(|n_bytes| {
-            let start = self.data_offset.checked_add(info.offset)?;
+            let start = self.header.data_offset.checked_add(info.offset)?;
             let end = start.checked_add(n_bytes)?;
             Some((usize::try_from(start).ok()?, usize::try_from(end).ok()?))
         });
@@ -348,7 +338,8 @@ impl GgufFile {
     }
 }
 
-/// What the header parse produces.
+/// What the header parse produces: the version, metadata, tensor infos and data layout a [`GgufFile`]
+/// keeps.
 struct Header {
     version: u32,
     metadata: Vec<(String, MetadataValue)>,

@@ -197,23 +197,15 @@ mod tests {
 
     #[test]
     fn geometry_matches_the_reference_block_layouts() {
-        // Byte layouts of qwen35-reference.md §5.
-        assert_eq!(
-            (GgmlType::Q8_0.block_size(), GgmlType::Q8_0.type_size()),
-            (32, 34)
-        );
-        assert_eq!(
-            (GgmlType::Q4_K.block_size(), GgmlType::Q4_K.type_size()),
-            (256, 144)
-        );
-        assert_eq!(
-            (GgmlType::Q5_K.block_size(), GgmlType::Q5_K.type_size()),
-            (256, 176)
-        );
-        assert_eq!(
-            (GgmlType::Q6_K.block_size(), GgmlType::Q6_K.type_size()),
-            (256, 210)
-        );
+        // Byte layouts of qwen35-reference.md §5: (type, values a block, bytes a block).
+        for (ty, block, bytes) in [
+            (GgmlType::Q8_0, 32, 34),
+            (GgmlType::Q4_K, 256, 144),
+            (GgmlType::Q5_K, 256, 176),
+            (GgmlType::Q6_K, 256, 210),
+        ] {
+            assert_eq!((ty.block_size(), ty.type_size()), (block, bytes), "{ty:?}");
+        }
         assert_eq!(GgmlType::BF16.as_u32(), 30);
     }
 }

@@ -568,6 +568,25 @@ pub struct CausalAttention {
     pub scale: f64,
 }
 
+/// `(T, n_h, n_kv, hd)` of an attention call's `q: [T, n_h, hd]` and `k, v: [n_kv, past + T, hd]`
+/// after `past` cached tokens; `None` when the shapes do not fit one another (`n_kv ≥ 1` must divide
+/// `n_h`).
+pub(crate) fn attention_dims(
+    q: &[usize],
+    k: &[usize],
+    v: &[usize],
+    past: usize,
+) -> Option<(usize, usize, usize, usize)> {
+    match (q, k) {
+        (&[t_len, n_h, hd], &[n_kv, total, hd_k])
+            if v == k && hd_k == hd && total == past + t_len && n_kv != 0 && n_h % n_kv == 0 =>
+        {
+            Some((t_len, n_h, n_kv, hd))
+        }
+        _ => None,
+    }
+}
+
 fn attend<F: Float>(
     q: &[F],
     k: &[F],
@@ -671,15 +690,9 @@ impl CustomOp3 for CausalAttention {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (t_len, n_h, hd) = l1.shape().dims3()?;
-        let (n_kv, total, hd_k) = l2.shape().dims3()?;
-        if l3.shape().dims() != l2.shape().dims()
-            || hd_k != hd
-            || total != self.past + t_len
-            || n_h != self.n_heads
-            || n_kv == 0
-            || n_h % n_kv != 0
-        {
+        let dims = attention_dims(l1.dims(), l2.dims(), l3.dims(), self.past)
+            .filter(|&(_, n_h, _, _)| n_h == self.n_heads);
+        let Some(dims @ (t_len, n_h, _, hd)) = dims else {
             candle_core::bail!(
                 "causal attention: q {:?}, k {:?}, v {:?} do not fit {} heads after {} cached tokens",
                 l1.shape().dims(),
@@ -688,8 +701,7 @@ impl CustomOp3 for CausalAttention {
                 self.n_heads,
                 self.past
             );
-        }
-        let dims = (t_len, n_h, n_kv, hd);
+        };
         let out = match (s1, s2, s3) {
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
                 let (k, v, rows) = kv_rows(head_rows(k, l2, "k")?, head_rows(v, l3, "v")?)?;

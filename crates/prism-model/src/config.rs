@@ -21,6 +21,23 @@ pub enum LayerKind {
     Attention,
 }
 
+impl LayerKind {
+    /// Its name in a Hugging Face `config.json`'s `layer_types`.
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            LayerKind::DeltaNet => "linear_attention",
+            LayerKind::Attention => "full_attention",
+        }
+    }
+
+    /// The kind a `layer_types` entry names ([`LayerKind::hf_name`]'s inverse).
+    pub fn from_hf_name(name: &str) -> Option<LayerKind> {
+        [LayerKind::DeltaNet, LayerKind::Attention]
+            .into_iter()
+            .find(|kind| kind.hf_name() == name)
+    }
+}
+
 /// Hyper-parameters of a dense Qwen3.5 text decoder.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Qwen35Config {
@@ -499,14 +516,7 @@ impl Qwen35Config {
                 return Err(mismatch("rms_norm_eps", self.rms_norm_eps.to_string(), v));
             }
         }
-        let kinds: Vec<&str> = self
-            .layer_kinds
-            .iter()
-            .map(|k| match k {
-                LayerKind::DeltaNet => "linear_attention",
-                LayerKind::Attention => "full_attention",
-            })
-            .collect();
+        let kinds: Vec<&str> = self.layer_kinds.iter().map(|k| k.hf_name()).collect();
         if let Some(v) = text.get("layer_types") {
             let theirs: Option<Vec<&str>> = v
                 .as_array()

@@ -1041,23 +1041,16 @@ pub fn causal_attention(
     scale: f64,
 ) -> Result<Tensor> {
     let dev = cuda_device(q)?;
-    let (t_len, n_h, hd) = q.dims3()?;
-    let (n_kv, total, hd_k) = k.dims3()?;
-    if v.dims() != k.dims()
-        || hd_k != hd
-        || total != past + t_len
-        || n_kv == 0
-        || n_h % n_kv != 0
-        || hd % 32 != 0
-        || hd > 256
-    {
+    let dims = crate::attention::attention_dims(q.dims(), k.dims(), v.dims(), past)
+        .filter(|&(.., hd)| hd % 32 == 0 && hd <= 256);
+    let Some((t_len, n_h, n_kv, hd)) = dims else {
         bail!(
             "causal attention (cuda): q {:?}, k {:?}, v {:?} after {past} cached tokens do not fit",
             q.dims(),
             k.dims(),
             v.dims()
         );
-    }
+    };
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let (iq, ik, iv) = (
         Input::new(&q, DType::F32, "q")?,
@@ -1152,37 +1145,90 @@ pub fn linear_bf16(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         let (px, _gx) = vx.device_ptr(&stream);
         let (pw, _gw) = vw.device_ptr(&stream);
         let (py, _gy) = y.device_ptr_mut(&stream);
-        let (alpha, beta) = (1f32, 0f32);
         let blas = dev.cublas_handle();
-        // Column-major view: yᵀ [out × N] = (W as [in × out])ᵀ · (x as [in × N]).
-        // SAFETY: the pointers are live device buffers of the sizes the dimensions say; the handle
-        // runs on candle's stream, the one the buffers are used on.
+        // SAFETY: the pointers are live device buffers of the sizes the dimensions say (w out·in,
+        // x N·in bf16, y N·out f32); the handle runs on candle's stream, the one the buffers are used
+        // on.
         unsafe {
-            cublas::gemm_ex(
+            gemm_tn(
                 *blas.handle(),
-                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
-                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
-                m_i,
-                n_i,
-                k_i,
-                (&alpha) as *const f32 as *const _,
-                pw as *const _,
-                cublas_sys::cudaDataType::CUDA_R_16BF,
-                k_i,
-                px as *const _,
-                cublas_sys::cudaDataType::CUDA_R_16BF,
-                k_i,
-                (&beta) as *const f32 as *const _,
-                py as *mut _,
-                cublas_sys::cudaDataType::CUDA_R_32F,
-                m_i,
-                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                GemmTypes::Bf16F32,
+                (m_i, n_i, k_i),
+                pw,
+                px,
+                py,
             )
-        }
-        .map_err(launch_err)?;
+        }?;
     }
     Ok(wrap(y, &dev, (n, out)))
+}
+
+/// The element types of a [`gemm_tn`]: bf16 inputs to an f32 output (`CUBLAS_COMPUTE_32F`), or int8
+/// inputs to an i32 output (`CUBLAS_COMPUTE_32I`).
+#[derive(Clone, Copy)]
+enum GemmTypes {
+    Bf16F32,
+    Int8I32,
+}
+
+/// cuBLAS `gemm_ex` of the row-major `y[n, m] = x[n, k] · w[m, k]ᵀ` (alpha 1, beta 0, the default
+/// algorithm): column-major, yᵀ [m × n] = (w as [k × m])ᵀ · (x as [k × n]), leading dimensions k, k
+/// and m.
+///
+/// # Safety
+/// `w`, `x` and `y` are live device buffers of m·k, n·k and n·m elements of `types`' input, input and
+/// output types, used on the stream `handle` runs on.
+unsafe fn gemm_tn(
+    handle: cublas_sys::cublasHandle_t,
+    types: GemmTypes,
+    (m, n, k): (i32, i32, i32),
+    w: u64,
+    x: u64,
+    y: u64,
+) -> Result<()> {
+    type Scalar = *const std::ffi::c_void;
+    let (one_f, zero_f, one_i, zero_i) = (1f32, 0f32, 1i32, 0i32);
+    let (alpha, beta, input, output, compute): (Scalar, Scalar, _, _, _) = match types {
+        GemmTypes::Bf16F32 => (
+            (&one_f as *const f32).cast(),
+            (&zero_f as *const f32).cast(),
+            cublas_sys::cudaDataType::CUDA_R_16BF,
+            cublas_sys::cudaDataType::CUDA_R_32F,
+            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        ),
+        GemmTypes::Int8I32 => (
+            (&one_i as *const i32).cast(),
+            (&zero_i as *const i32).cast(),
+            cublas_sys::cudaDataType::CUDA_R_8I,
+            cublas_sys::cudaDataType::CUDA_R_32I,
+            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32I,
+        ),
+    };
+    // SAFETY: the caller's; alpha and beta point to live scalars of the compute type.
+    unsafe {
+        cublas::gemm_ex(
+            handle,
+            cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+            cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+            m,
+            n,
+            k,
+            alpha,
+            w as *const _,
+            input,
+            k,
+            x as *const _,
+            input,
+            k,
+            beta,
+            y as *mut _,
+            output,
+            m,
+            compute,
+            cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(launch_err)
 }
 
 /// Operations per second (2 per multiply-add) of cuBLAS's int8 GEMM (int8 inputs, i32 accumulation and
@@ -1221,34 +1267,19 @@ pub fn int8_gemm_seconds(
             let (pa, _ga) = a.device_ptr(&stream);
             let (pb, _gb) = b.device_ptr(&stream);
             let (pc, _gc) = c.device_ptr_mut(&stream);
-            let (alpha, beta) = (1i32, 0i32);
             // SAFETY: three live device buffers (n·k, m·k bytes, m·n i32) on the handle's stream; the
             // TN layout with leading dimensions k, k and n (multiples of 4) is the one cuBLAS's int8
-            // GEMM takes. Column-major, C (n × m) = Aᵀ (n × k) · B (k × m) is y row-major.
+            // GEMM takes: `a` is the weight side (n × k), `b` the rows (m × k), `c` is y [m, n].
             unsafe {
-                cublas::gemm_ex(
+                gemm_tn(
                     *blas.handle(),
-                    cublas_sys::cublasOperation_t::CUBLAS_OP_T,
-                    cublas_sys::cublasOperation_t::CUBLAS_OP_N,
-                    n_i,
-                    m_i,
-                    k_i,
-                    (&alpha) as *const i32 as *const _,
-                    pa as *const _,
-                    cublas_sys::cudaDataType::CUDA_R_8I,
-                    k_i,
-                    pb as *const _,
-                    cublas_sys::cudaDataType::CUDA_R_8I,
-                    k_i,
-                    (&beta) as *const i32 as *const _,
-                    pc as *mut _,
-                    cublas_sys::cudaDataType::CUDA_R_32I,
-                    n_i,
-                    cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32I,
-                    cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    GemmTypes::Int8I32,
+                    (n_i, m_i, k_i),
+                    pa,
+                    pb,
+                    pc,
                 )
-            }
-            .map_err(launch_err)?;
+            }?;
         }
         stream.synchronize().map_err(launch_err)?;
         times.push(start.elapsed().as_secs_f64());

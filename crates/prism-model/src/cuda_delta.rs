@@ -322,39 +322,9 @@ fn launch(
         bail!("delta rule (cuda): {count} segments in one launch (1 to {MAX_SEGMENTS})");
     }
     // The states, contiguous and 16-byte aligned, kept alive for the launch.
-    let held = parts
-        .iter()
-        .map(|p| {
-            Ok([
-                aligned(&p.state.chunk_start)?,
-                aligned(&p.state.pending_k)?,
-                aligned(&p.state.pending_u)?,
-                p.state.pending_gamma.contiguous()?,
-            ])
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let inputs = held
-        .iter()
-        .map(|t| {
-            Ok((
-                Input::new(&t[0], DType::F32, "memory")?,
-                Input::new(&t[1], DType::F32, "pending keys")?,
-                Input::new(&t[2], DType::F32, "pending values")?,
-                Input::new(&t[3], DType::F64, "pending decays")?,
-            ))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let views = inputs
-        .iter()
-        .map(|(s, pk, pu, gam)| {
-            Ok((
-                s.view::<f32>()?,
-                pk.view::<f32>()?,
-                pu.view::<f32>()?,
-                gam.view::<f64>()?,
-            ))
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let held = held_states(parts)?;
+    let inputs = state_inputs(&held)?;
+    let views = state_views(&inputs)?;
 
     let stream = dev.cuda_stream();
     let (args, chunks, guards) = segment_args(&stream, x, parts, &views)?;
@@ -456,6 +426,40 @@ fn launch(
         .collect()
 }
 
+/// The states of `parts` as the kernels read them: the memory, pending keys and pending values
+/// contiguous and 16-byte aligned ([`aligned`]), the pending decays contiguous; the caller holds them
+/// until its launch is queued.
+fn held_states(parts: &[Part<'_>]) -> Result<Vec<[Tensor; 4]>> {
+    parts
+        .iter()
+        .map(|p| {
+            Ok([
+                aligned(&p.state.chunk_start)?,
+                aligned(&p.state.pending_k)?,
+                aligned(&p.state.pending_u)?,
+                p.state.pending_gamma.contiguous()?,
+            ])
+        })
+        .collect()
+}
+
+/// A state's memory, pending keys, values and decays as read guards on their storage.
+type StateInputs<'a> = (Input<'a>, Input<'a>, Input<'a>, Input<'a>);
+
+/// Read guards on each of [`held_states`]' tensors, checked for their dtypes (f32, f32, f32, f64).
+fn state_inputs(held: &[[Tensor; 4]]) -> Result<Vec<StateInputs<'_>>> {
+    held.iter()
+        .map(|t| {
+            Ok((
+                Input::new(&t[0], DType::F32, "memory")?,
+                Input::new(&t[1], DType::F32, "pending keys")?,
+                Input::new(&t[2], DType::F32, "pending values")?,
+                Input::new(&t[3], DType::F64, "pending decays")?,
+            ))
+        })
+        .collect()
+}
+
 /// A state's memory, pending keys, values and decays as device views.
 type StateViews<'a> = (
     CudaView<'a, f32>,
@@ -463,6 +467,21 @@ type StateViews<'a> = (
     CudaView<'a, f32>,
     CudaView<'a, f64>,
 );
+
+/// The device views of [`state_inputs`]' guards, in the same order.
+fn state_views<'a>(inputs: &'a [StateInputs<'_>]) -> Result<Vec<StateViews<'a>>> {
+    inputs
+        .iter()
+        .map(|(s, pk, pu, gam)| {
+            Ok((
+                s.view::<f32>()?,
+                pk.view::<f32>()?,
+                pu.view::<f32>()?,
+                gam.view::<f64>()?,
+            ))
+        })
+        .collect()
+}
 
 /// The segment table of a launch over `parts` (their states' device pointers, rows and pending counts;
 /// `chunk0` as the pair and scan kernels count chunks) and the guards that keep the pointers valid.
@@ -582,39 +601,9 @@ fn launch_decode(
                 && p.state.rows.claim(p.state.pending)
         })
         .collect();
-    let held = parts
-        .iter()
-        .map(|p| {
-            Ok([
-                aligned(&p.state.chunk_start)?,
-                aligned(&p.state.pending_k)?,
-                aligned(&p.state.pending_u)?,
-                p.state.pending_gamma.contiguous()?,
-            ])
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let inputs = held
-        .iter()
-        .map(|t| {
-            Ok((
-                Input::new(&t[0], DType::F32, "memory")?,
-                Input::new(&t[1], DType::F32, "pending keys")?,
-                Input::new(&t[2], DType::F32, "pending values")?,
-                Input::new(&t[3], DType::F64, "pending decays")?,
-            ))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let views = inputs
-        .iter()
-        .map(|(s, pk, pu, gam)| {
-            Ok((
-                s.view::<f32>()?,
-                pk.view::<f32>()?,
-                pu.view::<f32>()?,
-                gam.view::<f64>()?,
-            ))
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let held = held_states(parts)?;
+    let inputs = state_inputs(&held)?;
+    let views = state_views(&inputs)?;
     let stream = dev.cuda_stream();
     let (args, _, guards) = segment_args(&stream, x, parts, &views)?;
 

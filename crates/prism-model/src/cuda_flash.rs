@@ -19,6 +19,8 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::{bail, DType, Result, Storage, StorageRef, Tensor};
 use prism_quant::cuda_launch::{alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input};
 
+use crate::attention::attention_dims;
+
 const FLASH_IMAGE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_attention.fatbin"));
 
 /// Absolute positions per block (`FA_ROWS`: 4 warps of 16 rows).
@@ -180,16 +182,14 @@ pub fn flash_attention(
     scale: f64,
 ) -> Result<Tensor> {
     let dev = cuda_device(q)?;
-    let (t_len, n_h, hd) = q.dims3()?;
-    let (n_kv, total, hd_k) = k.dims3()?;
-    if v.dims() != k.dims() || hd_k != hd || total != past + t_len || n_kv == 0 || n_h % n_kv != 0 {
+    let Some((t_len, n_h, n_kv, hd)) = attention_dims(q.dims(), k.dims(), v.dims(), past) else {
         bail!(
             "flash attention: q {:?}, k {:?}, v {:?} after {past} cached tokens do not fit",
             q.dims(),
             k.dims(),
             v.dims()
         );
-    }
+    };
     for (x, name) in [(q, "q"), (k, "k"), (v, "v")] {
         if x.dtype() != DType::F32 && x.dtype() != DType::BF16 {
             bail!(
@@ -265,16 +265,10 @@ pub fn flash_attention_fp8(
 ) -> Result<Tensor> {
     let [k, ks, v, vs] = kv;
     let dev = cuda_device(q)?;
-    let (t_len, n_h, hd) = q.dims3()?;
-    let (n_kv, total, hd_k) = k.dims3()?;
-    if v.dims() != k.dims()
-        || ks.dims() != [n_kv, total]
-        || vs.dims() != [n_kv, total]
-        || hd_k != hd
-        || total != past + t_len
-        || n_kv == 0
-        || n_h % n_kv != 0
-    {
+    let dims = attention_dims(q.dims(), k.dims(), v.dims(), past).filter(|&(t_len, _, n_kv, _)| {
+        ks.dims() == [n_kv, past + t_len] && vs.dims() == [n_kv, past + t_len]
+    });
+    let Some((t_len, n_h, n_kv, hd)) = dims else {
         bail!(
             "flash attention (fp8): q {:?}, k {:?}, k scales {:?}, v {:?}, v scales {:?} after {past} cached tokens do not fit",
             q.dims(),
@@ -283,7 +277,7 @@ pub fn flash_attention_fp8(
             v.dims(),
             vs.dims()
         );
-    }
+    };
     if k.dtype() != DType::U8 || v.dtype() != DType::U8 {
         bail!(
             "flash attention (fp8): keys {:?} and values {:?}, expected u8 (e4m3 bytes)",

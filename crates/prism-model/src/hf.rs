@@ -246,15 +246,17 @@ impl HfTextConfig {
                 types
                     .iter()
                     .enumerate()
-                    .map(|(i, t)| match t.as_str() {
-                        Some("linear_attention") => Ok(LayerKind::DeltaNet),
-                        Some("full_attention") => Ok(LayerKind::Attention),
-                        _ => Err(bad(
-                            &field,
-                            format!(
-                                "entry {i} is {t}; expected \"linear_attention\" or \"full_attention\""
-                            ),
-                        )),
+                    .map(|(i, t)| {
+                        t.as_str().and_then(LayerKind::from_hf_name).ok_or_else(|| {
+                            bad(
+                                &field,
+                                format!(
+                                    "entry {i} is {t}; expected \"{}\" or \"{}\"",
+                                    LayerKind::DeltaNet.hf_name(),
+                                    LayerKind::Attention.hf_name()
+                                ),
+                            )
+                        })
                     })
                     .collect::<Result<Vec<_>>>()?
             }

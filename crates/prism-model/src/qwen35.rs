@@ -930,18 +930,24 @@ impl Qwen35Model {
         Ok(self.lm_head.forward(hidden)?)
     }
 
-    /// Logits of the selected vocabulary rows only, `[rows, row_ids.len()]` (e.g. the 26 letters of a
-    /// read-out instead of the whole vocabulary).
-    pub fn logits_for_rows(&self, hidden: &Tensor, row_ids: &[u32]) -> Result<Tensor> {
-        if let Some(&row) = row_ids
+    /// `Err(RowOutOfRange)` naming the first of `row_ids` past the vocabulary.
+    fn check_rows(&self, row_ids: &[u32]) -> Result<()> {
+        match row_ids
             .iter()
             .find(|&&r| r as usize >= self.config.vocab_size)
         {
-            return Err(ModelError::RowOutOfRange {
+            Some(&row) => Err(ModelError::RowOutOfRange {
                 row,
                 vocab_size: self.config.vocab_size,
-            });
+            }),
+            None => Ok(()),
         }
+    }
+
+    /// Logits of the selected vocabulary rows only, `[rows, row_ids.len()]` (e.g. the 26 letters of a
+    /// read-out instead of the whole vocabulary).
+    pub fn logits_for_rows(&self, hidden: &Tensor, row_ids: &[u32]) -> Result<Tensor> {
+        self.check_rows(row_ids)?;
         Ok(self.lm_head.select_rows(row_ids)?.forward(hidden)?)
     }
 
@@ -1027,15 +1033,7 @@ impl Qwen35Model {
     /// vocabulary rows (e.g. the 26 letters) at each prompt's last position, `[B][rows]`. The shared
     /// prefix is computed once ([`Self::last_hidden_shared_prefix`]).
     pub fn last_position_rows(&self, prompts: &[&[u32]], row_ids: &[u32]) -> Result<Vec<Vec<f32>>> {
-        if let Some(&row) = row_ids
-            .iter()
-            .find(|&&r| r as usize >= self.config.vocab_size)
-        {
-            return Err(ModelError::RowOutOfRange {
-                row,
-                vocab_size: self.config.vocab_size,
-            });
-        }
+        self.check_rows(row_ids)?;
         let hidden = self.last_hidden_shared_prefix(prompts)?;
         Ok(self
             .logits_for_rows(&hidden, row_ids)?

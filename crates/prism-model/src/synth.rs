@@ -573,14 +573,7 @@ impl SynthSpec {
     /// [`Qwen35Config::check_hf_config`] accepts.
     pub fn hf_config_json(&self, eos_token_id: Option<u32>) -> Value {
         let cfg = &self.config;
-        let layer_types: Vec<&str> = cfg
-            .layer_kinds
-            .iter()
-            .map(|k| match k {
-                LayerKind::DeltaNet => "linear_attention",
-                LayerKind::Attention => "full_attention",
-            })
-            .collect();
+        let layer_types: Vec<&str> = cfg.layer_kinds.iter().map(|k| k.hf_name()).collect();
         let mut config = json!({
             "architectures": ["Qwen3_5ForCausalLM"],
             "attention_bias": false,
