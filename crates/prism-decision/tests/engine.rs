@@ -278,9 +278,10 @@ fn questions_sharing_evidence_read_the_same_alone_or_together() {
 
 #[test]
 fn a_pass_reads_the_same_wherever_the_evidence_is_cut() {
-    // Batch A's four prompts share 286 tokens. The engine cuts a text evidence at a multiple of 64
-    // (256 here) and its decoder runs the branches' shared tokens once, as an item they continue: every
-    // question must read what it reads alone (one sequence) and with the evidence cut at its end.
+    // Batch A's four prompts share 286 tokens. Cut the evidence short of that (at 256, a chunk
+    // boundary of the delta rule, or at 0) and the decoder runs the branches' shared tokens once, as an
+    // item they continue: every question must read what it reads alone (one sequence) and with the
+    // evidence cut at its end.
     let (mut model, _) = load("tiny-Q8_0.gguf", 4096);
     let prompts: Vec<LetterPrompt> = fixture_prompts()
         .into_iter()

@@ -676,9 +676,9 @@ impl PassModel for DecoderLetterModel {
                     }
                 }
             }
-            // The tokens all of the group's branches begin with (the evidence's last tokens past
-            // its chunk-aligned key, the question template's shared words) run once, as an item
-            // the branches continue.
+            // The tokens all of the group's branches begin with (questions that open with the same
+            // words, evidence a group's prefix leaves out) run once, as an item the branches
+            // continue.
             let shared = shared_branch_tokens(&group.branches);
             let from = if shared == 0 {
                 root

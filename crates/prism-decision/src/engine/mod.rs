@@ -152,8 +152,7 @@ pub struct Prepared {
     task: DecisionTask,
     prompts: Vec<LetterPrompt>,
     tokens: Vec<Vec<u32>>,
-    /// The evidence: the tokens every prompt of the request starts with, up to the question; for text,
-    /// cut back to a multiple of the delta rule's chunk ([`chunk_aligned`]).
+    /// The evidence: the tokens every prompt of the request starts with, up to the question.
     key: Arc<[u32]>,
     /// What the prefix cache and the dispatcher know the evidence by: `key` for text; for evidence with
     /// images, `key`, then `u32::MAX` (no token's id), then the images' digest as 8 words.
@@ -662,11 +661,8 @@ impl Engine {
             .into());
         }
         let key = evidence_key(&*self.encoder, &task, &tokens)?;
-        let (key, images, cache_key) = match decoded {
-            None => {
-                let key = chunk_aligned(key);
-                (key.clone(), None, key)
-            }
+        let (images, cache_key) = match decoded {
+            None => (None, key.clone()),
             Some(decoded) => {
                 let images = place_images(&*self.encoder, decoded, &key, &tokens)?;
                 let mut cache_key: Vec<u32> = key.to_vec();
@@ -677,7 +673,7 @@ impl Engine {
                         .chunks_exact(4)
                         .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]])),
                 );
-                (key, Some(Arc::new(images)), Arc::from(cache_key))
+                (Some(Arc::new(images)), Arc::from(cache_key))
             }
         };
         Ok(Prepared {
@@ -950,21 +946,6 @@ fn evidence_key(
     Ok(Arc::from(&first[..common]))
 }
 
-/// A text request's evidence key cut back to the last multiple of the delta rule's chunk
-/// ([`prism_model::delta_rule::CHUNK`] tokens) when it holds at least one: the evidence's state (kept
-/// for the prefix cache) then ends on a chunk boundary, and the few tokens past it go with the questions
-/// (the decoder computes a tail that all of a group's questions share once). A branch that starts inside
-/// a chunk makes the delta rule compute that chunk's earlier rows again; a one-question request now
-/// has no such branch. Where a sequence is cut never changes a row's bits, so answers are the same.
-fn chunk_aligned(key: Arc<[u32]>) -> Arc<[u32]> {
-    let aligned = key.len() / prism_model::delta_rule::CHUNK * prism_model::delta_rule::CHUNK;
-    if aligned == 0 || aligned == key.len() {
-        key
-    } else {
-        Arc::from(&key[..aligned])
-    }
-}
-
 /// The request's images against its tokens: the pad tokens must form, inside the evidence `key`, one
 /// run per image of exactly its merged patches, and no prompt may hold pads past the evidence (else the
 /// evidence's own text holds `<|image_pad|>`, a 422 naming `state`). Gives the images with the
@@ -1022,19 +1003,4 @@ fn place_images(
         .flat_map(|&(start, len)| start..start + len)
         .collect();
     Ok(RequestImages::new(images, positions, pad_rows))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn text_evidence_is_cut_at_the_last_chunk_boundary() {
-        let key = |n: u32| -> Arc<[u32]> { (0..n).collect::<Vec<_>>().into() };
-        assert_eq!(chunk_aligned(key(0)).len(), 0);
-        assert_eq!(chunk_aligned(key(63)).len(), 63);
-        assert_eq!(chunk_aligned(key(64)).len(), 64);
-        assert_eq!(chunk_aligned(key(286)).len(), 256);
-        assert_eq!(&chunk_aligned(key(200))[..], &key(192)[..]);
-    }
 }
