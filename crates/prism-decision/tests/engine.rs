@@ -244,17 +244,23 @@ fn load_errors_name_what_is_wrong() {
     }
 }
 
-#[test]
-fn questions_sharing_evidence_read_the_same_alone_or_together() {
-    // prompts.json batch A (prompts 4-7) shares 286 tokens of evidence: the engine runs it once and
-    // branches. Each question must read exactly what it reads alone, whatever else is in the batch.
-    let (mut model, _) = load("tiny-Q8_0.gguf", 4096);
+/// prompts.json batch A (prompts 4-7): four questions on one evidence of 286 shared tokens.
+fn batch_a() -> Vec<LetterPrompt> {
     let batch: Vec<LetterPrompt> = fixture_prompts()
         .into_iter()
         .filter(|(i, _)| (4..=7).contains(i))
         .map(|(_, p)| p)
         .collect();
     assert_eq!(batch.len(), 4);
+    batch
+}
+
+#[test]
+fn questions_sharing_evidence_read_the_same_alone_or_together() {
+    // prompts.json batch A (prompts 4-7) shares 286 tokens of evidence: the engine runs it once and
+    // branches. Each question must read exactly what it reads alone, whatever else is in the batch.
+    let (mut model, _) = load("tiny-Q8_0.gguf", 4096);
+    let batch = batch_a();
     let together = model.letter_logits(&batch).expect("batch read-out");
     let reversed: Vec<LetterPrompt> = batch.iter().rev().cloned().collect();
     let backwards = model
@@ -283,11 +289,7 @@ fn a_pass_reads_the_same_wherever_the_evidence_is_cut() {
     // item they continue: every question must read what it reads alone (one sequence) and with the
     // evidence cut at its end.
     let (mut model, _) = load("tiny-Q8_0.gguf", 4096);
-    let prompts: Vec<LetterPrompt> = fixture_prompts()
-        .into_iter()
-        .filter(|(i, _)| (4..=7).contains(i))
-        .map(|(_, p)| p)
-        .collect();
+    let prompts = batch_a();
     let tokens: Vec<Vec<u32>> = prompts
         .iter()
         .map(|p| model.prompt_tokens(p).expect("tokenizes"))
