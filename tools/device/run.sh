@@ -25,7 +25,11 @@
 #   bench9 / bench4   9B / 4B bf16 benches (10 runs after 2 warm-ups)
 #   loads9      9B bf16 loads from 1, 4, 8 and 16 loader threads (--load-threads), one bench run each
 #               after no warm-up (answer digests comparable across them); each killed after 120 s
-#   ncu27       ncu kernel times of one warm pass per scenario of the 27B bf16 bench
+#   ncu27       ncu kernel times of one warm pass per scenario of the 27B bench at $PREC (default bf16;
+#               ncu-27b-$PREC.csv; tools/ncu_summary.py sums it by kernel)
+#   ncu-kernel  ncu's full section set (--set full) on $NCU_COUNT (default 1) launches of the kernels
+#               matching $NCU_KERNEL (a regex) after $NCU_SKIP (default 0) of them, in the 27B bench's warm
+#               passes at $PREC (default int8): ncu-kernel.ncu-rep and its details page as text
 #   ncu-think27 ncu kernel times of $NCU_COUNT launches (default 3,000: two or three decode steps) after
 #               the first $NCU_SKIP (default 20,000) of 64 thoughts decoded at once on /tmp/s27 at int8
 #               (ncu-think.csv; tools/ncu_summary.py sums it by kernel)
@@ -266,9 +270,17 @@ for step in "$@"; do
         bench4) /tmp/prism bench --model-dir /tmp/s4 --device cuda --precision bf16 --runs 10 --warmup 2 > "$OUT/bench-4b-bf16.txt" 2>&1 ;;
         ncu27)
             "$NCU" --profile-from-start off --clock-control none --cache-control none \
-                --metrics gpu__time_duration.sum --csv --log-file "$OUT/ncu-27b.csv" \
-                /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision bf16 --runs 1 --warmup 1 \
-                --profiler-range > "$OUT/bench-27b-under-ncu.txt" 2>&1 ;;
+                --metrics gpu__time_duration.sum --csv --log-file "$OUT/ncu-27b-${PREC:-bf16}.csv" \
+                /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision "${PREC:-bf16}" --runs 1 --warmup 1 \
+                --profiler-range > "$OUT/bench-27b-under-ncu.txt" 2>&1
+            echo "ncu27 rc=$?" ;;
+        ncu-kernel)
+            "$NCU" --profile-from-start off --clock-control none --set full -k "regex:$NCU_KERNEL" \
+                --launch-skip "${NCU_SKIP:-0}" --launch-count "${NCU_COUNT:-1}" -o "$OUT/ncu-kernel" \
+                /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision "${PREC:-int8}" --runs 1 --warmup 1 \
+                --profiler-range > "$OUT/bench-27b-under-ncu-kernel.txt" 2>&1
+            echo "ncu-kernel rc=$?"
+            "$NCU" --import "$OUT/ncu-kernel.ncu-rep" --page details > "$OUT/ncu-kernel-details.txt" 2>&1 ;;
         ncu-vision)
             unpack device-tests || exit 1
             "$NCU" --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
