@@ -348,13 +348,6 @@ __device__ __forceinline__ unsigned long long wgmma_desc(unsigned smem_address) 
     return (unsigned long long)((smem_address & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) |
            (1ull << 62);
 }
-// Named barriers 1.. (0 is __syncthreads): `count` threads, some arriving, the others waiting.
-__device__ __forceinline__ void named_sync(int id, int count) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int count) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
@@ -385,18 +378,16 @@ __device__ __forceinline__ void wgmma_m64n128k32_s8_first(int (&d)[64], unsigned
 }
 #endif
 
-// The tile's shapes, NC consumer warpgroups of 64 rows × 128 outputs each: BM = 128 activation rows ×
-// BN = 128 outputs (NC = 2, each consumer warpgroup 64 rows × 128 outputs), BM = 64 × BN = 256 (NC = 2,
-// both warpgroups on the same 64 rows, 128 outputs each: for M a little over a multiple of 128, where a
-// 128-row tile computes up to twice the rows), or BM = 192 × BN = 128 (NC = 3: a third warp a scheduler
-// to hide the promotion's latencies; 160 registers a consumer thread, so the held part waits in shared
-// memory and p0 + p1 in y). A stage: the A box, the B box, BM activation scales, BN weight scales,
-// padded to 1,024 bytes (TMA's 128-byte swizzle repeats every 1,024). Then the part slot (a float for
-// each consumer thread and output: NC · 32 KiB) and the stages' full and empty barriers.
-template <int BM, int NC>
+// The tile's two shapes: BM = 128 activation rows × BN = 128 outputs (each consumer warpgroup 64 rows ×
+// 128 outputs), or BM = 64 × BN = 256 (both warpgroups on the same 64 rows, 128 outputs each: for M a little
+// over a multiple of 128, where a 128-row tile computes up to twice the rows). A stage: the A box, the B
+// box, BM activation scales, BN weight scales, padded to 1,024 bytes (TMA's 128-byte swizzle repeats
+// every 1,024). Then the part slot (a float for each consumer thread and output: 64 KiB) and the
+// stages' full and empty barriers.
+template <int BM>
 struct QwTile {
-    static constexpr int BN = NC == 3 ? 128 : 128 * 128 / BM;
-    static constexpr int STAGES = (BM == 128 && NC == 2) ? 4 : 3;
+    static constexpr int BN = 128 * 128 / BM;
+    static constexpr int STAGES = BM == 128 ? 4 : 3;
     static constexpr int A = 0;
     static constexpr int B = BM * 128;
     static constexpr int SA = B + BN * 128;
@@ -404,9 +395,8 @@ struct QwTile {
     static constexpr int BYTES = SW + BN * 4;  // what TMA delivers a stage
     static constexpr int STAGE = (BYTES + 1023) / 1024 * 1024;
     static constexpr int SLOT = STAGES * STAGE;
-    static constexpr int BARS = SLOT + NC * 128 * 64 * 4;
+    static constexpr int BARS = SLOT + 256 * 64 * 4;
     static constexpr int SMEM = BARS + 2 * STAGES * 8 + 1024;
-    static constexpr int THREADS = 128 * (NC + 1);
 };
 
 // A consumer thread's 64 outputs of a tile: rows r0 and r0 + 8, columns col + 8·j and col + 8·j + 1
@@ -439,32 +429,15 @@ __device__ __forceinline__ void qw_store(float* __restrict__ out, const float (&
     }
 }
 
-// Loads what qw_store<false> stored at the same place (rows past M and columns past N: 0), every load
-// issued before any is used.
-__device__ __forceinline__ void qw_load(const float* __restrict__ src, float (&v)[64], int r0, int col, int M,
-                                        int N) {
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = r0 + 8 * h, cc = col + 8 * j;
-            const float* o = src + (size_t)row * N + cc;
-            v[4 * j + 2 * h] = row < M && cc < N ? o[0] : 0.f;
-            v[4 * j + 2 * h + 1] = row < M && cc + 1 < N ? o[1] : 0.f;
-        }
-    }
-}
-
 // Split over K (gridDim.z = splits: 1, 2 or 4): CTA z takes parts 4z/splits .. 4(z+1)/splits of the
 // contract's four (their runs in order, each part from +0) and writes, instead of y, its share of the
 // part tree to ws[z] ([splits, M, N]): with 4 splits its part, with 2 (p0 + p1) or (p2 + p3);
 // qgemm_parts_combine then forms (p0 + p1) + (p2 + p3) and the non-finite rows. With 1 split the CTA
 // does all four and writes y itself.
 //
-// A consumer warpgroup, per run: its four wgmma, a wait for them, the promotion. NC = 2: p0 and p2
-// wait in registers (hold), p0 + p1 in the shared-memory slot; y = slot + (p2 + p3). NC = 3: p0 and p2
-// wait in the slot, p0 + p1 in y (read back with every load issued at once); y = y + (p2 + p3).
-template <int BM, int NC, bool ORDERED>
+// A consumer warpgroup, per run: its four wgmma, a wait for them, the promotion. p0 and p2 wait in
+// registers (hold), p0 + p1 in the shared-memory slot; y = slot + (p2 + p3).
+template <int BM>
 __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const TmaDesc* tmap_b,
                                                    const float* __restrict__ sa_t, int ldsa,
                                                    const float* __restrict__ sw_t, int ldsw,
@@ -472,7 +445,7 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
                                                    int K, float* __restrict__ y, float* __restrict__ ws) {
 #ifdef HAVE_WGMMA
     extern __shared__ unsigned char smem_raw[];
-    using T = QwTile<BM, NC>;
+    using T = QwTile<BM>;
     constexpr int STAGES = T::STAGES;
     unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
     unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + T::BARS);
@@ -486,17 +459,13 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full + s, 1);
-            mbar_init(empty + s, 4 * NC);  // the consumer warps
+            mbar_init(empty + s, 8);  // the 8 consumer warps
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
     if (wg == 0) {
-        if constexpr (NC == 3) {
-            asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
-        } else {
-            asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-        }
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         if (threadIdx.x == 0) {
             tma_prefetch_desc(tmap_a);
             tma_prefetch_desc(tmap_b);
@@ -512,20 +481,14 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
             }
         }
     } else {
-        if constexpr (NC == 3) {
-            asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n" ::: "memory");
-        } else {
-            asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-        }
-        // Consumer warpgroup c: rows 64·c .. 64·c + 63 of a 128- or 192-row tile, or outputs
-        // 128·c .. 128·c + 127 of a 64-row one.
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+        // Consumer warpgroup c: rows 64·c .. 64·c + 63 of a 128-row tile, or outputs 128·c .. 128·c + 127
+        // of a 64-row one.
         const int c = wg - 1;
-        constexpr bool split_rows = BM != 64;
-        const int a_off = split_rows ? c * 64 * 128 : 0, b_off = split_rows ? 0 : c * 128 * 128;
-        const int c_rows = split_rows ? 64 * c : 0, c_cols = split_rows ? 0 : 128 * c;
+        const int a_off = BM == 128 ? c * 64 * 128 : 0, b_off = BM == 128 ? 0 : c * 128 * 128;
+        const int c_rows = BM == 128 ? 64 * c : 0, c_cols = BM == 128 ? 0 : 128 * c;
         const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
-        constexpr int SLOT_STRIDE = NC * 128;
-        float* slot = reinterpret_cast<float*>(smem + T::SLOT) + c * 128 + t;  // element i at slot[SLOT_STRIDE·i]
+        float* slot = reinterpret_cast<float*>(smem + T::SLOT) + c * 128 + t;  // element i at slot[256·i]
         const int row_in = c_rows + 16 * warp + lane / 4;  // the thread's rows: row_in, row_in + 8
         const int col_in = c_cols + 2 * (lane % 4);        // its columns: col_in + 8·j (+1)
         const int r0 = m0 + row_in, col0 = n0 + col_in;
@@ -540,7 +503,6 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
             const unsigned char* st = smem + s * T::STAGE;
             const unsigned long long da = wgmma_desc(smem_addr(st + T::A + a_off));
             const unsigned long long db = wgmma_desc(smem_addr(st + T::B + b_off));
-            if (ORDERED && !(c == 0 && r == r_lo)) named_sync(1 + c, 256);
             wgmma_fence();
             // The boxes start on 1,024-byte boundaries, so the address field's low bits are free: the
             // K slices 32, 64 and 96 bytes on are ORs.
@@ -549,7 +511,6 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
             wgmma_m64n128k32_s8(acc, da | 4, db | 4, 1);
             wgmma_m64n128k32_s8(acc, da | 6, db | 6, 1);
             wgmma_commit();
-            if (ORDERED && !(c == NC - 1 && r == r_hi - 1)) named_arrive(1 + (c + 1) % NC, 256);
             fence_acc(acc);
         };
         // Adds run r's sums (acc, complete) to facc with the stage's scales, then frees the stage.
@@ -573,7 +534,7 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
             mbar_arrive_warp(empty + s);
         };
         int acc[64];
-        float hold[64];  // NC = 2: p0, then p2
+        float hold[64];
 #pragma unroll 1
         for (int part = part_lo; part < part_hi; ++part) {
 #pragma unroll 1
@@ -583,46 +544,23 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
                 promote(acc, r);
             }
             // The end of part `part`, facc its sum.
-            if constexpr (NC == 3) {
-                if (splits == 4) {
-                    qw_store<false>(wz, facc, bad_rows, r0, col0, M, N);
-                } else if ((part & 1) == 0) {
+            if (splits == 4) {
+                qw_store<false>(wz, facc, bad_rows, r0, col0, M, N);
+            } else if ((part & 1) == 0) {
 #pragma unroll
-                    for (int i = 0; i < 64; ++i) slot[SLOT_STRIDE * i] = facc[i];
-                } else {
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) facc[i] = __fadd_rn(slot[SLOT_STRIDE * i], facc[i]);
-                    if (splits == 2) {
-                        qw_store<false>(wz, facc, bad_rows, r0, col0, M, N);
-                    } else if (part == 1) {
-                        qw_store<false>(y, facc, bad_rows, r0, col0, M, N);
-                    } else {
-                        float p01[64];
-                        qw_load(y, p01, r0, col0, M, N);
-#pragma unroll
-                        for (int i = 0; i < 64; ++i) facc[i] = __fadd_rn(p01[i], facc[i]);
-                        qw_store<true>(y, facc, bad_rows, r0, col0, M, N);
-                    }
-                }
+                for (int i = 0; i < 64; ++i) hold[i] = facc[i];
             } else {
-                if (splits == 4) {
-                    qw_store<false>(wz, facc, bad_rows, r0, col0, M, N);
-                } else if ((part & 1) == 0) {
 #pragma unroll
-                    for (int i = 0; i < 64; ++i) hold[i] = facc[i];
+                for (int i = 0; i < 64; ++i) facc[i] = __fadd_rn(hold[i], facc[i]);
+                if (splits == 2) {
+                    qw_store<false>(wz, facc, bad_rows, r0, col0, M, N);
+                } else if (part == 1) {
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) slot[256 * i] = facc[i];
                 } else {
 #pragma unroll
-                    for (int i = 0; i < 64; ++i) facc[i] = __fadd_rn(hold[i], facc[i]);
-                    if (splits == 2) {
-                        qw_store<false>(wz, facc, bad_rows, r0, col0, M, N);
-                    } else if (part == 1) {
-#pragma unroll
-                        for (int i = 0; i < 64; ++i) slot[SLOT_STRIDE * i] = facc[i];
-                    } else {
-#pragma unroll
-                        for (int i = 0; i < 64; ++i) facc[i] = __fadd_rn(slot[SLOT_STRIDE * i], facc[i]);
-                        qw_store<true>(y, facc, bad_rows, r0, col0, M, N);
-                    }
+                    for (int i = 0; i < 64; ++i) facc[i] = __fadd_rn(slot[256 * i], facc[i]);
+                    qw_store<true>(y, facc, bad_rows, r0, col0, M, N);
                 }
             }
 #pragma unroll
@@ -637,40 +575,13 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     qgemm_wg_q8_0(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
                   const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
                   int M, int N, int K, float* y, float* ws) {
-    qgemm_wg_q8_0_body<128, 2, false>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws);
+    qgemm_wg_q8_0_body<128>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws);
 }
 extern "C" __global__ void __launch_bounds__(384, 1)
     qgemm_wg_q8_0_m64(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
                       const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
                       int M, int N, int K, float* y, float* ws) {
-    qgemm_wg_q8_0_body<64, 2, false>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws);
-}
-extern "C" __global__ void __launch_bounds__(512, 1)
-    qgemm_wg_q8_0_m192(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
-                       const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
-                       int M, int N, int K, float* y, float* ws) {
-    qgemm_wg_q8_0_body<192, 3, false>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws);
-}
-// The same tiles with the consumer warpgroups taking turns on the tensor cores: warpgroup c issues run
-// r's wgmma only after warpgroup c − 1 issued its own (a token passed around by named barriers), so one
-// warpgroup's sums land while the next one's are computed and its promotion overlaps them.
-extern "C" __global__ void __launch_bounds__(384, 1)
-    qgemm_wg_q8_0_ord(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
-                      const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
-                      int M, int N, int K, float* y, float* ws) {
-    qgemm_wg_q8_0_body<128, 2, true>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws);
-}
-extern "C" __global__ void __launch_bounds__(384, 1)
-    qgemm_wg_q8_0_m64_ord(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
-                          const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
-                          int M, int N, int K, float* y, float* ws) {
-    qgemm_wg_q8_0_body<64, 2, true>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws);
-}
-extern "C" __global__ void __launch_bounds__(512, 1)
-    qgemm_wg_q8_0_m192_ord(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
-                           const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
-                           int M, int N, int K, float* y, float* ws) {
-    qgemm_wg_q8_0_body<192, 3, true>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws);
+    qgemm_wg_q8_0_body<64>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws);
 }
 
 // The split tile's last step: y = (p0 + p1) + (p2 + p3) from ws [splits, M, N] (4 splits: the parts;

@@ -49,60 +49,35 @@ struct HopperQ8 {
     ldsw: usize,
 }
 
-/// Rows of the Hopper tile's 128-row shape (activation rows and weight rows alike).
+/// Rows of the Hopper tile's larger shape (activation rows and weight rows alike).
 const WG_TILE: usize = 128;
-/// The run-major activation scales' row stride is a multiple of this: whole tiles of every shape's
-/// activation rows (64, 128, 192), so every CTA's scale copy stays inside.
-const SCALE_ROWS: usize = 384;
-/// The Hopper tile's shapes (`QwTile` in quant_gemm.cu): activation rows, weight rows, kernel, threads,
-/// dynamic shared memory (stages, the part slot, barriers, 1,024 bytes of alignment).
+/// The Hopper tile's shapes (`QwTile` in quant_gemm.cu): activation rows, weight rows, kernel, dynamic
+/// shared memory (stages, the 64 KiB part slot, barriers, 1,024 bytes of alignment).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TileShape {
     /// 128 × 128 outputs a CTA, 4 stages of 33,792 bytes.
     M128,
     /// 64 × 256 outputs a CTA, 3 stages of 43,008 bytes.
     M64,
-    /// 192 × 128 outputs a CTA, three consumer warpgroups (512 threads), 3 stages of 43,008 bytes.
-    M192,
-    /// [`TileShape::M128`] with the consumer warpgroups taking turns on the tensor cores.
-    M128Ordered,
-    /// [`TileShape::M64`], the consumer warpgroups taking turns.
-    M64Ordered,
-    /// [`TileShape::M192`], the consumer warpgroups taking turns.
-    M192Ordered,
 }
 
 impl TileShape {
     fn rows(self) -> (usize, usize) {
         match self {
-            TileShape::M128 | TileShape::M128Ordered => (128, 128),
-            TileShape::M64 | TileShape::M64Ordered => (64, 256),
-            TileShape::M192 | TileShape::M192Ordered => (192, 128),
-        }
-    }
-    fn threads(self) -> u32 {
-        match self {
-            TileShape::M128 | TileShape::M64 | TileShape::M128Ordered | TileShape::M64Ordered => 384,
-            TileShape::M192 | TileShape::M192Ordered => 512,
+            TileShape::M128 => (128, 128),
+            TileShape::M64 => (64, 256),
         }
     }
     fn kernel(self) -> &'static str {
         match self {
             TileShape::M128 => "qgemm_wg_q8_0",
             TileShape::M64 => "qgemm_wg_q8_0_m64",
-            TileShape::M192 => "qgemm_wg_q8_0_m192",
-            TileShape::M128Ordered => "qgemm_wg_q8_0_ord",
-            TileShape::M64Ordered => "qgemm_wg_q8_0_m64_ord",
-            TileShape::M192Ordered => "qgemm_wg_q8_0_m192_ord",
         }
     }
     fn smem(self) -> usize {
         match self {
-            TileShape::M128 | TileShape::M128Ordered => 4 * 33_792 + 256 * 64 * 4 + 2 * 4 * 8 + 1024,
-            TileShape::M64 | TileShape::M64Ordered => 3 * 43_008 + 256 * 64 * 4 + 2 * 3 * 8 + 1024,
-            TileShape::M192 | TileShape::M192Ordered => {
-                3 * 43_008 + 384 * 64 * 4 + 2 * 3 * 8 + 1024
-            }
+            TileShape::M128 => 4 * 33_792 + 256 * 64 * 4 + 2 * 4 * 8 + 1024,
+            TileShape::M64 => 3 * 43_008 + 256 * 64 * 4 + 2 * 3 * 8 + 1024,
         }
     }
 
@@ -118,6 +93,9 @@ impl TileShape {
         }
     }
 }
+/// Threads of the Hopper tile: a producer warpgroup and two consumer warpgroups.
+const WG_THREADS: u32 = 384;
+
 /// Whether `dev` runs the Hopper tile (compute capability 9.0: `wgmma`, TMA).
 fn is_hopper(dev: &CudaDevice) -> Result<bool> {
     let (major, minor) = dev
@@ -270,7 +248,7 @@ pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Te
             Kernel::TileSplit(shape, splits) => Some((shape, Some(splits))),
         })
         .filter(|_| m > 0 && n > 0 && !skinny);
-    let ldsa = m.div_ceil(SCALE_ROWS) * SCALE_ROWS;
+    let ldsa = m.div_ceil(WG_TILE) * WG_TILE;
     let (sa_len, sa_row_stride, sa_run_stride) = match hopper {
         Some(_) => (runs * ldsa, 1, ldsa),
         None => (m * runs, runs, 1),
@@ -478,7 +456,7 @@ fn hopper_q8_0(
     func.allow_dynamic_shared(shape.smem(), "integer matmul tile")?;
     let cfg = LaunchConfig {
         grid_dim: (gx, gy, splits as u32),
-        block_dim: (shape.threads(), 1, 1),
+        block_dim: (WG_THREADS, 1, 1),
         shared_mem_bytes: shape.smem() as u32,
     };
     // The split CTAs' shares of the part tree, [splits, m, n] (none without a split).

@@ -139,14 +139,10 @@ pub fn time_shape(
         matmul_with(&x, &dw, Kernel::Auto)?;
         Ok(())
     })?;
-    // Every tile shape (the default picks one by M), and at a few dozen rows every split over K.
+    // Both tile shapes (the default picks one by M), and at a few dozen rows every split over K.
     let mut kernels = vec![
         ("M128".to_string(), Kernel::Tile(TileShape::M128)),
         ("M64".to_string(), Kernel::Tile(TileShape::M64)),
-        ("M192".to_string(), Kernel::Tile(TileShape::M192)),
-        ("M128 ordered".to_string(), Kernel::Tile(TileShape::M128Ordered)),
-        ("M64 ordered".to_string(), Kernel::Tile(TileShape::M64Ordered)),
-        ("M192 ordered".to_string(), Kernel::Tile(TileShape::M192Ordered)),
     ];
     if m <= 512 {
         for splits in [1, 2, 4] {
