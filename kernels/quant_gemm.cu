@@ -18,32 +18,41 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// SiLU as kernels/ops.cu writes it (the same expression, so nvcc forms the same instructions: the fused
+// SwiGLU input below must give swiglu_f32's bits).
+__device__ __forceinline__ float silu_as_ops(float x) { return x / (1.f + expf(-x)); }
+
 // One warp per (row, run of 128): lane l holds the run's elements 4l .. 4l + 3 (a shorter last run:
 // the missing elements are 0). Writes the int8 values, the run scale sa, the sums of each 32 values
 // (want_sums: Q4_K / Q5_K, whose rows are whole 256-blocks) and, for a row holding a NaN or ±inf,
 // bad_rows[row] = 1 (the buffer is zeroed before the launch). The scale of (row, run) goes to
 // sa[row · sa_row_stride + run · sa_run_stride]: row-major [rows, runs] for the simple kernels,
 // run-major [runs, ld] for the Hopper tile. rows · runs warps; the block size is a
-// multiple of 32.
-extern "C" __global__ void quantize_act_run128(const float* __restrict__ x, int rows, int cols,
-                                               signed char* __restrict__ qa, float* __restrict__ sa,
-                                               int sa_row_stride, int sa_run_stride,
-                                               int* __restrict__ sums32, int want_sums,
-                                               unsigned int* __restrict__ bad_rows) {
+// multiple of 32. SWIGLU: the row's values are swiglu_f32's (kernels/ops.cu) of gate | up row `row`
+// (x_stride floats apart; gate at column c, up at cols + c), computed here instead of read.
+template <bool SWIGLU>
+__device__ __forceinline__ void quantize_act_body(const float* __restrict__ x, long long x_stride, int rows,
+                                                  int cols, signed char* __restrict__ qa, float* __restrict__ sa,
+                                                  int sa_row_stride, int sa_run_stride, int* __restrict__ sums32,
+                                                  int want_sums, unsigned int* __restrict__ bad_rows) {
     const int runs = (cols + RUN - 1) / RUN;
     const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
     if (warp >= (long long)rows * runs) return;  // whole warps: warp is the same for its 32 lanes
     const int row = (int)(warp / runs), run = (int)(warp % runs);
     const int c0 = run * RUN, len = min(RUN, cols - c0);
-    const float* xr = x + (size_t)row * cols + c0;
+    const float* xr = x + (size_t)row * x_stride + c0;
     float v[4];
     bool bad = false;
     float m = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int c = 4 * lane + i;
-        v[i] = c < len ? xr[c] : 0.f;
+        if constexpr (SWIGLU) {
+            v[i] = c < len ? silu_as_ops(xr[c]) * xr[cols + c] : 0.f;
+        } else {
+            v[i] = c < len ? xr[c] : 0.f;
+        }
         bad |= !isfinite(v[i]);
         m = fmaxf(m, fabsf(v[i]));  // the maximum of finite values is exact in any order
     }
@@ -72,6 +81,25 @@ extern "C" __global__ void quantize_act_run128(const float* __restrict__ x, int 
         const int g = lane / 8;
         if (lane % 8 == 0 && 32 * g < len) sums32[((size_t)row * cols + c0) / 32 + g] = part;
     }
+}
+
+extern "C" __global__ void quantize_act_run128(const float* __restrict__ x, int rows, int cols,
+                                               signed char* __restrict__ qa, float* __restrict__ sa,
+                                               int sa_row_stride, int sa_run_stride,
+                                               int* __restrict__ sums32, int want_sums,
+                                               unsigned int* __restrict__ bad_rows) {
+    quantize_act_body<false>(x, cols, rows, cols, qa, sa, sa_row_stride, sa_run_stride, sums32, want_sums,
+                             bad_rows);
+}
+
+// quantize_act_run128 of swiglu(gate | up): gu [rows, 2·cols] with rows gu_stride floats apart.
+extern "C" __global__ void quantize_act_swiglu_run128(const float* __restrict__ gu, long long gu_stride, int rows,
+                                                      int cols, signed char* __restrict__ qa,
+                                                      float* __restrict__ sa, int sa_row_stride,
+                                                      int sa_run_stride, int* __restrict__ sums32, int want_sums,
+                                                      unsigned int* __restrict__ bad_rows) {
+    quantize_act_body<true>(gu, gu_stride, rows, cols, qa, sa, sa_row_stride, sa_run_stride, sums32, want_sums,
+                            bad_rows);
 }
 
 // Σ a_i · b_i over n bytes (n a multiple of 4, both 4-byte aligned), exact in int32.
@@ -442,7 +470,8 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
                                                    const float* __restrict__ sa_t, int ldsa,
                                                    const float* __restrict__ sw_t, int ldsw,
                                                    const unsigned int* __restrict__ bad_rows, int M, int N,
-                                                   int K, float* __restrict__ y, float* __restrict__ ws) {
+                                                   int K, float* __restrict__ y, float* __restrict__ ws,
+                                                   int group) {
 #ifdef HAVE_WGMMA
     extern __shared__ unsigned char smem_raw[];
     using T = QwTile<BM>;
@@ -451,7 +480,16 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
     unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + T::BARS);
     unsigned long long* empty = full + STAGES;
     const int R = (K + 127) / 128;
-    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * T::BN;
+    // The CTA's tile: with group > 1, the launch order walks `group` weight tiles for each activation
+    // tile (the activation tiles of a group in order), so a wave reuses both operands from L2.
+    int mt = blockIdx.x, nt = blockIdx.y;
+    if (group > 1) {
+        const int id = blockIdx.y * gridDim.x + blockIdx.x, per = gridDim.x * group;
+        const int g = id / per, within = id % per, gsize = min(group, (int)gridDim.y - g * group);
+        nt = g * group + within % gsize;
+        mt = within / gsize;
+    }
+    const int m0 = mt * BM, n0 = nt * T::BN;
     const int splits = gridDim.z;
     const int part_lo = blockIdx.z * 4 / splits, part_hi = (blockIdx.z + 1) * 4 / splits;
     const int r_lo = part_lo * R / 4, r_hi = part_hi * R / 4;
@@ -570,18 +608,19 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
 #endif
 }
 
-// Grid: x over activation-row tiles (consecutive CTAs share a weight tile), y over weight-row tiles.
+// Grid: x over activation-row tiles, y over weight-row tiles, launched in the order `group` says (1:
+// consecutive CTAs share a weight tile).
 extern "C" __global__ void __launch_bounds__(384, 1)
     qgemm_wg_q8_0(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
                   const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
-                  int M, int N, int K, float* y, float* ws) {
-    qgemm_wg_q8_0_body<128>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws);
+                  int M, int N, int K, float* y, float* ws, int group) {
+    qgemm_wg_q8_0_body<128>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws, group);
 }
 extern "C" __global__ void __launch_bounds__(384, 1)
     qgemm_wg_q8_0_m64(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
                       const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
-                      int M, int N, int K, float* y, float* ws) {
-    qgemm_wg_q8_0_body<64>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws);
+                      int M, int N, int K, float* y, float* ws, int group) {
+    qgemm_wg_q8_0_body<64>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws, group);
 }
 
 // The split tile's last step: y = (p0 + p1) + (p2 + p3) from ws [splits, M, N] (4 splits: the parts;

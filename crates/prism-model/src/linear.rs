@@ -71,8 +71,15 @@ impl Linear {
     }
 
     /// `swiglu(gate_up) · Wᵀ` (`gate_up: [n, 2f]`): [`crate::ops::swiglu_as`] in the dtype this
-    /// projection reads, then [`Linear::forward`].
+    /// projection reads, then [`Linear::forward`]; on the integer path on a GPU the two in one
+    /// ([`QuantMatmul::forward_swiglu`]: the same bits, the SwiGLU formed as the activations are
+    /// quantized).
     pub fn forward_swiglu(&self, gate_up: &Tensor, f: usize) -> Result<Tensor> {
+        if let Linear::Quant(op) = self {
+            if let Some(y) = op.forward_swiglu(gate_up, f)? {
+                return Ok(y);
+            }
+        }
         let h = crate::ops::swiglu_as(gate_up, f, self.input_dtype(gate_up.dtype()))?;
         self.forward(&h)
     }

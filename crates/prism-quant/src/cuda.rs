@@ -188,6 +188,9 @@ pub enum Kernel {
     /// [`Kernel::Tile`] split over K into 1, 2 or 4 CTAs an output tile (the device checks compare
     /// every split with the others).
     TileSplit(TileShape, usize),
+    /// [`Kernel::Tile`] launched in the tile order of `group` (see [`tile_group`]; 1: consecutive CTAs
+    /// share a weight tile): which CTA computes which tile, never what it computes.
+    TileOrder(TileShape, usize),
     /// The skinny kernel where it runs (Q8_0, at most [`SKINNY_ROWS`] rows, K a multiple of 16), else
     /// the simple one. [`Kernel::Auto`] takes it up to [`AUTO_SKINNY_ROWS`] rows.
     Skinny,
@@ -216,13 +219,54 @@ fn skinny_kernel(m: usize) -> &'static str {
 
 /// [`matmul`] with the kernel chosen by `kernel`.
 pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
+    product(Rows::Plain(&x.contiguous()?), w, kernel)
+}
+
+/// `swiglu(gate_up) · Wᵀ` for `gate_up: [m, 2f]` f32 (gate columns, then up): the bits of prism-model's
+/// CUDA SwiGLU (`swiglu_f32`) followed by [`matmul`], with the SwiGLU computed by the activation
+/// quantizer as it reads gate | up (no [m, f] intermediate, one launch fewer).
+pub fn matmul_swiglu(gate_up: &Tensor, f: usize, w: &CudaQuantWeight) -> Result<Tensor> {
+    matmul_swiglu_with(gate_up, f, w, Kernel::Auto)
+}
+
+/// [`matmul_swiglu`] with the kernel chosen by `kernel`.
+pub fn matmul_swiglu_with(
+    gate_up: &Tensor,
+    f: usize,
+    w: &CudaQuantWeight,
+    kernel: Kernel,
+) -> Result<Tensor> {
+    let gate_up = gate_up.contiguous()?;
+    let (_, width) = gate_up.dims2()?;
+    if width != 2 * f {
+        bail!("integer matmul: gate | up has {width} columns, not 2 × {f}");
+    }
+    product(Rows::SwiGlu(&gate_up, f), w, kernel)
+}
+
+/// Where a product's activation rows come from: a contiguous `[m, k]` f32 tensor, or the SwiGLU of a
+/// contiguous `[m, 2k]` gate | up tensor.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    Plain(&'a Tensor),
+    SwiGlu(&'a Tensor, usize),
+}
+
+fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
+    let (x, what) = match rows {
+        Rows::Plain(x) => (x, "x"),
+        Rows::SwiGlu(gu, _) => (gu, "swiglu(gate | up)"),
+    };
     let dev = cuda_device(x)?;
-    let x = x.contiguous()?;
-    let (m, k) = x.dims2()?;
+    let m = x.dims2()?.0;
+    let k = match rows {
+        Rows::Plain(x) => x.dims2()?.1,
+        Rows::SwiGlu(_, f) => f,
+    };
     let (n, info) = (w.info.rows, &w.info);
     if k != info.cols {
         bail!(
-            "integer matmul: x is [{m}, {k}] but {:?} takes {} inputs",
+            "integer matmul: {what} is [{m}, {k}] but {:?} takes {} inputs",
             info.name,
             info.cols
         );
@@ -242,10 +286,11 @@ pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Te
         .hopper
         .as_ref()
         .zip(match kernel {
-            Kernel::Auto => Some((TileShape::auto(m), None)),
+            Kernel::Auto => Some((TileShape::auto(m), None, None)),
             Kernel::Simple | Kernel::Skinny => None,
-            Kernel::Tile(shape) => Some((shape, None)),
-            Kernel::TileSplit(shape, splits) => Some((shape, Some(splits))),
+            Kernel::Tile(shape) => Some((shape, None, None)),
+            Kernel::TileSplit(shape, splits) => Some((shape, Some(splits), None)),
+            Kernel::TileOrder(shape, group) => Some((shape, None, Some(group))),
         })
         .filter(|_| m > 0 && n > 0 && !skinny);
     let ldsa = m.div_ceil(WG_TILE) * WG_TILE;
@@ -271,9 +316,13 @@ pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Te
             .map_err(|_| candle_core::Error::Msg(format!("{what}: too many for one launch")))
     };
     {
-        let xi = Input::new(&x, DType::F32, "integer matmul input")?;
+        let xi = Input::new(x, DType::F32, "integer matmul input")?;
         let xv = xi.view::<f32>()?;
-        let func = load_kernel(&dev, MODULE, IMAGE, "quantize_act_run128")?;
+        let name = match rows {
+            Rows::Plain(_) => "quantize_act_run128",
+            Rows::SwiGlu(..) => "quantize_act_swiglu_run128",
+        };
+        let func = load_kernel(&dev, MODULE, IMAGE, name)?;
         let cfg = LaunchConfig {
             grid_dim: (grid(32 * m * runs, "activation runs")?, 1, 1),
             block_dim: (THREADS, 1, 1),
@@ -284,24 +333,25 @@ pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Te
             i32_arg(sa_row_stride, "scale row stride")?,
             i32_arg(sa_run_stride, "scale run stride")?,
         );
+        let gu_stride = (2 * k) as i64;
         let mut b = func.builder();
-        b.arg(&xv)
-            .arg(&m_i)
-            .arg(&k_i)
-            .arg(&qa)
-            .arg(&sa)
-            .arg(&rs)
-            .arg(&cs);
+        b.arg(&xv);
+        if let Rows::SwiGlu(..) = rows {
+            b.arg(&gu_stride);
+        }
+        b.arg(&m_i).arg(&k_i).arg(&qa).arg(&sa).arg(&rs).arg(&cs);
         b.arg(&sums).arg(&want).arg(&bad);
-        // SAFETY: x holds m·k f32; qa m·k bytes, sa m·runs f32 at the strides given (row < m and
-        // run < runs index inside sa_len), sums m·k/32 i32 when asked, bad m u32.
+        // SAFETY: x holds m·k f32 (SwiGLU: m·2k, rows 2k apart); qa m·k bytes, sa m·runs f32 at the
+        // strides given (row < m and run < runs index inside sa_len), sums m·k/32 i32 when asked, bad
+        // m u32.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
-    if let Some((h, (shape, splits))) = hopper {
+    if let Some((h, (shape, splits, group))) = hopper {
         let splits = match splits {
             Some(s) => s,
             None => tile_splits(&dev, shape, m, n)?,
         };
+        let group = group.unwrap_or_else(|| tile_group(shape, m));
         hopper_q8_0(
             &dev,
             &qa,
@@ -311,7 +361,7 @@ pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Te
             w,
             h,
             shape,
-            splits,
+            (splits, group),
             (m, n, k),
             &y,
         )?;
@@ -413,6 +463,20 @@ pub fn tile_splits(dev: &CudaDevice, shape: TileShape, m: usize, n: usize) -> Re
     Ok(if 4 * tiles <= sms { 4 } else { 1 })
 }
 
+/// The order in which the Hopper tile's grid walks its tiles: `group` weight tiles for each activation
+/// tile. 1 (consecutive CTAs share a weight tile) below 16 activation tiles, 16 from there on: measured on
+/// an H200 (`docs/optimization-log.md`, 2026-12-04), at 8,201 rows 643 / 647 TOPS in order 1 against 689
+/// / 678 in order 16 (gate|up, down), at 16,384 rows 588 against 684 (the activations no longer stay in
+/// L2 when every weight tile passes them all), at 2,048 rows level.
+pub fn tile_group(shape: TileShape, m: usize) -> usize {
+    let (bm, _) = shape.rows();
+    if m.div_ceil(bm) >= 16 {
+        16
+    } else {
+        1
+    }
+}
+
 /// The Q8_0 warpgroup tile (`qgemm_wg_q8_0`): `y = qa · qᵀ` by the contract, `qa` `[m, k]` bytes with
 /// run scales `sa` run-major `[runs, ldsa]`, each output tile computed by `splits` CTAs (1, 2 or 4).
 #[allow(clippy::too_many_arguments)]
@@ -425,12 +489,15 @@ fn hopper_q8_0(
     w: &CudaQuantWeight,
     h: &HopperQ8,
     shape: TileShape,
-    splits: usize,
+    (splits, group): (usize, usize),
     (m, n, k): (usize, usize, usize),
     y: &CudaSlice<f32>,
 ) -> Result<()> {
     if ![1, 2, 4].contains(&splits) {
         bail!("integer matmul tile: {splits} splits over K (1, 2 or 4)");
+    }
+    if group == 0 {
+        bail!("integer matmul tile: a tile order of 0 weight tiles a group");
     }
     let (bm, bn) = shape.rows();
     let too_many = |what: String| candle_core::Error::Msg(format!("integer matmul: {what}"));
@@ -470,7 +537,13 @@ fn hopper_q8_0(
     let mut b = func.builder();
     b.arg(&maps[0]).arg(&maps[1]);
     b.arg(sa).arg(&ldsa_i).arg(&sw).arg(&ldsw_i).arg(bad);
-    b.arg(&m_i).arg(&n_i).arg(&k_i).arg(y).arg(&ws);
+    let group_i = i32_arg(group, "tile order")?;
+    b.arg(&m_i)
+        .arg(&n_i)
+        .arg(&k_i)
+        .arg(y)
+        .arg(&ws)
+        .arg(&group_i);
     // SAFETY: the maps describe qa (m·k bytes) and the weight (n·k bytes), both alive until the launch
     // is queued; sa holds runs·ldsa f32 and sw_t runs·ldsw (ldsa, ldsw whole tiles, so every CTA's
     // 512-byte scale copies stay inside); bad m u32; y m·n f32; with splits, ws splits·m·n f32 (CTA z

@@ -103,6 +103,25 @@ impl QuantMatmul {
         }
         x.contiguous()?.apply_op1_no_bwd(self)
     }
+
+    /// `swiglu(gate_up) · Wᵀ` fused on a CUDA device ([`crate::cuda::matmul_swiglu`]: the SwiGLU formed
+    /// by the activation quantizer, the bits of prism-model's SwiGLU then [`QuantMatmul::forward`]);
+    /// `None` elsewhere, where the caller applies its SwiGLU and then [`QuantMatmul::forward`].
+    pub fn forward_swiglu(
+        &self,
+        gate_up: &Tensor,
+        f: usize,
+    ) -> candle_core::Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if let candle_core::Device::Cuda(dev) = gate_up.device() {
+            if gate_up.dtype() == candle_core::DType::F32 {
+                let w = self.device_weight(dev)?;
+                return crate::cuda::matmul_swiglu(gate_up, f, &w).map(Some);
+            }
+        }
+        let _ = (gate_up, f);
+        Ok(None)
+    }
 }
 
 impl CustomOp1 for QuantMatmul {

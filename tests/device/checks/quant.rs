@@ -91,6 +91,17 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
                 kernels.push(("skinny kernel".into(), Kernel::Skinny));
                 kernels.push(("128-row tile".into(), Kernel::Tile(TileShape::M128)));
                 kernels.push(("64-row tile".into(), Kernel::Tile(TileShape::M64)));
+                // Every tile order: which CTA computes a tile, never what it computes.
+                for group in [1, 2, 3, 8] {
+                    kernels.push((
+                        format!("128-row tile in tile order {group}"),
+                        Kernel::TileOrder(TileShape::M128, group),
+                    ));
+                    kernels.push((
+                        format!("64-row tile in tile order {group}"),
+                        Kernel::TileOrder(TileShape::M64, group),
+                    ));
+                }
                 // Every split over K: the parts' tree is the same whoever computes each part.
                 for (rows, shape) in [(128, TileShape::M128), (64, TileShape::M64)] {
                     for splits in [1, 2, 4] {
@@ -158,6 +169,53 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
             &alone,
             &got.narrow(0, 3, 1)?,
         )?;
+    }
+    swiglu_checks(r, gpu, dev, &mut rng)
+}
+
+/// The SwiGLU fused into the activation quantizer (`matmul_swiglu`, what the MLP's down projection runs)
+/// against prism-model's SwiGLU kernel followed by the product: the same bits, for every kernel, with
+/// K-quant sums, short last runs and a row holding a NaN.
+fn swiglu_checks(
+    r: &mut Report,
+    gpu: &Device,
+    dev: &candle_core::cuda_backend::CudaDevice,
+    rng: &mut Rng,
+) -> Result<()> {
+    use candle_core::DType;
+    use prism_quant::cuda::matmul_swiglu_with;
+    for (ty, f, n) in [
+        (GgmlType::Q8_0, 640, 129),
+        (GgmlType::Q8_0, 32 * 9, 300),
+        (GgmlType::Q4_K, 1536, 64),
+    ] {
+        let w = weight(rng, ty, n, f, Q8Scales::PerRun)?;
+        let dw = CudaQuantWeight::upload(&w, dev)?;
+        for m in [1, 2, 7, 64, 300] {
+            let mut gu = activations(rng, m, 2 * f);
+            if m >= 7 {
+                gu[5 * 2 * f + 3] = f32::NAN;
+            }
+            let gu = Tensor::from_vec(gu, (m, 2 * f), gpu)?;
+            let h = prism_model::ops::swiglu_as(&gu, f, DType::F32)?;
+            let want = matmul(&h, &dw)?;
+            let mut kernels = vec![("default", Kernel::Auto), ("simple kernel", Kernel::Simple)];
+            if ty == GgmlType::Q8_0 {
+                kernels.push(("skinny kernel", Kernel::Skinny));
+                kernels.push(("128-row tile", Kernel::Tile(TileShape::M128)));
+                kernels.push(("64-row tile", Kernel::Tile(TileShape::M64)));
+            }
+            for (label, kernel) in kernels {
+                r.identical(
+                    &format!(
+                        "int8 matmul (GPU) {ty:?} swiglu fused, f={f} N={n} M={m}: {label} vs \
+                         swiglu then the product"
+                    ),
+                    &matmul_swiglu_with(&gu, f, &dw, kernel)?,
+                    &want,
+                )?;
+            }
+        }
     }
     Ok(())
 }

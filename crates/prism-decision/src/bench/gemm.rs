@@ -144,6 +144,14 @@ pub fn time_shape(
         ("M128".to_string(), Kernel::Tile(TileShape::M128)),
         ("M64".to_string(), Kernel::Tile(TileShape::M64)),
     ];
+    if m >= 1024 {
+        for group in [1, 4, 8, 16] {
+            kernels.push((
+                format!("M128 order {group}"),
+                Kernel::TileOrder(TileShape::M128, group),
+            ));
+        }
+    }
     if m <= 512 {
         for splits in [1, 2, 4] {
             kernels.push((
