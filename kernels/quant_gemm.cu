@@ -457,11 +457,39 @@ __device__ __forceinline__ void qw_store(float* __restrict__ out, const float (&
     }
 }
 
+// The shares that the split CTAs stored with qw_store<false> in ws [splits, M, N] at this thread's 64
+// outputs, read from L2 (other CTAs' stores: ld.global.cg) and added in the contract's tree: 2 splits
+// s0 + s1, 4 splits (p0 + p1) + (p2 + p3). Outputs past M or N: 0 (never stored).
+__device__ __forceinline__ void qw_combine_cg(const float* __restrict__ ws, int splits, float (&v)[64], int r0,
+                                              int col, int M, int N) {
+    const size_t share = (size_t)M * N;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int row = r0 + 8 * (i >> 1), cc = col + 8 * j + (i & 1);
+            float x = 0.f;
+            if (row < M && cc < N) {
+                const float* o = ws + (size_t)row * N + cc;
+                x = __fadd_rn(__ldcg(o), __ldcg(o + share));
+                if (splits == 4) x = __fadd_rn(x, __fadd_rn(__ldcg(o + 2 * share), __ldcg(o + 3 * share)));
+            }
+            v[4 * j + i] = x;
+        }
+    }
+}
+
+// Named barrier `id` (0 is __syncthreads) for `count` threads.
+__device__ __forceinline__ void named_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
 // Split over K (gridDim.z = splits: 1, 2 or 4): CTA z takes parts 4z/splits .. 4(z+1)/splits of the
 // contract's four (their runs in order, each part from +0) and writes, instead of y, its share of the
-// part tree to ws[z] ([splits, M, N]): with 4 splits its part, with 2 (p0 + p1) or (p2 + p3);
-// qgemm_parts_combine then forms (p0 + p1) + (p2 + p3) and the non-finite rows. With 1 split the CTA
-// does all four and writes y itself.
+// part tree to ws[z] ([splits, M, N]): with 4 splits its part, with 2 (p0 + p1) or (p2 + p3); the last
+// of a tile's CTAs to finish (a counter a tile in tile_counters, zero before the launch and left zero)
+// then forms (p0 + p1) + (p2 + p3) and the non-finite rows into y. With 1 split the CTA does all four
+// and writes y itself.
 //
 // A consumer warpgroup, per run: its four wgmma, a wait for them, the promotion. p0 and p2 wait in
 // registers (hold), p0 + p1 in the shared-memory slot; y = slot + (p2 + p3).
@@ -471,7 +499,7 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
                                                    const float* __restrict__ sw_t, int ldsw,
                                                    const unsigned int* __restrict__ bad_rows, int M, int N,
                                                    int K, float* __restrict__ y, float* __restrict__ ws,
-                                                   int group) {
+                                                   int group, unsigned int* __restrict__ tile_counters) {
 #ifdef HAVE_WGMMA
     extern __shared__ unsigned char smem_raw[];
     using T = QwTile<BM>;
@@ -604,6 +632,26 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
 #pragma unroll
             for (int i = 0; i < 64; ++i) facc[i] = 0.f;
         }
+        // Split over K: the last of the tile's CTAs to finish adds the shares in the contract's tree
+        // (4 splits: (p0 + p1) + (p2 + p3); 2: the two sums), whoever it is, and resets the tile's
+        // counter for the next launch.
+        if (splits > 1) {
+            __shared__ int last_of_tile;
+            __threadfence();
+            named_sync(1, 256);
+            if (threadIdx.x == 128) {
+                unsigned int* counter = tile_counters + (size_t)blockIdx.y * gridDim.x + blockIdx.x;
+                const bool last = atomicAdd(counter, 1u) == (unsigned)splits - 1;
+                if (last) *counter = 0u;
+                last_of_tile = last;
+            }
+            named_sync(1, 256);
+            if (last_of_tile) {
+                __threadfence();
+                qw_combine_cg(ws, splits, facc, r0, col0, M, N);
+                qw_store<true>(y, facc, bad_rows, r0, col0, M, N);
+            }
+        }
     }
 #endif
 }
@@ -613,26 +661,15 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
 extern "C" __global__ void __launch_bounds__(384, 1)
     qgemm_wg_q8_0(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
                   const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
-                  int M, int N, int K, float* y, float* ws, int group) {
-    qgemm_wg_q8_0_body<128>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws, group);
+                  int M, int N, int K, float* y, float* ws, int group,
+                  unsigned int* tile_counters) {
+    qgemm_wg_q8_0_body<128>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws, group, tile_counters);
 }
 extern "C" __global__ void __launch_bounds__(384, 1)
     qgemm_wg_q8_0_m64(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
                       const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
-                      int M, int N, int K, float* y, float* ws, int group) {
-    qgemm_wg_q8_0_body<64>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws, group);
+                      int M, int N, int K, float* y, float* ws, int group,
+                  unsigned int* tile_counters) {
+    qgemm_wg_q8_0_body<64>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws, group, tile_counters);
 }
 
-// The split tile's last step: y = (p0 + p1) + (p2 + p3) from ws [splits, M, N] (4 splits: the parts;
-// 2: the two sums), NaN on the rows with a non-finite input. One thread an output.
-extern "C" __global__ void qgemm_parts_combine(const float* __restrict__ ws, int splits,
-                                               const unsigned int* __restrict__ bad_rows, int M, int N,
-                                               float* __restrict__ y) {
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x, total = (size_t)M * N;
-    if (i >= total) return;
-    const int row = (int)(i / N);
-    float v = splits == 2 ? __fadd_rn(ws[i], ws[total + i])
-                          : __fadd_rn(__fadd_rn(ws[i], ws[total + i]), __fadd_rn(ws[2 * total + i], ws[3 * total + i]));
-    if (bad_rows[row]) v = __int_as_float(0x7fc00000);
-    y[i] = v;
-}

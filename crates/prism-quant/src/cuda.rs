@@ -14,6 +14,8 @@ use candle_core::cuda_backend::cudarc::driver::{
     sys, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::CudaDevice;
+use std::sync::Arc;
+
 use candle_core::{bail, DType, Device, Result, Tensor};
 
 use crate::activation::run_count;
@@ -440,7 +442,7 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
 }
 
 /// How many CTAs share an output tile of the Hopper tile (each one of the contract's four parts over K;
-/// `qgemm_parts_combine` adds them in the contract's tree): 4 when four CTAs a tile still fit one per
+/// the last of them to finish adds the shares in the contract's tree): 4 when four CTAs a tile still fit one per
 /// multiprocessor, else 1. A product with few output tiles (a few dozen rows against the 5,120 outputs
 /// of `ffn_down` and the output projections: 20 tiles) otherwise leaves most of the GPU idle; measured at
 /// 64 rows on the 27B (`docs/optimization-log.md`), 4 splits of those took the MLP from 15.3 to 12.0 ms a
@@ -534,6 +536,25 @@ fn hopper_q8_0(
         i32_arg(n, "outputs")?,
         i32_arg(k, "inputs")?,
     );
+    // The split tiles' counters stay allocated (and zero between launches: the last CTA of a tile
+    // resets its own), so a split product is one launch.
+    let tiles = m.div_ceil(bm) * n.div_ceil(bn);
+    let mut counters = TILE_COUNTERS.lock().map_err(|_| {
+        candle_core::Error::Msg("integer matmul: tile counter lock poisoned".into())
+    })?;
+    let stream_key = Arc::as_ptr(&dev.cuda_stream()) as usize;
+    let slot = counters.get_or_insert_with(Vec::new);
+    let at = match slot.iter().position(|(key, _)| *key == stream_key) {
+        Some(at) => at,
+        None => {
+            slot.push((stream_key, dev.alloc_zeros::<u32>(1)?));
+            slot.len() - 1
+        }
+    };
+    if slot[at].1.len() < tiles {
+        slot[at].1 = dev.alloc_zeros::<u32>(tiles.next_power_of_two())?;
+    }
+    let counter_buf = &slot[at].1;
     let mut b = func.builder();
     b.arg(&maps[0]).arg(&maps[1]);
     b.arg(sa).arg(&ldsa_i).arg(&sw).arg(&ldsw_i).arg(bad);
@@ -543,38 +564,21 @@ fn hopper_q8_0(
         .arg(&k_i)
         .arg(y)
         .arg(&ws)
-        .arg(&group_i);
+        .arg(&group_i)
+        .arg(counter_buf);
     // SAFETY: the maps describe qa (m·k bytes) and the weight (n·k bytes), both alive until the launch
     // is queued; sa holds runs·ldsa f32 and sw_t runs·ldsw (ldsa, ldsw whole tiles, so every CTA's
     // 512-byte scale copies stay inside); bad m u32; y m·n f32; with splits, ws splits·m·n f32 (CTA z
-    // writes ws[z], every element of it).
+    // writes ws[z], every element of it) and the counters at least one u32 a tile, all zero (this
+    // stream's own set: its launches run in order, and each leaves them zero).
     unsafe { b.launch(cfg) }.map_err(launch_err)?;
-    if splits > 1 {
-        let total = m * n;
-        let func = load_kernel(dev, MODULE, IMAGE, "qgemm_parts_combine")?;
-        let cfg = LaunchConfig {
-            grid_dim: (
-                u32::try_from(total.div_ceil(THREADS as usize))
-                    .map_err(|_| too_many(format!("{m} × {n} outputs are too many")))?,
-                1,
-                1,
-            ),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let splits_i = i32_arg(splits, "splits")?;
-        let mut b = func.builder();
-        b.arg(&ws)
-            .arg(&splits_i)
-            .arg(bad)
-            .arg(&m_i)
-            .arg(&n_i)
-            .arg(y);
-        // SAFETY: ws holds splits·m·n f32 written by the tile above (same stream), bad m u32, y m·n f32.
-        unsafe { b.launch(cfg) }.map_err(launch_err)?;
-    }
     Ok(())
 }
+
+/// Per CUDA stream, the Hopper tile's per-tile counters (see `hopper_q8_0`): a stream's launches run in
+/// order, so one set serves all of them.
+type TileCounters = Vec<(usize, CudaSlice<u32>)>;
+static TILE_COUNTERS: std::sync::Mutex<Option<TileCounters>> = std::sync::Mutex::new(None);
 
 /// A `CUtensorMap` as a kernel argument (`TmaDesc` in quant_gemm.cu: 128 opaque bytes passed by value
 /// as a `__grid_constant__` parameter).
