@@ -47,6 +47,17 @@ def family(name, grid, block):
     return f"{name[:40]} grid {grid} block {block}"
 
 
+def category(name):
+    """The coarse split of a pass: GEMMs, the delta rule, attention, the rest."""
+    if name.startswith(("qgemm", "qgemv")) or any(s in name for s in ("nvjet", "gemm", "cublas", "cutlass", "xmma")):
+        return "GEMMs"
+    if "delta_rule" in name:
+        return "delta rule"
+    if "flash" in name or "kv_append" in name or "attention" in name:
+        return "attention"
+    return "the rest"
+
+
 def main():
     ks = kernels(sys.argv[1])
     top = int(sys.argv[2]) if len(sys.argv) > 2 else 25
@@ -56,6 +67,10 @@ def main():
         total = sum(t for _, t, _, _ in seg)
         label = names[p] if p < len(names) else str(p)
         print(f"\npass {p} ({label}): {len(seg)} kernels, {total:.2f} ms of kernel time")
+        cats = collections.Counter()
+        for name, t, _, _ in seg:
+            cats[category(name)] += t
+        print("  " + ", ".join(f"{c} {t:.2f} ms" for c, t in cats.most_common()))
         agg = collections.defaultdict(lambda: [0, 0.0])
         for name, t, g, bl in seg:
             f = agg[family(name, g, bl)]
