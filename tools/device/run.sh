@@ -63,6 +63,9 @@
 #               distinct (cold: the tower runs on each; loadgen-images-cold.json), then one of them 5 times
 #               (its evidence from the prefix cache; loadgen-images-repeat.json); /stats at the end
 #               (stats-images.json: vision.ms_per_image is the tower's time per image); log serve-images.log
+# bench27-int8 and think27 with HOST_PROFILE=1: also a host profile (host-profile-bench.txt /
+# host-profile-think.txt; here: python3 tools/host_profile.py FILE target/release/prism, the unstripped
+# binary the carried one was stripped from).
 # Any step: PRISM_STACKS_ON_SIGQUIT=1 in the environment and `kill -QUIT PID` on a hung prism write
 # every thread's stack to its stderr (crates/prism-server/src/stack_dump.rs; carry an unstripped build).
 # The binaries are taken from .device-carry/NAME.xz (xz of a stripped `--features cuda` build; unpacked
@@ -237,7 +240,8 @@ for step in "$@"; do
         images27) images27 ;;
         think27)
             /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --think "${THINK:-128}" \
-                --think-batch 1,64 --runs 1 $(think_profile) > "$OUT/think-27b-int8.json" 2> "$OUT/think-27b-int8.log"
+                --think-batch 1,64 --runs 1 $(think_profile) ${HOST_PROFILE:+--host-profile $OUT/host-profile-think.txt} \
+                > "$OUT/think-27b-int8.json" 2> "$OUT/think-27b-int8.log"
             echo "think27 rc=$?" ;;
         eval27)
             python3 tools/device/make_suite.py "${EVAL_N:-2000}" /tmp/suite.jsonl
@@ -258,7 +262,8 @@ for step in "$@"; do
                 > "$OUT/bench-27b-bf16.json" 2> "$OUT/bench-27b-bf16.log" ;;
         bench27-int8)
             /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --runs 5 --warmup 1 --json \
-                ${PROFILE:+--profile $PROFILE} ${ENGINE:+--engine} > "$OUT/bench-27b-int8.json" 2> "$OUT/bench-27b-int8.log"
+                ${PROFILE:+--profile $PROFILE} ${ENGINE:+--engine} ${HOST_PROFILE:+--host-profile $OUT/host-profile-bench.txt} \
+                > "$OUT/bench-27b-int8.json" 2> "$OUT/bench-27b-int8.log"
             echo "bench27-int8 rc=$?" ;;
         bench9) /tmp/prism bench --model-dir /tmp/s9 --device cuda --precision bf16 --runs 10 --warmup 2 > "$OUT/bench-9b-bf16.txt" 2>&1 ;;
         loads9)

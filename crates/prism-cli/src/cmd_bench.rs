@@ -23,6 +23,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         load_threads: args.load_threads,
         engine: args.engine,
         profiler_range: args.profiler_range,
+        host_profile: args.host_profile.clone(),
         think: args.think,
         think_batch: args.think_batch.clone(),
     };

@@ -211,6 +211,9 @@ fn bad_synth_arguments_are_refused() {
 fn bench_runs_the_three_scenarios_on_the_tiny_model() {
     let dir = repo("tests/fixtures/qwen35-tiny");
     let gguf = dir.join("tiny-Q8_0.gguf");
+    let scratch_dir = scratch("bench_host_profile");
+    std::fs::create_dir_all(&scratch_dir).unwrap();
+    let host_profile = scratch_dir.join("host.txt");
     // Flag by flag like `decide_response`'s command: alike in shape only.
     let output = prism(&[
         "bench",
@@ -225,6 +228,8 @@ fn bench_runs_the_three_scenarios_on_the_tiny_model() {
         "--long-tokens",
         "600",
         "--json",
+        "--host-profile",
+        host_profile.to_str().unwrap(),
     ]);
     let report: Value = serde_json::from_slice(&ok(&output).stdout).expect("bench JSON");
     let scenarios = report["scenarios"].as_array().unwrap();
@@ -310,4 +315,29 @@ fn bench_runs_the_three_scenarios_on_the_tiny_model() {
         report["device_memory_bytes"]["after_load"].is_null(),
         "no device memory on the CPU"
     );
+    // The host profile: a tag a scenario, the process's memory map (the executable in it) and samples
+    // of the three windows only (each scenario's last timed run takes well over the timer's tick of
+    // CPU time), every sample's tag one of those written.
+    let text = std::fs::read_to_string(&host_profile).expect("the host profile file");
+    let tags: Vec<&str> = text.lines().filter(|l| l.starts_with("tag ")).collect();
+    assert_eq!(tags, ["tag 0 short", "tag 1 shared", "tag 2 long"]);
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("map ") && l.ends_with("/prism")),
+        "no map line of the executable"
+    );
+    let samples: Vec<Vec<&str>> = text
+        .lines()
+        .filter(|l| l.starts_with("s "))
+        .map(|l| l.split(' ').collect())
+        .collect();
+    assert!(!samples.is_empty(), "no samples");
+    for s in &samples {
+        assert_eq!(s.len(), 4, "{s:?}");
+        assert!(["0", "1", "2"].contains(&s[1]), "{s:?}");
+        assert!(
+            u64::from_str_radix(s[3], 16).is_ok_and(|ip| ip > 0),
+            "{s:?}"
+        );
+    }
 }

@@ -27,6 +27,7 @@ use serde_json::{json, Value};
 
 #[cfg(feature = "cuda")]
 pub mod gemm;
+pub mod host_profile;
 mod think;
 
 use crate::{
@@ -572,6 +573,9 @@ pub struct BenchOptions {
     pub engine: bool,
     /// A CUDA profiler range around the last timed run of each scenario.
     pub profiler_range: bool,
+    /// A sampling profile of the host's CPU time ([`host_profile`]) written here: the last timed run
+    /// of each scenario, or with `think` every timed run of each batch size.
+    pub host_profile: Option<PathBuf>,
     /// Thought decoding instead of the read-out scenarios: the thought budget.
     pub think: Option<usize>,
     /// With `think`: the batch sizes.
@@ -583,6 +587,9 @@ pub struct BenchOptions {
 pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Value> {
     if args.runs == 0 {
         bail!("--runs must be at least 1");
+    }
+    if let Some(path) = &args.host_profile {
+        host_profile::check_writable(path)?;
     }
     let device = open_device(&args.device)?;
     let gguf_path = match &args.gguf {
@@ -619,17 +626,24 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
     let device_loaded = prism_model::device_memory(&device);
     let mut model = loaded.model;
     let cost = ModelCost::new(&gguf, precision)?;
+    let mut host = args
+        .host_profile
+        .as_deref()
+        .map(host_profile::HostProfile::start)
+        .transpose()?;
 
     if let Some(budget) = args.think {
-        let (rows, profile) = think::thought_rows(
-            model,
-            &loaded.config,
+        let plan = think::ThinkPlan {
             budget,
-            &args.think_batch,
-            args.runs,
-            args.profile,
-            progress,
-        )?;
+            batches: &args.think_batch,
+            runs: args.runs,
+            profile: args.profile,
+        };
+        let (rows, profile) =
+            think::thought_rows(model, &loaded.config, plan, host.as_mut(), progress)?;
+        if let Some(host) = host {
+            host.finish()?;
+        }
         let report = json!({
             "model": gguf_path.display().to_string(),
             "device": args.device,
@@ -646,11 +660,15 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
     for scenario in &scenarios {
         let mut timings = Timings::default();
         for run in 0..args.warmup + args.runs {
-            let mut range = if args.profiler_range && run + 1 == args.warmup + args.runs {
+            let last = run + 1 == args.warmup + args.runs;
+            let mut range = if args.profiler_range && last {
                 Some(ProfilerRange::start()?)
             } else {
                 None
             };
+            if let (Some(host), true) = (host.as_mut(), last) {
+                host.open(scenario.name);
+            }
             let start = Instant::now();
             let response = decide(&scenario.request, &loaded.config, &mut model).map_err(|e| {
                 anyhow::anyhow!(
@@ -663,6 +681,9 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
             let secs = start.elapsed().as_secs_f64();
             // Stop the profiler range (if any) after the synchronization.
             let _ = range.take();
+            if let Some(host) = &host {
+                host.close();
+            }
             if run >= args.warmup {
                 timings.runs.push(secs);
             }
@@ -678,6 +699,9 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
         }
         timings.check_same(scenario.name, precision)?;
         timed.push(timings);
+    }
+    if let Some(host) = host {
+        host.finish()?;
     }
     let mut profiles = serde_json::Map::new();
     if args.profile != prism_model::profile::Mode::Off {

@@ -17,6 +17,15 @@ use crate::{Answer, DecisionConfig, DecisionRequest, DecoderLetterModel, Family}
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
+/// What the thought measurement runs: the thought budget, the batch sizes, the timed runs of each, the
+/// profile mode of one more run of each.
+pub(super) struct ThinkPlan<'a> {
+    pub budget: usize,
+    pub batches: &'a [usize],
+    pub runs: usize,
+    pub profile: prism_model::profile::Mode,
+}
+
 /// Runs the thought measurement; the report's `thoughts` rows.
 ///
 /// With a `profile` mode other than off, one more batch of each size runs profiled (see
@@ -25,12 +34,16 @@ use serde_json::{json, Value};
 pub(super) fn thought_rows(
     model: DecoderLetterModel,
     config: &DecisionConfig,
-    budget: usize,
-    batches: &[usize],
-    runs: usize,
-    profile: prism_model::profile::Mode,
+    plan: ThinkPlan<'_>,
+    mut host: Option<&mut super::host_profile::HostProfile>,
     progress: &mut dyn FnMut(String),
 ) -> Result<(Vec<Value>, Value)> {
+    let ThinkPlan {
+        budget,
+        batches,
+        runs,
+        profile,
+    } = plan;
     if budget == 0 {
         bail!("--think must be at least 1 token");
     }
@@ -79,6 +92,11 @@ pub(super) fn thought_rows(
             if batch == 0 {
                 bail!("--think-batch sizes must be at least 1");
             }
+            // The host profile: every timed run (not the warm-up, not the profiled one).
+            let sampled = run >= 1 && !profiling;
+            if let (Some(host), true) = (host.as_deref_mut(), sampled) {
+                host.open(&format!("think, {batch} at once"));
+            }
             let started = Instant::now();
             let mut receivers = Vec::with_capacity(batch);
             // Submitting through a channel is the engine's public pattern; `tests/engine.rs` and
@@ -119,6 +137,9 @@ pub(super) fn thought_rows(
                 *stops.entry(stop).or_default() += 1;
             }
             let wall = started.elapsed().as_secs_f64();
+            if let Some(host) = host.as_deref() {
+                host.close();
+            }
             if profiling {
                 prism_model::profile::set_mode(prism_model::profile::Mode::Off);
                 let sections = prism_model::profile::take()?;
