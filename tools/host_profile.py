@@ -2,7 +2,8 @@
 """Summarize a `prism bench --host-profile FILE` sample file.
 
 Each sample is the instruction a thread was interrupted at after about a millisecond of process CPU time
-(the kernel's timer tick may make it coarser: count shares, not milliseconds). The
+(the kernel's timer tick may make it coarser: count shares, not milliseconds), and with a binary built
+with frame pointers (RUSTFLAGS="-C force-frame-pointers=yes") the return addresses above it. The
 samples of the binary itself are named from BINARY, the unstripped build the profiled (stripped) copy was
 made from (`nm`, `readelf`); samples in shared libraries (the CUDA driver, libc, ...) are counted by
 library. Per tag (a scenario, or a thought batch size): the share of each module, then the functions of
@@ -33,8 +34,8 @@ def read(path):
                 name = parts[5].strip() if len(parts) > 5 else ""
                 maps.append((start, end, offset, name))
             elif line.startswith("s "):
-                _, tag, tid, ip = line.split()
-                samples.append((int(tag), int(tid), int(ip, 16)))
+                f = line.split()
+                samples.append((int(f[1]), int(f[2]), [int(a, 16) for a in f[3:]]))
     maps.sort()
     return tags, maps, samples
 
@@ -94,25 +95,39 @@ def main():
         return base, "?"
 
     by_tag = collections.defaultdict(list)
-    for tag, tid, ip in samples:
-        by_tag[tag].append((tid, ip))
+    for tag, tid, stack in samples:
+        by_tag[tag].append((tid, stack))
     for tag in sorted(by_tag):
         rows = by_tag[tag]
-        mods, funcs, threads = collections.Counter(), collections.Counter(), collections.Counter()
-        for tid, ip in rows:
-            mod, func = locate(ip)
-            mods[mod] += 1
+        mods, leaf, caller, inclusive, threads = (collections.Counter() for _ in range(5))
+        deep = 0
+        for tid, stack in rows:
             threads[tid] += 1
-            if func is not None:
-                funcs[func] += 1
+            # Return addresses point after their call: look up the call itself.
+            located = [locate(a if i == 0 else a - 1) for i, a in enumerate(stack)]
+            mods[located[0][0]] += 1
+            if located[0][1] is not None:
+                leaf[located[0][1]] += 1
+            funcs = [f for _, f in located if f is not None]
+            if funcs:
+                caller[funcs[0]] += 1
+            if len(stack) > 1:
+                deep += 1
+            for f in set(funcs):
+                inclusive[f] += 1
         n = len(rows)
         print(f"\n== {tags.get(tag, tag)}: {n} samples, {len(threads)} threads "
-              f"(busiest {threads.most_common(1)[0][1]} samples)")
+              f"(busiest {threads.most_common(1)[0][1]} samples), {deep} with call stacks")
         for mod, c in mods.most_common(8):
             print(f"  {100 * c / n:5.1f} %  {mod}")
-        print(f"  functions of {module}:")
-        for func, c in funcs.most_common(top):
-            print(f"  {100 * c / n:5.1f} %  {func[:150]}")
+        for title, counter in (
+            (f"where the time is (functions of {module})", leaf),
+            (f"innermost function of {module} on the stack (a library's time charged to its caller)", caller),
+            ("on the stack at all (inclusive; needs frame pointers)", inclusive),
+        ):
+            print(f"  {title}:")
+            for func, c in counter.most_common(top):
+                print(f"  {100 * c / n:5.1f} %  {func[:150]}")
 
 
 if __name__ == "__main__":

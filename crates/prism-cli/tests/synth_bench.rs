@@ -333,11 +333,14 @@ fn bench_runs_the_three_scenarios_on_the_tiny_model() {
         .collect();
     assert!(!samples.is_empty(), "no samples");
     for s in &samples {
-        assert_eq!(s.len(), 4, "{s:?}");
+        // "s TAG THREAD IP [RETURN ADDRESSES]"
+        assert!(s.len() >= 4, "{s:?}");
         assert!(["0", "1", "2"].contains(&s[1]), "{s:?}");
-        assert!(
-            u64::from_str_radix(s[3], 16).is_ok_and(|ip| ip > 0),
-            "{s:?}"
-        );
+        for address in &s[3..] {
+            assert!(
+                u64::from_str_radix(address, 16).is_ok_and(|a| a > 0),
+                "{s:?}"
+            );
+        }
     }
 }

@@ -10,8 +10,18 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-/// The most samples a run keeps (16 bytes each); later ones are counted as dropped.
-const CAPACITY: usize = 1 << 21;
+/// The most samples a run keeps (8 · (3 + FRAMES) bytes each); later ones are counted as dropped.
+const CAPACITY: usize = 1 << 17;
+/// The most frames a sample keeps: the interrupted instruction, then return addresses.
+const FRAMES: usize = 32;
+
+/// One sample: its window's tag, the thread, the interrupted instruction and the return addresses
+/// of the frames above it (innermost first; just the instruction without frame pointers).
+pub struct Sample {
+    pub tag: u64,
+    pub thread: u64,
+    pub stack: Vec<u64>,
+}
 
 /// An open profile: the signal handler and timer are installed from [`HostProfile::start`] to
 /// [`HostProfile::finish`]; samples are kept only between [`HostProfile::open`] and [`HostProfile::close`].
@@ -65,8 +75,12 @@ impl HostProfile {
         for line in maps.lines() {
             writeln!(out, "map {line}")?;
         }
-        for (tag, tid, ip) in samples {
-            writeln!(out, "s {tag} {tid} {ip:x}")?;
+        for sample in samples {
+            write!(out, "s {} {}", sample.tag, sample.thread)?;
+            for address in &sample.stack {
+                write!(out, " {address:x}")?;
+            }
+            writeln!(out)?;
         }
         out.flush()
             .with_context(|| format!("writing {}", self.path.display()))?;
@@ -81,43 +95,89 @@ mod imp {
 
     use anyhow::{bail, Result};
 
-    use super::CAPACITY;
+    use super::{Sample, CAPACITY, FRAMES};
 
-    /// A sample: tag, thread, instruction pointer.
-    pub type Sample = (u64, u64, u64);
+    /// Words a sample: tag, thread, frame count, then the interrupted instruction and up to
+    /// FRAMES − 1 return addresses.
+    const WORDS: usize = 3 + FRAMES;
 
-    /// Three words a sample (tag, thread, instruction pointer), written by the signal handler.
     static SAMPLES: OnceLock<Box<[AtomicU64]>> = OnceLock::new();
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     static ACTIVE: AtomicBool = AtomicBool::new(false);
     static TAG: AtomicU64 = AtomicU64::new(0);
     static INSTALLED: AtomicBool = AtomicBool::new(false);
 
-    /// The SIGPROF handler: async-signal-safe (atomics, a read of the interrupted context, gettid).
+    /// Reads the two words at `fp` (the saved frame pointer and the return address) through
+    /// process_vm_readv, which fails with EFAULT on an unmapped address instead of faulting, so a
+    /// register that is not a frame pointer (code built without them, e.g. the CUDA driver) only ends
+    /// the walk.
+    fn read_frame(fp: u64) -> Option<(u64, u64)> {
+        let mut words = [0u64; 2];
+        let local = libc::iovec {
+            iov_base: words.as_mut_ptr().cast(),
+            iov_len: 16,
+        };
+        let remote = libc::iovec {
+            iov_base: fp as *mut libc::c_void,
+            iov_len: 16,
+        };
+        // SAFETY: the local buffer holds 16 bytes; the remote range is only read by the kernel, which
+        // checks it.
+        let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+        (n == 16).then_some((words[0], words[1]))
+    }
+
+    /// The SIGPROF handler: async-signal-safe (atomics, reads of the interrupted context, gettid,
+    /// getpid, process_vm_readv).
     extern "C" fn on_sigprof(_: libc::c_int, _: *mut libc::siginfo_t, context: *mut libc::c_void) {
         if !ACTIVE.load(Ordering::Relaxed) || context.is_null() {
             return;
         }
         let Some(buf) = SAMPLES.get() else { return };
         // SAFETY: with SA_SIGINFO the third argument is the interrupted thread's ucontext_t.
-        let ip = unsafe {
-            (*(context as *const libc::ucontext_t)).uc_mcontext.gregs[libc::REG_RIP as usize]
-        } as u64;
+        let (ip, mut fp, sp) = unsafe {
+            let regs = &(*(context as *const libc::ucontext_t)).uc_mcontext.gregs;
+            (
+                regs[libc::REG_RIP as usize] as u64,
+                regs[libc::REG_RBP as usize] as u64,
+                regs[libc::REG_RSP as usize] as u64,
+            )
+        };
+        let i = NEXT.fetch_add(1, Ordering::Relaxed);
+        if (i + 1) * WORDS > buf.len() {
+            return;
+        }
+        let at = &buf[i * WORDS..(i + 1) * WORDS];
         // SAFETY: gettid takes no arguments and cannot fail.
         let tid = unsafe { libc::syscall(libc::SYS_gettid) } as u64;
-        let i = NEXT.fetch_add(1, Ordering::Relaxed);
-        if 3 * i + 2 < buf.len() {
-            buf[3 * i].store(TAG.load(Ordering::Relaxed), Ordering::Relaxed);
-            buf[3 * i + 1].store(tid, Ordering::Relaxed);
-            buf[3 * i + 2].store(ip, Ordering::Relaxed);
+        at[0].store(TAG.load(Ordering::Relaxed), Ordering::Relaxed);
+        at[1].store(tid, Ordering::Relaxed);
+        at[3].store(ip, Ordering::Relaxed);
+        // Frame pointers (binaries built with -C force-frame-pointers=yes): each frame above the
+        // stack pointer, 16-byte aligned, below the next one and within 8 MiB of the stack pointer.
+        let mut frames = 1;
+        while frames < FRAMES && fp > sp && fp % 16 == 0 && fp - sp < 8 << 20 {
+            let Some((next, ret)) = read_frame(fp) else {
+                break;
+            };
+            if ret == 0 {
+                break;
+            }
+            at[3 + frames].store(ret, Ordering::Relaxed);
+            frames += 1;
+            if next <= fp {
+                break;
+            }
+            fp = next;
         }
+        at[2].store(frames as u64, Ordering::Relaxed);
     }
 
     pub fn install() -> Result<()> {
         if INSTALLED.swap(true, Ordering::SeqCst) {
             bail!("a host profile is already running in this process");
         }
-        SAMPLES.get_or_init(|| (0..3 * CAPACITY).map(|_| AtomicU64::new(0)).collect());
+        SAMPLES.get_or_init(|| (0..WORDS * CAPACITY).map(|_| AtomicU64::new(0)).collect());
         NEXT.store(0, Ordering::SeqCst);
         // SAFETY: a zeroed sigaction with a valid handler, SA_SIGINFO | SA_RESTART (interrupted system
         // calls restart); the timer fires SIGPROF every millisecond of the process's CPU time.
@@ -157,8 +217,7 @@ mod imp {
         ACTIVE.store(tag.is_some(), Ordering::SeqCst);
     }
 
-    /// Stops the timer, restores SIGPROF's default action and returns the samples and how many did
-    /// not fit.
+    /// Stops the timer, ignores SIGPROF from then on and returns the samples and how many did not fit.
     pub fn uninstall() -> Result<(Vec<Sample>, usize)> {
         ACTIVE.store(false, Ordering::SeqCst);
         // SAFETY: a zero timer stops it; SIG_IGN then drops a SIGPROF still pending.
@@ -172,16 +231,21 @@ mod imp {
         let Some(buf) = SAMPLES.get() else {
             return Ok((Vec::new(), 0));
         };
-        let kept = taken.min(buf.len() / 3);
+        let kept = taken.min(buf.len() / WORDS);
         let samples = (0..kept)
-            .map(|i| {
-                (
-                    buf[3 * i].load(Ordering::Relaxed),
-                    buf[3 * i + 1].load(Ordering::Relaxed),
-                    buf[3 * i + 2].load(Ordering::Relaxed),
-                )
+            .filter_map(|i| {
+                let at = &buf[i * WORDS..(i + 1) * WORDS];
+                let frames = (at[2].load(Ordering::Relaxed) as usize).min(FRAMES);
+                let stack: Vec<u64> = at[3..3 + frames]
+                    .iter()
+                    .map(|w| w.load(Ordering::Relaxed))
+                    .collect();
+                (frames > 0 && stack[0] != 0).then(|| Sample {
+                    tag: at[0].load(Ordering::Relaxed),
+                    thread: at[1].load(Ordering::Relaxed),
+                    stack,
+                })
             })
-            .filter(|&(_, _, ip)| ip != 0)
             .collect();
         Ok((samples, taken - kept))
     }
@@ -195,7 +259,7 @@ mod imp {
         bail!("--host-profile needs Linux on x86_64")
     }
     pub fn set_active(_: Option<u64>) {}
-    pub fn uninstall() -> Result<(Vec<(u64, u64, u64)>, usize)> {
+    pub fn uninstall() -> Result<(Vec<super::Sample>, usize)> {
         Ok((Vec::new(), 0))
     }
 }
