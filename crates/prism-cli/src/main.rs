@@ -280,10 +280,11 @@ pub struct BenchArgs {
     /// of each scenario and nothing of the load or the floor measurements.
     #[arg(long)]
     pub profiler_range: bool,
-    /// Linux on x86_64: sample the host's CPU time (the interrupted instruction, every millisecond of
-    /// CPU time) during the last timed run of each scenario, or with --think every timed run, and
-    /// write the samples with the process's memory map to this file; `tools/host_profile.py FILE
-    /// BINARY` names the functions from the unstripped binary of the same build.
+    /// Linux on x86_64: sample the host's CPU time (about every millisecond of process CPU time, the
+    /// interrupted instruction and, in a build with frame pointers, the return addresses above it)
+    /// during the last timed run of each scenario, or with --think every timed run, and write the
+    /// samples with the process's memory map to this file; `tools/host_profile.py FILE BINARY` names
+    /// the functions from the unstripped binary of the same build.
     #[arg(long, value_name = "FILE")]
     pub host_profile: Option<std::path::PathBuf>,
     /// Instead of the read-out scenarios, measure thought decoding (v1.1 AutoThink) through the engine:

@@ -13,9 +13,9 @@
 use candle_core::cuda_backend::cudarc::driver::{
     sys, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
-use candle_core::cuda_backend::CudaDevice;
 use std::sync::Arc;
 
+use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Device, Result, Tensor};
 
 use crate::activation::run_count;

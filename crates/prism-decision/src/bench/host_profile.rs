@@ -1,9 +1,12 @@
 //! `prism bench --host-profile FILE`: a sampling profile of the host's CPU time (Linux on x86_64), for
-//! passes whose host work (enqueueing kernels) bounds them. While a window is open, every millisecond
-//! of the process's CPU time (`ITIMER_PROF`; the kernel's timer tick may make it coarser) the thread
-//! that used it records the instruction it was interrupted at; the file holds those samples with `/proc/self/maps`, and `tools/host_profile.py`
-//! names the functions from the unstripped binary of the same build (the device runs a stripped copy).
-//! Samples are leaf addresses only (no call stacks): time inside the CUDA driver shows as the driver.
+//! passes whose host work (enqueueing kernels) bounds them. While a window is open, about every
+//! millisecond of the process's CPU time (`ITIMER_PROF`; the kernel's timer tick may make it coarser)
+//! the thread that used it records the instruction it was interrupted at and, in a build with frame
+//! pointers (`RUSTFLAGS="-C force-frame-pointers=yes"`), the return addresses of the frames above it.
+//! The file holds those samples with `/proc/self/maps`; `tools/host_profile.py` names the functions from
+//! the unstripped binary of the same build (the device runs a stripped copy). Code without frame pointers
+//! (the CUDA driver) ends a walk early or, where it leaves the caller's frame pointer in place, is passed
+//! through to its Rust callers.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
