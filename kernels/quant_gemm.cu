@@ -102,6 +102,70 @@ extern "C" __global__ void quantize_act_swiglu_run128(const float* __restrict__ 
                             bad_rows);
 }
 
+// quantize_act_run128 of the DeltaNet output norm (kernels/ops.cu `norm_rows_f32`, mode 1) of x
+// [rows · heads, 128] (contiguous) with its gate (row n, head h at gate + n · g_stride + 128 · h) and
+// weight w [128]: each head's 128 values are one run, normalized with the operations of norm_rows_f32
+// in its order (lane l sums x[l], x[l + 32], x[l + 64], x[l + 96] by fmaf, then the same butterfly),
+// so the values, and with them the int8 bytes and scales, are those of the norm followed by
+// quantize_act_run128. One warp per (row, head); cols = 128 · heads.
+extern "C" __global__ void quantize_act_gated_norm_run128(
+    const float* __restrict__ x, const float* __restrict__ gate, long long g_stride, const float* __restrict__ w,
+    float eps, int rows, int heads, signed char* __restrict__ qa, float* __restrict__ sa, int sa_row_stride,
+    int sa_run_stride, int* __restrict__ sums32, int want_sums, unsigned int* __restrict__ bad_rows) {
+    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (warp >= (long long)rows * heads) return;  // whole warps
+    const int row = (int)(warp / heads), head = (int)(warp % heads);
+    const int cols = RUN * heads;
+    const float* xr = x + ((size_t)row * heads + head) * RUN;
+    const float* gr = gate + (size_t)row * g_stride + (size_t)head * RUN;
+    float v[4];
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        v[j] = xr[lane + 32 * j];
+        ss = fmaf(v[j], v[j], ss);
+    }
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    // norm_rows_f32's ss / D, 1 / sqrt(denom + eps) with D a run time value: IEEE division, sqrt and
+    // sum, written out so that nothing is contracted or turned into a product by the constant.
+    const float denom = __fdiv_rn(ss, (float)RUN);
+    const float inv_norm = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(denom, eps)));
+    bool bad = false;
+    float m = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int i = lane + 32 * j;
+        float val = __fmul_rn(v[j], inv_norm);
+        val = __fmul_rn(val, w[i]);
+        val = __fmul_rn(val, silu_as_ops(gr[i]));
+        v[j] = val;
+        bad |= !isfinite(val);
+        m = fmaxf(m, fabsf(val));
+    }
+    if (__any_sync(0xffffffffu, bad) && lane == 0) bad_rows[row] = 1u;
+    const float amax = warp_max(m);
+    float s = 0.f, inv = 0.f;
+    if (amax >= AMAX_MIN) {
+        s = __fdiv_rn(amax, 127.f);
+        inv = __fdiv_rn(127.f, amax);
+    }
+    signed char* qr = qa + (size_t)row * cols + (size_t)head * RUN;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float t = fminf(fmaxf(rintf(__fmul_rn(v[j], inv)), -127.f), 127.f);
+        const int q = (int)t;
+        qr[lane + 32 * j] = (signed char)q;
+        if (want_sums) {
+            // Group j of the run (its 32 values) is element j of every lane.
+            int part = q;
+            for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+            if (lane == 0) sums32[((size_t)row * cols + (size_t)head * RUN) / 32 + j] = part;
+        }
+    }
+    if (lane == 0) sa[(size_t)row * sa_row_stride + (size_t)head * sa_run_stride] = s;
+}
+
 // Σ a_i · b_i over n bytes (n a multiple of 4, both 4-byte aligned), exact in int32.
 __device__ __forceinline__ int dot_bytes(const signed char* a, const signed char* b, int n) {
     const int* a4 = reinterpret_cast<const int*>(a);

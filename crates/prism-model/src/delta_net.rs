@@ -9,7 +9,7 @@ use crate::config::Qwen35Config;
 use crate::delta_rule;
 use crate::error::{ModelError, Result};
 use crate::linear::{FusedLinear, Linear};
-use crate::ops::{delta_net_gates, gated_rms_norm_rows, l2_norm, l2_norm_scaled};
+use crate::ops::{delta_net_gates, l2_norm, l2_norm_scaled};
 use crate::profile;
 use crate::qwen35::Segment;
 use crate::state::DeltaNetState;
@@ -160,15 +160,9 @@ impl DeltaNet {
             "deltanet: gated norm + output projection",
             dev,
             || -> Result<_> {
-                // Written in the dtype ssm_out reads (bf16 for a bf16 GEMM on CUDA).
-                let y = gated_rms_norm_rows(
-                    &o,
-                    &z,
-                    &self.norm,
-                    self.eps,
-                    self.out.input_dtype(o.dtype()),
-                )?;
-                Ok(self.out.forward(&y)?)
+                // The norm in the dtype ssm_out reads (bf16 for a bf16 GEMM on CUDA), or on the integer
+                // path on a GPU formed by its activation quantizer.
+                Ok(self.out.forward_gated_norm(&o, &z, &self.norm, self.eps)?)
             },
         )
     }

@@ -84,6 +84,26 @@ impl Linear {
         self.forward(&h)
     }
 
+    /// `gated_rms_norm_rows(x, gate, weight) · Wᵀ` (`x: [n, h, d]`, `gate: [n, h·d]`): the DeltaNet
+    /// output norm in the dtype this projection reads, then [`Linear::forward`]; on the integer path on a
+    /// GPU with heads of 128 the two in one ([`QuantMatmul::forward_gated_norm`]: the same bits, the
+    /// norm formed as the activations are quantized).
+    pub fn forward_gated_norm(
+        &self,
+        x: &Tensor,
+        gate: &Tensor,
+        weight: &Tensor,
+        eps: f64,
+    ) -> Result<Tensor> {
+        if let Linear::Quant(op) = self {
+            if let Some(y) = op.forward_gated_norm(x, gate, weight, eps)? {
+                return Ok(y);
+            }
+        }
+        let y = crate::ops::gated_rms_norm_rows(x, gate, weight, eps, self.input_dtype(x.dtype()))?;
+        self.forward(&y)
+    }
+
     /// The same projection restricted to output rows `rows` (e.g. the letters of a read-out). Every
     /// output depends only on its own weight row, so the results are bit-identical to those columns of
     /// the full product.

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Device, Result, Tensor};
 
-use crate::activation::run_count;
+use crate::activation::{run_count, RUN};
 use crate::cuda_launch::{alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input};
 use crate::weight::{QuantWeight, WeightFormat, WeightInfo};
 
@@ -246,24 +246,92 @@ pub fn matmul_swiglu_with(
     product(Rows::SwiGlu(&gate_up, f), w, kernel)
 }
 
-/// Where a product's activation rows come from: a contiguous `[m, k]` f32 tensor, or the SwiGLU of a
-/// contiguous `[m, 2k]` gate | up tensor.
+/// `gated_rms_norm(x, gate, weight) · Wᵀ` for the DeltaNet output: `x: [m, h, 128]` f32 (contiguous),
+/// `gate: [m, h·128]` f32 with unit column stride (a column range of a fused projection, read in place),
+/// `weight: [128]`: the bits of prism-model's CUDA gated norm (`norm_rows_f32`, mode 1) followed by
+/// [`matmul`], with the norm formed by the activation quantizer (no [m, h·128] intermediate, one launch
+/// fewer). Heads of 128 values only (one run a head).
+pub fn matmul_gated_norm(
+    x: &Tensor,
+    gate: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    w: &CudaQuantWeight,
+) -> Result<Tensor> {
+    matmul_gated_norm_with(x, gate, weight, eps, w, Kernel::Auto)
+}
+
+/// [`matmul_gated_norm`] with the kernel chosen by `kernel`.
+pub fn matmul_gated_norm_with(
+    x: &Tensor,
+    gate: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    w: &CudaQuantWeight,
+    kernel: Kernel,
+) -> Result<Tensor> {
+    let (m, h, d) = x.dims3()?;
+    if d != RUN {
+        bail!(
+            "integer matmul: a gated norm of heads of {d} values (the fused quantizer takes {RUN})"
+        );
+    }
+    if gate.dims() != [m, h * d] || gate.stride()[1] != 1 {
+        bail!(
+            "integer matmul: gated norm gate {:?} (strides {:?}) does not fit x {:?}",
+            gate.dims(),
+            gate.stride(),
+            x.dims()
+        );
+    }
+    if weight.dims() != [d] {
+        bail!(
+            "integer matmul: gated norm weight {:?}, not [{d}]",
+            weight.dims()
+        );
+    }
+    let x = x.contiguous()?;
+    let weight = weight.contiguous()?;
+    product(
+        Rows::GatedNorm {
+            x: &x,
+            gate,
+            weight: &weight,
+            eps: eps as f32,
+            heads: h,
+        },
+        w,
+        kernel,
+    )
+}
+
+/// Where a product's activation rows come from: a contiguous `[m, k]` f32 tensor, the SwiGLU of a
+/// contiguous `[m, 2k]` gate | up tensor, or the DeltaNet output norm of `[m, heads, 128]` with its gate.
 #[derive(Clone, Copy)]
 enum Rows<'a> {
     Plain(&'a Tensor),
     SwiGlu(&'a Tensor, usize),
+    GatedNorm {
+        x: &'a Tensor,
+        gate: &'a Tensor,
+        weight: &'a Tensor,
+        eps: f32,
+        heads: usize,
+    },
 }
 
 fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
     let (x, what) = match rows {
         Rows::Plain(x) => (x, "x"),
         Rows::SwiGlu(gu, _) => (gu, "swiglu(gate | up)"),
+        Rows::GatedNorm { x, .. } => (x, "the gated norm of x"),
     };
     let dev = cuda_device(x)?;
-    let m = x.dims2()?.0;
+    let m = x.dim(0)?;
     let k = match rows {
         Rows::Plain(x) => x.dims2()?.1,
         Rows::SwiGlu(_, f) => f,
+        Rows::GatedNorm { heads, .. } => heads * RUN,
     };
     let (n, info) = (w.info.rows, &w.info);
     if k != info.cols {
@@ -317,12 +385,57 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
         u32::try_from(units.div_ceil(THREADS as usize))
             .map_err(|_| candle_core::Error::Msg(format!("{what}: too many for one launch")))
     };
+    if let Rows::GatedNorm {
+        gate,
+        weight,
+        eps,
+        heads,
+        ..
+    } = rows
     {
+        let xi = Input::new(x, DType::F32, "gated norm input")?;
+        let xv = xi.view::<f32>()?;
+        let g_stride = gate.stride()[0];
+        let gi = Input::spanning(
+            gate,
+            DType::F32,
+            "gated norm gate",
+            (m - 1) * g_stride + heads * RUN,
+        )?;
+        let gv = gi.view::<f32>()?;
+        let wi = Input::new(weight, DType::F32, "gated norm weight")?;
+        let wv = wi.view::<f32>()?;
+        let func = load_kernel(&dev, MODULE, IMAGE, "quantize_act_gated_norm_run128")?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid(32 * m * heads, "activation runs")?, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let want = i32::from(want_sums);
+        let (rs, cs) = (
+            i32_arg(sa_row_stride, "scale row stride")?,
+            i32_arg(sa_run_stride, "scale run stride")?,
+        );
+        let (g_stride_i, heads_i) = (g_stride as i64, i32_arg(heads, "heads")?);
+        let mut b = func.builder();
+        b.arg(&xv).arg(&gv).arg(&g_stride_i).arg(&wv).arg(&eps);
+        b.arg(&m_i)
+            .arg(&heads_i)
+            .arg(&qa)
+            .arg(&sa)
+            .arg(&rs)
+            .arg(&cs);
+        b.arg(&sums).arg(&want).arg(&bad);
+        // SAFETY: x holds m·heads·128 f32; the gate view spans its m rows (g_stride apart, heads·128
+        // each); the weight 128 f32; qa m·k bytes, sa m·runs f32 at the strides given, sums m·k/32 i32
+        // when asked, bad m u32.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    } else {
         let xi = Input::new(x, DType::F32, "integer matmul input")?;
         let xv = xi.view::<f32>()?;
         let name = match rows {
-            Rows::Plain(_) => "quantize_act_run128",
             Rows::SwiGlu(..) => "quantize_act_swiglu_run128",
+            _ => "quantize_act_run128",
         };
         let func = load_kernel(&dev, MODULE, IMAGE, name)?;
         let cfg = LaunchConfig {

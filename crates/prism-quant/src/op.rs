@@ -122,6 +122,30 @@ impl QuantMatmul {
         let _ = (gate_up, f);
         Ok(None)
     }
+
+    /// `gated_rms_norm(x, gate, weight) · Wᵀ` fused on a CUDA device for heads of 128 values
+    /// ([`crate::cuda::matmul_gated_norm`]: the norm formed by the activation quantizer, the bits of
+    /// prism-model's CUDA gated norm then [`QuantMatmul::forward`]); `None` elsewhere or for other head
+    /// sizes, where the caller applies its norm and then [`QuantMatmul::forward`].
+    pub fn forward_gated_norm(
+        &self,
+        x: &Tensor,
+        gate: &Tensor,
+        weight: &Tensor,
+        eps: f64,
+    ) -> candle_core::Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if let candle_core::Device::Cuda(dev) = x.device() {
+            let f32 = candle_core::DType::F32;
+            let heads_of_128 = x.dims().len() == 3 && x.dims()[2] == crate::activation::RUN;
+            if x.dtype() == f32 && gate.dtype() == f32 && weight.dtype() == f32 && heads_of_128 {
+                let w = self.device_weight(dev)?;
+                return crate::cuda::matmul_gated_norm(x, gate, weight, eps, &w).map(Some);
+            }
+        }
+        let _ = (x, gate, weight, eps);
+        Ok(None)
+    }
 }
 
 impl CustomOp1 for QuantMatmul {

@@ -170,7 +170,60 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
             &got.narrow(0, 3, 1)?,
         )?;
     }
-    swiglu_checks(r, gpu, dev, &mut rng)
+    swiglu_checks(r, gpu, dev, &mut rng)?;
+    gated_norm_checks(r, gpu, dev, &mut rng)
+}
+
+/// The DeltaNet output norm fused into the activation quantizer (`matmul_gated_norm`, what the output
+/// projection runs) against prism-model's gated norm kernel followed by the product: the same bits, for
+/// every kernel, the gate a strided column range, with K-quant sums and a row holding a NaN.
+fn gated_norm_checks(
+    r: &mut Report,
+    gpu: &Device,
+    dev: &candle_core::cuda_backend::CudaDevice,
+    rng: &mut Rng,
+) -> Result<()> {
+    use candle_core::DType;
+    use prism_quant::cuda::matmul_gated_norm_with;
+    for (ty, heads, n) in [
+        (GgmlType::Q8_0, 5, 129),
+        (GgmlType::Q8_0, 48, 64),
+        (GgmlType::Q4_K, 4, 64),
+    ] {
+        let k = heads * 128;
+        let w = weight(rng, ty, n, k, Q8Scales::PerRun)?;
+        let dw = CudaQuantWeight::upload(&w, dev)?;
+        let norm_w = Tensor::from_vec(activations(rng, 1, 128), 128, gpu)?;
+        for m in [1, 2, 7, 64, 300] {
+            let mut x = activations(rng, m, k);
+            if m >= 7 {
+                x[5 * k + 130] = f32::NAN;
+            }
+            let x = Tensor::from_vec(x, (m, heads, 128), gpu)?;
+            // The gate: the middle third of a wider projection output, read in place.
+            let wide = Tensor::from_vec(activations(rng, m, 3 * k), (m, 3 * k), gpu)?;
+            let gate = wide.narrow(1, k, k)?;
+            let y = prism_model::ops::gated_rms_norm_rows(&x, &gate, &norm_w, 1e-6, DType::F32)?;
+            let want = matmul(&y, &dw)?;
+            let mut kernels = vec![("default", Kernel::Auto), ("simple kernel", Kernel::Simple)];
+            if ty == GgmlType::Q8_0 {
+                kernels.push(("skinny kernel", Kernel::Skinny));
+                kernels.push(("128-row tile", Kernel::Tile(TileShape::M128)));
+                kernels.push(("64-row tile", Kernel::Tile(TileShape::M64)));
+            }
+            for (label, kernel) in kernels {
+                r.identical(
+                    &format!(
+                        "int8 matmul (GPU) {ty:?} gated norm fused, heads={heads} N={n} M={m}: {label} \
+                         vs the norm then the product"
+                    ),
+                    &matmul_gated_norm_with(&x, &gate, &norm_w, 1e-6, &dw, kernel)?,
+                    &want,
+                )?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The SwiGLU fused into the activation quantizer (`matmul_swiglu`, what the MLP's down projection runs)
