@@ -20,7 +20,9 @@ use candle_core::cuda_backend::cudarc::driver::{
 };
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Result, Tensor};
-use prism_quant::cuda_launch::{alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input};
+use prism_quant::cuda_launch::{
+    alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input, Scratch,
+};
 
 use crate::delta_rule::{check_batch, per_segment, RuleSegment, RuleState, CHUNK};
 
@@ -339,10 +341,17 @@ fn launch(
         drop(guard);
     }
 
-    // Scratch of the pair kernel (all written by it) and the new states.
-    let ab = alloc::<f32>(dev, chunks * heads * 2 * CHUNK * CHUNK)?;
-    let gam_s = alloc::<f64>(dev, chunks * heads * CHUNK)?;
-    let fac = alloc::<f32>(dev, chunks * heads * 4 * CHUNK)?;
+    // Scratch of the pair kernel (all written by it, read by the scan) and the new states.
+    let (ab_len, gam_len, fac_len) = (
+        chunks * heads * 2 * CHUNK * CHUNK,
+        chunks * heads * CHUNK,
+        chunks * heads * 4 * CHUNK,
+    );
+    let (at, bytes) = Scratch::layout(&[4 * ab_len, 8 * gam_len, 4 * fac_len]);
+    let scratch = Scratch::take(dev, bytes)?;
+    let ab = scratch.view::<f32>(at[0], ab_len)?;
+    let gam_s = scratch.view::<f64>(at[1], gam_len)?;
+    let fac = scratch.view::<f32>(at[2], fac_len)?;
     let s_out = alloc::<f32>(dev, count * heads * dk * dv)?; // slots of segments that close a chunk
     let pk_out = alloc::<f32>(dev, count * heads * CHUNK * dk)?;
     let pu_out = alloc::<f32>(dev, count * heads * CHUNK * dv)?;

@@ -11,7 +11,7 @@
 //! quantizer flags the row and every output of that row is NaN; the other rows keep their bits.
 
 use candle_core::cuda_backend::cudarc::driver::{
-    sys, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    sys, CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use std::sync::Arc;
 
@@ -19,7 +19,9 @@ use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Device, Result, Tensor};
 
 use crate::activation::{run_count, RUN};
-use crate::cuda_launch::{alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input};
+use crate::cuda_launch::{
+    alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input, Scratch,
+};
 use crate::weight::{QuantWeight, WeightFormat, WeightInfo};
 
 /// The kernels as a fatbin (kernels/build_ptx.rs).
@@ -368,14 +370,38 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
         Some(_) => (runs * ldsa, 1, ldsa),
         None => (m * runs, runs, 1),
     };
-    let qa = alloc::<u8>(&dev, m * k)?;
-    let sa = alloc::<f32>(&dev, sa_len)?;
-    let sums = alloc::<i32>(&dev, if want_sums { m * k / 32 } else { 1 })?;
-    let bad = dev.alloc_zeros::<u32>(m.max(1))?;
     let y = alloc::<f32>(&dev, m * n)?;
     if m == 0 || n == 0 {
         return Ok(wrap(y, &dev, (m, n)));
     }
+    // The tile's split over K and order, chosen before the scratch is laid out (a split tile's shares
+    // live there).
+    let hopper = match hopper {
+        Some((h, (shape, splits, group))) => {
+            let splits = match splits {
+                Some(s) => s,
+                None => tile_splits(&dev, shape, m, n)?,
+            };
+            let group = group.unwrap_or_else(|| tile_group(shape, m));
+            Some((h, shape, splits, group))
+        }
+        None => None,
+    };
+    let sums_len = if want_sums { m * k / 32 } else { 1 };
+    let ws_len = match hopper {
+        Some((_, _, splits, _)) if splits > 1 => splits * m * n,
+        _ => 1,
+    };
+    // The quantized activation, its scales, its 32-value sums (formats with mins), the rows' bad
+    // flags (zeroed here, set by the quantizer) and a split tile's shares: this thread's scratch.
+    let (at, bytes) = Scratch::layout(&[m * k, 4 * sa_len, 4 * sums_len, 4 * m, 4 * ws_len]);
+    let mut scratch = Scratch::take(&dev, bytes)?;
+    scratch.zero(at[3], 4 * m)?;
+    let qa = scratch.view::<u8>(at[0], m * k)?;
+    let sa = scratch.view::<f32>(at[1], sa_len)?;
+    let sums = scratch.view::<i32>(at[2], sums_len)?;
+    let bad = scratch.view::<u32>(at[3], m)?;
+    let ws = scratch.view::<f32>(at[4], ws_len)?;
     let (m_i, n_i, k_i) = (
         i32_arg(m, "rows")?,
         i32_arg(n, "outputs")?,
@@ -461,24 +487,22 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
         // m u32.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
-    if let Some((h, (shape, splits, group))) = hopper {
-        let splits = match splits {
-            Some(s) => s,
-            None => tile_splits(&dev, shape, m, n)?,
-        };
-        let group = group.unwrap_or_else(|| tile_group(shape, m));
+    if let Some((h, shape, splits, group)) = hopper {
         hopper_q8_0(
             &dev,
-            &qa,
-            &sa,
-            ldsa,
-            &bad,
+            TileBuffers {
+                qa: &qa,
+                sa: &sa,
+                ldsa,
+                bad: &bad,
+                ws: &ws,
+                y: &y,
+            },
             w,
             h,
             shape,
             (splits, group),
             (m, n, k),
-            &y,
         )?;
         return Ok(wrap(y, &dev, (m, n)));
     }
@@ -592,21 +616,35 @@ pub fn tile_group(shape: TileShape, m: usize) -> usize {
     }
 }
 
+/// The buffers of one Hopper tile product: the quantized activation `qa` with its run scales `sa`
+/// (run-major, `ldsa` rows a run), the rows' bad flags, the split CTAs' shares of the part tree
+/// `[splits, m, n]` (unused without a split) and the output `y`.
+struct TileBuffers<'a, 'b> {
+    qa: &'a CudaView<'b, u8>,
+    sa: &'a CudaView<'b, f32>,
+    ldsa: usize,
+    bad: &'a CudaView<'b, u32>,
+    ws: &'a CudaView<'b, f32>,
+    y: &'a CudaSlice<f32>,
+}
+
 /// The Q8_0 warpgroup tile (`qgemm_wg_q8_0`): `y = qa · qᵀ` by the contract, `qa` `[m, k]` bytes with
 /// run scales `sa` run-major `[runs, ldsa]`, each output tile computed by `splits` CTAs (1, 2 or 4).
-#[allow(clippy::too_many_arguments)]
 fn hopper_q8_0(
     dev: &CudaDevice,
-    qa: &CudaSlice<u8>,
-    sa: &CudaSlice<f32>,
-    ldsa: usize,
-    bad: &CudaSlice<u32>,
+    TileBuffers {
+        qa,
+        sa,
+        ldsa,
+        bad,
+        ws,
+        y,
+    }: TileBuffers,
     w: &CudaQuantWeight,
     h: &HopperQ8,
     shape: TileShape,
     (splits, group): (usize, usize),
     (m, n, k): (usize, usize, usize),
-    y: &CudaSlice<f32>,
 ) -> Result<()> {
     if ![1, 2, 4].contains(&splits) {
         bail!("integer matmul tile: {splits} splits over K (1, 2 or 4)");
@@ -641,8 +679,12 @@ fn hopper_q8_0(
         block_dim: (WG_THREADS, 1, 1),
         shared_mem_bytes: shape.smem() as u32,
     };
-    // The split CTAs' shares of the part tree, [splits, m, n] (none without a split).
-    let ws = alloc::<f32>(dev, if splits > 1 { splits * m * n } else { 1 })?;
+    if splits > 1 && ws.len() < splits * m * n {
+        bail!(
+            "integer matmul tile: {} share slots for {splits} splits of [{m}, {n}]",
+            ws.len()
+        );
+    }
     let (ldsa_i, ldsw_i) = (i32_arg(ldsa, "scale rows")?, i32_arg(h.ldsw, "scale rows")?);
     let (m_i, n_i, k_i) = (
         i32_arg(m, "rows")?,
@@ -676,7 +718,7 @@ fn hopper_q8_0(
         .arg(&n_i)
         .arg(&k_i)
         .arg(y)
-        .arg(&ws)
+        .arg(ws)
         .arg(&group_i)
         .arg(counter_buf);
     // SAFETY: the maps describe qa (m·k bytes) and the weight (n·k bytes), both alive until the launch

@@ -101,6 +101,146 @@ pub fn alloc<T: DeviceRepr>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>
     unsafe { dev.alloc::<T>(len.max(1)) }
 }
 
+/// Byte alignment of each part of a [`Scratch`] (the driver's own allocation alignment; TMA needs 16).
+pub const SCRATCH_ALIGN: usize = 256;
+
+/// How many streams' scratch buffers a thread keeps (the oldest goes first).
+const SCRATCH_STREAMS: usize = 4;
+
+thread_local! {
+    /// Per (this thread, stream): the scratch buffer [`Scratch::take`] hands out, while not taken.
+    static SCRATCH: std::cell::RefCell<Vec<(usize, CudaSlice<u8>)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Device memory for the intermediate buffers of one operation's launches (an activation quantized for
+/// a product, its scales, partial sums), reused by the next operation this thread launches on the same
+/// stream instead of allocated and freed for each: a stream runs its launches in order, so the buffer
+/// is free again once the launches that use it are queued. Every stream-ordered allocation and free is
+/// a driver call of a few microseconds; a decode step makes hundreds of products.
+///
+/// Guarantees: a `Scratch` is at least the bytes asked for, is held by one operation at a time (one
+/// taken while another is held on the same thread and stream is a fresh allocation), and goes back to
+/// its thread and stream when dropped. Its contents are undefined: the kernels write every element
+/// they read. Kept per (thread, stream) because candle's device uses the per-thread default stream:
+/// two threads with one `CudaDevice` launch on two streams.
+pub struct Scratch {
+    buf: Option<CudaSlice<u8>>,
+    key: usize,
+    /// Not `Send`: it goes back to the thread (and so the stream) it was taken on.
+    _thread: std::marker::PhantomData<*const ()>,
+}
+
+impl Scratch {
+    /// A scratch buffer of at least `bytes` on `dev`'s stream (grown to the next power of two when this
+    /// thread's is smaller).
+    pub fn take(dev: &CudaDevice, bytes: usize) -> Result<Self> {
+        let key = Arc::as_ptr(&dev.cuda_stream()) as usize;
+        let held = SCRATCH
+            .try_with(|s| {
+                let mut s = s.try_borrow_mut().ok()?;
+                let at = s.iter().position(|(k, _)| *k == key)?;
+                Some(s.remove(at).1)
+            })
+            .ok()
+            .flatten();
+        let buf = match held {
+            Some(b) if b.len() >= bytes => b,
+            held => {
+                drop(held);
+                alloc::<u8>(dev, bytes.max(SCRATCH_ALIGN).next_power_of_two())?
+            }
+        };
+        Ok(Self {
+            buf: Some(buf),
+            key,
+            _thread: std::marker::PhantomData,
+        })
+    }
+
+    /// Byte offsets of parts of `sizes` bytes laid out one after another, each at a multiple of
+    /// [`SCRATCH_ALIGN`], and the bytes they span.
+    pub fn layout(sizes: &[usize]) -> (Vec<usize>, usize) {
+        let mut at = 0;
+        let offsets = sizes
+            .iter()
+            .map(|&size| {
+                let offset = at;
+                at += size.div_ceil(SCRATCH_ALIGN).max(1) * SCRATCH_ALIGN;
+                offset
+            })
+            .collect();
+        (offsets, at)
+    }
+
+    fn buf(&self) -> Result<&CudaSlice<u8>> {
+        self.buf
+            .as_ref()
+            .ok_or_else(|| candle_core::Error::Msg("scratch buffer already returned".into()))
+    }
+
+    /// `len` elements of `T` from byte `offset` (a multiple of [`SCRATCH_ALIGN`]).
+    pub fn view<T>(&self, offset: usize, len: usize) -> Result<CudaView<'_, T>> {
+        let bytes = len.max(1) * std::mem::size_of::<T>();
+        let buf = self.buf()?;
+        if offset % SCRATCH_ALIGN != 0 || offset + bytes > buf.len() {
+            bail!(
+                "scratch: {bytes} bytes at {offset} do not fit a buffer of {}",
+                buf.len()
+            );
+        }
+        let part = buf.slice(offset..offset + bytes);
+        // SAFETY: the part is `bytes` = len·size_of::<T>() bytes at an offset aligned for any kernel
+        // argument type; device memory has no invalid bit patterns for the plain types kernels take.
+        unsafe { part.transmute::<T>(len.max(1)) }
+            .ok_or_else(|| candle_core::Error::Msg("scratch: view does not fit".into()))
+    }
+
+    /// Zeroes `bytes` from byte `offset` (stream-ordered, before the launches that follow).
+    pub fn zero(&mut self, offset: usize, bytes: usize) -> Result<()> {
+        let buf = self
+            .buf
+            .as_mut()
+            .ok_or_else(|| candle_core::Error::Msg("scratch buffer already returned".into()))?;
+        if offset + bytes > buf.len() {
+            bail!(
+                "scratch: {bytes} bytes at {offset} do not fit a buffer of {}",
+                buf.len()
+            );
+        }
+        let stream = buf.stream().clone();
+        let mut part = buf.slice_mut(offset..offset + bytes);
+        stream.memset_zeros(&mut part).map_err(launch_err)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let Some(buf) = self.buf.take() else { return };
+        let key = self.key;
+        // During thread exit the slot may be gone; the buffer is then freed (stream-ordered).
+        let _ = SCRATCH.try_with(move |s| {
+            let Ok(mut s) = s.try_borrow_mut() else {
+                return;
+            };
+            match s.iter().position(|(k, _)| *k == key) {
+                // Taken twice at once (nested): keep the larger.
+                Some(at) => {
+                    if s[at].1.len() < buf.len() {
+                        s[at].1 = buf;
+                    }
+                }
+                None => {
+                    if s.len() >= SCRATCH_STREAMS {
+                        s.remove(0);
+                    }
+                    s.push((key, buf));
+                }
+            }
+        });
+    }
+}
+
 /// A filled device buffer as a contiguous tensor of `shape`.
 pub fn wrap<T: CudaDType>(
     slice: CudaSlice<T>,
