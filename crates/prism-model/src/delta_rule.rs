@@ -109,6 +109,13 @@ impl PendingRows {
         )))
     }
 
+    /// The claim on buffers several states share from the start (a fresh state's zeros, shared by its
+    /// layers and by every fresh state of a model): nobody may write them in place, so every
+    /// continuation copies them first.
+    pub fn shared() -> Self {
+        Self::new(usize::MAX)
+    }
+
     /// Claims row `pending` for a state with `pending` rows: true if nobody has claimed it.
     pub fn claim(&self, pending: usize) -> bool {
         use std::sync::atomic::Ordering;
@@ -669,6 +676,15 @@ mod tests {
         assert!(
             other.rows.claim(0),
             "another state's buffers have their own claim"
+        );
+    }
+
+    #[test]
+    fn shared_pending_buffers_are_claimed_by_nobody() {
+        let shared = PendingRows::shared();
+        assert!(
+            (0..CHUNK).all(|row| !shared.claim(row)),
+            "no row of shared buffers may be written in place"
         );
     }
 

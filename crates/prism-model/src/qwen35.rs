@@ -408,6 +408,8 @@ pub struct Qwen35Model {
     final_norm: Tensor,
     layers: Vec<DecoderLayer>,
     rope: MRope,
+    /// The fresh state [`Self::new_state`] hands out clones of (its zeros allocated once).
+    fresh: SequenceState,
 }
 
 impl Qwen35Model {
@@ -573,6 +575,11 @@ impl Qwen35Model {
              layers {:.2} s on {threads} threads",
             total_s - embed_s - head_s
         );
+        let fresh = SequenceState::new(
+            &config,
+            options.precision.activation_dtype(),
+            &options.device,
+        )?;
         Ok(Self {
             config,
             device: options.device.clone(),
@@ -584,6 +591,7 @@ impl Qwen35Model {
             final_norm,
             layers,
             rope,
+            fresh,
         })
     }
 
@@ -617,13 +625,10 @@ impl Qwen35Model {
         &self.layers
     }
 
-    /// A fresh, empty sequence state.
+    /// A fresh, empty sequence state: a clone of one made at load (no device work; its tensors are
+    /// shared, never written in place).
     pub fn new_state(&self) -> Result<SequenceState> {
-        SequenceState::new(
-            &self.config,
-            self.precision.activation_dtype(),
-            &self.device,
-        )
+        Ok(self.fresh.clone())
     }
 
     /// Runs the new tokens of every item through the decoder, updating each item's state. On error no
@@ -1035,10 +1040,12 @@ impl Qwen35Model {
     pub fn last_position_rows(&self, prompts: &[&[u32]], row_ids: &[u32]) -> Result<Vec<Vec<f32>>> {
         self.check_rows(row_ids)?;
         let hidden = self.last_hidden_shared_prefix(prompts)?;
-        Ok(self
-            .logits_for_rows(&hidden, row_ids)?
-            .to_dtype(DType::F32)?
-            .to_vec2()?)
+        profile::time("head rows + read back", &self.device, || -> Result<_> {
+            Ok(self
+                .logits_for_rows(&hidden, row_ids)?
+                .to_dtype(DType::F32)?
+                .to_vec2()?)
+        })
     }
 
     /// Greedy decoding: prefill `prompt`, then feed back the argmax one token at a time. Stops after

@@ -162,28 +162,37 @@ pub struct SequenceState {
 
 impl SequenceState {
     /// A fresh state (no tokens) for a model of this configuration; `dtype` is the activation dtype.
+    ///
+    /// Its DeltaNet layers share one set of zero tensors (state tensors are never written in place,
+    /// except pending rows a state has claimed, and these are claimed by nobody: see
+    /// [`crate::delta_rule::PendingRows::shared`]), so a fresh state is five allocations, not five a
+    /// layer; its clones share them too (`Qwen35Model::new_state` hands out clones of one).
     pub fn new(config: &Qwen35Config, dtype: DType, device: &Device) -> Result<Self> {
+        let zeros = if config.layer_kinds.contains(&LayerKind::DeltaNet) {
+            let mut rule = RuleState::zeros(
+                config.linear_value_heads,
+                config.linear_key_head_dim,
+                config.linear_value_head_dim,
+                dtype,
+                device,
+            )?;
+            rule.rows = crate::delta_rule::PendingRows::shared();
+            Some(DeltaNetState {
+                conv: Tensor::zeros((config.conv_kernel - 1, config.conv_dim()), dtype, device)?,
+                rule,
+            })
+        } else {
+            None
+        };
         let layers = config
             .layer_kinds
             .iter()
-            .map(|kind| -> Result<LayerState> {
-                Ok(match kind {
-                    LayerKind::DeltaNet => LayerState::DeltaNet(DeltaNetState {
-                        conv: Tensor::zeros(
-                            (config.conv_kernel - 1, config.conv_dim()),
-                            dtype,
-                            device,
-                        )?,
-                        rule: RuleState::zeros(
-                            config.linear_value_heads,
-                            config.linear_key_head_dim,
-                            config.linear_value_head_dim,
-                            dtype,
-                            device,
-                        )?,
-                    }),
-                    LayerKind::Attention => LayerState::Attention(KvCache::default()),
-                })
+            .map(|kind| match (kind, &zeros) {
+                (LayerKind::DeltaNet, Some(z)) => Ok(LayerState::DeltaNet(z.clone())),
+                (LayerKind::DeltaNet, None) => Err(crate::error::ModelError::InvalidInput(
+                    "a DeltaNet layer without its zero state".into(),
+                )),
+                (LayerKind::Attention, _) => Ok(LayerState::Attention(KvCache::default())),
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {

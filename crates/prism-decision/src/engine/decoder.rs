@@ -842,17 +842,27 @@ impl LetterModel for DecoderLetterModel {
     }
 
     fn letter_logits(&mut self, prompts: &[LetterPrompt]) -> Result<LetterLogits, ModelError> {
+        let tokenizing =
+            prism_model::profile::Section::start("render + tokenize", self.decoder.device())
+                .map_err(|e| ModelError::Backend(e.to_string()))?;
+        // Encoded in parallel, checked in order (the first bad prompt is the one reported).
+        let encoded: Vec<_> = {
+            use rayon::prelude::*;
+            let format = &self.format;
+            prompts
+                .par_iter()
+                .map(|p| prompt_tokens(format, p))
+                .collect()
+        };
         let mut token_prompts = Vec::with_capacity(prompts.len());
-        for (index, prompt) in prompts.iter().enumerate() {
+        for (index, (prompt, ids)) in prompts.iter().zip(encoded).enumerate() {
             let n_letters = prompt.option_ids.len();
             if n_letters == 0 || n_letters > 26 {
                 return Err(ModelError::Backend(format!(
                     "prompt {index} has {n_letters} options; the read-out takes 1 to 26"
                 )));
             }
-            let ids = self
-                .prompt_tokens(prompt)
-                .map_err(|e| ModelError::Backend(format!("prompt {index}: {e}")))?;
+            let ids = ids.map_err(|e| ModelError::Backend(format!("prompt {index}: {e}")))?;
             if ids.len() > self.max_prompt_tokens {
                 return Err(ModelError::PromptTooLong {
                     prompt: index,
@@ -862,6 +872,9 @@ impl LetterModel for DecoderLetterModel {
             }
             token_prompts.push(ids);
         }
+        tokenizing
+            .stop()
+            .map_err(|e| ModelError::Backend(e.to_string()))?;
         let refs: Vec<&[u32]> = token_prompts.iter().map(Vec::as_slice).collect();
         let rows = self
             .decoder
