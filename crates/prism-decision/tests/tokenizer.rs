@@ -10,9 +10,9 @@ use std::time::Instant;
 
 use common::{ids_of, read_json, tiny_added_tokens};
 use prism_decision::tokenizer::{
-    bytes_to_text, text_to_bytes, AddedTokenSpec, GgufVocabulary, PromptTokenizer, RankListProblem,
-    RankedVocabulary, TokenizerError, TokenizerJsonPipeline, TokenizerSource, WholePieceLookup,
-    QWEN35_SPLIT_REGEX,
+    bytes_to_text, split_points, text_to_bytes, AddedTokenSpec, GgufVocabulary, PromptTokenizer,
+    RankListProblem, RankedVocabulary, TokenizerError, TokenizerJsonPipeline, TokenizerSource,
+    WholePieceLookup, PIECEWISE_BYTES, QWEN35_SPLIT_REGEX,
 };
 use prism_gguf::{GgufFile, MetadataValue};
 use serde_json::Value;
@@ -1236,4 +1236,72 @@ fn no_text_has_fewer_tokens_than_the_length_bound() {
     let ranks = fixtures().join("qwen35-vocab/qwen3_6.tiktoken");
     let full = PromptTokenizer::from_tiktoken_file(&ranks, &full_added_tokens()).unwrap();
     assert_eq!(full.max_token_bytes(), 128);
+}
+
+/// A text longer than [`PIECEWISE_BYTES`] made of the random strings (special tokens whole and
+/// broken, combining marks, NFD sequences, whitespace runs, contractions) with letter-space-letter
+/// places between some of them, so that it is cut into pieces.
+fn long_mixed_text(seed: u64) -> String {
+    let mut text = String::new();
+    for (i, s) in random_strings(4000, seed).iter().enumerate() {
+        text.push_str(s);
+        if i % 7 == 0 {
+            text.push_str("x y");
+        }
+        if text.len() > 3 * PIECEWISE_BYTES {
+            break;
+        }
+    }
+    assert!(text.len() >= PIECEWISE_BYTES);
+    text
+}
+
+#[test]
+fn split_points_cut_between_a_letter_and_a_space_before_a_letter() {
+    let text = long_mixed_text(7);
+    let cuts = split_points(&text, 8);
+    assert!(cuts.len() >= 4, "{} cuts", cuts.len());
+    assert!(cuts.windows(2).all(|w| w[0] + 64 <= w[1]));
+    let b = text.as_bytes();
+    for &p in &cuts {
+        assert!(
+            b[p - 1].is_ascii_alphabetic() && b[p] == b' ' && b[p + 1].is_ascii_alphabetic(),
+            "cut at {p}: {:?}",
+            &text[p - 1..p + 2]
+        );
+    }
+    assert!(split_points("no place to cut here: 12 34", 4).is_empty());
+    assert!(split_points(&"a".repeat(10_000), 4).is_empty());
+}
+
+#[test]
+fn a_long_text_encoded_in_pieces_gets_the_ids_of_the_whole() {
+    let gguf_tok = PromptTokenizer::from_gguf(&tiny_gguf("tiny-Q8_0.gguf")).unwrap();
+    let tiktoken = PromptTokenizer::from_tiktoken_file(
+        &fixtures().join("qwen35-vocab/qwen3_6.tiktoken"),
+        &full_added_tokens(),
+    )
+    .unwrap();
+    for (name, tok) in [
+        ("tokenizer.json", tiny_json_tokenizer()),
+        ("GGUF vocabulary", gguf_tok),
+        ("tiktoken ranks", tiktoken),
+    ] {
+        let mut texts: Vec<String> = (0..3).map(long_mixed_text).collect();
+        // A prompt as the engine renders it, its evidence grown past the threshold.
+        let (prompt, _) = prompt_texts().remove(0);
+        texts.push(prompt.replace(
+            "Evidence:",
+            &"Evidence: the quick fox said it's done. ".repeat(300),
+        ));
+        for text in &texts {
+            assert!(!split_points(text, 8).is_empty(), "{name}: nothing to cut");
+            assert_eq!(
+                tok.encode(text).unwrap(),
+                tok.encode_in_one_piece(text).unwrap(),
+                "{name}: pieces differ from the whole ({} bytes)",
+                text.len()
+            );
+        }
+    }
 }

@@ -641,12 +641,19 @@ impl Engine {
             }
         };
         let prompts = task.next_prompts();
-        let tokens = encode_all(
-            &*self.encoder,
-            &task,
-            &prompts,
-            self.options.max_prompt_tokens,
-        )?;
+        // The prompts and the evidence probe are encoded on rayon's threads, each on its own.
+        let (tokens, probe) = rayon::join(
+            || {
+                encode_all(
+                    &*self.encoder,
+                    &task,
+                    &prompts,
+                    self.options.max_prompt_tokens,
+                )
+            },
+            || self.encoder.encode(&evidence_probe(task.evidence())),
+        );
+        let tokens = tokens?;
         let total: usize = tokens.iter().map(Vec::len).sum();
         if total > self.options.max_request_tokens {
             return Err(FieldError::unanswerable(
@@ -660,7 +667,11 @@ impl Engine {
             )
             .into());
         }
-        let key = evidence_key(&*self.encoder, &task, &tokens)?;
+        let key = if tokens.is_empty() {
+            Arc::from(Vec::new())
+        } else {
+            evidence_key(&probe.map_err(DecisionError::Model)?, &tokens)
+        };
         let (images, cache_key) = match decoded {
             None => (None, key.clone()),
             Some(decoded) => {
@@ -902,9 +913,13 @@ pub(crate) fn encode_all(
     prompts: &[LetterPrompt],
     limit: usize,
 ) -> Result<Vec<Vec<u32>>, DecisionError> {
+    use rayon::prelude::*;
+    // Encoded in parallel, checked in order (the first bad prompt is the one reported).
+    let encoded: Vec<Result<Vec<u32>, ModelError>> =
+        prompts.par_iter().map(|p| encoder.encode(p)).collect();
     let mut all = Vec::with_capacity(prompts.len());
-    for (index, prompt) in prompts.iter().enumerate() {
-        let ids = encoder.encode(prompt).map_err(|e| task.model_error(e))?;
+    for (index, ids) in encoded.into_iter().enumerate() {
+        let ids = ids.map_err(|e| task.model_error(e))?;
         if ids.len() > limit {
             return Err(task.model_error(ModelError::PromptTooLong {
                 prompt: index,
@@ -926,24 +941,17 @@ pub(crate) fn encode_all(
 /// evidence and a question nobody asks, so the branch point sits at the end of the evidence whatever
 /// the questions are (a later request with other questions about the same evidence finds the same key).
 /// Capped so every prompt keeps at least one token of its own.
-fn evidence_key(
-    encoder: &dyn PromptEncoder,
-    task: &DecisionTask,
-    tokens: &[Vec<u32>],
-) -> Result<Arc<[u32]>, DecisionError> {
+fn evidence_key(probe: &[u32], tokens: &[Vec<u32>]) -> Arc<[u32]> {
     let Some(first) = tokens.first() else {
-        return Ok(Arc::from(Vec::new()));
+        return Arc::from(Vec::new());
     };
-    let probe = encoder
-        .encode(&evidence_probe(task.evidence()))
-        .map_err(DecisionError::Model)?;
-    let mut common = first.iter().zip(&probe).take_while(|(a, b)| a == b).count();
+    let mut common = first.iter().zip(probe).take_while(|(a, b)| a == b).count();
     for t in &tokens[1..] {
         common = common.min(first.iter().zip(t).take_while(|(a, b)| a == b).count());
     }
     let shortest = tokens.iter().map(Vec::len).min().unwrap_or(0);
     let common = common.min(shortest.saturating_sub(1));
-    Ok(Arc::from(&first[..common]))
+    Arc::from(&first[..common])
 }
 
 /// The request's images against its tokens: the pad tokens must form, inside the evidence `key`, one

@@ -44,6 +44,33 @@ pub use ranked_bpe::{RankListProblem, RankedBpe, RankedVocabulary};
 /// `(?i:)`, llama.cpp's `qwen35` pre-type.
 pub const QWEN35_SPLIT_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// Texts of at least this many bytes are encoded in pieces ([`PromptTokenizer::encode`]).
+pub const PIECEWISE_BYTES: usize = 4 * 1024;
+
+/// The most pieces a text is cut into.
+const MAX_PIECES: usize = 8;
+
+/// Byte offsets, increasing, where `text` may be cut into about `parts` pieces of similar length: each
+/// between an ASCII letter and a space that an ASCII letter follows (the first such place at or after
+/// each even share, none within 64 bytes of the previous cut or of the end). Empty when there is no
+/// such place.
+pub fn split_points(text: &str, parts: usize) -> Vec<usize> {
+    let b = text.as_bytes();
+    let mut cuts: Vec<usize> = Vec::new();
+    for i in 1..parts.max(1) {
+        let target = b.len() * i / parts;
+        let from = target.max(cuts.last().map_or(1, |&c| c + 64));
+        let found = (from..b.len().saturating_sub(64)).find(|&p| {
+            b[p] == b' ' && b[p - 1].is_ascii_alphabetic() && b[p + 1].is_ascii_alphabetic()
+        });
+        match found {
+            Some(p) => cuts.push(p),
+            None => break,
+        }
+    }
+    cuts
+}
+
 /// `tokenizer_config.json`'s class name for which transformers applies the Qwen3.5 pipeline.
 pub const QWEN35_TOKENIZER_CLASS: &str = "Qwen3_5Tokenizer";
 
@@ -237,6 +264,10 @@ pub struct PromptTokenizer {
     eos_ids: Vec<u32>,
     source: TokenizerSource,
     whole_piece_lookup: WholePieceLookup,
+    /// Whether a long text may be encoded in pieces cut at [`split_points`] (the Qwen3.5 pipeline,
+    /// whose split regex never joins a letter, a space and a letter into one piece, and added tokens
+    /// that neither start nor end with an ASCII letter nor hold a space): see [`Self::encode`].
+    piecewise: bool,
 }
 
 impl std::fmt::Debug for PromptTokenizer {
@@ -474,7 +505,7 @@ impl PromptTokenizer {
             }
         }
         let backend = Backend::Merges(Box::new(tokenizer));
-        let out = Self::finish(
+        let mut out = Self::finish(
             backend,
             TokenizerSource::TokenizerJson {
                 path: path.to_path_buf(),
@@ -482,6 +513,9 @@ impl PromptTokenizer {
             },
             whole_piece_lookup,
         );
+        if pipeline == TokenizerJsonPipeline::Qwen35 {
+            out.allow_piecewise();
+        }
         for token in &expected.added_tokens {
             out.check_id(&token.content, token.id)?;
         }
@@ -517,6 +551,7 @@ impl PromptTokenizer {
             TokenizerSource::GgufVocabulary,
             WholePieceLookup::Off,
         );
+        out.allow_piecewise();
         for (id, content, _) in &parts.added {
             out.check_id(content, *id)?;
         }
@@ -587,11 +622,12 @@ impl PromptTokenizer {
             .map(|t| added_token(&t.content, t.special))
             .collect();
         tokenizer.add_tokens(&tokens);
-        let out = Self::finish(
+        let mut out = Self::finish(
             Backend::Ranked(Box::new(tokenizer)),
             TokenizerSource::TiktokenRanks { path },
             WholePieceLookup::On,
         );
+        out.allow_piecewise();
         for t in added {
             out.check_id(&t.content, t.id)?;
         }
@@ -609,6 +645,7 @@ impl PromptTokenizer {
             eos_ids: Vec::new(),
             source,
             whole_piece_lookup,
+            piecewise: false,
         };
         out.special = SpecialTokenIds::look_up(|t| out.token_to_id(t));
         // <|im_end|> ends a chat turn and <|endoftext|> a document: generation stops on both
@@ -633,9 +670,55 @@ impl PromptTokenizer {
         Ok(())
     }
 
+    /// Allows [`Self::encode`] to cut a long text into pieces when the pipeline is Qwen3.5's and no
+    /// added token could meet a cut (see the field `piecewise`).
+    fn allow_piecewise(&mut self) {
+        let added = match &self.backend {
+            Backend::Merges(t) => t.get_added_tokens_decoder(),
+            Backend::Ranked(t) => t.get_added_tokens_decoder(),
+        };
+        self.piecewise = added.values().all(|token| {
+            let c = token.content.as_bytes();
+            !c.contains(&b' ')
+                && !c.first().is_some_and(u8::is_ascii_alphabetic)
+                && !c.last().is_some_and(u8::is_ascii_alphabetic)
+        });
+    }
+
     /// Text → ids. Special and added tokens written in the text (`<|im_start|>`, `<think>`) become
     /// their single ids; no BOS/EOS is added.
+    ///
+    /// A text of at least [`PIECEWISE_BYTES`] is encoded in pieces on several threads, cut where an
+    /// ASCII letter, a space and an ASCII letter meet (between the letter and the space): the
+    /// Qwen3.5 split regex ends a piece there in any context (no alternative matches a letter and a
+    /// following space, and the next match starts at the space whatever precedes it), NFC composes
+    /// nothing across two starters, and the added tokens allowed here cannot meet such a cut, so the
+    /// ids are those of the whole text (tested against whole-text encoding).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        if self.piecewise && text.len() >= PIECEWISE_BYTES {
+            let threads = std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+                .min(MAX_PIECES);
+            let cuts = split_points(text, threads);
+            if !cuts.is_empty() {
+                use rayon::prelude::*;
+                let mut bounds = Vec::with_capacity(cuts.len() + 2);
+                bounds.push(0);
+                bounds.extend_from_slice(&cuts);
+                bounds.push(text.len());
+                let pieces: Vec<Vec<u32>> = bounds
+                    .par_windows(2)
+                    .map(|w| self.encode_in_one_piece(&text[w[0]..w[1]]))
+                    .collect::<Result<_, _>>()?;
+                return Ok(pieces.concat());
+            }
+        }
+        self.encode_in_one_piece(text)
+    }
+
+    /// [`Self::encode`] of the whole text at once, however long (what its pieces must add up to).
+    pub fn encode_in_one_piece(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         let encoding = match &self.backend {
             Backend::Merges(t) => t.encode_fast(text, false),
             Backend::Ranked(t) => t.encode_fast(text, false),
