@@ -728,11 +728,37 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
     let model_name = crate::LetterModel::model_name(&model).to_string();
     // The same requests through the engine the server runs (its step loop, one request at a time, the
     // prefix cache off so every run computes its evidence): what the engine adds to the decision path.
-    let (engine_runs, engine_profiles) = if args.engine {
+    let (engine_runs, engine_profiles, followup) = if args.engine {
         engine_timings(model, &loaded.config, &scenarios, args, precision, progress)?
     } else {
         drop(model);
-        (Vec::new(), serde_json::Map::new())
+        (Vec::new(), serde_json::Map::new(), None)
+    };
+    // The follow-up's answers against the one-question request's computed whole: the same bits.
+    let followup = match followup {
+        Some((timings, profile)) => {
+            let short = scenarios
+                .iter()
+                .zip(&timed)
+                .find(|(s, _)| s.name == "short")
+                .map(|(_, t)| t.answers_sha256.clone());
+            if short.as_ref() != Some(&timings.answers_sha256) {
+                bail!(
+                    "the prefix-cache follow-up answered {:?}, the one-question request computed whole {short:?}",
+                    timings.answers_sha256
+                );
+            }
+            Some(json!({
+                "what": "the short request after the shared one (its evidence from the prefix cache), through the engine",
+                "runs_ms": timings.runs.iter().map(|&s| ms(s)).collect::<Vec<_>>(),
+                "median_ms": ms(timings.median()),
+                "p95_ms": ms(timings.p95()),
+                "answers_sha256": timings.answers_sha256,
+                "answers_same_every_run": !timings.answers_differ,
+                "profile": profile,
+            }))
+        }
+        None => None,
     };
     // Memory before the floor measurements, whose buffers would otherwise be the peak.
     let memory_after = process_memory();
@@ -792,6 +818,7 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
     let report = json!({
         "profile": profiles,
         "engine_profile": engine_profiles,
+        "followup": followup,
         "model": model_name,
         "gguf": gguf_path.display().to_string(),
         "device": args.device,
@@ -824,6 +851,14 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
     Ok(report)
 }
 
+/// The engine's timings of each scenario, their profiles, and the prefix-cache follow-up's timings
+/// and profile ([`followup_timings`]).
+type EngineTimings = (
+    Vec<Timings>,
+    serde_json::Map<String, Value>,
+    Option<(Timings, Option<Value>)>,
+);
+
 /// Each scenario's request through an [`crate::Engine`] on `model` (prefix cache off, one request
 /// at a time), `args.warmup` + `args.runs` times; the timings of the timed runs and the answers' digest.
 fn engine_timings(
@@ -833,8 +868,9 @@ fn engine_timings(
     args: &BenchOptions,
     precision: Precision,
     progress: &mut dyn FnMut(String),
-) -> Result<(Vec<Timings>, serde_json::Map<String, Value>)> {
-    let (engine, worker) = bench_engine(model, config.clone(), 64)?;
+) -> Result<EngineTimings> {
+    let followup_model = model.share();
+    let (engine, worker) = bench_engine(model, config.clone(), 64, false)?;
     let mut all = Vec::new();
     for scenario in scenarios {
         let mut timings = Timings::default();
@@ -879,7 +915,79 @@ fn engine_timings(
     }
     drop(engine);
     worker.join();
-    Ok((all, profiles))
+    let followup = followup_timings(followup_model, config, scenarios, args, precision, progress)?;
+    Ok((all, profiles, followup))
+}
+
+/// A prefix-cache follow-up through an engine with its prefix cache on: the three-question request
+/// once (its evidence cached), then the one-question request on the same evidence, `args.warmup` +
+/// `args.runs` times, each computing only its question's tail. Its answers must have the bits of the
+/// one-question request computed whole (the `short` scenario's, checked by the caller), and every run
+/// must have hit the cache. With a profile, one more run profiled.
+fn followup_timings(
+    model: DecoderLetterModel,
+    config: &crate::DecisionConfig,
+    scenarios: &[Scenario],
+    args: &BenchOptions,
+    precision: Precision,
+    progress: &mut dyn FnMut(String),
+) -> Result<Option<(Timings, Option<Value>)>> {
+    let by_name = |name: &str| scenarios.iter().find(|s| s.name == name);
+    let (Some(short), Some(shared)) = (by_name("short"), by_name("shared")) else {
+        return Ok(None);
+    };
+    let (engine, worker) = bench_engine(model, config.clone(), 64, true)?;
+    engine
+        .decide(shared.request.clone(), None)
+        .map_err(|e| anyhow::anyhow!("the follow-up's first request: {e}"))?;
+    let hits_before = engine.stats().prefix_cache.hits;
+    let mut timings = Timings::default();
+    for run in 0..args.warmup + args.runs {
+        let start = Instant::now();
+        let output = engine
+            .decide(short.request.clone(), None)
+            .map_err(|e| anyhow::anyhow!("the follow-up: {e}"))?;
+        let secs = start.elapsed().as_secs_f64();
+        if run >= args.warmup {
+            timings.runs.push(secs);
+        }
+        timings.record_answers(&output.response.answers)?;
+    }
+    timings.check_same("followup", precision)?;
+    let hits = engine.stats().prefix_cache.hits - hits_before;
+    if hits < (args.warmup + args.runs) as u64 {
+        bail!(
+            "the follow-up hit the prefix cache {hits} times in {} runs",
+            args.warmup + args.runs
+        );
+    }
+    let profile = if args.profile != prism_model::profile::Mode::Off {
+        prism_model::profile::set_mode(args.profile);
+        prism_model::profile::take()?;
+        let start = Instant::now();
+        engine
+            .decide(short.request.clone(), None)
+            .map_err(|e| anyhow::anyhow!("profiling the follow-up: {e}"))?;
+        let total = start.elapsed().as_secs_f64();
+        let report = profile_report(
+            args.profile,
+            "followup",
+            " through the engine",
+            total,
+            progress,
+        )?;
+        prism_model::profile::set_mode(prism_model::profile::Mode::Off);
+        Some(report)
+    } else {
+        None
+    };
+    drop(engine);
+    worker.join();
+    progress(format!(
+        "followup (short after shared, prefix cache on): median {:.2} ms",
+        ms(timings.median())
+    ));
+    Ok(Some((timings, profile)))
 }
 
 /// The profile sections recorded since the last [`prism_model::profile::take`], printed (one run of
@@ -914,15 +1022,25 @@ fn profile_report(
     Ok(json!({"mode": mode.as_str(), "total_ms": ms(total), "sections": rows}))
 }
 
-/// An engine for the benchmarks on `model`: the prefix cache off (every run computes its evidence),
-/// no prompt-length limits, `seats` thoughts decoded at once and a queue that holds them.
+/// An engine for the benchmarks on `model`: the prefix cache off (every run computes its evidence)
+/// unless `cache` (then the server's default budgets), no prompt-length limits, `seats` thoughts
+/// decoded at once and a queue that holds them.
 fn bench_engine(
     model: DecoderLetterModel,
     config: crate::DecisionConfig,
     seats: usize,
+    cache: bool,
 ) -> Result<(crate::Engine, crate::EngineWorker)> {
     use crate::{Engine, EngineOptions, PrefixCacheLimits};
     let encoder = model.encoder();
+    let prefix_cache = if cache {
+        EngineOptions::default().prefix_cache
+    } else {
+        PrefixCacheLimits {
+            max_tokens: 0,
+            max_bytes: 0,
+        }
+    };
     Ok(Engine::start(
         model,
         encoder,
@@ -932,10 +1050,7 @@ fn bench_engine(
             queue_size: seats.max(64),
             max_prompt_tokens: usize::MAX / 2,
             max_request_tokens: usize::MAX / 2,
-            prefix_cache: PrefixCacheLimits {
-                max_tokens: 0,
-                max_bytes: 0,
-            },
+            prefix_cache,
             ..EngineOptions::default()
         },
         None,

@@ -56,7 +56,7 @@ pub(super) fn thought_rows(
         },
         ..config.clone()
     };
-    let (engine, worker) = super::bench_engine(model, config, most)?;
+    let (engine, worker) = super::bench_engine(model, config, most, false)?;
     let request = |i: usize, run: usize| -> Result<DecisionRequest> {
         let body = json!({
             "state": format!("Ticket {i} (run {run}): the customer was charged twice for the March invoice and the card was declined afterwards."),

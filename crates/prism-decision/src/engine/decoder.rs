@@ -132,6 +132,20 @@ pub struct DecoderLetterModel {
 }
 
 impl DecoderLetterModel {
+    /// Another handle on the same model (weights, tower and prompt format shared, nothing copied; its
+    /// own vision counters): e.g. for a second engine over one loaded model.
+    pub fn share(&self) -> Self {
+        Self {
+            name: self.name.clone(),
+            decoder: self.decoder.clone(),
+            vision: self.vision.clone(),
+            vision_images: AtomicU64::new(0),
+            vision_nanos: AtomicU64::new(0),
+            format: self.format.clone(),
+            max_prompt_tokens: self.max_prompt_tokens,
+        }
+    }
+
     /// Loads the GGUF, the prompt format (tokenizer, chat template, the spec's load-time checks) and the
     /// decision config, and checks them against each other. `max_prompt_tokens` is the longest prompt
     /// accepted; longer ones are refused as [`ModelError::PromptTooLong`] (HTTP 422).
