@@ -349,26 +349,26 @@ fn bench_runs_the_three_scenarios_on_the_tiny_model() {
 fn bench_through_the_engine_times_a_prefix_cache_follow_up_with_the_whole_requests_bits() {
     let dir = repo("tests/fixtures/qwen35-tiny");
     let gguf = dir.join("tiny-Q8_0.gguf");
-    let output = prism(&[
-        "bench",
-        "--model-dir",
-        dir.to_str().unwrap(),
-        "--gguf",
-        gguf.to_str().unwrap(),
-        "--runs",
-        "2",
-        "--warmup",
-        "0",
-        "--long-tokens",
-        "300",
-        "--engine",
-        "--json",
-    ]);
-    let report: Value = serde_json::from_slice(&ok(&output).stdout).expect("bench JSON");
+    let (dir, gguf) = (dir.to_str().unwrap(), gguf.to_str().unwrap());
+    let mut args = vec!["bench", "--engine", "--json"];
+    for pair in [
+        ["--model-dir", dir],
+        ["--gguf", gguf],
+        ["--runs", "2"],
+        ["--warmup", "0"],
+        ["--long-tokens", "300"],
+    ] {
+        args.extend(pair);
+    }
+    let report: Value = serde_json::from_slice(&ok(&prism(&args)).stdout).expect("bench JSON");
     let short = &report["scenarios"][0];
     assert_eq!(short["scenario"], "short");
     let followup = &report["followup"];
-    assert_eq!(followup["runs_ms"].as_array().map(Vec::len), Some(2), "{followup}");
+    assert_eq!(
+        followup["runs_ms"].as_array().map(Vec::len),
+        Some(2),
+        "{followup}"
+    );
     assert!(followup["median_ms"].as_f64().unwrap() > 0.0);
     // From the cache or computed whole, through the engine or not: one set of bits.
     assert_eq!(followup["answers_sha256"], short["answers_sha256"]);

@@ -411,6 +411,17 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
         u32::try_from(units.div_ceil(THREADS as usize))
             .map_err(|_| candle_core::Error::Msg(format!("{what}: too many for one launch")))
     };
+    // The activation quantizer: one warp a (row, run); a gated norm's runs are its heads.
+    let cfg = LaunchConfig {
+        grid_dim: (grid(32 * m * runs, "activation runs")?, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let want = i32::from(want_sums);
+    let (rs, cs) = (
+        i32_arg(sa_row_stride, "scale row stride")?,
+        i32_arg(sa_run_stride, "scale run stride")?,
+    );
     if let Rows::GatedNorm {
         gate,
         weight,
@@ -432,16 +443,6 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
         let wi = Input::new(weight, DType::F32, "gated norm weight")?;
         let wv = wi.view::<f32>()?;
         let func = load_kernel(&dev, MODULE, IMAGE, "quantize_act_gated_norm_run128")?;
-        let cfg = LaunchConfig {
-            grid_dim: (grid(32 * m * heads, "activation runs")?, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let want = i32::from(want_sums);
-        let (rs, cs) = (
-            i32_arg(sa_row_stride, "scale row stride")?,
-            i32_arg(sa_run_stride, "scale run stride")?,
-        );
         let (g_stride_i, heads_i) = (g_stride as i64, i32_arg(heads, "heads")?);
         let mut b = func.builder();
         b.arg(&xv).arg(&gv).arg(&g_stride_i).arg(&wv).arg(&eps);
@@ -464,16 +465,6 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
             _ => "quantize_act_run128",
         };
         let func = load_kernel(&dev, MODULE, IMAGE, name)?;
-        let cfg = LaunchConfig {
-            grid_dim: (grid(32 * m * runs, "activation runs")?, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let want = i32::from(want_sums);
-        let (rs, cs) = (
-            i32_arg(sa_row_stride, "scale row stride")?,
-            i32_arg(sa_run_stride, "scale run stride")?,
-        );
         let gu_stride = (2 * k) as i64;
         let mut b = func.builder();
         b.arg(&xv);
