@@ -174,6 +174,17 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
     gated_norm_checks(r, gpu, dev, &mut rng)
 }
 
+/// The kernels a fused quantizer's product is checked on: every one that runs `ty`.
+fn fused_kernels(ty: GgmlType) -> Vec<(&'static str, Kernel)> {
+    let mut kernels = vec![("default", Kernel::Auto), ("simple kernel", Kernel::Simple)];
+    if ty == GgmlType::Q8_0 {
+        kernels.push(("skinny kernel", Kernel::Skinny));
+        kernels.push(("128-row tile", Kernel::Tile(TileShape::M128)));
+        kernels.push(("64-row tile", Kernel::Tile(TileShape::M64)));
+    }
+    kernels
+}
+
 /// The DeltaNet output norm fused into the activation quantizer (`matmul_gated_norm`, what the output
 /// projection runs) against prism-model's gated norm kernel followed by the product: the same bits, for
 /// every kernel, the gate a strided column range, with K-quant sums and a row holding a NaN.
@@ -205,12 +216,7 @@ fn gated_norm_checks(
             let gate = wide.narrow(1, k, k)?;
             let y = prism_model::ops::gated_rms_norm_rows(&x, &gate, &norm_w, 1e-6, DType::F32)?;
             let want = matmul(&y, &dw)?;
-            let mut kernels = vec![("default", Kernel::Auto), ("simple kernel", Kernel::Simple)];
-            if ty == GgmlType::Q8_0 {
-                kernels.push(("skinny kernel", Kernel::Skinny));
-                kernels.push(("128-row tile", Kernel::Tile(TileShape::M128)));
-                kernels.push(("64-row tile", Kernel::Tile(TileShape::M64)));
-            }
+            let kernels = fused_kernels(ty);
             for (label, kernel) in kernels {
                 r.identical(
                     &format!(
@@ -252,12 +258,7 @@ fn swiglu_checks(
             let gu = Tensor::from_vec(gu, (m, 2 * f), gpu)?;
             let h = prism_model::ops::swiglu_as(&gu, f, DType::F32)?;
             let want = matmul(&h, &dw)?;
-            let mut kernels = vec![("default", Kernel::Auto), ("simple kernel", Kernel::Simple)];
-            if ty == GgmlType::Q8_0 {
-                kernels.push(("skinny kernel", Kernel::Skinny));
-                kernels.push(("128-row tile", Kernel::Tile(TileShape::M128)));
-                kernels.push(("64-row tile", Kernel::Tile(TileShape::M64)));
-            }
+            let kernels = fused_kernels(ty);
             for (label, kernel) in kernels {
                 r.identical(
                     &format!(
