@@ -21,7 +21,8 @@
 #   bench27     27B bf16 bench (5 runs after 1 warm-up): bench-27b-bf16.json (prism bench --json), log
 #   bench27-int8  27B int8 bench of /tmp/s27 (5 runs after 1 warm-up): bench-27b-int8.json, log; with
 #               $PROFILE (sync or events) set, each scenario also profiled; with ENGINE=1 also through the
-#               engine the server runs (its median next to the direct path's)
+#               engine the server runs (its median next to the direct path's) and a prefix-cache follow-up
+#               (the short request after the three-question one, cache on: the report's "followup")
 #   bench9 / bench4   9B / 4B bf16 benches (10 runs after 2 warm-ups)
 #   loads9      9B bf16 loads from 1, 4, 8 and 16 loader threads (--load-threads), one bench run each
 #               after no warm-up (answer digests comparable across them); each killed after 120 s
