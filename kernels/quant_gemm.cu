@@ -548,47 +548,68 @@ __device__ __forceinline__ void named_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
-// Split over K (gridDim.z = splits: 1, 2 or 4): CTA z takes parts 4z/splits .. 4(z+1)/splits of the
-// contract's four (their runs in order, each part from +0) and writes, instead of y, its share of the
-// part tree to ws[z] ([splits, M, N]): with 4 splits its part, with 2 (p0 + p1) or (p2 + p3); the last
-// of a tile's CTAs to finish (a counter a tile in tile_counters, zero before the launch and left zero)
-// then forms (p0 + p1) + (p2 + p3) and the non-finite rows into y. With 1 split the CTA does all four
-// and writes y itself.
+// The grid is persistent: CTA b takes jobs b, b + gridDim.x, b + 2·gridDim.x, … of `jobs`, a job being
+// one output tile's share of the contract's four parts over K (crates/prism-quant/src/cuda.rs
+// `TileSchedule::job` is the same mapping, and its tests):
+// - jobs 0 .. full − 1: tile j whole (all four parts; the CTA writes y itself);
+// - the rest: the tiles from `full` on, each split over K into `splits` (1, 2 or 4) jobs, job z taking
+//   parts 4z/splits .. 4(z+1)/splits (their runs in order, each part from +0) and writing, instead of y,
+//   its share of the part tree to ws[z] ([splits, M, N]): with 4 splits its part, with 2 (p0 + p1) or
+//   (p2 + p3); the last of a tile's jobs to finish (a counter a tile in tile_counters, zero before the
+//   launch and left zero) then forms (p0 + p1) + (p2 + p3) and the non-finite rows into y.
+// Tile t is activation tile mt and weight tile nt of the gx × gy tiles in the order of `group` (1:
+// consecutive tiles share a weight tile; g > 1: g weight tiles for each activation tile, the activation
+// tiles of a group in order, so a round of CTAs reuses both operands from L2).
+// The stages' barriers run on across a CTA's jobs, so the producer loads the next job's first runs
+// while the consumers finish the last one's.
 //
 // A consumer warpgroup, per run: its four wgmma, a wait for them, the promotion. p0 and p2 wait in
 // registers (hold), p0 + p1 in the shared-memory slot; y = slot + (p2 + p3).
+struct QwJob {
+    int tile, mt, nt, z, splits;
+};
+__device__ __forceinline__ QwJob qw_job(int j, int full, int splits, int gx, int gy, int group) {
+    QwJob job;
+    if (j < full) {
+        job.tile = j;
+        job.z = 0;
+        job.splits = 1;
+    } else {
+        job.tile = full + (j - full) / splits;
+        job.z = (j - full) % splits;
+        job.splits = splits;
+    }
+    job.mt = job.tile % gx;
+    job.nt = job.tile / gx;
+    if (group > 1) {
+        const int per = gx * group, g = job.tile / per, within = job.tile % per;
+        const int gsize = min(group, gy - g * group);
+        job.nt = g * group + within % gsize;
+        job.mt = within / gsize;
+    }
+    return job;
+}
+
 template <int BM>
 __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const TmaDesc* tmap_b,
                                                    const float* __restrict__ sa_t, int ldsa,
                                                    const float* __restrict__ sw_t, int ldsw,
                                                    const unsigned int* __restrict__ bad_rows, int M, int N,
                                                    int K, float* __restrict__ y, float* __restrict__ ws,
-                                                   int group, unsigned int* __restrict__ tile_counters) {
+                                                   int group, unsigned int* __restrict__ tile_counters,
+                                                   int gx, int gy, int full, int splits_left, int jobs) {
 #ifdef HAVE_WGMMA
     extern __shared__ unsigned char smem_raw[];
     using T = QwTile<BM>;
     constexpr int STAGES = T::STAGES;
     unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
-    unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + T::BARS);
-    unsigned long long* empty = full + STAGES;
+    unsigned long long* full_bar = reinterpret_cast<unsigned long long*>(smem + T::BARS);
+    unsigned long long* empty = full_bar + STAGES;
     const int R = (K + 127) / 128;
-    // The CTA's tile: with group > 1, the launch order walks `group` weight tiles for each activation
-    // tile (the activation tiles of a group in order), so a wave reuses both operands from L2.
-    int mt = blockIdx.x, nt = blockIdx.y;
-    if (group > 1) {
-        const int id = blockIdx.y * gridDim.x + blockIdx.x, per = gridDim.x * group;
-        const int g = id / per, within = id % per, gsize = min(group, (int)gridDim.y - g * group);
-        nt = g * group + within % gsize;
-        mt = within / gsize;
-    }
-    const int m0 = mt * BM, n0 = nt * T::BN;
-    const int splits = gridDim.z;
-    const int part_lo = blockIdx.z * 4 / splits, part_hi = (blockIdx.z + 1) * 4 / splits;
-    const int r_lo = part_lo * R / 4, r_hi = part_hi * R / 4;
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full + s, 1);
+            mbar_init(full_bar + s, 1);
             mbar_init(empty + s, 8);  // the 8 consumer warps
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -599,15 +620,22 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
         if (threadIdx.x == 0) {
             tma_prefetch_desc(tmap_a);
             tma_prefetch_desc(tmap_b);
-            for (int r = r_lo; r < r_hi; ++r) {
-                const int s = (r - r_lo) % STAGES;
-                mbar_wait(empty + s, (((r - r_lo) / STAGES) & 1) ^ 1);
-                unsigned char* st = smem + s * T::STAGE;
-                mbar_arrive_expect_tx(full + s, T::BYTES);
-                tma_load_2d(st + T::A, tmap_a, r * 128, m0, full + s);
-                tma_load_2d(st + T::B, tmap_b, r * 128, n0, full + s);
-                bulk_load(st + T::SA, sa_t + (size_t)r * ldsa + m0, BM * 4, full + s);
-                bulk_load(st + T::SW, sw_t + (size_t)r * ldsw + n0, T::BN * 4, full + s);
+            unsigned it = 0;  // stages used so far, over all of this CTA's jobs
+            for (int j = blockIdx.x; j < jobs; j += gridDim.x) {
+                const QwJob job = qw_job(j, full, splits_left, gx, gy, group);
+                const int m0 = job.mt * BM, n0 = job.nt * T::BN;
+                const int r_lo = (job.z * 4 / job.splits) * R / 4;
+                const int r_hi = ((job.z + 1) * 4 / job.splits) * R / 4;
+                for (int r = r_lo; r < r_hi; ++r, ++it) {
+                    const int s = it % STAGES;
+                    mbar_wait(empty + s, ((it / STAGES) & 1) ^ 1);
+                    unsigned char* st = smem + s * T::STAGE;
+                    mbar_arrive_expect_tx(full_bar + s, T::BYTES);
+                    tma_load_2d(st + T::A, tmap_a, r * 128, m0, full_bar + s);
+                    tma_load_2d(st + T::B, tmap_b, r * 128, n0, full_bar + s);
+                    bulk_load(st + T::SA, sa_t + (size_t)r * ldsa + m0, BM * 4, full_bar + s);
+                    bulk_load(st + T::SW, sw_t + (size_t)r * ldsw + n0, T::BN * 4, full_bar + s);
+                }
             }
         }
     } else {
@@ -621,15 +649,12 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
         float* slot = reinterpret_cast<float*>(smem + T::SLOT) + c * 128 + t;  // element i at slot[256·i]
         const int row_in = c_rows + 16 * warp + lane / 4;  // the thread's rows: row_in, row_in + 8
         const int col_in = c_cols + 2 * (lane % 4);        // its columns: col_in + 8·j (+1)
-        const int r0 = m0 + row_in, col0 = n0 + col_in;
-        float* wz = ws + (size_t)blockIdx.z * M * N;
-        float facc[64];
-#pragma unroll
-        for (int i = 0; i < 64; ++i) facc[i] = 0.f;
-        // Waits for run r's stage and issues its four wgmma into acc.
-        auto issue = [&](int (&acc)[64], int r) {
-            const int s = (r - r_lo) % STAGES;
-            mbar_wait(full + s, ((r - r_lo) / STAGES) & 1);
+        __shared__ int last_of_tile;
+        unsigned it = 0;  // as the producer's
+        // Waits for the next stage (run r's) and issues its four wgmma into acc.
+        auto issue = [&](int (&acc)[64]) {
+            const int s = it % STAGES;
+            mbar_wait(full_bar + s, (it / STAGES) & 1);
             const unsigned char* st = smem + s * T::STAGE;
             const unsigned long long da = wgmma_desc(smem_addr(st + T::A + a_off));
             const unsigned long long db = wgmma_desc(smem_addr(st + T::B + b_off));
@@ -643,10 +668,10 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
             wgmma_commit();
             fence_acc(acc);
         };
-        // Adds run r's sums (acc, complete) to facc with the stage's scales, then frees the stage.
-        auto promote = [&](int (&acc)[64], int r) {
+        // Adds the stage's sums (acc, complete) to facc with its scales, then frees the stage.
+        auto promote = [&](int (&acc)[64], float (&facc)[64]) {
             fence_acc(acc);
-            const int s = (r - r_lo) % STAGES;
+            const int s = it % STAGES;
             const unsigned char* st = smem + s * T::STAGE;
             const float* ssa = reinterpret_cast<const float*>(st + T::SA);
             const float* ssw = reinterpret_cast<const float*>(st + T::SW);
@@ -662,78 +687,85 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
                 }
             }
             mbar_arrive_warp(empty + s);
+            ++it;
         };
-        int acc[64];
-        float hold[64];
 #pragma unroll 1
-        for (int part = part_lo; part < part_hi; ++part) {
-#pragma unroll 1
-            for (int r = part * R / 4; r < (part + 1) * R / 4; ++r) {
-                issue(acc, r);
-                wgmma_wait0();
-                promote(acc, r);
-            }
-            // The end of part `part`, facc its sum.
-            if (splits == 4) {
-                qw_store<false>(wz, facc, bad_rows, r0, col0, M, N);
-            } else if ((part & 1) == 0) {
-#pragma unroll
-                for (int i = 0; i < 64; ++i) hold[i] = facc[i];
-            } else {
-#pragma unroll
-                for (int i = 0; i < 64; ++i) facc[i] = __fadd_rn(hold[i], facc[i]);
-                if (splits == 2) {
-                    qw_store<false>(wz, facc, bad_rows, r0, col0, M, N);
-                } else if (part == 1) {
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) slot[256 * i] = facc[i];
-                } else {
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) facc[i] = __fadd_rn(slot[256 * i], facc[i]);
-                    qw_store<true>(y, facc, bad_rows, r0, col0, M, N);
-                }
-            }
+        for (int j = blockIdx.x; j < jobs; j += gridDim.x) {
+            const QwJob job = qw_job(j, full, splits_left, gx, gy, group);
+            const int splits = job.splits;
+            const int part_lo = job.z * 4 / splits, part_hi = (job.z + 1) * 4 / splits;
+            const int r0 = job.mt * BM + row_in, col0 = job.nt * T::BN + col_in;
+            float* wz = ws + (size_t)job.z * M * N;
+            float facc[64];
+            int acc[64];
+            float hold[64];
 #pragma unroll
             for (int i = 0; i < 64; ++i) facc[i] = 0.f;
-        }
-        // Split over K: the last of the tile's CTAs to finish adds the shares in the contract's tree
-        // (4 splits: (p0 + p1) + (p2 + p3); 2: the two sums), whoever it is, and resets the tile's
-        // counter for the next launch.
-        if (splits > 1) {
-            __shared__ int last_of_tile;
-            __threadfence();
-            named_sync(1, 256);
-            if (threadIdx.x == 128) {
-                unsigned int* counter = tile_counters + (size_t)blockIdx.y * gridDim.x + blockIdx.x;
-                const bool last = atomicAdd(counter, 1u) == (unsigned)splits - 1;
-                if (last) *counter = 0u;
-                last_of_tile = last;
+#pragma unroll 1
+            for (int part = part_lo; part < part_hi; ++part) {
+#pragma unroll 1
+                for (int r = part * R / 4; r < (part + 1) * R / 4; ++r) {
+                    issue(acc);
+                    wgmma_wait0();
+                    promote(acc, facc);
+                }
+                // The end of part `part`, facc its sum.
+                if (splits == 4) {
+                    qw_store<false>(wz, facc, bad_rows, r0, col0, M, N);
+                } else if ((part & 1) == 0) {
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) hold[i] = facc[i];
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) facc[i] = __fadd_rn(hold[i], facc[i]);
+                    if (splits == 2) {
+                        qw_store<false>(wz, facc, bad_rows, r0, col0, M, N);
+                    } else if (part == 1) {
+#pragma unroll
+                        for (int i = 0; i < 64; ++i) slot[256 * i] = facc[i];
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < 64; ++i) facc[i] = __fadd_rn(slot[256 * i], facc[i]);
+                        qw_store<true>(y, facc, bad_rows, r0, col0, M, N);
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < 64; ++i) facc[i] = 0.f;
             }
-            named_sync(1, 256);
-            if (last_of_tile) {
+            // A split tile: the last of its jobs to finish adds the shares in the contract's tree (4
+            // splits: (p0 + p1) + (p2 + p3); 2: the two sums), whoever it is, and resets the tile's
+            // counter for the next launch.
+            if (splits > 1) {
                 __threadfence();
-                qw_combine_cg(ws, splits, facc, r0, col0, M, N);
-                qw_store<true>(y, facc, bad_rows, r0, col0, M, N);
+                named_sync(1, 256);
+                if (threadIdx.x == 128) {
+                    unsigned int* counter = tile_counters + job.tile;
+                    const bool last = atomicAdd(counter, 1u) == (unsigned)splits - 1;
+                    if (last) *counter = 0u;
+                    last_of_tile = last;
+                }
+                named_sync(1, 256);
+                const bool last = last_of_tile;
+                if (last) {
+                    __threadfence();
+                    qw_combine_cg(ws, splits, facc, r0, col0, M, N);
+                    qw_store<true>(y, facc, bad_rows, r0, col0, M, N);
+                }
             }
         }
     }
 #endif
 }
 
-// Grid: x over activation-row tiles, y over weight-row tiles, launched in the order `group` says (1:
-// consecutive CTAs share a weight tile).
-extern "C" __global__ void __launch_bounds__(384, 1)
-    qgemm_wg_q8_0(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
-                  const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
-                  int M, int N, int K, float* y, float* ws, int group, unsigned int* tile_counters) {
-    qgemm_wg_q8_0_body<128>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws, group,
-                            tile_counters);
-}
-extern "C" __global__ void __launch_bounds__(384, 1)
-    qgemm_wg_q8_0_m64(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
-                      const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows,
-                      int M, int N, int K, float* y, float* ws, int group, unsigned int* tile_counters) {
-    qgemm_wg_q8_0_body<64>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws, group,
-                           tile_counters);
-}
-
+// A persistent grid of CTAs over the jobs described above qgemm_wg_q8_0_body.
+#define QGEMM_WG(NAME, BM)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                    \
+        NAME(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,                \
+             const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows, int M, \
+             int N, int K, float* y, float* ws, int group, unsigned int* tile_counters, int gx, int gy,     \
+             int full, int splits, int jobs) {                                                              \
+        qgemm_wg_q8_0_body<BM>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws, group,  \
+                               tile_counters, gx, gy, full, splits, jobs);                                 \
+    }
+QGEMM_WG(qgemm_wg_q8_0, 128)
+QGEMM_WG(qgemm_wg_q8_0_m64, 64)

@@ -22,6 +22,7 @@ use crate::activation::{run_count, RUN};
 use crate::cuda_launch::{
     alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input, Scratch,
 };
+use crate::schedule::TileSchedule;
 use crate::weight::{QuantWeight, WeightFormat, WeightInfo};
 
 /// The kernels as a fatbin (kernels/build_ptx.rs).
@@ -187,11 +188,14 @@ pub enum Kernel {
     /// The simple kernels (one thread an output, dp4a): the comparison for the device checks.
     Simple,
     /// The Hopper tile of this shape where it runs (Q8_0, compute capability 9.0), else the simple one;
-    /// split over K by [`tile_splits`].
+    /// a persistent grid of one CTA a multiprocessor, scheduled by [`TileSchedule::balanced`].
     Tile(TileShape),
-    /// [`Kernel::Tile`] split over K into 1, 2 or 4 CTAs an output tile (the device checks compare
-    /// every split with the others).
+    /// [`Kernel::Tile`] as a plain grid, every output tile split over K into 1, 2 or 4 CTAs
+    /// ([`TileSchedule::split`]; the device checks compare every split with the others).
     TileSplit(TileShape, usize),
+    /// [`Kernel::Tile`] scheduled as if the GPU had this many multiprocessors (the device checks run
+    /// the persistent grid's rounds and leftover splits at a few tiles).
+    TileGrid(TileShape, usize),
     /// [`Kernel::Tile`] launched in the tile order of `group` (see [`tile_group`]; 1: consecutive CTAs
     /// share a weight tile): which CTA computes which tile, never what it computes.
     TileOrder(TileShape, usize),
@@ -358,11 +362,12 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
         .hopper
         .as_ref()
         .zip(match kernel {
-            Kernel::Auto => Some((TileShape::auto(m), None, None)),
+            Kernel::Auto => Some((TileShape::auto(m), Grid::Balanced(None), None)),
             Kernel::Simple | Kernel::Skinny => None,
-            Kernel::Tile(shape) => Some((shape, None, None)),
-            Kernel::TileSplit(shape, splits) => Some((shape, Some(splits), None)),
-            Kernel::TileOrder(shape, group) => Some((shape, None, Some(group))),
+            Kernel::Tile(shape) => Some((shape, Grid::Balanced(None), None)),
+            Kernel::TileSplit(shape, splits) => Some((shape, Grid::Split(splits), None)),
+            Kernel::TileGrid(shape, sms) => Some((shape, Grid::Balanced(Some(sms)), None)),
+            Kernel::TileOrder(shape, group) => Some((shape, Grid::Balanced(None), Some(group))),
         })
         .filter(|_| m > 0 && n > 0 && !skinny);
     let ldsa = m.div_ceil(WG_TILE) * WG_TILE;
@@ -374,22 +379,30 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
     if m == 0 || n == 0 {
         return Ok(wrap(y, &dev, (m, n)));
     }
-    // The tile's split over K and order, chosen before the scratch is laid out (a split tile's shares
+    // The tile's schedule and order, chosen before the scratch is laid out (a split tile's shares
     // live there).
     let hopper = match hopper {
-        Some((h, (shape, splits, group))) => {
-            let splits = match splits {
-                Some(s) => s,
-                None => tile_splits(&dev, shape, m, n)?,
+        Some((h, (shape, grid, group))) => {
+            let (bm, bn) = shape.rows();
+            let tiles = m.div_ceil(bm) * n.div_ceil(bn);
+            let schedule = match grid {
+                Grid::Split(splits) => {
+                    if ![1, 2, 4].contains(&splits) {
+                        bail!("integer matmul tile: {splits} splits over K (1, 2 or 4)");
+                    }
+                    TileSchedule::split(tiles, splits)
+                }
+                Grid::Balanced(Some(sms)) => TileSchedule::balanced(tiles, sms),
+                Grid::Balanced(None) => TileSchedule::balanced(tiles, multiprocessors(&dev)?),
             };
             let group = group.unwrap_or_else(|| tile_group(shape, m));
-            Some((h, shape, splits, group))
+            Some((h, shape, schedule, group))
         }
         None => None,
     };
     let sums_len = if want_sums { m * k / 32 } else { 1 };
     let ws_len = match hopper {
-        Some((_, _, splits, _)) if splits > 1 => splits * m * n,
+        Some((_, _, schedule, _)) if schedule.splits > 1 => schedule.splits * m * n,
         _ => 1,
     };
     // The quantized activation, its scales, its 32-value sums (formats with mins), the rows' bad
@@ -478,7 +491,7 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
         // m u32.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
-    if let Some((h, shape, splits, group)) = hopper {
+    if let Some((h, shape, schedule, group)) = hopper {
         hopper_q8_0(
             &dev,
             TileBuffers {
@@ -492,7 +505,7 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
             w,
             h,
             shape,
-            (splits, group),
+            (schedule, group),
             (m, n, k),
         )?;
         return Ok(wrap(y, &dev, (m, n)));
@@ -569,28 +582,28 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
     Ok(wrap(y, &dev, (m, n)))
 }
 
-/// How many CTAs share an output tile of the Hopper tile (each one of the contract's four parts over K;
-/// the last of them to finish adds the shares in the contract's tree): 4 when four CTAs a tile still fit one per
-/// multiprocessor, else 1. A product with few output tiles (a few dozen rows against the 5,120 outputs
-/// of `ffn_down` and the output projections: 20 tiles) otherwise leaves most of the GPU idle; measured at
-/// 64 rows on the 27B (`docs/optimization-log.md`), 4 splits of those took the MLP from 15.3 to 12.0 ms a
-/// step, while 2 splits of the 64-tile DeltaNet input projection were 4 % slower than none.
-pub fn tile_splits(dev: &CudaDevice, shape: TileShape, m: usize, n: usize) -> Result<usize> {
+/// How the Hopper tile's grid is scheduled (see [`TileSchedule`]).
+#[derive(Debug, Clone, Copy)]
+enum Grid {
+    /// [`TileSchedule::balanced`] on this many multiprocessors (`None`: the device's).
+    Balanced(Option<usize>),
+    /// [`TileSchedule::split`]: a plain grid, every tile split this many ways.
+    Split(usize),
+}
+
+/// The device's multiprocessors (the persistent grid's CTAs: one each, the tile's shared memory
+/// allows no second).
+fn multiprocessors(dev: &CudaDevice) -> Result<usize> {
     static SMS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let sms = match SMS.get() {
-        Some(&s) => s,
-        None => {
-            let count = dev
-                .cuda_stream()
-                .context()
-                .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-                .map_err(launch_err)?;
-            *SMS.get_or_init(|| usize::try_from(count).unwrap_or(1).max(1))
-        }
-    };
-    let (bm, bn) = shape.rows();
-    let tiles = m.div_ceil(bm) * n.div_ceil(bn);
-    Ok(if 4 * tiles <= sms { 4 } else { 1 })
+    if let Some(&s) = SMS.get() {
+        return Ok(s);
+    }
+    let count = dev
+        .cuda_stream()
+        .context()
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(launch_err)?;
+    Ok(*SMS.get_or_init(|| usize::try_from(count).unwrap_or(1).max(1)))
 }
 
 /// The order in which the Hopper tile's grid walks its tiles: `group` weight tiles for each activation
@@ -620,7 +633,7 @@ struct TileBuffers<'a, 'b> {
 }
 
 /// The Q8_0 warpgroup tile (`qgemm_wg_q8_0`): `y = qa · qᵀ` by the contract, `qa` `[m, k]` bytes with
-/// run scales `sa` run-major `[runs, ldsa]`, each output tile computed by `splits` CTAs (1, 2 or 4).
+/// run scales `sa` run-major `[runs, ldsa]`, its tiles' jobs on CTAs as `schedule` says.
 fn hopper_q8_0(
     dev: &CudaDevice,
     TileBuffers {
@@ -634,9 +647,10 @@ fn hopper_q8_0(
     w: &CudaQuantWeight,
     h: &HopperQ8,
     shape: TileShape,
-    (splits, group): (usize, usize),
+    (schedule, group): (TileSchedule, usize),
     (m, n, k): (usize, usize, usize),
 ) -> Result<()> {
+    let splits = schedule.splits;
     if ![1, 2, 4].contains(&splits) {
         bail!("integer matmul tile: {splits} splits over K (1, 2 or 4)");
     }
@@ -645,13 +659,7 @@ fn hopper_q8_0(
     }
     let (bm, bn) = shape.rows();
     let too_many = |what: String| candle_core::Error::Msg(format!("integer matmul: {what}"));
-    let gx =
-        u32::try_from(m.div_ceil(bm)).map_err(|_| too_many(format!("{m} rows are too many")))?;
-    let gy =
-        u32::try_from(n.div_ceil(bn)).map_err(|_| too_many(format!("{n} outputs are too many")))?;
-    if gy > 65_535 {
-        bail!("integer matmul: {n} outputs are more than one launch takes");
-    }
+    let (gx, gy) = (m.div_ceil(bm), n.div_ceil(bn));
     let wq = Input::new(&w.q, DType::U8, "weight bytes")?;
     let wq = wq.view::<u8>()?;
     let sw = Input::new(&h.sw_t, DType::F32, "weight run scales")?;
@@ -665,8 +673,12 @@ fn hopper_q8_0(
     ];
     let func = load_kernel(dev, MODULE, IMAGE, shape.kernel())?;
     func.allow_dynamic_shared(shape.smem(), "integer matmul tile")?;
+    let tiles = gx * gy;
+    let jobs = schedule.jobs(tiles);
+    let ctas = u32::try_from(schedule.ctas.clamp(1, jobs.max(1)))
+        .map_err(|_| too_many(format!("{} CTAs", schedule.ctas)))?;
     let cfg = LaunchConfig {
-        grid_dim: (gx, gy, splits as u32),
+        grid_dim: (ctas, 1, 1),
         block_dim: (WG_THREADS, 1, 1),
         shared_mem_bytes: shape.smem() as u32,
     };
@@ -684,7 +696,6 @@ fn hopper_q8_0(
     );
     // The split tiles' counters stay allocated (and zero between launches: the last CTA of a tile
     // resets its own), so a split product is one launch.
-    let tiles = m.div_ceil(bm) * n.div_ceil(bn);
     let mut counters = TILE_COUNTERS.lock().map_err(|_| {
         candle_core::Error::Msg("integer matmul: tile counter lock poisoned".into())
     })?;
@@ -712,11 +723,23 @@ fn hopper_q8_0(
         .arg(ws)
         .arg(&group_i)
         .arg(counter_buf);
+    let (gx_i, gy_i) = (i32_arg(gx, "row tiles")?, i32_arg(gy, "output tiles")?);
+    let (full_i, splits_i, jobs_i) = (
+        i32_arg(schedule.full, "whole tiles")?,
+        i32_arg(splits, "splits")?,
+        i32_arg(jobs, "jobs")?,
+    );
+    b.arg(&gx_i)
+        .arg(&gy_i)
+        .arg(&full_i)
+        .arg(&splits_i)
+        .arg(&jobs_i);
     // SAFETY: the maps describe qa (m·k bytes) and the weight (n·k bytes), both alive until the launch
     // is queued; sa holds runs·ldsa f32 and sw_t runs·ldsw (ldsa, ldsw whole tiles, so every CTA's
-    // 512-byte scale copies stay inside); bad m u32; y m·n f32; with splits, ws splits·m·n f32 (CTA z
-    // writes ws[z], every element of it) and the counters at least one u32 a tile, all zero (this
-    // stream's own set: its launches run in order, and each leaves them zero).
+    // 512-byte scale copies stay inside); bad m u32; y m·n f32; with splits, ws splits·m·n f32 (a
+    // split tile's job z writes its outputs of ws[z]) and the counters at least one u32 a tile, all
+    // zero (this stream's own set: its launches run in order, and each leaves them zero); the jobs
+    // are those of `schedule` over gx·gy tiles.
     unsafe { b.launch(cfg) }.map_err(launch_err)?;
     Ok(())
 }

@@ -72,6 +72,7 @@
 //!   activation quantizer; for Q8_0 on Hopper a warpgroup-MMA tile fed by TMA; elsewhere (K-quants,
 //!   other GPUs) a simple kernel, one thread per output with dp4a. Both are checked against [`kernel`]
 //!   bit for bit by `prism cuda-check`.
+//! - [`schedule`]: which CTA of the Hopper tile's persistent grid computes which share of which tile.
 //! - `cuda_launch` (feature `cuda`): loading and launching the project's CUDA kernels (used by
 //!   prism-model's float kernels).
 
@@ -83,6 +84,7 @@ pub mod cuda_launch;
 pub mod error;
 pub mod kernel;
 pub mod op;
+pub mod schedule;
 pub mod weight;
 
 pub use activation::{quantize_rows, run_count, QuantizedRows, AMAX_MIN, QMAX, RUN};

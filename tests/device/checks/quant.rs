@@ -110,6 +110,14 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
                             Kernel::TileSplit(shape, splits),
                         ));
                     }
+                    // The persistent grid on a few CTAs: rounds of whole tiles, leftovers split 4, 2
+                    // or 1 ways, a CTA's jobs one after another through the same stages.
+                    for sms in [1, 2, 3, 5, 7] {
+                        kernels.push((
+                            format!("{rows}-row tile scheduled on {sms} CTA(s)"),
+                            Kernel::TileGrid(shape, sms),
+                        ));
+                    }
                 }
             }
             for (label, kernel) in kernels {
@@ -151,6 +159,13 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
                     &got,
                 )?;
             }
+            for sms in [3, 7] {
+                r.identical(
+                    &format!("{tag}: NaN / inf rows, 64-row tile scheduled on {sms} CTAs"),
+                    &matmul_with(&xg, &dw, Kernel::TileGrid(TileShape::M64, sms))?,
+                    &got,
+                )?;
+            }
         }
         // The candle op on a CUDA tensor (what the model calls): the same bits.
         let op = prism_quant::QuantMatmul::new(std::sync::Arc::new(w.clone()));
@@ -170,8 +185,57 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
             &got.narrow(0, 3, 1)?,
         )?;
     }
+    wide_checks(r, gpu, dev, &mut rng)?;
     swiglu_checks(r, gpu, dev, &mut rng)?;
     gated_norm_checks(r, gpu, dev, &mut rng)
+}
+
+/// More output tiles than the GPU has multiprocessors (the 27B gate|up width, 34,816 outputs, at a short
+/// K): the default's persistent grid on the real device — at 64 rows a round of whole tiles and 4 tiles
+/// split in quarters, at 300 rows five rounds and 20 quarter-split tiles — against the plain grid, the
+/// simple kernel and, at 64 rows, the CPU reference.
+fn wide_checks(
+    r: &mut Report,
+    gpu: &Device,
+    dev: &candle_core::cuda_backend::CudaDevice,
+    rng: &mut Rng,
+) -> Result<()> {
+    let (k, n) = (1024, 34_816);
+    let w = weight(rng, GgmlType::Q8_0, n, k, Q8Scales::PerRun)?;
+    let dw = CudaQuantWeight::upload(&w, dev)?;
+    for m in [64, 300] {
+        let tag = format!("int8 matmul (GPU) Q8_0 K={k} N={n} M={m}");
+        let x = activations(rng, m, k);
+        let xg = Tensor::from_vec(x.clone(), (m, k), gpu)?;
+        let got = matmul(&xg, &dw)?;
+        if m == 64 {
+            let want = prism_quant::kernel::matmul(&x, m, &w)?;
+            r.identical(
+                &format!("{tag}: the default vs the CPU reference"),
+                &got,
+                &Tensor::from_vec(want, (m, n), &Device::Cpu)?,
+            )?;
+        }
+        for (label, kernel) in [
+            ("simple kernel", Kernel::Simple),
+            (
+                "64-row tile, plain grid",
+                Kernel::TileSplit(TileShape::M64, 1),
+            ),
+            (
+                "128-row tile, plain grid",
+                Kernel::TileSplit(TileShape::M128, 1),
+            ),
+            ("128-row tile", Kernel::Tile(TileShape::M128)),
+        ] {
+            r.identical(
+                &format!("{tag}: {label} vs the default"),
+                &matmul_with(&xg, &dw, kernel)?,
+                &got,
+            )?;
+        }
+    }
+    Ok(())
 }
 
 /// The kernels a fused quantizer's product is checked on: every one that runs `ty`.

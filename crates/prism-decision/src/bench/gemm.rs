@@ -35,8 +35,8 @@ pub struct GemmTiming {
     pub m: usize,
     /// The integer product with the kernel the model picks.
     pub int8: f64,
-    /// Each tile shape forced (`M128`, `M64`: their split over K picked by M), and at M ≤ 512 the
-    /// 64-row tile with each split over K (`M64 split 1` …).
+    /// Each tile shape forced (`M128`, `M64`: the persistent grid of `TileSchedule::balanced`), and at
+    /// M ≤ 512 the 64-row tile as a plain grid with each split over K (`M64 split 1` …).
     pub tiles: Vec<(String, f64)>,
     /// The simple kernel (when asked for).
     pub simple: Option<f64>,
