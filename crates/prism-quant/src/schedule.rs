@@ -22,20 +22,18 @@ pub struct TileSchedule {
 
 impl TileSchedule {
     /// The schedule for `tiles` output tiles on `sms` multiprocessors (one CTA each): whole tiles in
-    /// rounds of `sms`, and the tiles left over after the last whole round split into as many jobs (4, 2
-    /// or 1) as still fit one round, so no multiprocessor computes more than a round of whole tiles plus
-    /// one job. With 136 tiles on 132 multiprocessors (the 27B's gate|up projection at 64 rows) that is
-    /// 132 whole tiles and 4 tiles in 16 quarters — 1¼ tiles' time instead of 2; with 20 tiles (its
-    /// 5,120-wide projections) 80 quarters, each one part.
+    /// rounds of `sms`, and the tiles left over after the last whole round split in quarters when those
+    /// still fit one round (else whole), so no multiprocessor computes more than a round of whole tiles
+    /// plus a quarter. With 136 tiles on 132 multiprocessors (the 27B's gate|up projection at 64 rows)
+    /// that is 132 whole tiles and 4 tiles in 16 quarters; with 20 tiles (its 5,120-wide projections)
+    /// 80 quarters. No halves: measured on an H200 (`docs/optimization-log.md`, 2026-12-04), the 65
+    /// tiles of the DeltaNet input projection at 64 rows took 0.054 ms in 130 halves against 0.042 whole
+    /// (a share's store and the join cost more than the second half of the multiprocessors gains).
     pub fn balanced(tiles: usize, sms: usize) -> Self {
         let sms = sms.max(1);
         let rounds = tiles / sms;
         let left = tiles - rounds * sms;
-        let splits = if left == 0 {
-            1
-        } else {
-            [4, 2, 1].into_iter().find(|s| s * left <= sms).unwrap_or(1)
-        };
+        let splits = if left > 0 && 4 * left <= sms { 4 } else { 1 };
         let ctas = if rounds == 0 { left * splits } else { sms };
         Self {
             ctas,
@@ -161,10 +159,10 @@ mod tests {
                 splits: 4
             }
         );
-        // The DeltaNet input projection (16,480 outputs): 65 tiles in halves.
+        // The DeltaNet input projection (16,480 outputs): 65 whole tiles.
         let s = TileSchedule::balanced(65, 132);
-        assert_eq!((s.ctas, s.full, s.splits), (130, 0, 2));
-        assert_eq!(s.longest(65), 2);
+        assert_eq!((s.ctas, s.full, s.splits), (65, 0, 1));
+        assert_eq!(s.longest(65), 4);
         // Whole rounds only: no split.
         assert_eq!(TileSchedule::balanced(264, 132).splits, 1);
         // A leftover of more than half a round: whole tiles.
