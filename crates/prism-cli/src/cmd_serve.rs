@@ -64,8 +64,10 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 262_144)]
     pub max_request_tokens: usize,
     /// Most tokens computed in one forward pass; requests are packed into passes up to it, and longer
-    /// evidence is computed in chunks. (On the H200, 27B bf16 passes of ~10-16k tokens from many
-    /// requests ran out of memory on 2026-12-01; 8,192 is the default until that is understood.)
+    /// evidence is computed in chunks. Default: 8,192 on the CPU; on a GPU as many tokens (a multiple
+    /// of 256, from 256 to 8,192) as a quarter of the device memory left after the model and the prefix
+    /// cache holds at the model's estimate of a token's peak bytes in a pass. (On the H200, 27B bf16
+    /// passes of ~10-16k tokens from many requests ran out of memory on 2026-12-01: hence the cap.)
     #[arg(long)]
     pub max_batch_tokens: Option<usize>,
     /// Most sequence states one forward pass makes: one per prompt read out, one per evidence computed.

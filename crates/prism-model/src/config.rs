@@ -473,6 +473,30 @@ impl Qwen35Config {
         2 * self.linear_key_dim() + self.linear_value_dim()
     }
 
+    /// An upper estimate of the device bytes one token of a forward pass holds at the pass's peak, for
+    /// sizing passes from free memory: the residual stream with its normed copy and the widest layer's
+    /// intermediates — the SwiGLU's gate|up, product and quantized copy, a DeltaNet layer's projections,
+    /// conv output and chunk states (one `dk × dv` state per head and 64 tokens), or an attention
+    /// layer's gated query, keys and values — all counted as f32, plus the K/V rows (bf16) the token
+    /// leaves in every attention layer. Not a bound on the pool's fragmentation; callers keep a margin.
+    pub fn pass_bytes_per_token(&self) -> usize {
+        let stream = 3 * self.hidden_size;
+        let mlp = 4 * self.intermediate_size;
+        let projections = self.conv_dim() + self.linear_value_dim() + 2 * self.linear_value_heads;
+        let chunk_states =
+            self.linear_value_heads * self.linear_key_head_dim * self.linear_value_head_dim / 64;
+        let delta = 2 * projections + chunk_states + 64 * self.linear_value_heads;
+        let attention = 2 * self.n_heads * self.head_dim + 2 * self.n_kv_heads * self.head_dim;
+        let widest = mlp.max(delta).max(attention);
+        let attention_layers = self
+            .layer_kinds
+            .iter()
+            .filter(|kind| **kind == LayerKind::Attention)
+            .count();
+        let kv_rows = attention_layers * 2 * self.n_kv_heads * self.head_dim * 2;
+        (stream + widest) * 4 + kv_rows
+    }
+
     /// Reads `config.json` (multimodal `text_config` or a flat text config) and checks it against this
     /// configuration.
     pub fn check_hf_config_file(&self, path: &Path) -> Result<()> {

@@ -667,3 +667,26 @@ fn explicit_text_positions_equal_implicit_ones() {
     assert_eq!(max_abs_diff_tensors(&explicit, &implicit), 0.0);
     assert_eq!(a.next_position() as usize, p.len());
 }
+
+#[test]
+fn a_pass_token_of_27b_is_counted_by_hand() {
+    let config = prism_model::synth::SynthSize::B27.config();
+    // Widest layer: the SwiGLU (4 × 17,408 f32: gate|up, product, quantized copy) against a DeltaNet
+    // layer (2 × (10,240 conv + 6,144 z + 96 a|b) + 48·128·128 / 64 chunk states + 64·48) and an
+    // attention layer (2·24·256 + 2·4·256).
+    let stream = 3 * 5120;
+    let widest = 4 * 17_408;
+    assert!(2 * (10_240 + 6_144 + 96) + 12_288 + 3_072 < widest);
+    // K and V rows in bf16 in each of the 16 attention layers (every fourth of 64).
+    let kv = 16 * 2 * 4 * 256 * 2;
+    assert_eq!(config.pass_bytes_per_token(), (stream + widest) * 4 + kv);
+    assert_eq!(config.pass_bytes_per_token(), 405_504);
+    // Every smaller size needs fewer bytes a token.
+    for size in prism_model::synth::SynthSize::ALL {
+        assert!(
+            size.config().pass_bytes_per_token() <= 405_504,
+            "{}",
+            size.label()
+        );
+    }
+}

@@ -200,9 +200,22 @@ pub fn engine_options(
         }
         (None, None) => 64,
     };
+    let max_batch_tokens = match (budgets.max_batch_tokens, free_memory) {
+        (Some(0), _) => bail!("--max-batch-tokens must be at least 1"),
+        (Some(n), _) => n,
+        (None, Some((free, _))) => {
+            // A quarter of what the cache leaves, at the config's estimate of a token's peak bytes
+            // in a pass; never above the CPU's 8,192 (27B bf16 passes of 10-16k tokens ran out of
+            // memory on the H200 on 2026-12-01, with the cache and the states of many requests).
+            let per_token = model.decoder().config().pass_bytes_per_token().max(1) as u64;
+            let fits = free.saturating_sub(cache_bytes * per_device) / 4 / per_device / per_token;
+            pass_tokens(fits)
+        }
+        (None, None) => MAX_BATCH_TOKENS,
+    };
     let options = EngineOptions {
         think_seqs,
-        max_batch_tokens: budgets.max_batch_tokens.unwrap_or(8192),
+        max_batch_tokens,
         max_prompts_per_pass,
         queue_size: budgets.queue_size,
         max_prompt_tokens: budgets.max_tokens,
@@ -213,10 +226,17 @@ pub fn engine_options(
             max_bytes: cache_bytes,
         },
     };
-    if options.max_batch_tokens == 0 {
-        bail!("--max-batch-tokens must be at least 1");
-    }
     Ok(options)
+}
+
+/// The default token budget of a pass (vLLM's default `max_num_batched_tokens` too).
+pub const MAX_BATCH_TOKENS: usize = 8192;
+
+/// A pass's default token budget when `fits` tokens fit in the memory set aside: a multiple of 256
+/// (the delta rule's 64-token chunks, the tiles' rows), at least 256, at most [`MAX_BATCH_TOKENS`].
+pub fn pass_tokens(fits: u64) -> usize {
+    let fits = usize::try_from(fits).unwrap_or(usize::MAX);
+    (fits / 256 * 256).clamp(256, MAX_BATCH_TOKENS)
 }
 
 /// One question ([`WARM_UP`]) through the whole path; its prompt tokens.
@@ -280,4 +300,23 @@ pub fn default_max_connections() -> usize {
         }
     }
     1024
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pass_tokens_are_whole_256s_within_bounds() {
+        assert_eq!(pass_tokens(0), 256);
+        assert_eq!(pass_tokens(255), 256);
+        assert_eq!(pass_tokens(1000), 768);
+        assert_eq!(pass_tokens(8191), 7936);
+        assert_eq!(pass_tokens(8192), MAX_BATCH_TOKENS);
+        assert_eq!(pass_tokens(u64::MAX), MAX_BATCH_TOKENS);
+        // 27B (405,504 bytes a token) on a device with 20 GB left after the cache: a quarter holds
+        // 12,329 tokens, so the cap; with 4 GB left, 2,466 tokens, so 2,304.
+        assert_eq!(pass_tokens(20_000_000_000 / 4 / 405_504), MAX_BATCH_TOKENS);
+        assert_eq!(pass_tokens(4_000_000_000 / 4 / 405_504), 2304);
+    }
 }
