@@ -72,14 +72,22 @@ pub fn run(args: &LoadgenArgs) -> Result<()> {
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "{:>8} {:>10} {:>12} {:>12} {:>9} {:>9} {:>9}  statuses",
-        "clients", "req/s", "in tok/s", "out tok/s", "p50 ms", "p95 ms", "p99 ms"
+        "{:>8} {:>10} {:>12} {:>12} {:>9} {:>9} {:>9} {:>11} {:>11}  statuses",
+        "clients",
+        "req/s",
+        "in tok/s",
+        "out tok/s",
+        "p50 ms",
+        "p95 ms",
+        "p99 ms",
+        "server p50",
+        "transp. p50"
     )?;
     for r in &outcome.levels {
         let ms = |k: &str| r["latency_ms"][k].as_f64().unwrap_or(f64::NAN);
         writeln!(
             out,
-            "{:>8} {:>10.2} {:>12.0} {:>12.0} {:>9.1} {:>9.1} {:>9.1}  {}",
+            "{:>8} {:>10.2} {:>12.0} {:>12.0} {:>9.1} {:>9.1} {:>9.1} {:>11.2} {:>11.2}  {}",
             r["clients"].as_u64().unwrap_or(0),
             r["requests_per_s"].as_f64().unwrap_or(0.0),
             r["input_tokens_per_s"].as_f64().unwrap_or(0.0),
@@ -87,6 +95,8 @@ pub fn run(args: &LoadgenArgs) -> Result<()> {
             ms("p50"),
             ms("p95"),
             ms("p99"),
+            r["server_latency_ms"]["p50"].as_f64().unwrap_or(f64::NAN),
+            r["transport_ms"]["p50"].as_f64().unwrap_or(f64::NAN),
             r["statuses"]
         )?;
     }

@@ -385,6 +385,13 @@ fn loadgen_checks_every_answer_under_load_and_reports() {
         assert_eq!(level["transport_errors"], 0);
         assert!(level["latency_ms"]["p50"].as_f64().unwrap() > 0.0);
         assert!(level["requests_per_s"].as_f64().unwrap() > 0.0);
+        // Every answer's server latency was read, and the client waited at least that long.
+        assert_eq!(level["server_latency_ms"]["count"], level["answered"]);
+        assert!(level["server_latency_ms"]["p50"].as_f64().unwrap() > 0.0);
+        assert!(
+            level["transport_ms"]["p50"].as_f64().unwrap() > 0.0,
+            "{level}"
+        );
     }
     // Every distinct request answered under load was sent again alone: same bytes.
     let answered = report["distinct_answered"].as_u64().unwrap();

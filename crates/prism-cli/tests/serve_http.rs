@@ -246,6 +246,16 @@ fn readme_examples_endpoints_and_banner() {
         stats["latency_ms"]["p50"].as_f64().unwrap()
             <= stats["latency_ms"]["p99"].as_f64().unwrap()
     );
+    // The latency's split: every part counted for every answer, none longer than the latency.
+    for part in ["prepare_ms", "queue_wait_ms", "compute_ms", "handoff_ms"] {
+        assert_eq!(stats[part]["count"], answered, "{part}");
+        assert!(
+            stats[part]["max"].as_f64().unwrap() <= stats["latency_ms"]["max"].as_f64().unwrap(),
+            "{part}: {stats}"
+        );
+    }
+    assert!(stats["prepare_ms"]["p50"].as_f64().unwrap() > 0.0);
+    assert!(stats["compute_ms"]["p50"].as_f64().unwrap() > 0.0);
     assert!(
         stats["tokens"]["input"].as_u64().unwrap()
             >= 2 * cli["usage"]["input_tokens"].as_u64().unwrap()

@@ -233,6 +233,11 @@ fn answer_digest(body: &[u8]) -> String {
 #[derive(Default)]
 struct Tally {
     latencies_ms: Vec<f64>,
+    /// The server's own latency of each answer (`x_latency_ms`: its headers' arrival to its answer).
+    server_ms: Vec<f64>,
+    /// The client's latency less the server's, answer by answer: connection, request and response
+    /// bytes, and both sides' HTTP handling outside the server's clock.
+    transport_ms: Vec<f64>,
     statuses: BTreeMap<u16, u64>,
     input_tokens: u64,
     /// Tokens decoded (thoughts) by the answered requests.
@@ -307,6 +312,10 @@ fn run_level(level: Level<'_>, progress: &mut dyn FnMut(String)) -> Value {
                                         v["usage"]["input_tokens"].as_u64().unwrap_or(0);
                                     t.output_tokens +=
                                         v["usage"]["output_tokens"].as_u64().unwrap_or(0);
+                                    if let Some(server) = v["x_latency_ms"].as_f64() {
+                                        t.server_ms.push(server);
+                                        t.transport_ms.push(ms - server);
+                                    }
                                 }
                                 answered
                                     .lock()
@@ -346,6 +355,16 @@ fn run_level(level: Level<'_>, progress: &mut dyn FnMut(String)) -> Value {
     let first: Vec<f64> = sorted.iter().copied().take(50).collect();
     sorted.sort_by(f64::total_cmp);
     let ok = sorted.len() as f64;
+    let spread = |values: &[f64]| -> Value {
+        let mut sorted = values.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        json!({
+            "count": sorted.len(),
+            "p50": percentile(&sorted, 0.50),
+            "p95": percentile(&sorted, 0.95),
+            "p99": percentile(&sorted, 0.99),
+        })
+    };
     json!({
         "clients": clients,
         "seconds": elapsed,
@@ -361,6 +380,8 @@ fn run_level(level: Level<'_>, progress: &mut dyn FnMut(String)) -> Value {
             "max": sorted.last(),
             "first": first,
         },
+        "server_latency_ms": spread(&t.server_ms),
+        "transport_ms": spread(&t.transport_ms),
         "statuses": t.statuses.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
         "transport_errors": t.transport_errors,
     })

@@ -27,7 +27,7 @@ use crate::body::{body_kind, decode_zstd, is_zstd, parse_request, BodyError, Par
 use crate::error::{loc, ApiError};
 use crate::metrics::{Metrics, CONTENT_TYPE as METRICS_CONTENT_TYPE};
 use crate::protocol::{ApiShapedIo, Counters};
-use crate::stats::Stats;
+use crate::stats::{RunTimes, Stats};
 
 /// The response header that carries each request's id (the TypeSafe SDK reads it).
 pub const REQUEST_ID_HEADER: &str = "x-typesafe-request-id";
@@ -581,6 +581,7 @@ async fn decide(
         .await
         .map_err(|e| internal(format!("the request parser failed: {e}")))??;
 
+    let prepare_ms = arrived.elapsed().as_secs_f64() * 1e3;
     let (sender, answer) = tokio::sync::oneshot::channel();
     let cancel = CancelToken::default();
     // Dropped with this handler: when the client goes away before the answer, the engine stops the
@@ -656,12 +657,18 @@ async fn decide(
         }
         Ok(Err(_)) => return Err(internal("the engine stopped before answering".into())),
     };
-    state
-        .stats
-        .record_run(output.queue_ms, output.compute_ms, output.cached_tokens);
     let mut response = output.response;
     // The client's latency as the server sees it: arrival to answer, queue wait included.
     response.latency_ms = arrived.elapsed().as_secs_f64() * 1e3;
+    state.stats.record_run(
+        &RunTimes::split(
+            response.latency_ms,
+            prepare_ms,
+            output.queue_ms,
+            output.compute_ms,
+        ),
+        output.cached_tokens,
+    );
     state.stats.record_decision(
         questions,
         response.usage.input_tokens,

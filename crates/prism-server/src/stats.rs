@@ -52,14 +52,45 @@ struct Counters {
     input_tokens: u64,
     output_tokens: u64,
     latency_ms: Window,
+    prepare_ms: Window,
     queue_ms: Window,
     compute_ms: Window,
+    handoff_ms: Window,
     cached_tokens: u64,
     queue_full: u64,
     timed_out: u64,
     body_timed_out: u64,
     client_gone: u64,
     protocol_errors: u64,
+}
+
+/// Where an answered request's time went on the server, in milliseconds: its latency (arrival of its
+/// headers to its answer) is `prepare + queue + compute + handoff`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RunTimes {
+    /// Arrival to submission: reading and decoding the body, parsing, rendering and tokenizing (on a
+    /// blocking thread), and the hops to and from that thread.
+    pub prepare_ms: f64,
+    /// Submission to the request's first forward pass.
+    pub queue_ms: f64,
+    /// First pass to the engine's answer.
+    pub compute_ms: f64,
+    /// The engine's answer to the handler holding it (the channel and the async runtime's wake-up).
+    pub handoff_ms: f64,
+}
+
+impl RunTimes {
+    /// The split of a request answered `latency_ms` after arrival, `prepare_ms` of it before
+    /// submission, with the engine's queue and compute times; the handoff is what is left (at least 0:
+    /// the clocks are read on different threads).
+    pub fn split(latency_ms: f64, prepare_ms: f64, queue_ms: f64, compute_ms: f64) -> Self {
+        Self {
+            prepare_ms,
+            queue_ms,
+            compute_ms,
+            handoff_ms: (latency_ms - prepare_ms - queue_ms - compute_ms).max(0.0),
+        }
+    }
 }
 
 /// The server's counters (one lock, taken briefly per request).
@@ -113,12 +144,14 @@ impl Stats {
         });
     }
 
-    /// One request's run in the engine: its wait for the first pass, its compute time, and the prompt
-    /// tokens its evidence took from the prefix cache.
-    pub fn record_run(&self, queue_ms: f64, compute_ms: f64, cached_tokens: u64) {
+    /// One answered request's time split ([`RunTimes`]) and the prompt tokens its evidence took from the
+    /// prefix cache.
+    pub fn record_run(&self, times: &RunTimes, cached_tokens: u64) {
         self.with(|c| {
-            c.queue_ms.push(queue_ms);
-            c.compute_ms.push(compute_ms);
+            c.prepare_ms.push(times.prepare_ms);
+            c.queue_ms.push(times.queue_ms);
+            c.compute_ms.push(times.compute_ms);
+            c.handoff_ms.push(times.handoff_ms);
             c.cached_tokens += cached_tokens;
         });
     }
@@ -179,8 +212,10 @@ impl Stats {
                 },
                 "tokens": {"input": c.input_tokens, "output": c.output_tokens, "from_prefix_cache": c.cached_tokens},
                 "latency_ms": c.latency_ms.summary(),
+                "prepare_ms": c.prepare_ms.summary(),
                 "queue_wait_ms": c.queue_ms.summary(),
                 "compute_ms": c.compute_ms.summary(),
+                "handoff_ms": c.handoff_ms.summary(),
                 "engine": {
                     "passes": engine.passes,
                     "prompts": engine.prompts,
@@ -232,6 +267,7 @@ impl Stats {
                 })),
                 "notes": [
                     format!("latency percentiles are over the last {LATENCY_WINDOW} answered requests"),
+                    "a request's latency_ms (arrival of its headers to its answer) = prepare_ms (body, parsing, rendering, tokenizing) + queue_wait_ms (to its first pass) + compute_ms (first pass to answer) + handoff_ms (the answer back to its connection)",
                     "engine.requests_per_pass / prompts_per_pass: forward passes by how many requests / prompts they held",
                     "thoughts: v1.1 AutoThink thoughts whose prompt was read / that finished, the tokens the finished ones decoded, the thought steps run (one per thought per pass), and --think-seqs",
                     "vision: images the vision tower encoded and its time on them (from the tower's start to the device finishing it, per request with images)",
