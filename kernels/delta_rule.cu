@@ -1,23 +1,23 @@
 // The gated delta rule, chunked (WY) form in row order: the CUDA twin of
-// crates/prism-model/src/delta_rule.rs (`chunked`). See that file for the formulas.
+// crates/prism-model/src/delta_rule.rs (`chunked`, `chunked_batch`). See that file for the formulas.
 //
-// Two kernels per launch (a launch covers whole chunks of 64 tokens at absolute multiples of 64, the
-// first possibly continuing the pending rows of the state):
+// Launches cover whole chunks of 64 tokens at absolute multiples of 64 (a segment's first chunk may
+// continue the pending rows of its state), two kernels each (described below with their batching):
 //
-//  * `delta_rule_pairs_f32`, one block per (value head, chunk): the chunk's cumulative log-decays Γ
-//    (f64) and the pair scalars A[r][s] = β_r (k̂_r·k̂_s) e^{Γ_r−Γ_s} (s < r) and
-//    B[r][s] = (q̂_r·k̂_s) e^{Γ_r−Γ_s} (s ≤ r). They do not depend on the memory, so all chunks of all
-//    heads run in parallel; they go to a scratch buffer (transposed: At[s][r], Bt[s][r]).
-//  * `delta_rule_chunked_f32`, one block per (value head, slice of CW value columns), chunks in order:
-//    RK = K S₀ and RQ = Q S₀ (register tiles), the triangular solve for the new values
+//  * the pair kernel, one block per (value head, chunk): the chunk's cumulative log-decays Γ (f64) and
+//    the pair scalars A[r][s] = β_r (k̂_r·k̂_s) e^{Γ_r−Γ_s} (s < r) and B[r][s] = (q̂_r·k̂_s) e^{Γ_r−Γ_s}
+//    (s ≤ r). They do not depend on the memory, so all chunks of all heads run in parallel; they go to
+//    a scratch buffer (transposed: At[s][r], Bt[s][r]).
+//  * the scan kernel, one block per (value head, slice of CW value columns), chunks in order: RK = K S₀
+//    and RQ = Q S₀ (register tiles), the triangular solve for the new values
 //      u_r = β_r (v_r − e^{Γ_r} RK_r) − Σ_{s<r} A[r][s] u_s
 //    and the outputs o_r = e^{Γ_r} RQ_r + Σ_{s≤r} B[r][s] u_s (one warp per 4 columns, one lane per
 //    row pair, column-oriented: when u_s is final it is broadcast and every later row takes its
 //    term), then at a chunk's end S ← e^{Γ_63} S + Σ_s e^{Γ_63−Γ_s} k̂_s u_sᵀ (register tiles).
 //
-// Invariance. Every float the kernels produce is formed by the same sequence of operations as in the
-// one-block-per-row-loop version this replaces, and that sequence depends only on the element's own
-// position (head, chunk-relative row r, column j, i) and its own inputs:
+// Invariance. Every float the kernels produce is formed by the same sequence of operations, and that
+// sequence depends only on the element's own position (head, chunk-relative row r, column j, i) and
+// its own inputs:
 //   Γ_r   = ((Γ_{r0−1} + g_{r0}) + …) + g_r in f64, row order (pending rows come from the state);
 //   dots  k̂_r·k̂_s, q̂_r·k̂_s, RK_rj, RQ_rj: fmaf over i = 0..dk−1 in order, from 0;
 //   A     = (β_r · dot) · (float)exp(Γ_r − Γ_s);  B = dot · (float)exp(Γ_r − Γ_s)  (B[r][r] = dot);
@@ -25,9 +25,11 @@
 //   o_rj  = e^{Γ_r} · RQ_rj, then fmaf(B[r][s], u_sj, ·) for s = 0..r in order;
 //   S_ij  = e^{Γ_63} · S_ij, then fmaf(e^{Γ_63−Γ_s} · k̂_si, u_sj, ·) for s = 0..63 in order.
 // A call that starts mid-chunk finds the earlier rows' k̂_s, u_s, Γ_s in the state bit for bit, so any
-// split of a sequence into calls (and any split of a call into launches, see cuda.rs) gives the same
-// bits, whatever T, the grid or the other heads. (Not bitwise equal to the CPU, whose dot products
-// use 8 lanes.)
+// split of a sequence into calls (and any split of a call into launches, see cuda_delta.rs) gives the
+// same bits, whatever T, the grid, the other heads or the other segments of the launch. (Not bitwise
+// equal to the CPU, whose dot products use 8 lanes.) The per-segment kernels these replaced (one
+// launch per segment, the history in docs/optimization-log.md) formed the same sequences; they were
+// deleted once the device checks had compared them bit for bit on every case.
 
 #define CHUNK 64
 #define CW 32
@@ -47,343 +49,9 @@ __device__ __forceinline__ void chunk_rows(int c, int pending, int T, int* r0, i
     *r1 = min(CHUNK, pending + T - c * CHUNK);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-delta_rule_pairs_f32(const float* __restrict__ q,       // [*, H, dk]
-                     const float* __restrict__ k,       // [*, H, dk]
-                     const float* __restrict__ g,       // [*, H]
-                     const float* __restrict__ beta,    // [*, H]
-                     const float* __restrict__ pk_in,   // [H, CHUNK, dk]
-                     const double* __restrict__ gam_in, // [H, CHUNK]
-                     float* __restrict__ ab,            // [H, nch, 2, CHUNK, CHUNK]
-                     double* __restrict__ gam_s,        // [H, nch, CHUNK]
-                     int t0, int T, int H, int dk, int pending) {
-    extern __shared__ double smem_d[];
-    const int h = blockIdx.x, c = blockIdx.y, nch = gridDim.y;
-    const int tid = threadIdx.x;
-    double* gam = smem_d;                 // [CHUNK]
-    float* bet = (float*)(gam + CHUNK);   // [CHUNK]
-    float* Kt = bet + CHUNK;              // [dk][XS]
-    float* Qt = Kt + dk * XS;             // [dk][XS]
-    int r0, r1;
-    chunk_rows(c, pending, T, &r0, &r1);
-    const long tok0 = (long)t0 + (long)c * CHUNK - pending;  // token of row 0
-
-    for (int idx = tid; idx < CHUNK * dk; idx += THREADS) {
-        const int r = idx / dk, i = idx % dk;
-        float kv = 0.f, qv = 0.f;
-        if (r < r0) {
-            kv = pk_in[((size_t)h * CHUNK + r) * dk + i];
-        } else if (r < r1) {
-            const size_t at = ((size_t)(tok0 + r) * H + h) * dk + i;
-            kv = k[at];
-            qv = q[at];
-        }
-        Kt[i * XS + r] = kv;
-        Qt[i * XS + r] = qv;
-    }
-    for (int r = tid; r < CHUNK; r += THREADS) {
-        bet[r] = (r >= r0 && r < r1) ? beta[(size_t)(tok0 + r) * H + h] : 0.f;
-        if (r < r0) gam[r] = gam_in[h * CHUNK + r];
-        if (r >= r1) gam[r] = 0.0;
-    }
-    if (tid == 0) {
-        double acc = r0 == 0 ? 0.0 : gam_in[h * CHUNK + r0 - 1];
-        for (int r = r0; r < r1; ++r) {
-            acc += (double)g[(size_t)(tok0 + r) * H + h];
-            gam[r] = acc;
-        }
-    }
-    __syncthreads();
-    for (int r = tid; r < CHUNK; r += THREADS) gam_s[((size_t)h * nch + c) * CHUNK + r] = gam[r];
-
-    // One 4×4 tile of (r, s) pairs per thread; tiles wholly above the diagonal or outside r0..r1 idle.
-    const int ra = (tid >> 4) * 4, sa = (tid & 15) * 4;
-    const bool active = sa <= ra + 3 && ra < r1 && ra + 4 > r0;
-    float dq[4][4], dkk[4][4];
-#pragma unroll
-    for (int m = 0; m < 4; ++m)
-#pragma unroll
-        for (int n = 0; n < 4; ++n) dq[m][n] = dkk[m][n] = 0.f;
-    if (active) {
-        for (int i = 0; i < dk; ++i) {
-            const float4 kr = *(const float4*)&Kt[i * XS + ra];
-            const float4 qr = *(const float4*)&Qt[i * XS + ra];
-            const float4 ks = *(const float4*)&Kt[i * XS + sa];
-#pragma unroll
-            for (int m = 0; m < 4; ++m)
-#pragma unroll
-                for (int n = 0; n < 4; ++n) {
-                    dq[m][n] = fmaf(f4(qr, m), f4(ks, n), dq[m][n]);
-                    dkk[m][n] = fmaf(f4(kr, m), f4(ks, n), dkk[m][n]);
-                }
-        }
-    }
-    float* At = ab + ((size_t)h * nch + c) * 2 * CHUNK * CHUNK;
-    float* Bt = At + CHUNK * CHUNK;
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-        const int s = sa + n;
-        float a[4], b[4];
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-            const int r = ra + m;
-            a[m] = 0.f;
-            b[m] = 0.f;
-            if (active && r >= r0 && r < r1 && s <= r) {
-                if (s < r) {
-                    const float d = (float)exp(gam[r] - gam[s]);
-                    a[m] = bet[r] * dkk[m][n] * d;
-                    b[m] = dq[m][n] * d;
-                } else {
-                    b[m] = dq[m][n];
-                }
-            }
-        }
-        *(float4*)&At[s * CHUNK + ra] = make_float4(a[0], a[1], a[2], a[3]);
-        *(float4*)&Bt[s * CHUNK + ra] = make_float4(b[0], b[1], b[2], b[3]);
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS, 2)
-delta_rule_chunked_f32(const float* __restrict__ q,      // [*, H, dk]
-                       const float* __restrict__ k,      // [*, H, dk]
-                       const float* __restrict__ v,      // [*, H, dv]
-                       const float* __restrict__ beta,   // [*, H]
-                       const float* __restrict__ ab,     // [H, nch, 2, CHUNK, CHUNK] (pairs kernel)
-                       const double* __restrict__ gam_s, // [H, nch, CHUNK] (pairs kernel)
-                       const float* __restrict__ s_in,   // [H, dk, dv]
-                       const float* __restrict__ pk_in,  // [H, CHUNK, dk]
-                       const float* __restrict__ pu_in,  // [H, CHUNK, dv]
-                       float* __restrict__ out,          // [*, H, dv]
-                       float* __restrict__ s_out,
-                       float* __restrict__ pk_out,
-                       float* __restrict__ pu_out,
-                       double* __restrict__ gam_out,
-                       int t0, int T, int H, int dk, int dv, int pending, int nch) {
-    extern __shared__ double smem_d[];
-    const int h = blockIdx.x;
-    const int c0 = blockIdx.y * CW;
-    const int tid = threadIdx.x;
-    const int warp = tid >> 5, lane = tid & 31;
-
-    double* gam = smem_d;                       // [CHUNK]
-    float* bet = (float*)(gam + CHUNK);         // [CHUNK]
-    float* dec = bet + CHUNK;                   // [CHUNK] e^{Γ_r}
-    float* te = dec + CHUNK;                    // [CHUNK] e^{Γ_63 − Γ_s}
-    float* S = te + CHUNK;                      // [dk][CW]
-    float* U = S + dk * CW;                     // [CHUNK][US]
-    float* O = U + CHUNK * US;                  // [CHUNK][US]
-    float* Kt = O + CHUNK * US;                 // [dk][XS]
-    float* X = Kt + dk * XS;                    // Qt [dk][XS], then At, Bt [CHUNK][CHUNK] each
-    float* Qt = X;
-    float* At = X;
-    float* Bt = X + CHUNK * CHUNK;
-
-    for (int idx = tid; idx < dk * CW; idx += THREADS) {
-        const int i = idx / CW, j = idx % CW;
-        S[idx] = s_in[((size_t)h * dk + i) * dv + c0 + j];
-    }
-    for (int idx = tid; idx < pending * dk; idx += THREADS) {
-        const int s = idx / dk, i = idx % dk;
-        Kt[i * XS + s] = pk_in[((size_t)h * CHUNK + s) * dk + i];
-    }
-    for (int idx = tid; idx < pending * CW; idx += THREADS) {
-        const int s = idx / CW, j = idx % CW;
-        U[s * US + j] = pu_in[((size_t)h * CHUNK + s) * dv + c0 + j];
-    }
-
-    int r0 = pending, r1 = pending;
-    for (int c = 0; c < nch; ++c) {
-        chunk_rows(c, pending, T, &r0, &r1);
-        const long tok0 = (long)t0 + (long)c * CHUNK - pending;
-        // 1. stage the chunk's new rows of k̂ and q̂ (transposed), Γ, β and e^{Γ_r}
-        for (int idx = tid; idx < (r1 - r0) * dk; idx += THREADS) {
-            const int r = r0 + idx / dk, i = idx % dk;
-            const size_t at = ((size_t)(tok0 + r) * H + h) * dk + i;
-            Kt[i * XS + r] = k[at];
-            Qt[i * XS + r] = q[at];
-        }
-        const double* gc = gam_s + ((size_t)h * nch + c) * CHUNK;
-        for (int r = tid; r < CHUNK; r += THREADS) {
-            gam[r] = gc[r];
-            if (r >= r0 && r < r1) {
-                bet[r] = beta[(size_t)(tok0 + r) * H + h];
-                dec[r] = (float)exp(gc[r]);
-            }
-        }
-        // The pair scalars of rows s < r1 (read now, stored once Qt is no longer needed).
-        const float4* abc = (const float4*)(ab + ((size_t)h * nch + c) * 2 * CHUNK * CHUNK);
-        float4 pre[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const int idx = tid + e * THREADS;                // float4 index in [2][CHUNK][CHUNK/4]
-            const int s = (idx / (CHUNK / 4)) % CHUNK;
-            pre[e] = s < r1 ? abc[idx] : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-        __syncthreads();
-
-        // 2. RK (threads 0..127) and RQ (128..255) for this block's columns, 4 rows × 4 columns each,
-        //    folded straight into the solve's start values: U[r] = β_r (v_r − e^{Γ_r} RK_r),
-        //    O[r] = e^{Γ_r} RQ_r.
-        {
-            const int which = tid >> 7, tile = tid & 127;
-            const int ra = (tile >> 3) * 4, ca = (tile & 7) * 4;
-            if (ra < r1 && ra + 4 > r0) {
-                const float* Xt = which == 0 ? Kt : Qt;
-                float acc[4][4];
-#pragma unroll
-                for (int m = 0; m < 4; ++m)
-#pragma unroll
-                    for (int n = 0; n < 4; ++n) acc[m][n] = 0.f;
-                for (int i = 0; i < dk; ++i) {
-                    const float4 x = *(const float4*)&Xt[i * XS + ra];
-                    const float4 sv = *(const float4*)&S[i * CW + ca];
-#pragma unroll
-                    for (int m = 0; m < 4; ++m)
-#pragma unroll
-                        for (int n = 0; n < 4; ++n) acc[m][n] = fmaf(f4(x, m), f4(sv, n), acc[m][n]);
-                }
-#pragma unroll
-                for (int m = 0; m < 4; ++m) {
-                    const int r = ra + m;
-                    if (r < r0 || r >= r1) continue;
-                    float res[4];
-                    if (which == 0) {
-                        const float* vr = v + ((size_t)(tok0 + r) * H + h) * dv + c0 + ca;
-#pragma unroll
-                        for (int n = 0; n < 4; ++n) res[n] = bet[r] * fmaf(-dec[r], acc[m][n], vr[n]);
-                        *(float4*)&U[r * US + ca] = make_float4(res[0], res[1], res[2], res[3]);
-                    } else {
-#pragma unroll
-                        for (int n = 0; n < 4; ++n) res[n] = dec[r] * acc[m][n];
-                        *(float4*)&O[r * US + ca] = make_float4(res[0], res[1], res[2], res[3]);
-                    }
-                }
-            }
-        }
-        __syncthreads();
-#pragma unroll
-        for (int e = 0; e < 8; ++e) ((float4*)X)[tid + e * THREADS] = pre[e];
-        __syncthreads();
-
-        // 3. the solve and the outputs: warp w owns columns 4w..4w+3, lane l rows l and l+32.
-        {
-            const int ca = warp * 4;
-            const int rlo = lane, rhi = lane + 32;
-            const bool lo_live = rlo >= r0 && rlo < r1, hi_live = rhi >= r0 && rhi < r1;
-            float ulo[4], uhi[4], olo[4], ohi[4];
-            {
-                const float4 a = *(const float4*)&U[rlo * US + ca];
-                const float4 b = *(const float4*)&U[rhi * US + ca];
-                const float4 x = *(const float4*)&O[rlo * US + ca];
-                const float4 y = *(const float4*)&O[rhi * US + ca];
-#pragma unroll
-                for (int n = 0; n < 4; ++n) {
-                    ulo[n] = f4(a, n);
-                    uhi[n] = f4(b, n);
-                    olo[n] = f4(x, n);
-                    ohi[n] = f4(y, n);
-                }
-            }
-            for (int s = 0; s < r1; ++s) {
-                const float alo = At[s * CHUNK + rlo], ahi = At[s * CHUNK + rhi];
-                const float blo = Bt[s * CHUNK + rlo], bhi = Bt[s * CHUNK + rhi];
-                const bool ulo_t = lo_live && rlo > s, uhi_t = hi_live && rhi > s;
-                const bool olo_t = lo_live && rlo >= s, ohi_t = hi_live && rhi >= s;
-#pragma unroll
-                for (int n = 0; n < 4; ++n) {
-                    // u_s is final: every term s' < s reached its row in an earlier step.
-                    const float us = __shfl_sync(0xffffffffu, s < 32 ? ulo[n] : uhi[n], s & 31);
-                    if (ulo_t) ulo[n] = fmaf(-alo, us, ulo[n]);
-                    if (uhi_t) uhi[n] = fmaf(-ahi, us, uhi[n]);
-                    if (olo_t) olo[n] = fmaf(blo, us, olo[n]);
-                    if (ohi_t) ohi[n] = fmaf(bhi, us, ohi[n]);
-                }
-            }
-            if (lo_live) {
-                *(float4*)&U[rlo * US + ca] = make_float4(ulo[0], ulo[1], ulo[2], ulo[3]);
-                *(float4*)&O[rlo * US + ca] = make_float4(olo[0], olo[1], olo[2], olo[3]);
-            }
-            if (hi_live) {
-                *(float4*)&U[rhi * US + ca] = make_float4(uhi[0], uhi[1], uhi[2], uhi[3]);
-                *(float4*)&O[rhi * US + ca] = make_float4(ohi[0], ohi[1], ohi[2], ohi[3]);
-            }
-        }
-        __syncthreads();
-
-        // 4. outputs
-        for (int idx = tid; idx < (r1 - r0) * CW; idx += THREADS) {
-            const int r = r0 + idx / CW, j = idx % CW;
-            out[((size_t)(tok0 + r) * H + h) * dv + c0 + j] = O[r * US + j];
-        }
-
-        // 5. close a full chunk: scale the keys by e^{Γ_63−Γ_s} in place, then S in 4×4 tiles.
-        if (r1 == CHUNK) {
-            const double last = gam[CHUNK - 1];
-            for (int s = tid; s < CHUNK; s += THREADS) te[s] = (float)exp(last - gam[s]);
-            __syncthreads();
-            for (int idx = tid; idx < dk * CHUNK; idx += THREADS) {
-                const int i = idx / CHUNK, s = idx % CHUNK;
-                Kt[i * XS + s] = te[s] * Kt[i * XS + s];
-            }
-            __syncthreads();
-            const float decay_all = (float)exp(last);
-            for (int tile = tid; tile < (dk / 4) * (CW / 4); tile += THREADS) {
-                const int ia = (tile / (CW / 4)) * 4, ca = (tile % (CW / 4)) * 4;
-                float acc[4][4];
-#pragma unroll
-                for (int m = 0; m < 4; ++m) {
-                    const float4 sv = *(const float4*)&S[(ia + m) * CW + ca];
-#pragma unroll
-                    for (int n = 0; n < 4; ++n) acc[m][n] = decay_all * f4(sv, n);
-                }
-                for (int s = 0; s < CHUNK; s += 4) {
-                    float4 kx[4], uu[4];
-#pragma unroll
-                    for (int m = 0; m < 4; ++m) kx[m] = *(const float4*)&Kt[(ia + m) * XS + s];
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) uu[e] = *(const float4*)&U[(s + e) * US + ca];
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-#pragma unroll
-                        for (int m = 0; m < 4; ++m)
-#pragma unroll
-                            for (int n = 0; n < 4; ++n) acc[m][n] = fmaf(f4(kx[m], e), f4(uu[e], n), acc[m][n]);
-                }
-#pragma unroll
-                for (int m = 0; m < 4; ++m)
-                    *(float4*)&S[(ia + m) * CW + ca] = make_float4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
-            }
-            r0 = r1 = 0;
-        }
-        __syncthreads();
-    }
-
-    // The new state: S at the last boundary and the pending rows (unused rows are zero).
-    const int kept = r1;  // rows of the open chunk (0 after a close)
-    for (int idx = tid; idx < dk * CW; idx += THREADS) {
-        const int i = idx / CW, j = idx % CW;
-        s_out[((size_t)h * dk + i) * dv + c0 + j] = S[idx];
-    }
-    for (int idx = tid; idx < CHUNK * CW; idx += THREADS) {
-        const int s = idx / CW, j = idx % CW;
-        pu_out[((size_t)h * CHUNK + s) * dv + c0 + j] = s < kept ? U[s * US + j] : 0.f;
-    }
-    if (blockIdx.y == 0) {
-        for (int idx = tid; idx < CHUNK * dk; idx += THREADS) {
-            const int s = idx / dk, i = idx % dk;
-            pk_out[((size_t)h * CHUNK + s) * dk + i] = s < kept ? Kt[i * XS + s] : 0.f;
-        }
-        for (int s = tid; s < CHUNK; s += THREADS) gam_out[h * CHUNK + s] = s < kept ? gam[s] : 0.0;
-    }
-}
-
 // =====================================================================================================
-// The batched kernels: what the model runs (`prism_model::cuda_delta`). The two kernels above stay as
-// the reference path (`cuda::delta_rule_chunked`, also selected by PRISM_DELTA_RULE=v1): the batched
-// kernels form every float by the operation sequence listed at the top of this file, so both give the
-// same bits (`prism cuda-check` compares them). What changed is where and how the work is done:
-//
+// The batched kernels: what the model runs (`prism_model::cuda_delta`). Compared with one launch per
+// segment:
 //  * One launch covers up to MAXSEG independent segments (sequences whose starting state is known),
 //    each with its own rows of the packed inputs, its own state and its own pending rows. Blocks pick
 //    (value head, chunk of a segment) in the pair kernel and (value head, column slice, segment) in the
@@ -392,7 +60,7 @@ delta_rule_chunked_f32(const float* __restrict__ q,      // [*, H, dk]
 //    GQA tiling needs no copies. v is read through a row stride (a column range of the conv output).
 //  * The pair kernel also writes, per (chunk, head), Γ and the f32 factors e^{Γ_r}, e^{Γ_63−Γ_s}, β_r
 //    and e^{Γ_63} (the same f64 exp calls, once per chunk instead of once per column slice).
-//  * Loads. The old kernels stage k̂/q̂ one float at a time in loops the compiler unrolls by four, each
+//  * Loads. The per-segment kernels staged k̂/q̂ one float at a time in loops the compiler unrolls by four, each
 //    group's stores waiting for its loads (their SASS): 8 dependent trips to memory per chunk in the
 //    scan kernel, then one more each for Γ/β, the pair scalars and v; 32 in the pair kernel (its loads
 //    sit in branches, so each element's store waits before the next element's load), whose f64 Γ
@@ -445,8 +113,8 @@ __device__ __forceinline__ int segment_of_chunk(const DeltaSegments& sg, int gc)
     return seg;
 }
 
-// Grid (H, total chunks): the pair scalars of one chunk of one segment for one value head (as in
-// `delta_rule_pairs_f32`), plus its Γ and decay factors.
+// Grid (H, total chunks): the pair scalars of one chunk of one segment for one value head (the pair
+// kernel of the header), plus its Γ and decay factors.
 extern "C" __global__ void __launch_bounds__(THREADS)
 delta_rule_pairs_batch_f32(const float* __restrict__ q,     // [N, HK, dk]
                            const float* __restrict__ k,     // [N, HK, dk]
@@ -539,7 +207,7 @@ delta_rule_pairs_batch_f32(const float* __restrict__ q,     // [N, HK, dk]
         }
     }
 
-    // The dot products and pair scalars: as in delta_rule_pairs_f32.
+    // The dot products and pair scalars (the sequences of the header).
     const int ra = (tid >> 4) * 4, sa = (tid & 15) * 4;
     const bool active = sa <= ra + 3 && ra < r1 && ra + 4 > r0;
     float dq[4][4], dkk[4][4];
@@ -587,8 +255,8 @@ delta_rule_pairs_batch_f32(const float* __restrict__ q,     // [N, HK, dk]
     }
 }
 
-// Grid (H, dv / CW, segments): one value head's CW columns of one segment, its chunks in order (as in
-// `delta_rule_chunked_f32`).
+// Grid (H, dv / CW, segments): one value head's CW columns of one segment, its chunks in order (the
+// scan kernel of the header).
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 delta_rule_scan_batch_f32(const float* __restrict__ q,       // [N, HK, dk]
                           const float* __restrict__ k,       // [N, HK, dk]
@@ -729,7 +397,7 @@ delta_rule_scan_batch_f32(const float* __restrict__ q,       // [N, HK, dk]
         for (int e = 0; e < 8; ++e) ((float4*)X)[tid + e * THREADS] = pre[e];
         __syncthreads();
 
-        // 3. The solve and the outputs (as in delta_rule_chunked_f32): warp w owns columns 4w..4w+3,
+        // 3. The solve and the outputs (the header's sequences): warp w owns columns 4w..4w+3,
         //    lane l rows l and l + 32; u_s is broadcast once final. Rows s < 32 come from the low
         //    registers, the rest from the high ones (two loops, no per-step select).
         {

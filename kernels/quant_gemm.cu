@@ -22,6 +22,25 @@ __device__ __forceinline__ float warp_max(float v) {
 // SwiGLU input below must give swiglu_f32's bits).
 __device__ __forceinline__ float silu_as_ops(float x) { return x / (1.f + expf(-x)); }
 
+// A run's scale s = amax / 127 and its inverse (both 0 below AMAX_MIN) from each lane's largest
+// magnitude `m`; flags the row in `bad_rows` when any lane saw a value that is not finite.
+__device__ __forceinline__ float2 run_scale(bool bad, float m, int row, int lane,
+                                            unsigned int* __restrict__ bad_rows) {
+    if (__any_sync(0xffffffffu, bad) && lane == 0) bad_rows[row] = 1u;
+    const float amax = warp_max(m);
+    float s = 0.f, inv = 0.f;
+    if (amax >= AMAX_MIN) {
+        s = __fdiv_rn(amax, 127.f);
+        inv = __fdiv_rn(127.f, amax);
+    }
+    return make_float2(s, inv);
+}
+
+// The int8 value of v at the inverse scale inv: rounded half to even, clamped to ±127.
+__device__ __forceinline__ int quantize_value(float v, float inv) {
+    return (int)fminf(fmaxf(rintf(__fmul_rn(v, inv)), -127.f), 127.f);
+}
+
 // One warp per (row, run of 128): lane l holds the run's elements 4l .. 4l + 3 (a shorter last run:
 // the missing elements are 0). Writes the int8 values, the run scale sa, the sums of each 32 values
 // (want_sums: Q4_K / Q5_K, whose rows are whole 256-blocks) and, for a row holding a NaN or ±inf,
@@ -56,19 +75,13 @@ __device__ __forceinline__ void quantize_act_body(const float* __restrict__ x, l
         bad |= !isfinite(v[i]);
         m = fmaxf(m, fabsf(v[i]));  // the maximum of finite values is exact in any order
     }
-    if (__any_sync(0xffffffffu, bad) && lane == 0) bad_rows[row] = 1u;
-    const float amax = warp_max(m);
-    float s = 0.f, inv = 0.f;
-    if (amax >= AMAX_MIN) {
-        s = __fdiv_rn(amax, 127.f);
-        inv = __fdiv_rn(127.f, amax);
-    }
+    const float2 scale = run_scale(bad, m, row, lane, bad_rows);
+    const float s = scale.x, inv = scale.y;
     signed char* qr = qa + (size_t)row * cols + c0;
     int part = 0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const float t = fminf(fmaxf(rintf(__fmul_rn(v[i], inv)), -127.f), 127.f);
-        const int q = (int)t;
+        const int q = quantize_value(v[i], inv);
         part += q;
         if (4 * lane + i < len) qr[4 * lane + i] = (signed char)q;
     }
@@ -143,18 +156,12 @@ extern "C" __global__ void quantize_act_gated_norm_run128(
         bad |= !isfinite(val);
         m = fmaxf(m, fabsf(val));
     }
-    if (__any_sync(0xffffffffu, bad) && lane == 0) bad_rows[row] = 1u;
-    const float amax = warp_max(m);
-    float s = 0.f, inv = 0.f;
-    if (amax >= AMAX_MIN) {
-        s = __fdiv_rn(amax, 127.f);
-        inv = __fdiv_rn(127.f, amax);
-    }
+    const float2 scale = run_scale(bad, m, row, lane, bad_rows);
+    const float s = scale.x, inv = scale.y;
     signed char* qr = qa + (size_t)row * cols + (size_t)head * RUN;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        const float t = fminf(fmaxf(rintf(__fmul_rn(v[j], inv)), -127.f), 127.f);
-        const int q = (int)t;
+        const int q = quantize_value(v[j], inv);
         qr[lane + 32 * j] = (signed char)q;
         if (want_sums) {
             // Group j of the run (its 32 values) is element j of every lane.

@@ -14,19 +14,9 @@ use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Result, Shape, Storage, StorageRef, Tensor, D};
 use prism_quant::cuda_launch::{alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input};
 
-use crate::delta_rule::{RuleState, CHUNK};
 use crate::ops::{row_map, RowMap};
 
-const DELTA_RULE_IMAGE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/delta_rule.fatbin"));
 const OPS_IMAGE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/ops.fatbin"));
-
-/// Value columns per delta-rule block (`CW` in delta_rule.cu).
-const DELTA_RULE_COLUMNS: usize = 32;
-const DELTA_RULE_THREADS: u32 = 256;
-/// Chunks per launch of the delta-rule kernels: bounds the pair-scalar scratch (32 KiB per head and
-/// chunk) for long prompts. Launch boundaries fall on chunk boundaries, and the state carries across
-/// them exactly as across calls, so the split changes no bits.
-const DELTA_RULE_CHUNKS_PER_LAUNCH: usize = 32;
 
 /// Gives the device memory that the stream-ordered allocator keeps after frees back to the driver
 /// (synchronizes the device first). candle allocates with `cuMemAllocAsync` from the device's memory
@@ -54,187 +44,6 @@ pub fn release_cached_memory(dev: &CudaDevice) -> Result<()> {
         tracing::warn!("could not return cached device memory to the driver: {e}");
     }
     Ok(())
-}
-
-/// The CUDA twin of [`crate::delta_rule::chunked`]: same inputs, same state layout, same chunk
-/// boundaries. f32 only.
-///
-/// Runs in launches of up to [`DELTA_RULE_CHUNKS_PER_LAUNCH`] chunks, each two kernels: the pair
-/// scalars of all its chunks in parallel (`delta_rule_pairs_f32`), then the chunks in order
-/// (`delta_rule_chunked_f32`); see delta_rule.cu.
-pub fn delta_rule_chunked(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-    state: &RuleState,
-) -> Result<(Tensor, RuleState)> {
-    let (t_len, heads, dk, dv) = crate::delta_rule::check_inputs(q, k, v, g, beta, state)?;
-    if dv % DELTA_RULE_COLUMNS != 0 || dk % 4 != 0 || dk > 256 {
-        bail!(
-            "delta rule (cuda): dv = {dv} must be a multiple of {DELTA_RULE_COLUMNS}, dk = {dk} a multiple of 4 up to 256"
-        );
-    }
-    let dev = cuda_device(q)?;
-    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    let (g, beta) = (g.contiguous()?, beta.contiguous()?);
-    let iq = Input::new(&q, DType::F32, "q")?;
-    let ik = Input::new(&k, DType::F32, "k")?;
-    let iv = Input::new(&v, DType::F32, "v")?;
-    let ig = Input::new(&g, DType::F32, "g")?;
-    let ib = Input::new(&beta, DType::F32, "beta")?;
-    let tokens = TokenInputs {
-        q: iq.view::<f32>()?,
-        k: ik.view::<f32>()?,
-        v: iv.view::<f32>()?,
-        g: ig.view::<f32>()?,
-        beta: ib.view::<f32>()?,
-        heads: i32_arg(heads, "heads")?,
-        dk,
-        dv,
-    };
-    let out = alloc::<f32>(&dev, t_len * heads * dv)?;
-    let mut state = state.clone();
-    let mut t0 = 0;
-    while t0 < t_len {
-        let room = DELTA_RULE_CHUNKS_PER_LAUNCH * CHUNK - state.pending;
-        let n = room.min(t_len - t0);
-        state = delta_rule_launch(&dev, &tokens, &out, t0, n, &state)?;
-        t0 += n;
-    }
-    Ok((wrap(out, &dev, (t_len, heads, dv)), state))
-}
-
-/// The token inputs of one delta-rule call, as device views.
-struct TokenInputs<'a> {
-    q: CudaView<'a, f32>,
-    k: CudaView<'a, f32>,
-    v: CudaView<'a, f32>,
-    g: CudaView<'a, f32>,
-    beta: CudaView<'a, f32>,
-    heads: i32,
-    dk: usize,
-    dv: usize,
-}
-
-/// Tokens `t0..t0 + n` of a call (whole chunks, except possibly the last) from `state`: writes their
-/// outputs into `out` and returns the state after them.
-fn delta_rule_launch(
-    dev: &CudaDevice,
-    x: &TokenInputs<'_>,
-    out: &CudaSlice<f32>,
-    t0: usize,
-    n: usize,
-    state: &RuleState,
-) -> Result<RuleState> {
-    let (heads, dk, dv) = (x.heads as usize, x.dk, x.dv);
-    let chunks = (state.pending + n).div_ceil(CHUNK);
-    let s_in = state.chunk_start.contiguous()?;
-    let pk_in = state.pending_k.contiguous()?;
-    let pu_in = state.pending_u.contiguous()?;
-    let gam_in = state.pending_gamma.contiguous()?;
-    let is = Input::new(&s_in, DType::F32, "memory")?;
-    let ipk = Input::new(&pk_in, DType::F32, "pending keys")?;
-    let ipu = Input::new(&pu_in, DType::F32, "pending values")?;
-    let igam = Input::new(&gam_in, DType::F64, "pending decays")?;
-    let (vs, vpk, vpu) = (is.view::<f32>()?, ipk.view::<f32>()?, ipu.view::<f32>()?);
-    let vgam = igam.view::<f64>()?;
-
-    // Scratch of the pair kernel: At/Bt [H, chunks, 2, 64, 64] and Γ [H, chunks, 64], all written.
-    let ab = alloc::<f32>(dev, heads * chunks * 2 * CHUNK * CHUNK)?;
-    let gam_s = alloc::<f64>(dev, heads * chunks * CHUNK)?;
-    let s_out = alloc::<f32>(dev, heads * dk * dv)?;
-    let pk_out = alloc::<f32>(dev, heads * CHUNK * dk)?;
-    let pu_out = alloc::<f32>(dev, heads * CHUNK * dv)?;
-    let gam_out = alloc::<f64>(dev, heads * CHUNK)?;
-
-    // Shared memory, as laid out at the top of each kernel (XS = CHUNK + 4, US = CW + 4).
-    let (xs, us, cw) = (CHUNK + 4, DELTA_RULE_COLUMNS + 4, DELTA_RULE_COLUMNS);
-    let pairs_smem = CHUNK * 8 + CHUNK * 4 + 2 * dk * xs * 4;
-    let main_smem = CHUNK * 8
-        + 3 * CHUNK * 4
-        + (dk * cw + 2 * CHUNK * us + dk * xs + (dk * xs).max(2 * CHUNK * CHUNK)) * 4;
-    let (t0_i, n_i, dk_i, dv_i, p_i, ch_i) = (
-        i32_arg(t0, "token offset")?,
-        i32_arg(n, "tokens")?,
-        i32_arg(dk, "dk")?,
-        i32_arg(dv, "dv")?,
-        i32_arg(state.pending, "pending")?,
-        i32_arg(chunks, "chunks")?,
-    );
-
-    let pairs = load_kernel(
-        dev,
-        "prism_delta_rule",
-        DELTA_RULE_IMAGE,
-        "delta_rule_pairs_f32",
-    )?;
-    pairs.allow_dynamic_shared(pairs_smem, "delta rule pair shared memory")?;
-    let cfg = LaunchConfig {
-        grid_dim: (heads as u32, chunks as u32, 1),
-        block_dim: (DELTA_RULE_THREADS, 1, 1),
-        shared_mem_bytes: pairs_smem as u32,
-    };
-    {
-        let mut b = pairs.builder();
-        b.arg(&x.q)
-            .arg(&x.k)
-            .arg(&x.g)
-            .arg(&x.beta)
-            .arg(&vpk)
-            .arg(&vgam);
-        b.arg(&ab).arg(&gam_s);
-        b.arg(&t0_i).arg(&n_i).arg(&x.heads).arg(&dk_i).arg(&p_i);
-        // SAFETY: argument types and buffer sizes match the kernel's signature (checked by the caller
-        // and above); the kernel reads tokens t0..t0 + n only.
-        unsafe { b.launch(cfg) }.map_err(launch_err)?;
-    }
-
-    let main = load_kernel(
-        dev,
-        "prism_delta_rule",
-        DELTA_RULE_IMAGE,
-        "delta_rule_chunked_f32",
-    )?;
-    main.allow_dynamic_shared(main_smem, "delta rule shared memory")?;
-    let cfg = LaunchConfig {
-        grid_dim: (heads as u32, (dv / cw) as u32, 1),
-        block_dim: (DELTA_RULE_THREADS, 1, 1),
-        shared_mem_bytes: main_smem as u32,
-    };
-    {
-        let mut b = main.builder();
-        b.arg(&x.q)
-            .arg(&x.k)
-            .arg(&x.v)
-            .arg(&x.beta)
-            .arg(&ab)
-            .arg(&gam_s);
-        b.arg(&vs).arg(&vpk).arg(&vpu);
-        b.arg(out)
-            .arg(&s_out)
-            .arg(&pk_out)
-            .arg(&pu_out)
-            .arg(&gam_out);
-        b.arg(&t0_i)
-            .arg(&n_i)
-            .arg(&x.heads)
-            .arg(&dk_i)
-            .arg(&dv_i)
-            .arg(&p_i)
-            .arg(&ch_i);
-        // SAFETY: as above; `out` holds all tokens of the call and this launch writes t0..t0 + n.
-        unsafe { b.launch(cfg) }.map_err(launch_err)?;
-    }
-    Ok(RuleState {
-        chunk_start: wrap(s_out, dev, (heads, dk, dv)),
-        pending_k: wrap(pk_out, dev, (heads, CHUNK, dk)),
-        pending_u: wrap(pu_out, dev, (heads, CHUNK, dv)),
-        pending_gamma: wrap(gam_out, dev, (heads, CHUNK)),
-        pending: (state.pending + n) % CHUNK,
-        rows: crate::delta_rule::PendingRows::new((state.pending + n) % CHUNK),
-    })
 }
 
 /// Which normalisation [`norm_rows`] applies (`mode` and `scale` in ops.cu).
@@ -554,9 +363,9 @@ pub fn gated_rms_norm(x: &Tensor, gate: &Tensor, weight: &Tensor, eps: f64) -> R
     .0)
 }
 
-/// CUDA twin of [`crate::ops::gated_rms_norm_rows`]: `x: [n, h, d]`, the gate `[n, h·d]` read in place;
-/// returns `[n, h·d]` in `out`.
-pub fn gated_rms_norm_rows(
+/// CUDA twin of [`crate::ops::gated_rms_norm_rows`], which checks the shapes: `x: [n, h, d]`, the gate
+/// `[n, h·d]` read in place; returns `[n, h·d]` in `out`.
+pub(crate) fn gated_rms_norm_rows(
     x: &Tensor,
     gate: &Tensor,
     weight: &Tensor,
@@ -564,9 +373,6 @@ pub fn gated_rms_norm_rows(
     out: DType,
 ) -> Result<Tensor> {
     let (n, h, d) = x.dims3()?;
-    if gate.dims() != [n, h * d] {
-        bail!("norm gate {:?} does not fit x {:?}", gate.dims(), x.dims());
-    }
     norm_rows(
         x,
         None,

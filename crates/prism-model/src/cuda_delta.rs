@@ -11,9 +11,8 @@
 //! chunk boundaries, and every float a segment gets is formed by the same operations on its own inputs
 //! whatever shares its launch, so none of this changes a bit (see the kernel file).
 //!
-//! The per-element arithmetic is that of the per-segment kernels of [`crate::cuda::delta_rule_chunked`],
-//! which stay as the reference: `prism cuda-check` compares the two bit for bit
-//! ([`delta_rule_per_segment_v1`]).
+//! Every float is formed by the operation sequence the kernel file lists; the device checks compare a
+//! batch with its segments one call each, and with the CPU twin (`tests/device/checks/delta.rs`).
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
@@ -24,10 +23,10 @@ use prism_quant::cuda_launch::{
     alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input, Scratch,
 };
 
-use crate::delta_rule::{check_batch, per_segment, RuleSegment, RuleState, CHUNK};
+use crate::delta_rule::{check_batch, RuleSegment, RuleState, CHUNK};
 
 const IMAGE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/delta_rule.fatbin"));
-/// The module name of `IMAGE` (the one `cuda::delta_rule_chunked` loads: same fatbin, loaded once).
+/// The module name of `IMAGE`.
 const MODULE: &str = "prism_delta_rule";
 
 /// Segments per launch (`MAXSEG` in delta_rule.cu).
@@ -699,25 +698,4 @@ fn launch_decode(
             })
         })
         .collect()
-}
-
-/// The batched call on the per-segment kernels (`cuda::delta_rule_chunked`), one segment after another
-/// with `q, k` tiled to the value heads: the path before the batched kernels, kept as their reference
-/// (the comparisons of `prism cuda-check`).
-pub fn delta_rule_per_segment_v1(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-    segments: &[RuleSegment],
-    states: &[RuleState],
-) -> Result<(Tensor, Vec<RuleState>)> {
-    check_batch(q, k, v, g, beta, segments, states)?;
-    per_segment(
-        [q, k, v, g, beta],
-        segments,
-        states,
-        crate::cuda::delta_rule_chunked,
-    )
 }

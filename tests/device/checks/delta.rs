@@ -6,24 +6,23 @@
 //!    states 37 tokens into a chunk and from zero, a decode-like one-token segment, a segment that
 //!    ends exactly on a chunk boundary, two branches of one segment and a branch of a branch; q/k with
 //!    2 key heads under 6 value heads. The batched call is compared with (a) the same segments one
-//!    call each (`delta_rule::chunked`, q/k tiled), (b) the per-segment kernels of the path before
-//!    (`cuda_delta::delta_rule_per_segment_v1`, same per-element arithmetic by construction), and
-//!    (c) the batched call on q/k tiled to the value heads.
+//!    call each (`delta_rule::chunked`), (b) v read through a row stride, and (c) the batched call on
+//!    q/k tiled to the value heads.
 //! 2. The same batch against the CPU twin (`chunked_batch` on the host): ‖Δ‖/‖ref‖ of the outputs and
 //!    of the memories after every segment.
-//! 3. The decode kernel (one-token segments inside their chunk) against the pair and scan kernels and
-//!    the per-segment kernels, bit for bit, at every pending count.
+//! 3. The decode kernel (one-token segments inside their chunk) against the pair and scan kernels, bit
+//!    for bit, at every pending count.
 //! 4. Launch limits, bit for bit against one call each: 40 one-token sequences from 40 states at
 //!    different pending rows (two launches of ≤ 32 segments), and a 2,200-token prompt next to three
 //!    short ones (the chunk budget splits the long one across launches).
 //! 5. Timing at 27B shapes (48 value heads over 16 key heads, dk = dv = 128), median of 21 runs after a
 //!    warm-up, µs: one layer's delta rule for one 275-token prompt, for a 230-token prefix and three
-//!    40-token branches of it, and for a decode step of 12 sequences; the per-segment kernels (q/k
-//!    tiled beforehand, one call per segment as the model did) next to the batched call.
+//!    40-token branches of it, and for a decode step of 12 sequences; and the ×3 q/k tiling that
+//!    reading the key heads in place saves.
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
-use prism_model::cuda_delta::{delta_rule_batch_general, delta_rule_per_segment_v1};
+use prism_model::cuda_delta::delta_rule_batch_general;
 use prism_model::delta_rule::{self, chunked_batch, expand_key_heads, RuleSegment, RuleState};
 use serde_json::json;
 
@@ -200,13 +199,6 @@ fn bitwise_and_accuracy_checks(r: &mut Report, gpu: &Device) -> Result<()> {
         &batched,
         &alone,
     )?;
-    let old = delta_rule_per_segment_v1(q, k, v, g, beta, &segments, &gpu_states)?;
-    same_results(
-        r,
-        "delta rule batched vs the per-segment kernels (v1)",
-        &batched,
-        &old,
-    )?;
     // v as the model passes it: a head range of the conv output's rows, read through the row stride.
     let (vn, vh, vd) = v.dims3()?;
     let wide = Tensor::cat(
@@ -258,8 +250,8 @@ fn bitwise_and_accuracy_checks(r: &mut Report, gpu: &Device) -> Result<()> {
     Ok(())
 }
 
-/// The decode kernel (one-token segments inside their chunk) against the pair and scan kernels and the
-/// per-segment kernels, bit for bit: 70 one-token sequences from states at every pending count 0..=63
+/// The decode kernel (one-token segments inside their chunk) against the pair and scan kernels, bit for
+/// bit: 70 one-token sequences from states at every pending count 0..=63
 /// (the 63s close their chunk and take the general path), two of them branching from others.
 fn decode_kernel_checks(r: &mut Report, gpu: &Device) -> Result<()> {
     let (h, hk, dk, dv) = (6usize, 2usize, 128usize, 128usize);
@@ -291,13 +283,6 @@ fn decode_kernel_checks(r: &mut Report, gpu: &Device) -> Result<()> {
         "delta rule decode kernel, rows in place: 70 one-token steps (pending 0..=63, branches) vs the pair and scan kernels (rows past pending masked)",
         &masked(&decoded)?,
         &masked(&general)?,
-    )?;
-    let old = delta_rule_per_segment_v1(q, k, v, g, beta, &segments, &states)?;
-    same_results(
-        r,
-        "delta rule: the per-segment kernels (v1) vs the pair and scan kernels, 70 one-token steps",
-        &old,
-        &general,
     )?;
     // From the same states again: every claim is taken, so each step copies its rows into fresh
     // buffers (a branch then continues its parent's fresh state in place, so rows past pending are
@@ -404,8 +389,8 @@ fn launch_limit_checks(r: &mut Report, gpu: &Device) -> Result<()> {
     Ok(())
 }
 
-/// One layer's delta rule for `segments` at 27B shapes: the per-segment kernels on q/k tiled beforehand
-/// (one call per segment, the model's path before) and the batched call on the key heads.
+/// One layer's delta rule for `segments` at 27B shapes (the batched call on the key heads), and the q/k
+/// tiling to the value heads that reading them in place saves.
 fn time_scenario(
     r: &mut Report,
     gpu: &Device,
@@ -418,12 +403,6 @@ fn time_scenario(
     let n: usize = segments.iter().map(|s| s.len).sum();
     let mut rng = Rng(0xDE17_A5EE_0B00_0003);
     let x = on_device(&batch_inputs(&mut rng, n, h, hk, dk, dv)?, gpu)?;
-    let t = tiled(&x)?;
-    let old = 1e6
-        * median_seconds(gpu, RUNS, || {
-            delta_rule_per_segment_v1(&t[0], &t[1], &t[2], &t[3], &t[4], segments, states)?;
-            Ok(())
-        })?;
     let new = 1e6
         * median_seconds(gpu, RUNS, || {
             chunked_batch(&x[0], &x[1], &x[2], &x[3], &x[4], segments, states)?;
@@ -435,14 +414,9 @@ fn time_scenario(
             Ok(())
         })?;
     r.note(
-        &format!("delta rule 27B layer, {name}: per-segment kernels, median µs"),
-        json!(old),
-    );
-    r.note(
-        "  … batched kernels (key heads in place), median µs",
+        &format!("delta rule 27B layer, {name}: batched kernels (key heads in place), median µs"),
         json!(new),
     );
-    r.note("  … speed-up", json!(old / new));
     r.note(
         "  … the ×3 q/k tiling the batched call no longer needs, median µs",
         json!(tiling),
