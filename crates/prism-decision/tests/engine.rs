@@ -350,6 +350,66 @@ fn a_pass_reads_the_same_wherever_the_evidence_is_cut() {
     assert_eq!(from_cache, alone, "from the saved evidence");
 }
 
+#[test]
+fn a_group_of_one_question_keeps_the_evidence_state_its_prefix_leaves() {
+    // A group of one branch runs as one decoder item with a snapshot at the prefix's end: its question
+    // must read what it reads alone, and the state handed back (the prefix cache's entry) must be the
+    // evidence's own — so every other question continued from it reads what it reads alone. Cuts
+    // inside the conv window's reach, inside a delta-rule chunk and on a chunk boundary.
+    let (mut model, _) = load("tiny-Q8_0.gguf", 4096);
+    let prompts = batch_a();
+    let tokens: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| model.prompt_tokens(p).expect("tokenizes"))
+        .collect();
+    let alone: Vec<Vec<f64>> = tokens
+        .iter()
+        .map(|t| {
+            let branch = Branch {
+                tokens: t,
+                letters: 26,
+            };
+            model.run_pass(&[group(&[], vec![branch])]).expect("pass")[0].logits[0].clone()
+        })
+        .collect();
+    for cut in [2, 100, 256] {
+        for (i, t) in tokens.iter().enumerate() {
+            let mut one = group(
+                &t[..cut],
+                vec![Branch {
+                    tokens: &t[cut..],
+                    letters: 26,
+                }],
+            );
+            one.want_state = true;
+            let mut out = model.run_pass(&[one]).expect("pass");
+            assert_eq!(
+                out[0].logits,
+                vec![alone[i].clone()],
+                "cut {cut}, question {i}"
+            );
+            let evidence = out[0].state.take().expect("the evidence state");
+            assert_eq!(evidence.n_tokens(), cut);
+            let branches: Vec<Branch<'_>> = tokens
+                .iter()
+                .map(|t| Branch {
+                    tokens: &t[cut..],
+                    letters: 26,
+                })
+                .collect();
+            let mut follow_up = group(&[], branches);
+            follow_up.start = Some(&evidence);
+            let read = model.run_pass(&[follow_up]).expect("pass")[0]
+                .logits
+                .clone();
+            assert_eq!(
+                read, alone,
+                "cut {cut}: every question from question {i}'s evidence"
+            );
+        }
+    }
+}
+
 fn group<'a>(prefix: &'a [u32], branches: Vec<Branch<'a>>) -> GroupInput<'a, SequenceState> {
     GroupInput {
         start: None,

@@ -82,13 +82,15 @@ impl DeltaNet {
     }
 
     /// `x`: the normed packed activation `[N, d]`; `segments[i]` is sequence `i`'s rows, `states[i]` its
-    /// state (updated in place). Returns the mixer output `[N, d]`.
+    /// state (updated in place). Returns the mixer output `[N, d]` and, for each segment with a
+    /// [`Segment::snapshot`] point `p`, its state after its first `p` rows (bit for bit the state a
+    /// call on those rows alone leaves).
     pub fn forward(
         &self,
         x: &Tensor,
         segments: &[Segment],
         states: &mut [&mut DeltaNetState],
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Vec<Option<DeltaNetState>>)> {
         if states.len() != segments.len() {
             return Err(ModelError::InvalidInput(format!(
                 "DeltaNet: {} segments but {} states",
@@ -114,6 +116,18 @@ impl DeltaNet {
                 Ok((mixed, z, beta, g))
             })?;
 
+        // A snapshot's conv window: the last K − 1 pre-conv rows before its point (the start window's
+        // rows where the point comes sooner), taken before the conv moves the windows on.
+        let mut snapshots: Vec<Option<DeltaNetState>> = Vec::with_capacity(segments.len());
+        for (i, seg) in segments.iter().enumerate() {
+            snapshots.push(match seg.snapshot {
+                Some(p) => Some(DeltaNetState {
+                    conv: window_at(&states[i].conv, &mixed.narrow(0, seg.start, p)?)?,
+                    rule: states[i].rule.clone(),
+                }),
+                None => None,
+            });
+        }
         let conv_out = profile::time("deltanet: conv", dev, || {
             self.conv_silu(&mixed, segments, states)
         })?;
@@ -126,9 +140,16 @@ impl DeltaNet {
 
         let rule_timer = profile::Section::start("deltanet: delta rule", dev)?;
         // A branch starts from its parent's state right after the parent's rows; every starting state
-        // must hold the sequence's length mod 64 pending rows.
+        // must hold the sequence's length mod 64 pending rows. A segment with a snapshot point runs as
+        // two rule segments, its rows up to the point and the rest continuing them: the first one's
+        // state is the snapshot's (bit for bit, as any split).
         let mut pending = Vec::with_capacity(segments.len());
-        let mut rule_segments = Vec::with_capacity(segments.len());
+        let mut rule_segments = Vec::with_capacity(segments.len() + 1);
+        let mut starts: Vec<delta_rule::RuleState> = Vec::with_capacity(segments.len() + 1);
+        // Per segment: the rule segment holding its last rows (its state after the call), and the
+        // one ending at its snapshot point.
+        let mut last_piece: Vec<usize> = Vec::with_capacity(segments.len());
+        let mut snapshot_piece: Vec<Option<usize>> = Vec::with_capacity(segments.len());
         for (i, seg) in segments.iter().enumerate() {
             let parent = seg.parent.filter(|&p| p < i);
             let held = match parent {
@@ -142,21 +163,51 @@ impl DeltaNet {
                 )));
             }
             pending.push(held);
-            rule_segments.push(delta_rule::RuleSegment {
-                start: seg.start,
-                len: seg.len,
-                parent,
-            });
+            let parent = parent.map(|p| last_piece[p]);
+            match seg.snapshot {
+                Some(p) => {
+                    rule_segments.push(delta_rule::RuleSegment {
+                        start: seg.start,
+                        len: p,
+                        parent,
+                    });
+                    starts.push(states[i].rule.clone());
+                    snapshot_piece.push(Some(rule_segments.len() - 1));
+                    rule_segments.push(delta_rule::RuleSegment {
+                        start: seg.start + p,
+                        len: seg.len - p,
+                        parent: Some(rule_segments.len() - 1),
+                    });
+                }
+                None => {
+                    rule_segments.push(delta_rule::RuleSegment {
+                        start: seg.start,
+                        len: seg.len,
+                        parent,
+                    });
+                    snapshot_piece.push(None);
+                }
+            }
+            starts.push(states[i].rule.clone());
+            last_piece.push(rule_segments.len() - 1);
         }
-        let starts: Vec<delta_rule::RuleState> = states.iter().map(|s| s.rule.clone()).collect();
         // One call for the whole batch (on CUDA the independent segments share a launch); one path for
         // prefill, pieces and decode: bit-identical however a sequence is split or batched.
         let (o, rules) = delta_rule::chunked_batch(&q, &k, &v, &g, &beta, &rule_segments, &starts)?;
-        for (state, rule) in states.iter_mut().zip(rules) {
-            state.rule = rule;
+        let mut rules: Vec<Option<delta_rule::RuleState>> = rules.into_iter().map(Some).collect();
+        let mut take = |piece: usize| {
+            rules.get_mut(piece).and_then(Option::take).ok_or_else(|| {
+                ModelError::InvalidInput(format!("DeltaNet: no rule state for piece {piece}"))
+            })
+        };
+        for (i, state) in states.iter_mut().enumerate() {
+            if let (Some(piece), Some(snapshot)) = (snapshot_piece[i], snapshots[i].as_mut()) {
+                snapshot.rule = take(piece)?;
+            }
+            state.rule = take(last_piece[i])?;
         }
         rule_timer.stop()?;
-        profile::time(
+        let out = profile::time(
             "deltanet: gated norm + output projection",
             dev,
             || -> Result<_> {
@@ -164,7 +215,8 @@ impl DeltaNet {
                 // path on a GPU formed by its activation quantizer.
                 Ok(self.out.forward_gated_norm(&o, &z, &self.norm, self.eps)?)
             },
-        )
+        )?;
+        Ok((out, snapshots))
     }
 
     /// q, k and v of the conv output `conv_out: [N, q | k | v]` as `[N, heads, d]`. When the head sizes
@@ -267,6 +319,17 @@ impl DeltaNet {
         }
         Ok(Tensor::cat(&conv_out, 0)?.silu()?)
     }
+}
+
+/// The conv window after `rows: [p, C]` (p ≥ 1) that follow `window: [K−1, C]`: the last K − 1 of
+/// those rows together, contiguous.
+fn window_at(window: &Tensor, rows: &Tensor) -> Result<Tensor> {
+    let (keep, p) = (window.dim(0)?, rows.dim(0)?);
+    Ok(if p >= keep {
+        rows.narrow(0, p - keep, keep)?.contiguous()?
+    } else {
+        Tensor::cat(&[&window.narrow(0, p, keep - p)?, rows], 0)?.contiguous()?
+    })
 }
 
 /// Causal depthwise conv of one segment `x: [T, C]` against the window `[K−1, C]` of earlier inputs, with

@@ -35,6 +35,8 @@ pub struct Segment {
     /// `Some(p)`: this sequence branches from segment `p` of the same batch (an earlier one) and starts,
     /// in every layer, from `p`'s state right after `p`'s rows ([`BatchItem::parent`]).
     pub parent: Option<usize>,
+    /// `Some(p)`: the state after the segment's first `p` rows is wanted too ([`BatchItem::snapshot`]).
+    pub snapshot: Option<usize>,
 }
 
 /// How to load a model.
@@ -328,6 +330,11 @@ pub struct BatchItem<'a> {
     /// merged patches at its pad tokens: [`crate::vision::image_embedding_rows`]). `None` (the
     /// default): every token is embedded by its id.
     pub embeddings: Option<EmbeddingRows<'a>>,
+    /// `Some(p)` with `0 < p < tokens.len()`: also return the sequence's state after its first `p` new
+    /// tokens ([`BatchOutput::snapshots`]), bit for bit the state that a call on those tokens alone
+    /// leaves — an evidence's state for the prefix cache from one pass over evidence and question,
+    /// without splitting the item in two. Only for an item without a parent. `None` (the default).
+    pub snapshot: Option<usize>,
 }
 
 /// Rows of a batch item's input that take given embeddings instead of their tokens' (transformers'
@@ -352,6 +359,7 @@ impl<'a> BatchItem<'a> {
             parent: None,
             keep_state: true,
             embeddings: None,
+            snapshot: None,
         }
     }
 }
@@ -363,6 +371,8 @@ pub struct BatchOutput {
     pub hidden: Tensor,
     /// Each sequence's rows in `hidden`.
     pub segments: Vec<Segment>,
+    /// Per item, its state at its [`BatchItem::snapshot`] point (`None` for an item without one).
+    pub snapshots: Vec<Option<SequenceState>>,
 }
 
 impl BatchOutput {
@@ -661,6 +671,8 @@ impl Qwen35Model {
         let mut ids: Vec<u32> = Vec::new();
         let mut positions: Vec<Position3> = Vec::new();
         let mut next_positions = Vec::with_capacity(items.len());
+        // Per item, the next position of its snapshot state (`None`: no snapshot).
+        let mut snapshot_positions: Vec<Option<u32>> = Vec::with_capacity(items.len());
         for (index, item) in items.iter().enumerate() {
             if item.tokens.is_empty() {
                 return Err(ModelError::EmptyPrompt { index });
@@ -728,11 +740,36 @@ impl Qwen35Model {
                 ModelError::InvalidInput(format!("prompt {index}: position overflows u32"))
             })?;
             next_positions.push(next.max(start_position));
+            if let Some(p) = item.snapshot {
+                if p == 0 || p >= t_len || item.parent.is_some() {
+                    return Err(ModelError::InvalidInput(format!(
+                        "prompt {index}: a snapshot after {p} of {t_len} tokens{} (it must fall \
+                         inside an item without a parent)",
+                        if item.parent.is_some() {
+                            " of a branch"
+                        } else {
+                            ""
+                        }
+                    )));
+                }
+                let before = positions[first..first + p]
+                    .iter()
+                    .flat_map(|q| q.iter().copied())
+                    .max()
+                    .unwrap_or(0);
+                let next = before.checked_add(1).ok_or_else(|| {
+                    ModelError::InvalidInput(format!("prompt {index}: position overflows u32"))
+                })?;
+                snapshot_positions.push(Some(next.max(start_position)));
+            } else {
+                snapshot_positions.push(None);
+            }
             segments.push(Segment {
                 start: ids.len(),
                 len: t_len,
                 past: start_tokens,
                 parent: item.parent,
+                snapshot: item.snapshot,
             });
             ids.extend_from_slice(item.tokens);
             if let Some(e) = &item.embeddings {
@@ -743,6 +780,20 @@ impl Qwen35Model {
         let whole = profile::Section::start("forward (whole pass)", &self.device)?;
         // Work on cheap clones; commit only when everything succeeded.
         let mut work: Vec<SequenceState> = items.iter().map(|it| it.state.clone()).collect();
+        // Snapshot states, filled layer by layer (their layers start as the item's own).
+        let mut snapshots: Vec<Option<SequenceState>> = items
+            .iter()
+            .zip(&snapshot_positions)
+            .zip(&segments)
+            .map(|((item, next), seg)| {
+                next.map(|next_position| {
+                    let mut state = item.state.clone();
+                    state.n_tokens = seg.past + seg.snapshot.unwrap_or(0);
+                    state.next_position = next_position;
+                    state
+                })
+            })
+            .collect();
         let n = ids.len();
         let ids = Tensor::from_vec(ids, n, &self.device)?;
         let mut x = self
@@ -776,9 +827,15 @@ impl Qwen35Model {
                         LayerState::DeltaNet(d) => Some(d),
                         _ => None,
                     })?;
-                    profile::time("deltanet layer", dev, || {
+                    let (mixed, layer_snapshots) = profile::time("deltanet layer", dev, || {
                         net.forward(&h, &segments, &mut states)
-                    })?
+                    })?;
+                    for (snapshot, layer) in snapshots.iter_mut().zip(layer_snapshots) {
+                        if let (Some(state), Some(layer)) = (snapshot.as_mut(), layer) {
+                            state.layers[l] = LayerState::DeltaNet(layer);
+                        }
+                    }
+                    mixed
                 }
                 Mixer::Attention(attn) => {
                     let mut caches =
@@ -786,9 +843,16 @@ impl Qwen35Model {
                             LayerState::Attention(c) => Some(c),
                             _ => None,
                         })?;
-                    profile::time("attention layer", dev, || {
+                    let mixed = profile::time("attention layer", dev, || {
                         attn.forward(&h, &self.rope, &cos, &sin, &segments, &mut caches)
-                    })?
+                    })?;
+                    for ((snapshot, cache), seg) in snapshots.iter_mut().zip(&caches).zip(&segments)
+                    {
+                        if let (Some(state), Some(p)) = (snapshot.as_mut(), seg.snapshot) {
+                            state.layers[l] = LayerState::Attention(cache.prefix(seg.past + p)?);
+                        }
+                    }
+                    mixed
                 }
             };
             // The layer's new state of an item whose state is not wanted: no one reads it again
@@ -840,7 +904,11 @@ impl Qwen35Model {
             state.next_position = next;
             *item.state = state;
         }
-        Ok(BatchOutput { hidden, segments })
+        Ok(BatchOutput {
+            hidden,
+            segments,
+            snapshots,
+        })
     }
 
     /// Item `index`'s embedding rows against its `t_len` tokens and the model's width.

@@ -118,6 +118,34 @@ impl KvCache {
         self.len() == 0
     }
 
+    /// The cache of the first `len` tokens (at most [`Self::len`]): views of the same tensors, sharing
+    /// the room (a state continued from it copies its rows into a room of its own before writing, as
+    /// any state behind the room's claim does).
+    pub fn prefix(&self, len: usize) -> Result<Self> {
+        if len > self.len() {
+            return Err(crate::error::ModelError::InvalidInput(format!(
+                "a K/V prefix of {len} tokens from a cache of {}",
+                self.len()
+            )));
+        }
+        if len == 0 {
+            return Ok(Self::default());
+        }
+        let cut = |t: &Option<Tensor>| -> Result<Option<Tensor>> {
+            Ok(match t {
+                Some(t) => Some(t.narrow(1, 0, len)?),
+                None => None,
+            })
+        };
+        Ok(Self {
+            k: cut(&self.k)?,
+            v: cut(&self.v)?,
+            k_scale: cut(&self.k_scale)?,
+            v_scale: cut(&self.v_scale)?,
+            room: self.room.clone(),
+        })
+    }
+
     /// Whether the cache holds e4m3 bytes with scales (an empty cache is neither: `false`).
     pub fn is_fp8(&self) -> bool {
         self.k_scale.is_some()

@@ -577,6 +577,17 @@ impl DecoderLetterModel {
     }
 }
 
+/// A branch's letter count must be one the read-out takes.
+fn check_letters(branch: &Branch<'_>) -> Result<(), ModelError> {
+    if branch.letters == 0 || branch.letters > 26 {
+        return Err(ModelError::Backend(format!(
+            "a branch reads {} letters; the read-out takes 1 to 26",
+            branch.letters
+        )));
+    }
+    Ok(())
+}
+
 /// How many leading tokens every one of `branches` shares, when there are two or more, leaving each at
 /// least one token of its own (its read-out is at its last token); 0 otherwise.
 fn shared_branch_tokens(branches: &[Branch<'_>]) -> usize {
@@ -641,8 +652,26 @@ impl PassModel for DecoderLetterModel {
                 ModelError::Backend("a pass needed a fresh state it did not make".into())
             })
         };
+        // A group of one branch on a text prefix runs as one item, prefix and branch together, its
+        // state after the prefix taken as a snapshot inside it: one sequence a layer instead of a
+        // prefix and a branch continuing it (on CUDA a second level of delta-rule launches), with the
+        // same bits (the decoder's snapshot is the state the prefix alone leaves).
+        let joined: Vec<Option<Vec<u32>>> = groups
+            .iter()
+            .map(|g| match g.branches.as_slice() {
+                [branch]
+                    if !g.prefix.is_empty() && g.want_logits.is_none() && g.images.is_none() =>
+                {
+                    Some([g.prefix, branch.tokens].concat())
+                }
+                _ => None,
+            })
+            .collect();
         let mut states: Vec<SequenceState> = Vec::new();
         let mut tokens: Vec<&[u32]> = Vec::new();
+        // Per item: where its snapshot is taken (a joined group's prefix length when its state is
+        // wanted).
+        let mut snapshot_at: Vec<Option<usize>> = Vec::new();
         let mut parents: Vec<Option<usize>> = Vec::new();
         let mut keep: Vec<bool> = Vec::new();
         // Per item: the image rows and positions of a prefix that holds images.
@@ -652,18 +681,31 @@ impl PassModel for DecoderLetterModel {
         let mut next_items: Vec<usize> = Vec::new();
         let mut next_k: Option<usize> = None;
         let mut branch_items: Vec<(usize, usize)> = Vec::new(); // (item, letters)
-        for group in groups {
+        for (group, joined) in groups.iter().zip(&joined) {
             let start = || -> Result<SequenceState, ModelError> {
                 match group.start {
                     Some(state) => Ok(state.clone()),
                     None => fresh_state(),
                 }
             };
+            if let (Some(joined), [branch]) = (joined, group.branches.as_slice()) {
+                check_letters(branch)?;
+                states.push(start()?);
+                tokens.push(joined);
+                parents.push(None);
+                keep.push(false);
+                extras.push(None);
+                snapshot_at.push(group.want_state.then_some(group.prefix.len()));
+                roots.push(Some(states.len() - 1));
+                branch_items.push((states.len() - 1, branch.letters));
+                continue;
+            }
             let root = if group.prefix.is_empty() {
                 None
             } else {
                 states.push(start()?);
                 tokens.push(group.prefix);
+                snapshot_at.push(None);
                 parents.push(None);
                 keep.push(group.want_state);
                 extras.push(match &group.images {
@@ -703,24 +745,21 @@ impl PassModel for DecoderLetterModel {
                     start()?
                 });
                 tokens.push(&group.branches[0].tokens[..shared]);
+                snapshot_at.push(None);
                 extras.push(None);
                 parents.push(root);
                 keep.push(false);
                 Some(states.len() - 1)
             };
             for branch in &group.branches {
-                if branch.letters == 0 || branch.letters > 26 {
-                    return Err(ModelError::Backend(format!(
-                        "a branch reads {} letters; the read-out takes 1 to 26",
-                        branch.letters
-                    )));
-                }
+                check_letters(branch)?;
                 states.push(if from.is_some() {
                     fresh_state()?
                 } else {
                     start()?
                 });
                 tokens.push(&branch.tokens[shared..]);
+                snapshot_at.push(None);
                 extras.push(None);
                 parents.push(from);
                 // Only the letter logits of a branch are read: its states go layer by layer.
@@ -730,6 +769,7 @@ impl PassModel for DecoderLetterModel {
         }
         let mut logits_rows: Vec<Vec<f32>> = Vec::new();
         let mut next_rows: Vec<NextLogits> = Vec::new();
+        let mut snapshots: Vec<Option<SequenceState>> = Vec::new();
         {
             let mut items: Vec<BatchItem<'_>> = states
                 .iter_mut()
@@ -737,22 +777,27 @@ impl PassModel for DecoderLetterModel {
                 .zip(&parents)
                 .zip(&keep)
                 .zip(&extras)
-                .map(|((((state, t), parent), &keep_state), extra)| {
-                    let mut item = BatchItem::new(state, t);
-                    item.parent = *parent;
-                    item.keep_state = keep_state;
-                    if let Some(extra) = extra {
-                        item.positions = Some(extra.positions);
-                        item.embeddings = extra.values.as_ref().map(|values| EmbeddingRows {
-                            rows: &extra.rows,
-                            values,
-                        });
-                    }
-                    item
-                })
+                .zip(&snapshot_at)
+                .map(
+                    |(((((state, t), parent), &keep_state), extra), &snapshot)| {
+                        let mut item = BatchItem::new(state, t);
+                        item.parent = *parent;
+                        item.keep_state = keep_state;
+                        item.snapshot = snapshot;
+                        if let Some(extra) = extra {
+                            item.positions = Some(extra.positions);
+                            item.embeddings = extra.values.as_ref().map(|values| EmbeddingRows {
+                                rows: &extra.rows,
+                                values,
+                            });
+                        }
+                        item
+                    },
+                )
                 .collect();
             if !items.is_empty() {
-                let out = self.decoder.forward(&mut items).map_err(backend)?;
+                let mut out = self.decoder.forward(&mut items).map_err(backend)?;
+                snapshots = std::mem::take(&mut out.snapshots);
                 let last_rows = |chosen: &mut dyn Iterator<Item = usize>| {
                     let rows: Vec<u32> = chosen
                         .map(|item| {
@@ -809,8 +854,16 @@ impl PassModel for DecoderLetterModel {
             .zip(branch_items.iter().map(|&(_, n)| n));
         let mut next_rows = next_rows.into_iter();
         let mut outputs = Vec::with_capacity(groups.len());
-        for (group, root) in groups.iter().zip(roots) {
+        for ((group, root), joined) in groups.iter().zip(roots).zip(&joined) {
             let state = match (group.want_state, root) {
+                (true, Some(item)) if joined.is_some() => Some(
+                    snapshots
+                        .get_mut(item)
+                        .and_then(Option::take)
+                        .ok_or_else(|| {
+                            ModelError::Backend("the decoder returned no evidence snapshot".into())
+                        })?,
+                ),
                 (true, Some(item)) => Some(states[item].clone()),
                 _ => None,
             };
