@@ -7,7 +7,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
-use prism_model::{LoadOptions, Precision, Qwen35Model};
+use prism_model::{BatchItem, LoadOptions, Precision, Qwen35Model};
 use serde_json::{json, Value};
 
 use crate::harness::Report;
@@ -260,6 +260,56 @@ pub fn integer_checks(r: &mut Report, gpu: &Device, fixtures: &Path) -> Result<(
             &in_pieces(&gpu_model, &prompts[0])?,
             &batched.narrow(0, 0, 1)?,
         )?;
+        snapshot_checks(r, &gpu_model, label, &prompts)?;
+    }
+    Ok(())
+}
+
+/// A snapshot inside an item (the engine's evidence state from one pass over evidence and question)
+/// against the evidence computed alone, on the GPU: the item's rows, and what two follow-ups from each
+/// state read (one token; 70 tokens, which close the open delta-rule chunk from its pending rows).
+fn snapshot_checks(
+    r: &mut Report,
+    model: &Qwen35Model,
+    label: &str,
+    prompts: &[Vec<u32>],
+) -> Result<()> {
+    let seq = &prompts[0];
+    let follow_ups: [&[u32]; 2] = [&prompts[1][..1], &prompts[2][..70.min(prompts[2].len())]];
+    for point in [2usize, 64, 100] {
+        if point >= seq.len() {
+            continue;
+        }
+        let mut alone = model.new_state()?;
+        let first = model.forward(&mut [BatchItem::new(&mut alone, &seq[..point])])?;
+        let evidence = alone.clone();
+        let second = model.forward(&mut [BatchItem::new(&mut alone, &seq[point..])])?;
+        let mut state = model.new_state()?;
+        let mut item = BatchItem::new(&mut state, seq);
+        item.snapshot = Some(point);
+        let mut out = model.forward(&mut [item])?;
+        r.identical(
+            &format!("{label} (GPU): an item with a snapshot after {point} tokens vs its two parts, every row"),
+            &out.hidden,
+            &Tensor::cat(&[&first.hidden, &second.hidden], 0)?,
+        )?;
+        let snapshot = out.snapshots[0]
+            .take()
+            .context("the forward pass returned no snapshot")?;
+        for follow_up in follow_ups {
+            let read = |state: &prism_model::SequenceState| -> Result<Tensor> {
+                let mut state = state.clone();
+                Ok(model.logits(&model.prefill(&mut state, follow_up)?)?)
+            };
+            r.identical(
+                &format!(
+                    "{label} (GPU): {} tokens from the snapshot after {point} vs from the evidence alone",
+                    follow_up.len()
+                ),
+                &read(&snapshot)?,
+                &read(&evidence)?,
+            )?;
+        }
     }
     Ok(())
 }
