@@ -289,11 +289,7 @@ fn a_pass_reads_the_same_wherever_the_evidence_is_cut() {
     // item they continue: every question must read what it reads alone (one sequence) and with the
     // evidence cut at its end.
     let (mut model, _) = load("tiny-Q8_0.gguf", 4096);
-    let prompts = batch_a();
-    let tokens: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| model.prompt_tokens(p).expect("tokenizes"))
-        .collect();
+    let tokens = batch_a_tokens(&model);
     let common = (0..tokens[0].len())
         .take_while(|&j| tokens.iter().all(|t| t.get(j) == tokens[0].get(j)))
         .count();
@@ -357,11 +353,7 @@ fn a_group_of_one_question_keeps_the_evidence_state_its_prefix_leaves() {
     // evidence's own — so every other question continued from it reads what it reads alone. Cuts
     // inside the conv window's reach, inside a delta-rule chunk and on a chunk boundary.
     let (mut model, _) = load("tiny-Q8_0.gguf", 4096);
-    let prompts = batch_a();
-    let tokens: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| model.prompt_tokens(p).expect("tokenizes"))
-        .collect();
+    let tokens = batch_a_tokens(&model);
     let alone: Vec<Vec<f64>> = tokens
         .iter()
         .map(|t| {
@@ -408,6 +400,14 @@ fn a_group_of_one_question_keeps_the_evidence_state_its_prefix_leaves() {
             );
         }
     }
+}
+
+/// Batch A's prompts as the decoder reads them.
+fn batch_a_tokens(model: &DecoderLetterModel) -> Vec<Vec<u32>> {
+    batch_a()
+        .iter()
+        .map(|p| model.prompt_tokens(p).expect("tokenizes"))
+        .collect()
 }
 
 fn group<'a>(prefix: &'a [u32], branches: Vec<Branch<'a>>) -> GroupInput<'a, SequenceState> {

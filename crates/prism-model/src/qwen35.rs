@@ -279,6 +279,20 @@ fn load_in_order<T: Send>(
     Ok(loaded)
 }
 
+/// The position of the text token after tokens at `positions` (one past their largest on any axis),
+/// never before `start` (the sequence's next position before them); item `index` names the error.
+fn position_after(positions: &[Position3], start: u32, index: usize) -> Result<u32> {
+    let last = positions
+        .iter()
+        .flat_map(|p| p.iter().copied())
+        .max()
+        .unwrap_or(0);
+    let next = last.checked_add(1).ok_or_else(|| {
+        ModelError::InvalidInput(format!("prompt {index}: position overflows u32"))
+    })?;
+    Ok(next.max(start))
+}
+
 /// Layer `l`'s state of every sequence, of the kind `pick` accepts; an error saying the layer is not
 /// `what` where a sequence holds another kind.
 fn layer_states<'a, T>(
@@ -731,15 +745,7 @@ impl Qwen35Model {
                     }
                 }
             }
-            let max_pos = positions[first..]
-                .iter()
-                .flat_map(|p| p.iter().copied())
-                .max()
-                .unwrap_or(0);
-            let next = max_pos.checked_add(1).ok_or_else(|| {
-                ModelError::InvalidInput(format!("prompt {index}: position overflows u32"))
-            })?;
-            next_positions.push(next.max(start_position));
+            next_positions.push(position_after(&positions[first..], start_position, index)?);
             if let Some(p) = item.snapshot {
                 if p == 0 || p >= t_len || item.parent.is_some() {
                     return Err(ModelError::InvalidInput(format!(
@@ -752,15 +758,11 @@ impl Qwen35Model {
                         }
                     )));
                 }
-                let before = positions[first..first + p]
-                    .iter()
-                    .flat_map(|q| q.iter().copied())
-                    .max()
-                    .unwrap_or(0);
-                let next = before.checked_add(1).ok_or_else(|| {
-                    ModelError::InvalidInput(format!("prompt {index}: position overflows u32"))
-                })?;
-                snapshot_positions.push(Some(next.max(start_position)));
+                snapshot_positions.push(Some(position_after(
+                    &positions[first..first + p],
+                    start_position,
+                    index,
+                )?));
             } else {
                 snapshot_positions.push(None);
             }
