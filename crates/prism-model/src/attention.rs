@@ -837,29 +837,7 @@ fn attend_batch(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    }
-
-    fn bits(t: &Tensor) -> Vec<u32> {
-        t.flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits())
-            .collect()
-    }
+    use crate::test_util::{bits, max_abs_diff};
 
     #[test]
     fn cpu_kernel_matches_the_tensor_op_fallback_and_ignores_the_split() {

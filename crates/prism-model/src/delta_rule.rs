@@ -656,6 +656,7 @@ fn close_chunk<F: Float>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_util::{bits, max_abs_diff};
     use crate::ops::l2_norm;
 
     #[test]
@@ -686,34 +687,6 @@ mod tests {
             (0..CHUNK).all(|row| !shared.claim(row)),
             "no row of shared buffers may be written in place"
         );
-    }
-
-    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
-        (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap()
-    }
-
-    fn bits(t: &Tensor) -> Vec<u64> {
-        match t.dtype() {
-            DType::F64 => host::<f64>(t)
-                .unwrap()
-                .iter()
-                .map(|x| x.to_bits())
-                .collect(),
-            _ => host::<f32>(t)
-                .unwrap()
-                .iter()
-                .map(|x| u64::from(x.to_bits()))
-                .collect(),
-        }
     }
 
     /// Random inputs shaped like a DeltaNet segment, with the same value ranges as real ones.

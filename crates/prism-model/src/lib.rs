@@ -39,6 +39,8 @@ pub mod rope;
 pub mod state;
 pub mod synth;
 pub mod synth_vision;
+#[cfg(test)]
+mod test_util;
 pub mod top;
 pub mod vision;
 pub mod weights;
