@@ -96,6 +96,20 @@ struct DeltaSegments {
     int v_stride;                 // elements between token rows of v (≥ H·dv)
 };
 
+// States taken inside the segments of a scan launch (a kernel parameter; mirrored by `SnapshotArgs` in
+// cuda_delta.rs): for segment i with chunk[i] ≥ 0, the state after the first rows[i] rows of its chunk
+// chunk[i] of this launch — the memory at that chunk's start and those rows' k̂, u and Γ as pending
+// rows (the rest zero) — into s[i] [H, dk, dv], pk[i] [H, CHUNK, dk], pu[i] [H, CHUNK, dv] and
+// gam[i] [H, CHUNK]. chunk[i] = −1: none.
+struct DeltaSnapshots {
+    float* s[MAXSEG];
+    float* pk[MAXSEG];
+    float* pu[MAXSEG];
+    double* gam[MAXSEG];
+    int chunk[MAXSEG];
+    int rows[MAXSEG];
+};
+
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
@@ -269,7 +283,7 @@ delta_rule_scan_batch_f32(const float* __restrict__ q,       // [N, HK, dk]
                           float* __restrict__ pk_out,        // [segments, H, CHUNK, dk]
                           float* __restrict__ pu_out,        // [segments, H, CHUNK, dv]
                           double* __restrict__ gam_out,      // [segments, H, CHUNK]
-                          const DeltaSegments sg) {
+                          const DeltaSegments sg, const DeltaSnapshots sn) {
     extern __shared__ double smem_d[];
     const int h = blockIdx.x, c0 = blockIdx.y * CW, seg = blockIdx.z;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -454,6 +468,34 @@ delta_rule_scan_batch_f32(const float* __restrict__ q,       // [N, HK, dk]
             }
         }
         __syncthreads();
+
+        // A snapshot in this chunk: S is still the memory at the chunk's start, and rows s < keep of
+        // k̂ (not yet decayed by the close), u and Γ are the pending rows after the snapshot's point.
+        if (c == sn.chunk[seg]) {
+            const int keep = sn.rows[seg];
+            float* so = sn.s[seg] + (size_t)h * dk * dv + c0;
+            for (int idx = tid; idx < dk * (CW / 4); idx += THREADS) {
+                const int i = idx / (CW / 4), j = (idx % (CW / 4)) * 4;
+                *(float4*)&so[(size_t)i * dv + j] = *(const float4*)&S[i * CW + j];
+            }
+            float* puo = sn.pu[seg] + (size_t)h * CHUNK * dv + c0;
+            for (int idx = tid; idx < CHUNK * (CW / 4); idx += THREADS) {
+                const int s = idx / (CW / 4), j = (idx % (CW / 4)) * 4;
+                *(float4*)&puo[(size_t)s * dv + j] =
+                    s < keep ? *(const float4*)&U[s * US + j] : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+            if (blockIdx.y == 0) {
+                float* pko = sn.pk[seg] + (size_t)h * CHUNK * dk;
+                for (int idx = tid; idx < CHUNK * d4; idx += THREADS) {
+                    const int s = idx / d4, i = (idx % d4) * 4;
+                    *(float4*)&pko[(size_t)s * dk + i] =
+                        s < keep ? *(const float4*)&Ks[s * KS + i] : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+                double* go = sn.gam[seg] + (size_t)h * CHUNK;
+                for (int s = tid; s < CHUNK; s += THREADS) go[s] = s < keep ? gam[s] : 0.0;
+            }
+            __syncthreads();
+        }
 
         // 4. Close a full chunk: k̃_s = e^{Γ_63−Γ_s} k̂_s in place, then S in 4×4 tiles, s in order.
         if (r1 == CHUNK) {

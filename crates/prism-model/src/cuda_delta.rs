@@ -69,6 +69,26 @@ unsafe impl DeviceRepr for SegmentArgs {}
 
 const _: () = assert!(std::mem::size_of::<SegmentArgs>() == 1568);
 
+/// States taken inside the segments of a scan launch: the C layout of `DeltaSnapshots` in
+/// delta_rule.cu (device pointers as u64, then the ints), passed by value as a kernel parameter.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SnapshotArgs {
+    s: [u64; MAX_SEGMENTS],
+    pk: [u64; MAX_SEGMENTS],
+    pu: [u64; MAX_SEGMENTS],
+    gam: [u64; MAX_SEGMENTS],
+    chunk: [i32; MAX_SEGMENTS],
+    rows: [i32; MAX_SEGMENTS],
+}
+
+// SAFETY: plain integers in the layout of the kernel's `DeltaSnapshots` (4·32 pointers, then 64 ints;
+// checked below).
+unsafe impl DeviceRepr for SnapshotArgs {}
+
+const _: () =
+    assert!(std::mem::size_of::<SnapshotArgs>() == 4 * MAX_SEGMENTS * 8 + 2 * MAX_SEGMENTS * 4);
+
 /// `t` contiguous and starting on a 16-byte boundary (the kernels copy it 16 bytes at a time): itself
 /// when it already is, else a copy.
 fn aligned(t: &Tensor) -> Result<Tensor> {
@@ -99,9 +119,10 @@ fn value_rows(v: &Tensor) -> Result<(Tensor, usize)> {
     }
 }
 
-/// The CUDA [`crate::delta_rule::chunked_batch`] (same arguments and result). One-token segments
-/// that do not close their chunk (decode steps) run on the decode kernel, the rest on the pair and
-/// scan kernels; both give the same bits.
+/// The CUDA [`crate::delta_rule::chunked_batch_with_snapshots`] (same arguments and result). One-token
+/// segments that do not close their chunk (decode steps) run on the decode kernel, the rest on the pair
+/// and scan kernels; both give the same bits. A segment's snapshot is written by the scan kernel as it
+/// passes the point (or is the state a launch ends with, where a launch ends there).
 pub fn delta_rule_batch(
     q: &Tensor,
     k: &Tensor,
@@ -110,9 +131,12 @@ pub fn delta_rule_batch(
     beta: &Tensor,
     segments: &[RuleSegment],
     states: &[RuleState],
-) -> Result<(Tensor, Vec<RuleState>)> {
+) -> Result<BatchResult> {
     delta_rule_batch_with(q, k, v, g, beta, segments, states, true)
 }
+
+/// Outputs `[N, H, dv]`, every segment's state after its rows, and each segment's snapshot state.
+pub type BatchResult = (Tensor, Vec<RuleState>, Vec<Option<RuleState>>);
 
 /// [`delta_rule_batch`] with every segment on the pair and scan kernels (the decode kernel's
 /// reference in the device checks).
@@ -124,7 +148,7 @@ pub fn delta_rule_batch_general(
     beta: &Tensor,
     segments: &[RuleSegment],
     states: &[RuleState],
-) -> Result<(Tensor, Vec<RuleState>)> {
+) -> Result<BatchResult> {
     delta_rule_batch_with(q, k, v, g, beta, segments, states, false)
 }
 
@@ -138,7 +162,7 @@ fn delta_rule_batch_with(
     segments: &[RuleSegment],
     states: &[RuleState],
     decode: bool,
-) -> Result<(Tensor, Vec<RuleState>)> {
+) -> Result<BatchResult> {
     let dims = check_batch(q, k, v, g, beta, segments, states)?;
     let (tokens, heads, dk, dv) = (dims.tokens, dims.heads, dims.dk, dims.dv);
     if dv % COLUMNS != 0 || dk % 4 != 0 || dk == 0 || dk > 256 || v.dtype() != DType::F32 {
@@ -187,6 +211,7 @@ fn delta_rule_batch_with(
         }
     }
     let mut done: Vec<Option<RuleState>> = vec![None; segments.len()];
+    let mut snapshots: Vec<Option<RuleState>> = vec![None; segments.len()];
     let levels = level.iter().copied().max().unwrap_or(0);
     for l in 0..=levels {
         let mut work: Vec<Progress> = Vec::new();
@@ -219,6 +244,7 @@ fn delta_rule_batch_with(
                         start: segments[work[wi].segment].start,
                         tokens: 1,
                         state: &work[wi].state,
+                        snapshot: None,
                     })
                     .collect();
                 let next = launch_decode(&dev, &x, &out, &parts)?;
@@ -250,16 +276,31 @@ fn delta_rule_batch_with(
             }
             let parts: Vec<Part<'_>> = group
                 .iter()
-                .map(|&(wi, tokens)| Part {
-                    start: segments[work[wi].segment].start + work[wi].done,
-                    tokens,
-                    state: &work[wi].state,
+                .map(|&(wi, tokens)| {
+                    let (seg, done) = (&segments[work[wi].segment], work[wi].done);
+                    Part {
+                        start: seg.start + done,
+                        tokens,
+                        state: &work[wi].state,
+                        // The snapshot when its point falls inside this part (not at its end: then
+                        // the part's own state is it).
+                        snapshot: seg
+                            .snapshot
+                            .filter(|&p| p > done && p < done + tokens)
+                            .map(|p| p - done),
+                    }
                 })
                 .collect();
             let next = launch(&dev, &x, &out, &parts)?;
             drop(parts);
-            for (&(wi, tokens), state) in group.iter().zip(next) {
+            for (&(wi, tokens), (state, inside)) in group.iter().zip(next) {
+                let segment = work[wi].segment;
                 work[wi].done += tokens;
+                if inside.is_some() {
+                    snapshots[segment] = inside;
+                } else if segments[segment].snapshot == Some(work[wi].done) {
+                    snapshots[segment] = Some(state.clone());
+                }
                 work[wi].state = state;
             }
         }
@@ -276,7 +317,12 @@ fn delta_rule_batch_with(
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok((wrap(out, &dev, (tokens, heads, dv)), states))
+    for (i, seg) in segments.iter().enumerate() {
+        if seg.snapshot.is_some() && snapshots[i].is_none() {
+            bail!("delta rule (cuda): segment {i}'s snapshot was not taken");
+        }
+    }
+    Ok((wrap(out, &dev, (tokens, heads, dv)), states, snapshots))
 }
 
 /// How far one segment of a level has got.
@@ -288,11 +334,21 @@ struct Progress {
     state: RuleState,
 }
 
-/// One segment's part of a launch: `tokens` rows from packed row `start`, continuing `state`.
+/// A snapshot's memory, pending keys, pending values and pending decays (device buffers).
+type SnapshotBuffers = (
+    CudaSlice<f32>,
+    CudaSlice<f32>,
+    CudaSlice<f32>,
+    CudaSlice<f64>,
+);
+
+/// One segment's part of a launch: `tokens` rows from packed row `start`, continuing `state`; with
+/// `snapshot: Some(p)` (0 < p < tokens) also the state after its first `p` rows.
 struct Part<'a> {
     start: usize,
     tokens: usize,
     state: &'a RuleState,
+    snapshot: Option<usize>,
 }
 
 /// The token inputs of a batched call, as device views.
@@ -310,13 +366,14 @@ struct BatchInputs<'a> {
 }
 
 /// One launch of each kernel over `parts` (at most [`MAX_SEGMENTS`], at most [`CHUNKS_PER_LAUNCH`]
-/// chunks in all): writes their outputs into `out` (rows of the packed call) and returns their states.
+/// chunks in all): writes their outputs into `out` (rows of the packed call) and returns their states,
+/// each with its snapshot where the part asks for one.
 fn launch(
     dev: &CudaDevice,
     x: &BatchInputs<'_>,
     out: &CudaSlice<f32>,
     parts: &[Part<'_>],
-) -> Result<Vec<RuleState>> {
+) -> Result<Vec<(RuleState, Option<RuleState>)>> {
     let (heads, dk, dv) = (x.heads, x.dk, x.dv);
     let count = parts.len();
     if count == 0 || count > MAX_SEGMENTS {
@@ -355,6 +412,49 @@ fn launch(
     let pk_out = alloc::<f32>(dev, count * heads * CHUNK * dk)?;
     let pu_out = alloc::<f32>(dev, count * heads * CHUNK * dv)?;
     let gam_out = alloc::<f64>(dev, count * heads * CHUNK)?;
+    // Snapshot buffers of the parts that ask for one, and the kernel's table of them.
+    let mut snapshot_args = SnapshotArgs {
+        s: [0; MAX_SEGMENTS],
+        pk: [0; MAX_SEGMENTS],
+        pu: [0; MAX_SEGMENTS],
+        gam: [0; MAX_SEGMENTS],
+        chunk: [-1; MAX_SEGMENTS],
+        rows: [0; MAX_SEGMENTS],
+    };
+    // Per part: its snapshot's buffers (memory, pending keys, values, decays) and pending rows.
+    let mut snapshot_out: Vec<Option<(SnapshotBuffers, usize)>> = Vec::with_capacity(count);
+    for part in parts {
+        snapshot_out.push(match part.snapshot.filter(|&p| p > 0 && p < part.tokens) {
+            Some(p) => Some((
+                (
+                    alloc::<f32>(dev, heads * dk * dv)?,
+                    alloc::<f32>(dev, heads * CHUNK * dk)?,
+                    alloc::<f32>(dev, heads * CHUNK * dv)?,
+                    alloc::<f64>(dev, heads * CHUNK)?,
+                ),
+                (part.state.pending + p) % CHUNK,
+            )),
+            None => None,
+        });
+    }
+    let mut snapshot_guards = Vec::new();
+    for (j, (part, buffers)) in parts.iter().zip(&snapshot_out).enumerate() {
+        let (Some(p), Some(((s, pk, pu, gam), _))) = (part.snapshot, buffers) else {
+            continue;
+        };
+        let at = part.state.pending + p;
+        let (p_s, g_s) = s.device_ptr(&stream);
+        let (p_pk, g_pk) = pk.device_ptr(&stream);
+        let (p_pu, g_pu) = pu.device_ptr(&stream);
+        let (p_gam, g_gam) = gam.device_ptr(&stream);
+        snapshot_guards.extend([g_s, g_pk, g_pu, g_gam]);
+        snapshot_args.s[j] = p_s;
+        snapshot_args.pk[j] = p_pk;
+        snapshot_args.pu[j] = p_pu;
+        snapshot_args.gam[j] = p_gam;
+        snapshot_args.chunk[j] = i32_arg(at / CHUNK, "snapshot chunk")?;
+        snapshot_args.rows[j] = i32_arg(at % CHUNK, "snapshot rows")?;
+    }
 
     // Shared memory, as laid out at the top of each kernel.
     let pairs_smem = CHUNK * 8 + 2 * CHUNK * 4 + 2 * dk * XS * 4;
@@ -401,12 +501,16 @@ fn launch(
             .arg(&pk_out)
             .arg(&pu_out)
             .arg(&gam_out)
-            .arg(&args);
+            .arg(&args)
+            .arg(&snapshot_args);
         // SAFETY: as above; `out` holds every row of the packed call and each segment writes its own
-        // rows; the state outputs hold `count` segments.
+        // rows; the state outputs hold `count` segments; each snapshot pointer is a live buffer of
+        // one state (held in `snapshot_out` past the launch, freed in stream order), and a segment's
+        // snapshot chunk is one of its chunks in this launch (0 < p < tokens).
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
     drop(guards);
+    drop(snapshot_guards);
 
     let s_all = wrap(s_out, dev, (count, heads, dk, dv));
     let pk_all = wrap(pk_out, dev, (count, heads, CHUNK, dk));
@@ -414,22 +518,32 @@ fn launch(
     let gam_all = wrap(gam_out, dev, (count, heads, CHUNK));
     parts
         .iter()
+        .zip(snapshot_out)
         .enumerate()
-        .map(|(j, p)| {
+        .map(|(j, (p, snapshot))| {
             // The kernel writes the memory only where a chunk closed; elsewhere it is the input's.
             let chunk_start = if p.state.pending + p.tokens >= CHUNK {
                 s_all.get(j)?
             } else {
                 p.state.chunk_start.clone()
             };
-            Ok(RuleState {
+            let state = RuleState {
                 chunk_start,
                 pending_k: pk_all.get(j)?,
                 pending_u: pu_all.get(j)?,
                 pending_gamma: gam_all.get(j)?,
                 pending: (p.state.pending + p.tokens) % CHUNK,
                 rows: crate::delta_rule::PendingRows::new((p.state.pending + p.tokens) % CHUNK),
-            })
+            };
+            let snapshot = snapshot.map(|((s, pk, pu, gam), rows)| RuleState {
+                chunk_start: wrap(s, dev, (heads, dk, dv)),
+                pending_k: wrap(pk, dev, (heads, CHUNK, dk)),
+                pending_u: wrap(pu, dev, (heads, CHUNK, dv)),
+                pending_gamma: wrap(gam, dev, (heads, CHUNK)),
+                pending: rows,
+                rows: crate::delta_rule::PendingRows::new(rows),
+            });
+            Ok((state, snapshot))
         })
         .collect()
 }

@@ -140,16 +140,9 @@ impl DeltaNet {
 
         let rule_timer = profile::Section::start("deltanet: delta rule", dev)?;
         // A branch starts from its parent's state right after the parent's rows; every starting state
-        // must hold the sequence's length mod 64 pending rows. A segment with a snapshot point runs as
-        // two rule segments, its rows up to the point and the rest continuing them: the first one's
-        // state is the snapshot's (bit for bit, as any split).
+        // must hold the sequence's length mod 64 pending rows.
         let mut pending = Vec::with_capacity(segments.len());
-        let mut rule_segments = Vec::with_capacity(segments.len() + 1);
-        let mut starts: Vec<delta_rule::RuleState> = Vec::with_capacity(segments.len() + 1);
-        // Per segment: the rule segment holding its last rows (its state after the call), and the
-        // one ending at its snapshot point.
-        let mut last_piece: Vec<usize> = Vec::with_capacity(segments.len());
-        let mut snapshot_piece: Vec<Option<usize>> = Vec::with_capacity(segments.len());
+        let mut rule_segments = Vec::with_capacity(segments.len());
         for (i, seg) in segments.iter().enumerate() {
             let parent = seg.parent.filter(|&p| p < i);
             let held = match parent {
@@ -163,48 +156,37 @@ impl DeltaNet {
                 )));
             }
             pending.push(held);
-            let parent = parent.map(|p| last_piece[p]);
-            match seg.snapshot {
-                Some(p) => {
-                    rule_segments.push(delta_rule::RuleSegment {
-                        start: seg.start,
-                        len: p,
-                        parent,
-                    });
-                    starts.push(states[i].rule.clone());
-                    snapshot_piece.push(Some(rule_segments.len() - 1));
-                    rule_segments.push(delta_rule::RuleSegment {
-                        start: seg.start + p,
-                        len: seg.len - p,
-                        parent: Some(rule_segments.len() - 1),
-                    });
-                }
-                None => {
-                    rule_segments.push(delta_rule::RuleSegment {
-                        start: seg.start,
-                        len: seg.len,
-                        parent,
-                    });
-                    snapshot_piece.push(None);
-                }
-            }
-            starts.push(states[i].rule.clone());
-            last_piece.push(rule_segments.len() - 1);
+            rule_segments.push(delta_rule::RuleSegment {
+                start: seg.start,
+                len: seg.len,
+                parent,
+                snapshot: seg.snapshot,
+            });
         }
+        let starts: Vec<delta_rule::RuleState> = states.iter().map(|s| s.rule.clone()).collect();
         // One call for the whole batch (on CUDA the independent segments share a launch); one path for
         // prefill, pieces and decode: bit-identical however a sequence is split or batched.
-        let (o, rules) = delta_rule::chunked_batch(&q, &k, &v, &g, &beta, &rule_segments, &starts)?;
-        let mut rules: Vec<Option<delta_rule::RuleState>> = rules.into_iter().map(Some).collect();
-        let mut take = |piece: usize| {
-            rules.get_mut(piece).and_then(Option::take).ok_or_else(|| {
-                ModelError::InvalidInput(format!("DeltaNet: no rule state for piece {piece}"))
-            })
-        };
-        for (i, state) in states.iter_mut().enumerate() {
-            if let (Some(piece), Some(snapshot)) = (snapshot_piece[i], snapshots[i].as_mut()) {
-                snapshot.rule = take(piece)?;
+        let (o, rules, rule_snapshots) = delta_rule::chunked_batch_with_snapshots(
+            &q,
+            &k,
+            &v,
+            &g,
+            &beta,
+            &rule_segments,
+            &starts,
+        )?;
+        for (((state, rule), snapshot), inside) in states
+            .iter_mut()
+            .zip(rules)
+            .zip(snapshots.iter_mut())
+            .zip(rule_snapshots)
+        {
+            state.rule = rule;
+            if let Some(snapshot) = snapshot.as_mut() {
+                snapshot.rule = inside.ok_or_else(|| {
+                    ModelError::InvalidInput("DeltaNet: the delta rule took no snapshot".into())
+                })?;
             }
-            state.rule = take(last_piece[i])?;
         }
         rule_timer.stop()?;
         let out = profile::time(

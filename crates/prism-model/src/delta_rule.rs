@@ -225,8 +225,9 @@ pub fn chunked(
             start: 0,
             len: q.dim(0)?,
             parent: None,
+            snapshot: None,
         };
-        let (out, mut states) = crate::cuda_delta::delta_rule_batch(
+        let (out, mut states, _) = crate::cuda_delta::delta_rule_batch(
             q,
             k,
             v,
@@ -257,6 +258,9 @@ pub struct RuleSegment {
     /// `Some(p)`: it continues segment `p` (an earlier one) from `p`'s state after `p`'s rows; its own
     /// entry of `states` is not read.
     pub parent: Option<usize>,
+    /// `Some(p)`, `0 < p < len`: its state after its first `p` rows is wanted too
+    /// ([`chunked_batch_with_snapshots`]).
+    pub snapshot: Option<usize>,
 }
 
 /// The chunked form over several sequences packed in one call, each from its own state: `q, k: [N, HK,
@@ -278,6 +282,23 @@ pub fn chunked_batch(
     segments: &[RuleSegment],
     states: &[RuleState],
 ) -> Result<(Tensor, Vec<RuleState>)> {
+    let (out, states, _) = chunked_batch_with_snapshots(q, k, v, g, beta, segments, states)?;
+    Ok((out, states))
+}
+
+/// [`chunked_batch`], also returning for each segment with a [`RuleSegment::snapshot`] point `p` its
+/// state after its first `p` rows — bit for bit the state a call on those rows alone leaves (on CUDA
+/// the scan kernel writes it as it passes the point; on the CPU the segment runs in two calls split
+/// there). `None` for the other segments.
+pub fn chunked_batch_with_snapshots(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    segments: &[RuleSegment],
+    states: &[RuleState],
+) -> Result<(Tensor, Vec<RuleState>, Vec<Option<RuleState>>)> {
     // The CUDA path makes the same checks itself.
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() && q.dtype() == DType::F32 {
@@ -291,31 +312,48 @@ pub fn chunked_batch(
 pub(crate) type SegmentStep =
     fn(&Tensor, &Tensor, &Tensor, &Tensor, &Tensor, &RuleState) -> Result<(Tensor, RuleState)>;
 
-/// A checked [`chunked_batch`] call (`[q, k, v, g, beta]`) run segment by segment with `step` (`q, k`
-/// tiled to the value heads), each segment from its own starting state or its parent's new one; the
-/// outputs joined in row order.
+/// A checked [`chunked_batch_with_snapshots`] call (`[q, k, v, g, beta]`) run segment by segment with
+/// `step` (`q, k` tiled to the value heads), each segment from its own starting state or its parent's
+/// new one, a segment with a snapshot in two steps split at its point; the outputs joined in row order.
 pub(crate) fn per_segment(
     [q, k, v, g, beta]: [&Tensor; 5],
     segments: &[RuleSegment],
     states: &[RuleState],
     step: SegmentStep,
-) -> Result<(Tensor, Vec<RuleState>)> {
+) -> Result<(Tensor, Vec<RuleState>, Vec<Option<RuleState>>)> {
     let heads = v.dim(1)?;
     let (q, k) = (expand_key_heads(q, heads)?, expand_key_heads(k, heads)?);
-    let mut outs = Vec::with_capacity(segments.len());
+    let mut outs = Vec::with_capacity(segments.len() + 1);
     let mut new_states: Vec<RuleState> = Vec::with_capacity(segments.len());
+    let mut snapshots = Vec::with_capacity(segments.len());
     for (i, seg) in segments.iter().enumerate() {
         // check_batch: a parent is an earlier segment, so its new state is already there.
         let start = match seg.parent {
             Some(p) => &new_states[p],
             None => &states[i],
         };
-        let at = |t: &Tensor| t.narrow(0, seg.start, seg.len);
-        let (o, state) = step(&at(&q)?, &at(&k)?, &at(v)?, &at(g)?, &at(beta)?, start)?;
-        outs.push(o);
+        let run = |from: usize, len: usize, state: &RuleState| {
+            let at = |t: &Tensor| t.narrow(0, seg.start + from, len);
+            step(&at(&q)?, &at(&k)?, &at(v)?, &at(g)?, &at(beta)?, state)
+        };
+        let (state, snapshot) = match seg.snapshot {
+            Some(p) => {
+                let (o, inside) = run(0, p, start)?;
+                outs.push(o);
+                let (o, state) = run(p, seg.len - p, &inside)?;
+                outs.push(o);
+                (state, Some(inside))
+            }
+            None => {
+                let (o, state) = run(0, seg.len, start)?;
+                outs.push(o);
+                (state, None)
+            }
+        };
         new_states.push(state);
+        snapshots.push(snapshot);
     }
-    Ok((Tensor::cat(&outs, 0)?, new_states))
+    Ok((Tensor::cat(&outs, 0)?, new_states, snapshots))
 }
 
 /// `x: [N, HK, d]` with its heads tiled to `heads` (a multiple of HK): head `h` of the result is head
@@ -391,6 +429,12 @@ pub(crate) fn check_batch(
             );
         }
         row = row.saturating_add(seg.len);
+        if let Some(p) = seg.snapshot.filter(|&p| p == 0 || p >= seg.len) {
+            candle_core::bail!(
+                "delta rule: segment {i}'s snapshot after {p} of its {} rows is not inside it",
+                seg.len
+            );
+        }
         match seg.parent {
             Some(p) if p >= i => {
                 candle_core::bail!(
@@ -656,8 +700,8 @@ fn close_chunk<F: Float>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_util::{bits, max_abs_diff};
     use crate::ops::l2_norm;
+    use crate::test_util::{bits, max_abs_diff};
 
     #[test]
     fn a_pending_row_is_claimed_once_and_clones_share_the_claim() {
@@ -824,21 +868,25 @@ mod tests {
                     start: 0,
                     len: 70,
                     parent: None,
+                    snapshot: None,
                 },
                 RuleSegment {
                     start: 70,
                     len: 1,
                     parent: None,
+                    snapshot: None,
                 },
                 RuleSegment {
                     start: 71,
                     len: 100,
                     parent: Some(0),
+                    snapshot: None,
                 },
                 RuleSegment {
                     start: 171,
                     len: 19,
                     parent: Some(2),
+                    snapshot: None,
                 },
             ];
             // A branch's own state is not read: pass one that would not even fit.
@@ -877,6 +925,7 @@ mod tests {
             start: 0,
             len: t,
             parent: None,
+            snapshot: None,
         }];
         let (out, states) =
             chunked_batch(q, k, v, g, beta, &segments, std::slice::from_ref(&state)).unwrap();
@@ -897,7 +946,12 @@ mod tests {
         let inputs = random_inputs(20, h, dk, dv, DType::F32);
         let [q, k, v, g, beta, s0] = &inputs;
         let state = RuleState::from_memory(s0).unwrap();
-        let seg = |start, len, parent| RuleSegment { start, len, parent };
+        let seg = |start, len, parent| RuleSegment {
+            start,
+            len,
+            parent,
+            snapshot: None,
+        };
         let run = |segments: &[RuleSegment], states: &[RuleState]| {
             chunked_batch(q, k, v, g, beta, segments, states)
         };
@@ -921,7 +975,74 @@ mod tests {
         // Key heads that do not divide the value heads.
         let q2 = q.narrow(1, 0, 2).unwrap();
         let k2 = k.narrow(1, 0, 2).unwrap();
-        assert!(chunked_batch(&q2, &k2, v, g, beta, &[seg(0, 20, None)], &[state]).is_err());
+        assert!(chunked_batch(
+            &q2,
+            &k2,
+            v,
+            g,
+            beta,
+            &[seg(0, 20, None)],
+            std::slice::from_ref(&state)
+        )
+        .is_err());
+        // A snapshot outside its segment.
+        for point in [0, 20, 21] {
+            let mut s = seg(0, 20, None);
+            s.snapshot = Some(point);
+            assert!(run(&[s], std::slice::from_ref(&state)).is_err(), "{point}");
+        }
+    }
+
+    #[test]
+    fn a_snapshot_is_the_state_the_rows_before_it_leave() {
+        // Snapshots inside the first chunk, on a boundary, mid-chunk after pending rows, and in a branch.
+        let (h, dk, dv) = (3, 16, 8);
+        let inputs = random_inputs(300, h, dk, dv, DType::F32);
+        let [q, k, v, g, beta, s0] = &inputs;
+        let fresh = RuleState::from_memory(s0).unwrap();
+        let other = random_inputs(37, h, dk, dv, DType::F32);
+        let (_, mid_chunk) = in_pieces(&other, &[37]);
+        let seg = |start, len, parent, snapshot| RuleSegment {
+            start,
+            len,
+            parent,
+            snapshot,
+        };
+        let segments = [
+            seg(0, 150, None, Some(5)),
+            seg(150, 100, None, Some(27)),
+            seg(250, 50, Some(0), Some(20)),
+        ];
+        let states = [fresh.clone(), mid_chunk.clone(), fresh.clone()];
+        let (out, ends, snapshots) =
+            chunked_batch_with_snapshots(q, k, v, g, beta, &segments, &states).unwrap();
+        let (plain, plain_ends) = chunked_batch(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            &segments.map(|s| RuleSegment {
+                snapshot: None,
+                ..s
+            }),
+            &states,
+        )
+        .unwrap();
+        assert_eq!(bits(&out), bits(&plain), "outputs");
+        for (a, b) in ends.iter().zip(&plain_ends) {
+            assert_same_state(a, b, "end state");
+        }
+        // Each snapshot against its rows alone from the segment's starting state.
+        let starts = [&fresh, &mid_chunk, &ends[0]];
+        for ((s, start), snapshot) in segments.iter().zip(starts).zip(&snapshots) {
+            let p = s.snapshot.unwrap();
+            let at = |t: &Tensor| t.narrow(0, s.start, p).unwrap();
+            let (_, want) = chunked(&at(q), &at(k), &at(v), &at(g), &at(beta), start).unwrap();
+            let got = snapshot.as_ref().expect("a snapshot");
+            assert_eq!(got.pending, want.pending);
+            assert_same_state(got, &want, "snapshot");
+        }
     }
 
     #[test]

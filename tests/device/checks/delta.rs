@@ -12,18 +12,23 @@
 //!    of the memories after every segment.
 //! 3. The decode kernel (one-token segments inside their chunk) against the pair and scan kernels, bit
 //!    for bit, at every pending count.
-//! 4. Launch limits, bit for bit against one call each: 40 one-token sequences from 40 states at
+//! 4. Snapshots inside segments (the state after a segment's first rows, written by the scan kernel or
+//!    taken at a launch's end) against those rows run alone, bit for bit, and the batch with snapshots
+//!    against the batch without (`snapshot_checks`).
+//! 5. Launch limits, bit for bit against one call each: 40 one-token sequences from 40 states at
 //!    different pending rows (two launches of ≤ 32 segments), and a 2,200-token prompt next to three
 //!    short ones (the chunk budget splits the long one across launches).
-//! 5. Timing at 27B shapes (48 value heads over 16 key heads, dk = dv = 128), median of 21 runs after a
+//! 6. Timing at 27B shapes (48 value heads over 16 key heads, dk = dv = 128), median of 21 runs after a
 //!    warm-up, µs: one layer's delta rule for one 275-token prompt, for a 230-token prefix and three
 //!    40-token branches of it, and for a decode step of 12 sequences; and the ×3 q/k tiling that
 //!    reading the key heads in place saves.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use prism_model::cuda_delta::delta_rule_batch_general;
-use prism_model::delta_rule::{self, chunked_batch, expand_key_heads, RuleSegment, RuleState};
+use prism_model::delta_rule::{
+    self, chunked_batch, chunked_batch_with_snapshots, expand_key_heads, RuleSegment, RuleState,
+};
 use serde_json::json;
 
 use crate::harness::{median_seconds, on_device, Report, Rng};
@@ -152,7 +157,12 @@ fn tile(spec: &[(usize, Option<usize>)]) -> Vec<RuleSegment> {
     let mut start = 0;
     spec.iter()
         .map(|&(len, parent)| {
-            let seg = RuleSegment { start, len, parent };
+            let seg = RuleSegment {
+                start,
+                len,
+                parent,
+                snapshot: None,
+            };
             start += len;
             seg
         })
@@ -277,7 +287,9 @@ fn decode_kernel_checks(r: &mut Report, gpu: &Device) -> Result<()> {
         continued_in_place,
         json!({"check": "decode in place shares the state's buffers", "ok": continued_in_place}),
     );
-    let general = delta_rule_batch_general(q, k, v, g, beta, &segments, &states)?;
+    let (general_out, general_states, _) =
+        delta_rule_batch_general(q, k, v, g, beta, &segments, &states)?;
+    let general = (general_out, general_states);
     same_results(
         r,
         "delta rule decode kernel, rows in place: 70 one-token steps (pending 0..=63, branches) vs the pair and scan kernels (rows past pending masked)",
@@ -330,6 +342,80 @@ fn masked(result: &(Tensor, Vec<RuleState>)) -> Result<(Tensor, Vec<RuleState>)>
         })
         .collect::<Result<Vec<_>>>()?;
     Ok((result.0.clone(), states))
+}
+
+/// Snapshots inside segments (the engine's evidence state from one pass over evidence and question)
+/// against the rows before each point run alone from the segment's starting state, bit for bit (rows
+/// past the pending count masked): inside a first chunk, on a chunk boundary after 37 pending rows, in
+/// a branch, in a segment's second and third launch (a chunk boundary there), and at the very end of a
+/// launch (the launch's own state). The batch's outputs and end states are those of the same batch
+/// without snapshots.
+fn snapshot_checks(r: &mut Report, gpu: &Device) -> Result<()> {
+    let (h, hk, dk, dv) = (6usize, 2usize, 128usize, 128usize);
+    let batches: [&[(usize, Option<usize>, usize)]; 2] = [
+        &[
+            (150, None, 5),
+            (90, None, 27),
+            (70, Some(0), 20),
+            (2200, None, 2100),
+            (2200, None, 2048),
+        ],
+        &[(2200, None, 2048)],
+    ];
+    for (b, spec) in batches.iter().enumerate() {
+        let plain = tile(&spec.iter().map(|&(n, p, _)| (n, p)).collect::<Vec<_>>());
+        let segments: Vec<RuleSegment> = plain
+            .iter()
+            .zip(spec.iter())
+            .map(|(seg, &(_, _, point))| RuleSegment {
+                snapshot: Some(point),
+                ..*seg
+            })
+            .collect();
+        let n: usize = segments.iter().map(|s| s.len).sum();
+        let mut rng = Rng(0xDE17_A5EE_0B00_0005 + b as u64);
+        let x = on_device(&batch_inputs(&mut rng, n, h, hk, dk, dv)?, gpu)?;
+        let states = (0..segments.len())
+            .map(|i| state_after(500 + i as u64, if i == 1 { 37 } else { 0 }, h, dk, dv, gpu))
+            .collect::<Result<Vec<_>>>()?;
+        let [q, k, v, g, beta] = &x;
+        let (out, ends, snapshots) =
+            chunked_batch_with_snapshots(q, k, v, g, beta, &segments, &states)?;
+        let without = chunked_batch(q, k, v, g, beta, &plain, &states)?;
+        same_results(
+            r,
+            &format!("delta rule snapshots, batch {b}: the batch with snapshots vs without"),
+            &masked(&(out, ends.clone()))?,
+            &masked(&without)?,
+        )?;
+        let t = tiled(&x)?;
+        let mut got = Vec::with_capacity(segments.len());
+        let mut want = Vec::with_capacity(segments.len());
+        for (i, seg) in segments.iter().enumerate() {
+            let point = seg.snapshot.unwrap_or(0);
+            let start = match seg.parent {
+                Some(p) => ends[p].clone(),
+                None => states[i].clone(),
+            };
+            want.push(chunked_rows(&t, (seg.start, point), gpu, &start)?.1);
+            got.push(
+                snapshots[i]
+                    .clone()
+                    .with_context(|| format!("segment {i} has no snapshot"))?,
+            );
+        }
+        let outputs = Tensor::zeros(1, DType::F32, &Device::Cpu)?;
+        same_results(
+            r,
+            &format!(
+                "delta rule snapshots, batch {b}: {} snapshots vs their rows alone (the outputs: a placeholder)",
+                segments.len()
+            ),
+            &masked(&(outputs.clone(), got))?,
+            &masked(&(outputs, want))?,
+        )?;
+    }
+    Ok(())
 }
 
 /// Whether two CUDA tensors start at the same device address.
@@ -459,6 +545,7 @@ fn timing_checks(r: &mut Report, gpu: &Device) -> Result<()> {
 pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
     bitwise_and_accuracy_checks(r, gpu)?;
     decode_kernel_checks(r, gpu)?;
+    snapshot_checks(r, gpu)?;
     launch_limit_checks(r, gpu)?;
     timing_checks(r, gpu)
 }
