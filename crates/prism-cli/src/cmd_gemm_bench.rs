@@ -19,6 +19,11 @@ pub struct GemmBenchArgs {
     /// Also time the simple kernel (one thread an output) where the tile runs.
     #[arg(long)]
     simple: bool,
+    /// Also time the Hopper tile's persistent grid scheduled for these multiprocessor counts (e.g.
+    /// `64,100,128,131,132`), both tile shapes: whether fewer CTAs than the GPU's multiprocessors hold
+    /// a product at once.
+    #[arg(long, value_delimiter = ',')]
+    grids: Vec<usize>,
     /// Write the results as JSON.
     #[arg(long)]
     json_out: Option<PathBuf>,
@@ -61,7 +66,7 @@ pub fn run(args: &GemmBenchArgs) -> Result<()> {
     );
     let mut rows = Vec::new();
     for shape in shapes {
-        let t = time_shape(&gpu, shape, args.runs, args.simple)?;
+        let t = time_shape(&gpu, shape, args.runs, args.simple, &args.grids)?;
         let rate = |s: f64| t.tops(s);
         let opt = |s: Option<f64>, f: &dyn Fn(f64) -> String| s.map_or("-".into(), f);
         println!(

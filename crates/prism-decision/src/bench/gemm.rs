@@ -107,12 +107,14 @@ fn time_median(
     Ok(times[times.len() / 2])
 }
 
-/// Times one shape `(k, n, m)` on `gpu` (see the module's doc); `simple` also times the simple kernel.
+/// Times one shape `(k, n, m)` on `gpu` (see the module's doc); `simple` also times the simple kernel,
+/// and each of `grids` the persistent grid of both tile shapes scheduled for that many multiprocessors.
 pub fn time_shape(
     gpu: &Device,
     (k, n, m): (usize, usize, usize),
     runs: usize,
     simple: bool,
+    grids: &[usize],
 ) -> Result<GemmTiming> {
     let Device::Cuda(dev) = gpu else {
         bail!("gemm-bench needs a CUDA device");
@@ -150,6 +152,11 @@ pub fn time_shape(
                 format!("M128 order {group}"),
                 Kernel::TileOrder(TileShape::M128, group),
             ));
+        }
+    }
+    for &sms in grids.iter().filter(|&&sms| sms > 0) {
+        for (name, shape) in [("M128", TileShape::M128), ("M64", TileShape::M64)] {
+            kernels.push((format!("{name} grid {sms}"), Kernel::TileGrid(shape, sms)));
         }
     }
     if m <= 512 {
