@@ -1692,3 +1692,54 @@ fn a_state_of_the_other_kv_storage_is_refused() {
     assert_eq!(int8_native().kv_storage(), KvStorage::Native);
     assert!(prism_model::kv_fp8::check_device(&Device::Cpu).is_ok());
 }
+
+/// With fp8 keys and values, a snapshot inside an item (the engine's evidence state from one pass over
+/// evidence and question) holds the evidence's own bytes and scales, and a follow-up from it reads the
+/// logits of a follow-up from the evidence run alone.
+#[test]
+fn an_fp8_snapshot_is_the_prefix_cache_its_prefix_leaves() {
+    let model = int8_fp8();
+    let seq = &prompts()[3][..120];
+    let question = &prompts()[6][40..57];
+    for point in [2usize, 64, 90] {
+        let mut alone = model.new_state().unwrap();
+        model
+            .forward(&mut [BatchItem::new(&mut alone, &seq[..point])])
+            .unwrap();
+        let mut state = model.new_state().unwrap();
+        let mut item = BatchItem::new(&mut state, seq);
+        item.snapshot = Some(point);
+        let mut out = model.forward(&mut [item]).unwrap();
+        let snapshot = out.snapshots[0].take().expect("a snapshot");
+        let mut caches = 0;
+        for (got, want) in snapshot.layers().iter().zip(alone.layers()) {
+            if let (LayerState::Attention(a), LayerState::Attention(b)) = (got, want) {
+                assert!(a.is_fp8() && b.is_fp8());
+                for (x, y) in [
+                    (&a.k, &b.k),
+                    (&a.v, &b.v),
+                    (&a.k_scale, &b.k_scale),
+                    (&a.v_scale, &b.v_scale),
+                ] {
+                    let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
+                    assert_eq!(x.dims(), y.dims(), "after {point}");
+                    assert_eq!(bits(x), bits(y), "after {point}");
+                }
+                caches += 1;
+            }
+        }
+        assert!(caches > 0);
+        let read = |mut state: SequenceState| {
+            let hidden = model
+                .forward(&mut [BatchItem::new(&mut state, question)])
+                .unwrap()
+                .hidden;
+            bits(
+                &model
+                    .logits(&hidden.narrow(0, question.len() - 1, 1).unwrap())
+                    .unwrap(),
+            )
+        };
+        assert_eq!(read(snapshot), read(alone), "a follow-up after {point}");
+    }
+}
