@@ -641,6 +641,26 @@ fn contiguous<'a, T>(v: &'a [T], l: &Layout, what: &str) -> candle_core::Result<
     }
 }
 
+/// [`attend`] on storages read where they lie: q contiguous, k and v in rows of each head.
+fn attend_in_place<F: Float>(
+    [q, k, v]: [&[F]; 3],
+    [lq, lk, lv]: [&Layout; 3],
+    dims: (usize, usize, usize, usize),
+    past: usize,
+    scale: F,
+) -> candle_core::Result<Vec<F>> {
+    let (k, v, rows) = kv_rows(head_rows(k, lk, "k")?, head_rows(v, lv, "v")?)?;
+    Ok(attend(
+        contiguous(q, lq, "q")?,
+        k,
+        v,
+        dims,
+        rows,
+        past,
+        scale,
+    ))
+}
+
 /// Keys and values of one head stride, with it.
 fn kv_rows<'a, T>(
     (k, rk): (&'a [T], usize),
@@ -702,31 +722,14 @@ impl CustomOp3 for CausalAttention {
                 self.past
             );
         };
+        let layouts = [l1, l2, l3];
         let out = match (s1, s2, s3) {
-            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
-                let (k, v, rows) = kv_rows(head_rows(k, l2, "k")?, head_rows(v, l3, "v")?)?;
-                CpuStorage::F32(attend(
-                    contiguous(q, l1, "q")?,
-                    k,
-                    v,
-                    dims,
-                    rows,
-                    self.past,
-                    self.scale as f32,
-                ))
-            }
-            (CpuStorage::F64(q), CpuStorage::F64(k), CpuStorage::F64(v)) => {
-                let (k, v, rows) = kv_rows(head_rows(k, l2, "k")?, head_rows(v, l3, "v")?)?;
-                CpuStorage::F64(attend(
-                    contiguous(q, l1, "q")?,
-                    k,
-                    v,
-                    dims,
-                    rows,
-                    self.past,
-                    self.scale,
-                ))
-            }
+            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => CpuStorage::F32(
+                attend_in_place([q, k, v], layouts, dims, self.past, self.scale as f32)?,
+            ),
+            (CpuStorage::F64(q), CpuStorage::F64(k), CpuStorage::F64(v)) => CpuStorage::F64(
+                attend_in_place([q, k, v], layouts, dims, self.past, self.scale)?,
+            ),
             _ => candle_core::bail!("causal attention: q, k, v must all be f32 or all f64"),
         };
         Ok((out, Shape::from((t_len, n_h * hd))))
