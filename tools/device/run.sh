@@ -105,6 +105,22 @@ done
 F=tests/fixtures
 R="--ranks $F/qwen35-vocab/qwen3_6.tiktoken --chat-template $F/qwen35-tiny/chat_template.jinja"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+# The body of GET $1, on stdout.
+http_get() {
+    python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' "$1"
+}
+# Waits until the prism serve of process $1, logging to $OUT/serve-$2.log, says it is ready (400 s at most);
+# kills it and fails where it does not.
+wait_ready() {
+    local pid=$1 name=$2 waited=0
+    until grep -q "Ready on" "$OUT/serve-$name.log" 2> /dev/null; do
+        sleep 1; waited=$((waited + 1))
+        if [ $waited -gt 400 ] || ! kill -0 $pid 2> /dev/null; then
+            echo "serve $name not ready after ${waited}s"; kill $pid 2> /dev/null; return 1
+        fi
+    done
+    echo "serve $name ready after ${waited}s"
+}
 # prism serve on /tmp/s27 as a v1.1 AutoThink model at int8, 64 clients with thoughts.
 serve27_think() {
     local port=18701 url=http://127.0.0.1:18701
@@ -127,19 +143,12 @@ with open(sys.argv[2], "w") as out:
 PY
     /tmp/prism serve --gguf /tmp/s27/model.gguf --model-dir /tmp/s27 --device cuda --precision int8 \
         --port $port > "$OUT/serve-think.log" 2>&1 &
-    local pid=$! waited=0
-    until grep -q "Ready on" "$OUT/serve-think.log" 2> /dev/null; do
-        sleep 1; waited=$((waited + 1))
-        if [ $waited -gt 400 ] || ! kill -0 $pid 2> /dev/null; then
-            echo "serve think not ready after ${waited}s"; kill $pid 2> /dev/null; return 1
-        fi
-    done
-    echo "serve think ready after ${waited}s"
+    local pid=$!
+    wait_ready $pid "think" || return 1
     /tmp/prism loadgen --url $url --requests /tmp/thoughts.jsonl --clients 64 --duration "${LOAD_S:-60}" \
         --check 32 --expect-identical --json-out "$OUT/loadgen-think-64.json" > "$OUT/loadgen-think-64.txt" 2>&1
     echo "loadgen think 64 clients rc=$?"
-    python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' \
-        $url/stats > "$OUT/stats-think.json"
+    http_get $url/stats > "$OUT/stats-think.json"
     kill -TERM $pid; wait $pid
     echo "serve think exit rc=$?"
 }
@@ -155,14 +164,8 @@ images27() {
     head -1 /tmp/images-cold.jsonl > /tmp/images-repeat.jsonl
     /tmp/prism serve --gguf /tmp/s27/model.gguf --model-dir /tmp/s27 --mmproj $mmproj --device cuda \
         --precision int8 --max-body-bytes 33554432 --port $port > "$OUT/serve-images.log" 2>&1 &
-    local pid=$! waited=0
-    until grep -q "Ready on" "$OUT/serve-images.log" 2> /dev/null; do
-        sleep 1; waited=$((waited + 1))
-        if [ $waited -gt 400 ] || ! kill -0 $pid 2> /dev/null; then
-            echo "serve images not ready after ${waited}s"; kill $pid 2> /dev/null; return 1
-        fi
-    done
-    echo "serve images ready after ${waited}s"
+    local pid=$!
+    wait_ready $pid "images" || return 1
     for tag in warm cold repeat; do
         local n=5
         [ $tag = warm ] && n=1
@@ -171,8 +174,7 @@ images27() {
             > "$OUT/loadgen-images-$tag.txt" 2>&1
         echo "loadgen images $tag rc=$?"
     done
-    python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' \
-        $url/stats > "$OUT/stats-images.json"
+    http_get $url/stats > "$OUT/stats-images.json"
     python3 -c 'import json, sys; v = json.load(open(sys.argv[1])).get("vision"); print("vision tower:", v)' \
         "$OUT/stats-images.json"
     kill -TERM $pid; wait $pid
@@ -184,14 +186,8 @@ serve27() {
     [ "$precision" = bf16 ] || check=--expect-identical
     /tmp/prism serve --gguf /tmp/s27/model.gguf --model-dir /tmp/s27 --device "${DEVICE:-cuda}" --precision "$precision" \
         --port $port > "$OUT/serve-$tag.log" 2>&1 &
-    local pid=$! waited=0
-    until grep -q "Ready on" "$OUT/serve-$tag.log" 2> /dev/null; do
-        sleep 1; waited=$((waited + 1))
-        if [ $waited -gt 400 ] || ! kill -0 $pid 2> /dev/null; then
-            echo "serve $tag not ready after ${waited}s"; kill $pid 2> /dev/null; return 1
-        fi
-    done
-    echo "serve $tag ready after ${waited}s"
+    local pid=$!
+    wait_ready $pid "$tag" || return 1
     # Cold: 20 distinct short / three-question requests from one client, each sent once (new evidence).
     for r in short shared; do
         /tmp/prism loadgen --url $url --requests tools/device/$r.jsonl --clients 1 --duration 60 \
@@ -220,10 +216,8 @@ PY
     /tmp/prism loadgen --url $url --requests /tmp/shared-distinct.jsonl --clients 64 --duration "${LOAD_S:-60}" \
         --check 64 $check --json-out "$OUT/loadgen-$tag-shared64.json" > "$OUT/loadgen-$tag-shared64.txt" 2>&1
     echo "loadgen $tag shared 64 clients rc=$?"
-    python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' \
-        $url/stats > "$OUT/stats-$tag.json"
-    python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' \
-        $url/metrics > "$OUT/metrics-$tag.txt"
+    http_get $url/stats > "$OUT/stats-$tag.json"
+    http_get $url/metrics > "$OUT/metrics-$tag.txt"
     kill -TERM $pid; wait $pid
     echo "serve $tag exit rc=$?"
 }
