@@ -384,6 +384,8 @@ __device__ __forceinline__ void flash_attention_fp8(const __nv_bfloat16* __restr
     const float* ksb = ks + static_cast<size_t>(kv) * total;
     const float* vsb = vs + static_cast<size_t>(kv) * total;
 
+    // The Q load and the tile loop below repeat flash_attention<HD, BK>'s: the steps both run alike are
+    // shared (attend_tile, write_rows); the loop stays per variant since this one converts between staging and use.
 #pragma unroll
     for (int i = 0; i < FA_ROWS * CHUNKS / FA_THREADS; ++i) {
         const int idx = threadIdx.x + i * FA_THREADS;

@@ -123,6 +123,8 @@ fn value_rows(v: &Tensor) -> Result<(Tensor, usize)> {
 /// segments that do not close their chunk (decode steps) run on the decode kernel, the rest on the pair
 /// and scan kernels; both give the same bits. A segment's snapshot is written by the scan kernel as it
 /// passes the point (or is the state a launch ends with, where a launch ends there).
+/// Its parameter list is the CPU function's on purpose: the same signature is the contract between the
+/// op and its device twin (the shapes are checked once, in `check_batch`).
 pub fn delta_rule_batch(
     q: &Tensor,
     k: &Tensor,
@@ -669,6 +671,8 @@ const DECODE_THREADS: u32 = 128;
 const DECODE_PIECE: usize = 32;
 
 /// Per-segment destinations of a decode launch: the C layout of `DecodeOutputs` in delta_rule.cu.
+/// Its arrays repeat [`SegmentArgs`]'s first fields, but each struct mirrors its own C struct field for
+/// field (size asserted below), so they stay two.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct DecodeOutputs {

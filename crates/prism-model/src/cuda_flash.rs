@@ -626,6 +626,8 @@ pub fn kv_append_batch(k_new: &Tensor, v_new: &Tensor, appends: &[KvAppend<'_>])
         };
         let mut guards = Vec::with_capacity(2 * live.len());
         let mut most = 0;
+        // Filled as `flash_attention_batch` fills its `FlashBatch`: two structs, one per kernel (see
+        // `KvAppendBatch`), so the fills stay two as well.
         for (j, (a, (vk, vv))) in live.iter().zip(&views).enumerate() {
             let (pk, gk) = vk.device_ptr(&stream);
             let (pv, gv) = vv.device_ptr(&stream);

@@ -512,6 +512,7 @@ struct TokenInputs<'a, F> {
     beta: F,
 }
 
+// Takes [`chunked`]'s parameters as they are: it is that function's body for one float type.
 fn chunked_typed<F: Float + WithDType>(
     q: &Tensor,
     k: &Tensor,

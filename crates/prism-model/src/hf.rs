@@ -37,6 +37,7 @@ pub const SAFETENSORS_INDEX_FILE: &str = "model.safetensors.index.json";
 pub const TEXT_MODEL_TYPE: &str = "qwen3_5_text";
 
 /// What can go wrong reading a Hugging Face checkpoint. Every variant names the field, file or tensor.
+/// Variants alike in shape (a path or name and a reason) stay apart: each says what failed in its own words.
 #[derive(Debug, thiserror::Error)]
 pub enum HfError {
     #[error("config.json: field {field:?} is missing")]
@@ -509,6 +510,8 @@ impl HfCheckpoint {
     /// Tensor `name`, which must have exactly `shape`, as f32 values in storage (row-major) order.
     /// bf16 and f16 widen exactly.
     pub fn f32_values(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        // The same lookup as `shape` above: the view's type lives in the safetensors crate, which this
+        // crate reaches only through candle, so no helper can return it.
         let shard = self.shard(name)?;
         let view = shard
             .tensors

@@ -244,6 +244,8 @@ pub struct Summary {
     /// Labelled questions answered (what the metrics are over).
     pub questions: usize,
     pub unlabelled_questions: usize,
+    // From here the overall [`Metrics`]' fields, in the order results.json has always listed them
+    // (its `items` counts only labelled items, this one all answered): a field list, not shared logic.
     pub correct: usize,
     pub accuracy: Option<f64>,
     pub ece: Option<f64>,

@@ -132,6 +132,8 @@ pub fn max_abs_diff_tensors(a: &Tensor, b: &Tensor) -> f64 {
 /// The dtype and every element's bits: f64 elements as they are, any other dtype's converted to f32
 /// (exact for the float types and bytes the tests compare). Equal results mean bit-identical tensors
 /// of one dtype.
+// The unit tests' `bits` in src/test_util.rs is the same walk; that module is built only under
+// `cfg(test)` of the library, which these integration tests cannot reach.
 pub fn bits(t: &Tensor) -> (DType, Vec<u64>) {
     let flat = t.flatten_all().unwrap();
     let bits = match flat.dtype() {
