@@ -272,6 +272,14 @@ pub fn scale_min_k4(j: usize, packed: &[u8; 12]) -> (u8, u8) {
     }
 }
 
+/// The scale and min of both halves of 64-value chunk `c` of a Q4_K or Q5_K block: `d·sc` and `dmin·m`.
+fn chunk_scales(c: usize, d: f32, dmin: f32, packed: &[u8; 12]) -> [(f32, f32); 2] {
+    [2 * c, 2 * c + 1].map(|j| {
+        let (sc, m) = scale_min_k4(j, packed);
+        (d * sc as f32, dmin * m as f32)
+    })
+}
+
 fn k4_scales(b: &[u8]) -> [u8; 12] {
     let mut packed = [0u8; 12];
     packed.copy_from_slice(&b[4..16]);
@@ -286,12 +294,7 @@ pub fn dequantize_row_q4_k(bytes: &[u8], out: &mut [f32]) {
         let dmin = fp16(b[2], b[3]);
         let packed = k4_scales(b);
         for c in 0..4 {
-            let (sc1, m1) = scale_min_k4(2 * c, &packed);
-            let (sc2, m2) = scale_min_k4(2 * c + 1, &packed);
-            let d1 = d * sc1 as f32;
-            let m1 = dmin * m1 as f32;
-            let d2 = d * sc2 as f32;
-            let m2 = dmin * m2 as f32;
+            let [(d1, m1), (d2, m2)] = chunk_scales(c, d, dmin, &packed);
             let q = &b[16 + 32 * c..16 + 32 * c + 32];
             let (lo, hi) = y[64 * c..64 * c + 64].split_at_mut(32);
             for l in 0..32 {
@@ -310,12 +313,7 @@ pub fn dequantize_row_q5_k(bytes: &[u8], out: &mut [f32]) {
         let packed = k4_scales(b);
         let qh = &b[16..48];
         for c in 0..4 {
-            let (sc1, m1) = scale_min_k4(2 * c, &packed);
-            let (sc2, m2) = scale_min_k4(2 * c + 1, &packed);
-            let d1 = d * sc1 as f32;
-            let m1 = dmin * m1 as f32;
-            let d2 = d * sc2 as f32;
-            let m2 = dmin * m2 as f32;
+            let [(d1, m1), (d2, m2)] = chunk_scales(c, d, dmin, &packed);
             let u1 = 1u8 << (2 * c);
             let u2 = 2u8 << (2 * c);
             let ql = &b[48 + 32 * c..48 + 32 * c + 32];

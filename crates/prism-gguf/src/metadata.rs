@@ -2,7 +2,7 @@
 
 use crate::error::{GgufError, Result};
 
-/// The value-type ids of GGUF metadata (`gguf_type`).
+/// The value-type ids of GGUF metadata (`gguf_type`): a table of GGUF's numbers, alike line by line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MetadataType {
     U8 = 0,
@@ -21,25 +21,17 @@ pub enum MetadataType {
 }
 
 impl MetadataType {
+    /// Every type, in id order.
+    pub const ALL: [MetadataType; 13] = {
+        use MetadataType::*;
+        [
+            U8, I8, U16, I16, U32, I32, F32, Bool, String, Array, U64, I64, F64,
+        ]
+    };
+
     /// The type with id `v`, if GGUF defines one.
     pub fn from_u32(v: u32) -> Option<Self> {
-        use MetadataType::*;
-        Some(match v {
-            0 => U8,
-            1 => I8,
-            2 => U16,
-            3 => I16,
-            4 => U32,
-            5 => I32,
-            6 => F32,
-            7 => Bool,
-            8 => String,
-            9 => Array,
-            10 => U64,
-            11 => I64,
-            12 => F64,
-            _ => return None,
-        })
+        Self::ALL.into_iter().find(|t| t.as_u32() == v)
     }
 
     pub fn as_u32(self) -> u32 {
@@ -219,4 +211,18 @@ pub(crate) fn typed<'a, T>(
         expected,
         found: value.type_name(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MetadataType;
+
+    #[test]
+    fn every_type_id_maps_back_to_its_type() {
+        for (id, ty) in MetadataType::ALL.into_iter().enumerate() {
+            assert_eq!(ty.as_u32(), id as u32);
+            assert_eq!(MetadataType::from_u32(id as u32), Some(ty));
+        }
+        assert_eq!(MetadataType::from_u32(13), None);
+    }
 }

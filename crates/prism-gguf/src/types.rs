@@ -50,7 +50,8 @@ pub enum GgmlType {
 /// Super-block size of the K-quants.
 pub const QK_K: usize = 256;
 
-/// (type, id, elements per block, bytes per block, name). Geometry as in ggml's type traits.
+/// (type, id, elements per block, bytes per block, name). Geometry as in ggml's type traits. Rows of
+/// data, alike in shape by nature.
 const TYPE_TABLE: &[(GgmlType, u32, usize, usize, &str)] = &[
     (GgmlType::F32, 0, 1, 4, "F32"),
     (GgmlType::F16, 1, 1, 2, "F16"),
