@@ -498,6 +498,8 @@ fn cuda_flash(
     Ok(None)
 }
 
+// These helpers take `attend_segment`'s parameters as they are, and each has a stub of the same
+// signature for builds without CUDA, so that `attend_segment` itself needs no `cfg`.
 #[cfg(feature = "cuda")]
 fn cuda_attention(
     q: &Tensor,

@@ -5,6 +5,9 @@
 //! activation dtype of the bf16 path) and return new tensors; the norms, SwiGLU, the gates and the
 //! conv read strided views (column ranges of fused projections) in place, and the producers of bf16
 //! GEMM inputs can write bf16.
+//!
+//! A twin takes its op's parameters as they are, so the signatures repeat those of `ops.rs` on
+//! purpose: the op checks the shapes and dispatches, the twin only launches.
 
 use candle_core::cuda_backend::cudarc::cublas::{result as cublas, sys as cublas_sys};
 use candle_core::cuda_backend::cudarc::driver::{
@@ -467,6 +470,8 @@ pub struct ConvSiluOutput {
 const CONV_DECODE_MAX: usize = 64;
 
 /// The segments of one decode launch: the C layout of `ConvDecodeArgs` in ops.cu, passed by value.
+/// Shaped like `FlashBatch` in cuda_flash.rs (pointers, then ints per segment), but each struct mirrors
+/// its own kernel's parameter field for field, so no generic one serves both.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct ConvDecodeArgs {

@@ -296,6 +296,8 @@ impl HfTextConfig {
         }
         let rotary_dim = rotary as usize;
         let (sections_field, sections) = f.rope_required("mrope_section")?;
+        // Read as config.rs reads the GGUF's `rope.dimension_sections`, but from JSON values and with
+        // config.json's field names in the errors: the two walks share no value type.
         let sections: Vec<usize> = sections
             .as_array()
             .ok_or_else(|| bad(&sections_field, format!("{sections} is not an array")))?

@@ -184,6 +184,13 @@ pub enum Init {
     InverseSoftplusLogUniform { lo: f32, hi: f32 },
 }
 
+impl Init {
+    /// [`Init::Normal`] of `mean` and `std`.
+    pub const fn normal(mean: f32, std: f32) -> Init {
+        Init::Normal { mean, std }
+    }
+}
+
 /// One tensor of the planned file.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SynthTensor {
@@ -216,14 +223,8 @@ pub struct SynthSpec {
 }
 
 const MATRIX_STD: f32 = 0.02;
-const NORM: Init = Init::Normal {
-    mean: 1.0,
-    std: MATRIX_STD,
-};
-const MATRIX: Init = Init::Normal {
-    mean: 0.0,
-    std: MATRIX_STD,
-};
+const NORM: Init = Init::normal(1.0, MATRIX_STD);
+const MATRIX: Init = Init::normal(0.0, MATRIX_STD);
 
 impl SynthSpec {
     /// A released size with all its layers, no MTP block.

@@ -137,30 +137,15 @@ pub struct SynthVisionSpec {
 }
 
 /// Weights of the block and merger matrices (transformers' `initializer_range`).
-const MATRIX: Init = Init::Normal {
-    mean: 0.0,
-    std: 0.02,
-};
+const MATRIX: Init = Init::normal(0.0, 0.02);
 /// Biases.
-const BIAS: Init = Init::Normal {
-    mean: 0.0,
-    std: 0.02,
-};
+const BIAS: Init = Init::normal(0.0, 0.02);
 /// LayerNorm scales.
-const NORM: Init = Init::Normal {
-    mean: 1.0,
-    std: 0.02,
-};
+const NORM: Init = Init::normal(1.0, 0.02);
 /// The patch kernels: an embedding of RMS about 0.7 from pixels in [−1, 1] (as the fixture's recipe).
-const PATCH: Init = Init::Normal {
-    mean: 0.0,
-    std: 0.03,
-};
+const PATCH: Init = Init::normal(0.0, 0.03);
 /// The learned positions (as the fixture's recipe).
-const POSITIONS: Init = Init::Normal {
-    mean: 0.0,
-    std: 0.5,
-};
+const POSITIONS: Init = Init::normal(0.0, 0.5);
 
 impl SynthVisionSpec {
     /// The tower of a released size.

@@ -165,7 +165,8 @@ fn delta_rule_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> 
         &got,
     )?;
 
-    // A long prompt takes several launches (32 chunks each); then single decode steps.
+    // A long prompt takes several launches (32 chunks each); then single decode steps. Set up as the
+    // T=300 case above (zero states, one call), written out so that each case reads whole with its names.
     let (t, h) = (2200usize, 2usize);
     let x = delta_rule_inputs(rng, t, h, dk, dv)?;
     let cpu_state = RuleState::zeros(h, dk, dv, DType::F32, &Device::Cpu)?;

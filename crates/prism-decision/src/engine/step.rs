@@ -96,6 +96,8 @@ pub(crate) struct StepLoop<M: PassModel> {
 }
 
 impl<M: PassModel> StepLoop<M> {
+    // The parameters repeat the fields they fill (a constructor); only the cache and the active list
+    // are made here.
     pub(crate) fn new(
         model: M,
         encoder: Arc<dyn PromptEncoder>,

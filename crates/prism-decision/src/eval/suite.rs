@@ -151,6 +151,8 @@ pub fn parse_line(line: usize, text: &str) -> Result<SuiteItem, SuiteError> {
         }
         None => return Err(error(line, "id", "missing")),
     };
+    // Shaped like the `id` match above, but each field accepts its own types and says so in its own
+    // message; only the error arms repeat.
     let request = match object.get("request") {
         Some(request @ PyValue::Object(_)) => request.clone(),
         Some(other) => {
