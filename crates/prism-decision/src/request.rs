@@ -10,6 +10,18 @@ use crate::pyjson::{self, py_strip, PyObject, PyValue};
 
 /// Most images in one request (spec §2).
 pub const MAX_IMAGES: usize = 8;
+
+/// The refusal (422) of a request with `count` images, more than [`MAX_IMAGES`], under `path`; `None`
+/// for a count allowed.
+pub fn too_many_images(path: FieldPath, count: usize) -> Option<FieldError> {
+    (count > MAX_IMAGES).then(|| {
+        FieldError::unanswerable(
+            path,
+            "too_many_images",
+            format!("at most {MAX_IMAGES} images per request, got {count}"),
+        )
+    })
+}
 /// Fewest and most levels of a score question.
 pub const MIN_SCORE_LEVELS: usize = 2;
 pub const MAX_SCORE_LEVELS: usize = 10;
@@ -109,6 +121,8 @@ pub struct DecisionRequest {
     /// `assets`). Not decoded here: [`crate::image_input::decode_image`] does that (the engine, on the
     /// submitting thread).
     pub images: Vec<crate::image_input::RequestImage>,
+    // `think_mode` to `allow_none`: the fields of [`RequestDefaults`] as this request resolved them (its
+    // own value, else the server's default); a field list kept flat like the JSON it comes from.
     pub think_mode: ThinkMode,
     pub gate: f64,
     pub mix: f64,
@@ -242,16 +256,7 @@ impl DecisionRequest {
                         )),
                     }
                 }
-                if items.len() > MAX_IMAGES {
-                    errors.push(FieldError::unanswerable(
-                        root.key("images"),
-                        "too_many_images",
-                        format!(
-                            "at most {MAX_IMAGES} images per request, got {}",
-                            items.len()
-                        ),
-                    ));
-                }
+                errors.extend(too_many_images(root.key("images"), items.len()));
             }
             Some(other) => errors.push(FieldError::malformed(
                 root.key("images"),

@@ -16,7 +16,7 @@ use axum::http::StatusCode;
 use prism_decision::error::{FieldError, FieldErrors, FieldPath, LocPart};
 use prism_decision::image_input::{ImageData, RequestImage};
 use prism_decision::pyjson::{self, PyObject, PyValue};
-use prism_decision::request::MAX_IMAGES;
+use prism_decision::request::too_many_images;
 use prism_decision::{DecisionError, DecisionRequest, RequestDefaults};
 
 use crate::error::{loc, ApiError};
@@ -24,7 +24,7 @@ use crate::error::{loc, ApiError};
 /// The largest zstd window accepted when the body limit is smaller (RFC 8878: decoders of HTTP content
 /// support windows up to 8 MiB).
 pub const ZSTD_MAX_WINDOW: u64 = 8 << 20;
-/// Most parts of a multipart body: the request, up to [`MAX_IMAGES`] images, and room to report extras.
+/// Most parts of a multipart body: the request, up to [`MAX_IMAGES`](prism_decision::request::MAX_IMAGES) images, and room to report extras.
 pub const MAX_MULTIPART_PARTS: usize = 64;
 /// Longest header block of one multipart part.
 const MAX_PART_HEADER_BYTES: usize = 16 * 1024;
@@ -782,13 +782,7 @@ fn check_assets(
             ));
         }
     }
-    if count > MAX_IMAGES {
-        errors.push(FieldError::unanswerable(
-            path.clone(),
-            "too_many_images",
-            format!("at most {MAX_IMAGES} images per request, got {count}"),
-        ));
-    }
+    errors.extend(too_many_images(path.clone(), count));
     images
 }
 
@@ -854,16 +848,7 @@ fn place_assets(
             ));
         }
     }
-    if images.len() > MAX_IMAGES {
-        errors.push(FieldError::unanswerable(
-            root.key("assets"),
-            "too_many_images",
-            format!(
-                "at most {MAX_IMAGES} images per request, got {}",
-                images.len()
-            ),
-        ));
-    }
+    errors.extend(too_many_images(root.key("assets"), images.len()));
     request.state = PyValue::Str(out);
     request.images = images;
 }

@@ -31,8 +31,25 @@ pub mod host_profile;
 mod think;
 
 use crate::{
-    decide, render_request, DecisionRequest, DecoderLetterModel, ModelSource, RequestDefaults,
+    decide, render_request, DecisionConfig, DecisionRequest, DecisionResponse, DecoderLetterModel,
+    LetterModel, ModelSource, RequestDefaults,
 };
+
+/// [`decide`] on `scenario`'s request; an error names `what` was running, the scenario and the body.
+fn decide_scenario(
+    what: &str,
+    scenario: &Scenario,
+    config: &DecisionConfig,
+    model: &mut dyn LetterModel,
+) -> Result<DecisionResponse> {
+    decide(&scenario.request, config, model).map_err(|e| {
+        anyhow::anyhow!(
+            "{what} {}: {}",
+            scenario.name,
+            serde_json::to_string(&e.body()).unwrap_or_default()
+        )
+    })
+}
 
 /// The README's example request: one ticket, three questions.
 const EXAMPLE_REQUEST: &str = include_str!("../../../../examples/request.json");
@@ -670,13 +687,7 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
                 host.open(scenario.name);
             }
             let start = Instant::now();
-            let response = decide(&scenario.request, &loaded.config, &mut model).map_err(|e| {
-                anyhow::anyhow!(
-                    "scenario {}: {}",
-                    scenario.name,
-                    serde_json::to_string(&e.body()).unwrap_or_default()
-                )
-            })?;
+            let response = decide_scenario("scenario", scenario, &loaded.config, &mut model)?;
             device.synchronize()?;
             let secs = start.elapsed().as_secs_f64();
             // Stop the profiler range (if any) after the synchronization.
@@ -709,13 +720,7 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
         prism_model::profile::take()?;
         for scenario in &scenarios {
             let start = Instant::now();
-            decide(&scenario.request, &loaded.config, &mut model).map_err(|e| {
-                anyhow::anyhow!(
-                    "profiling {}: {}",
-                    scenario.name,
-                    serde_json::to_string(&e.body()).unwrap_or_default()
-                )
-            })?;
+            decide_scenario("profiling", scenario, &loaded.config, &mut model)?;
             device.synchronize()?;
             let total = start.elapsed().as_secs_f64();
             profiles.insert(
