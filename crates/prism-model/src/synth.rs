@@ -222,6 +222,17 @@ pub struct SynthSpec {
     pub seed: u64,
 }
 
+/// An [`SynthError::InvalidSpec`] for `field` where `n` is 0.
+pub(crate) fn at_least_one(field: &'static str, n: usize) -> Result<(), SynthError> {
+    if n == 0 {
+        return Err(SynthError::InvalidSpec {
+            field,
+            reason: "must be at least 1".into(),
+        });
+    }
+    Ok(())
+}
+
 const MATRIX_STD: f32 = 0.02;
 const NORM: Init = Init::normal(1.0, MATRIX_STD);
 const MATRIX: Init = Init::normal(0.0, MATRIX_STD);
@@ -246,12 +257,7 @@ impl SynthSpec {
     /// Keeps the first `n_layers` layers (widths unchanged; layer kinds by the same interval rule, so
     /// 4 layers are 3 DeltaNet + 1 attention).
     pub fn with_layers(mut self, n_layers: usize) -> Result<Self, SynthError> {
-        if n_layers == 0 {
-            return Err(SynthError::InvalidSpec {
-                field: "layers",
-                reason: "must be at least 1".into(),
-            });
-        }
+        at_least_one("layers", n_layers)?;
         self.config.n_layers = n_layers;
         self.config.layer_kinds = interval_layer_kinds(n_layers, FULL_ATTENTION_INTERVAL);
         Ok(self)
@@ -390,6 +396,7 @@ impl SynthSpec {
                 .copied()
                 .unwrap_or(LayerKind::Attention);
             let n = |s: &str| format!("blk.{block}.{s}");
+            // The tensor lists are data: one row a tensor as llama.cpp names and shapes it.
             let mut layer = vec![
                 tensor(n("attn_norm.weight"), vec![d], Class::Plain, NORM),
                 tensor(n("post_attention_norm.weight"), vec![d], Class::Plain, NORM),

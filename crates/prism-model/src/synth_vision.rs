@@ -180,12 +180,7 @@ impl SynthVisionSpec {
 
     /// Keeps the first `blocks` ViT blocks (widths unchanged).
     pub fn with_blocks(mut self, blocks: usize) -> Result<Self, SynthError> {
-        if blocks == 0 {
-            return Err(SynthError::InvalidSpec {
-                field: "vision blocks",
-                reason: "must be at least 1".into(),
-            });
-        }
+        crate::synth::at_least_one("vision blocks", blocks)?;
         self.config.blocks = blocks;
         Ok(self)
     }
