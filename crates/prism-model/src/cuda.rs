@@ -6,8 +6,8 @@
 //! conv read strided views (column ranges of fused projections) in place, and the producers of bf16
 //! GEMM inputs can write bf16.
 //!
-//! A twin takes its op's parameters as they are, so the signatures repeat those of `ops.rs` on
-//! purpose: the op checks the shapes and dispatches, the twin only launches.
+//! A twin takes its op's parameters as they are, so the signatures repeat those of the CPU functions
+//! (`ops.rs`, `vision.rs`, ...) on purpose: the op checks the shapes and dispatches, the twin only launches.
 
 use candle_core::cuda_backend::cudarc::cublas::{result as cublas, sys as cublas_sys};
 use candle_core::cuda_backend::cudarc::driver::{

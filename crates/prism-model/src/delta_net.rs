@@ -42,7 +42,8 @@ pub struct DeltaNet {
 }
 
 impl DeltaNet {
-    /// Part indices of [`DeltaNet::in_proj`].
+    /// Part indices of [`DeltaNet::in_proj`]. (Alike in shape to `Attention`'s dims and indices only:
+    /// each layer kind names its own.)
     pub const QKV: usize = 0;
     pub const Z: usize = 1;
     pub const BETA: usize = 2;

@@ -560,6 +560,7 @@ fn contiguous<'a, T>(v: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
     }
 }
 
+// The trait's own signatures, as `CausalAttention`'s `CustomOp3` impl in attention.rs has them.
 impl CustomOp2 for RowInvariantMatmul {
     fn name(&self) -> &'static str {
         "row-invariant-matmul"

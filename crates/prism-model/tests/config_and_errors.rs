@@ -99,6 +99,8 @@ const VOCAB: usize = 248_320;
 
 /// Metadata as the current llama.cpp converter writes it, with the MTP block included
 /// (`block_count = L + 1`, `nextn_predict_layers = 1`) when `mtp` is set.
+// examples/bench_synthetic.rs writes many of the same keys for its own small model: a list of data, and
+// an example and a test target share no module.
 fn metadata(s: &Size, mtp: bool, recurrent_layers: bool) -> HashMap<String, MetadataValue> {
     let block_count = s.layers + u64::from(mtp);
     let mut m = HashMap::new();

@@ -127,6 +127,7 @@ impl QuantMatmul {
     /// ([`crate::cuda::matmul_gated_norm`]: the norm formed by the activation quantizer, the bits of
     /// prism-model's CUDA gated norm then [`QuantMatmul::forward`]); `None` elsewhere or for other head
     /// sizes, where the caller applies its norm and then [`QuantMatmul::forward`].
+    // The parameters of prism-model's `Linear::forward_gated_norm`, which calls this one first.
     pub fn forward_gated_norm(
         &self,
         x: &Tensor,

@@ -600,6 +600,7 @@ impl QuantWeight {
                     other_format: other.format,
                 });
             }
+            // Shaped like the format check above, with its own variant: the error names what differs.
             if other.cols != first.cols {
                 return Err(QuantError::ConcatCols {
                     first: first.name.clone(),

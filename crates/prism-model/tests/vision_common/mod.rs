@@ -64,6 +64,8 @@ pub fn read_png(path: &std::path::Path) -> (Vec<u8>, usize, usize) {
 
 /// The processor's pixel values of an image already at its resized size (mean = std = 0.5, patch 16,
 /// merge 2, 2 frames): rows in merge-window order, each `[channel][frame][y][x]`.
+// The same loops as prism-decision's image preprocessing (src/vision.rs), which depends on this crate
+// and so is out of its tests' reach; this copy fixes the fixture's numbers.
 pub fn patchify(rgb: &[u8], height: usize, width: usize) -> (Vec<f32>, [usize; 3]) {
     let (p, m, t) = (16, 2, 2);
     let (gh, gw) = (height / p, width / p);
