@@ -79,13 +79,7 @@ pub fn run(args: &DecideArgs) -> Result<()> {
             Ok(())
         }
         Err(error) => {
-            writeln!(out, "{}", serde_json::to_string_pretty(&error.body())?)?;
-            out.flush()?;
-            eprintln!(
-                "prism decide: the API refuses {} (HTTP {})",
-                args.request.display(),
-                error.status()
-            );
+            crate::cmd_render::print_refusal(&mut out, "decide", &args.request, &error)?;
             std::process::exit(1);
         }
     }

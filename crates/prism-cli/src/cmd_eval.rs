@@ -17,6 +17,8 @@ use prism_decision::eval::{parse_suite, EvalResults};
 use prism_server::eval_client::run_http;
 
 /// Arguments of `prism eval`.
+// One documented field a flag: alike in shape to the other commands' arguments, each derived by clap
+// for its own command.
 #[derive(Args)]
 pub struct EvalArgs {
     /// The suite: one JSON object a line, `{"id", "request", "labels", "tags"}` (README, `prism eval`),

@@ -9,6 +9,8 @@ use prism_server::loadgen::{LoadgenOptions, SweepPoint};
 use serde_json::{json, Value};
 
 /// Arguments of `prism loadgen`.
+// One documented field a flag: alike in shape to the other commands' arguments, each derived by clap
+// for its own command.
 #[derive(Args)]
 pub struct LoadgenArgs {
     /// The server's base URL, e.g. http://127.0.0.1:8092.

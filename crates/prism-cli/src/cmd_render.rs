@@ -4,11 +4,31 @@
 //! body and exits 1.
 
 use std::io::Write;
+use std::path::Path;
 
 use anyhow::{Context, Result};
 use prism_decision::preview::preview;
+use prism_decision::DecisionError;
 
 use crate::RenderArgs;
+
+/// A refused request as `prism COMMAND` reports it: the API's error body on `out`, a line naming the
+/// request file and the HTTP status on stderr.
+pub fn print_refusal(
+    out: &mut impl Write,
+    command: &str,
+    request: &Path,
+    error: &DecisionError,
+) -> Result<()> {
+    writeln!(out, "{}", serde_json::to_string_pretty(&error.body())?)?;
+    out.flush()?;
+    eprintln!(
+        "prism {command}: the API refuses {} (HTTP {})",
+        request.display(),
+        error.status()
+    );
+    Ok(())
+}
 
 pub fn run(args: &RenderArgs) -> Result<()> {
     let body = std::fs::read(&args.request)
@@ -17,13 +37,7 @@ pub fn run(args: &RenderArgs) -> Result<()> {
     let rendered = match preview(&body, args.model_dir.as_deref())? {
         Ok(rendered) => rendered,
         Err(error) => {
-            writeln!(out, "{}", serde_json::to_string_pretty(&error.body())?)?;
-            out.flush()?;
-            eprintln!(
-                "prism render: the API refuses {} (HTTP {})",
-                args.request.display(),
-                error.status()
-            );
+            print_refusal(&mut out, "render", &args.request, &error)?;
             std::process::exit(1);
         }
     };

@@ -20,6 +20,8 @@ use prism_server::launch::{self, Budgets};
 use prism_server::{router, serve, Counters, Metrics, ModelInfo, ServerConfig, Stats};
 
 /// Arguments of `prism serve`.
+// One documented field a flag: alike in shape to the other commands' arguments, each derived by clap
+// for its own command.
 #[derive(Args)]
 pub struct ServeArgs {
     #[command(flatten)]

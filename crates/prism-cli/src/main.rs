@@ -118,6 +118,8 @@ pub struct LogitsArgs {
 }
 
 /// The model's files, as `prism serve` and `prism decide` take them.
+// One documented field a flag: alike in shape to the other commands' arguments, each derived by clap
+// for its own command.
 #[derive(Args)]
 pub struct ModelFiles {
     /// The model's GGUF file. Default: the bundled demo model (tiny, random weights: meaningless answers).
