@@ -419,13 +419,22 @@ impl Parser<'_> {
         Ok(())
     }
 
-    fn object(&mut self, depth: usize) -> Result<PyValue, JsonError> {
+    /// Enters an object or array at `depth`: consumes its opening byte, and returns `true` (consuming
+    /// `close` too) where it is empty.
+    fn open_container(&mut self, depth: usize, close: u8) -> Result<bool, JsonError> {
         self.check_depth(depth)?;
-        self.pos += 1; // '{'
-        let mut object = PyObject::new();
+        self.pos += 1;
         self.skip_whitespace();
-        if self.peek() == Some(b'}') {
+        if self.peek() == Some(close) {
             self.pos += 1;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    fn object(&mut self, depth: usize) -> Result<PyValue, JsonError> {
+        let mut object = PyObject::new();
+        if self.open_container(depth, b'}')? {
             return Ok(PyValue::Object(object));
         }
         loop {
@@ -476,12 +485,8 @@ impl Parser<'_> {
     }
 
     fn array(&mut self, depth: usize) -> Result<PyValue, JsonError> {
-        self.check_depth(depth)?;
-        self.pos += 1; // '['
         let mut items = Vec::new();
-        self.skip_whitespace();
-        if self.peek() == Some(b']') {
-            self.pos += 1;
+        if self.open_container(depth, b']')? {
             return Ok(PyValue::Array(items));
         }
         loop {

@@ -102,16 +102,7 @@ impl PromptFormat {
             PromptTokenizer::from_model_dir_with_config(dir, config.as_ref())?
         } else if let Some(gguf) = gguf {
             let mut tokenizer = PromptTokenizer::from_gguf(gguf)?;
-            if let Some(eos) = config.as_ref().and_then(|c| c.eos_token.as_deref()) {
-                let id = tokenizer
-                    .token_to_id(eos)
-                    .ok_or_else(|| TokenizerError::BadConfig {
-                        path: dir.join("tokenizer_config.json"),
-                        what: "tokenizer_config.json",
-                        message: format!("eos_token {eos:?} is not in the GGUF vocabulary"),
-                    })?;
-                tokenizer.add_eos_ids(&[id]);
-            }
+            tokenizer.add_config_eos(dir, config.as_ref(), "GGUF vocabulary")?;
             tokenizer
         } else {
             return Err(PromptFormatError::NoTokenizer {

@@ -215,6 +215,7 @@ pub struct SpecialTokenIds {
 }
 
 impl SpecialTokenIds {
+    // The tokens' texts: a list of names, alike in shape only to `GgufVocabulary`'s metadata keys.
     pub const ENDOFTEXT: &'static str = "<|endoftext|>";
     pub const IM_START: &'static str = "<|im_start|>";
     pub const IM_END: &'static str = "<|im_end|>";
@@ -429,17 +430,29 @@ impl PromptTokenizer {
             _ => TokenizerJsonPipeline::AsWritten,
         };
         let mut tokenizer = Self::from_tokenizer_json(&dir.join("tokenizer.json"), pipeline)?;
+        tokenizer.add_config_eos(dir, config, "vocabulary")?;
+        Ok(tokenizer)
+    }
+
+    /// Adds the `eos_token` of `dir`'s `tokenizer_config.json` (`config`), if it names one, to the EOS
+    /// ids; an error names the file and the `vocabulary` the token is missing from.
+    pub fn add_config_eos(
+        &mut self,
+        dir: &Path,
+        config: Option<&TokenizerConfig>,
+        vocabulary: &str,
+    ) -> Result<(), TokenizerError> {
         if let Some(eos) = config.and_then(|c| c.eos_token.as_deref()) {
-            let id = tokenizer
+            let id = self
                 .token_to_id(eos)
                 .ok_or_else(|| TokenizerError::BadConfig {
                     path: dir.join("tokenizer_config.json"),
                     what: "tokenizer_config.json",
-                    message: format!("eos_token {eos:?} is not in the vocabulary"),
+                    message: format!("eos_token {eos:?} is not in the {vocabulary}"),
                 })?;
-            tokenizer.add_eos_ids(&[id]);
+            self.add_eos_ids(&[id]);
         }
-        Ok(tokenizer)
+        Ok(())
     }
 
     /// From a `tokenizer.json` file.
