@@ -108,6 +108,8 @@ pub struct ScoreAnswer {
     /// Each level's description as sent, keyed `"0"`..`"n-1"`.
     pub legend: OrderedMap<PyValue>,
     pub probabilities: OrderedMap<f64>,
+    // `thought` and `details` end every answer type, as they do above: each type spells out its own
+    // JSON object, field by field in the spec's order.
     /// The thought's text (`return_thought`, when the question thought).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub thought: Option<String>,

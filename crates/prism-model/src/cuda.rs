@@ -8,6 +8,8 @@
 //!
 //! A twin takes its op's parameters as they are, so the signatures repeat those of the CPU functions
 //! (`ops.rs`, `vision.rs`, ...) on purpose: the op checks the shapes and dispatches, the twin only launches.
+//! Every launcher goes through the same steps (shapes, contiguous inputs, [`Input`]s, an output, the
+//! launch), written out per kernel: the arguments and the safety argument are each kernel's own.
 
 use candle_core::cuda_backend::cudarc::cublas::{result as cublas, sys as cublas_sys};
 use candle_core::cuda_backend::cudarc::driver::{

@@ -354,7 +354,8 @@ pub fn flash_attention_fp8(
 /// Most segments of one batched launch (`FA_BATCH` in flash_attention.cu).
 const FA_BATCH: usize = 64;
 
-/// The segments of one [`flash_attention_batch`] launch: the C layout of `FlashBatch`.
+/// The segments of one [`flash_attention_batch`] launch: the C layout of `FlashBatch`. Shaped like
+/// `SegmentArgs` (cuda_delta.rs) and `ConvDecodeArgs` (cuda.rs), but each mirrors its own kernel's struct.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct FlashBatch {

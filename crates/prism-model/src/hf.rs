@@ -37,7 +37,8 @@ pub const SAFETENSORS_INDEX_FILE: &str = "model.safetensors.index.json";
 pub const TEXT_MODEL_TYPE: &str = "qwen3_5_text";
 
 /// What can go wrong reading a Hugging Face checkpoint. Every variant names the field, file or tensor.
-/// Variants alike in shape (a path or name and a reason) stay apart: each says what failed in its own words.
+/// Variants alike in shape (a path or name and a reason), here and in [`ModelError`], stay apart: each
+/// says what failed in its own words.
 #[derive(Debug, thiserror::Error)]
 pub enum HfError {
     #[error("config.json: field {field:?} is missing")]

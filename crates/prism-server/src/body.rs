@@ -487,14 +487,17 @@ impl ParsedRequest {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
-        let mut notes = Vec::new();
-        if !family.thinks() {
-            let thinking: Vec<&str> = self
-                .sent
+        // The fields of `fields` that the client sent.
+        let sent_of = |fields: &[&str]| -> Vec<&str> {
+            self.sent
                 .iter()
                 .copied()
-                .filter(|k| THINKING_FIELDS.contains(k))
-                .collect();
+                .filter(|k| fields.contains(k))
+                .collect()
+        };
+        let mut notes = Vec::new();
+        if !family.thinks() {
+            let thinking = sent_of(THINKING_FIELDS);
             if !thinking.is_empty() {
                 notes.push(format!(
                     "{} accepted but without effect: a {family} model does not think (one read-out per question)",
@@ -508,12 +511,7 @@ impl ParsedRequest {
             }
         }
         if !family.has_none_option() {
-            let none: Vec<&str> = self
-                .sent
-                .iter()
-                .copied()
-                .filter(|k| NONE_FIELDS.contains(k))
-                .collect();
+            let none = sent_of(NONE_FIELDS);
             if !none.is_empty() {
                 notes.push(format!(
                     "{} accepted but without effect: a {family} model has no none option; answers carry no none_probability",

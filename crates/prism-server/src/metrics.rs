@@ -48,6 +48,8 @@ pub struct Metrics {
 
 impl Default for Metrics {
     fn default() -> Self {
+        // One registration a metric, alike in shape: a list of names and help texts, each with its own
+        // metric type and buckets.
         let mut registry = Registry::with_prefix("prism");
         let requests = Family::<Labels, Counter>::default();
         registry.register(

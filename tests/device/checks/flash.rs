@@ -370,7 +370,8 @@ fn batched(rng: &mut Rng, gpu: &Device, r: &mut Report) -> Result<()> {
             .tensor(&[n, n_kv, hd], 1.0)?
             .to_dtype(DType::BF16)?
             .to_device(gpu)?;
-        // Each sequence's cache: its past keys in a room of past + T + 37 rows.
+        // Each sequence's cache: its past keys in a room of past + T + 37 rows. (Drawn like k_new and
+        // v_new above, as every bf16 input of this file is; this crate builds only with CUDA.)
         let mut rooms = Vec::new();
         for &(t, past) in &lens {
             let rows = past + t + 37;

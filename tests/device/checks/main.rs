@@ -16,6 +16,9 @@ mod vision;
 use anyhow::Result;
 use harness::{fixtures, run_group};
 
+// The tests below are alike in shape: each group is its own `#[test]` so that libtest can run one group
+// by name (the device runs pick groups) and reports each on its own.
+
 /// Norms, the causal conv, the one-warp attention kernel and the chunked delta rule (`kernels.rs`).
 #[test]
 fn kernels() -> Result<()> {

@@ -299,6 +299,8 @@ fn gated_norm_checks(
 /// The SwiGLU fused into the activation quantizer (`matmul_swiglu`, what the MLP's down projection runs)
 /// against prism-model's SwiGLU kernel followed by the product: the same bits, for every kernel, with
 /// K-quant sums, short last runs and a row holding a NaN.
+// The same parameters and case table shape as `gated_norm_checks` above: each check group takes the
+// device and its own cases.
 fn swiglu_checks(
     r: &mut Report,
     gpu: &Device,
