@@ -2,14 +2,21 @@
 //! `{"answers": {name: answer, ...}, "usage": {"input_tokens": n, "output_tokens": m}, "model": name,
 //! "x_latency_ms": t}`, answers in the request's question order.
 
+use serde::de::{MapAccess, Visitor};
 use serde::ser::SerializeMap;
-use serde::{Serialize, Serializer};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::pyjson::PyValue;
 
 /// A JSON object that keeps its entries' order.
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct OrderedMap<V>(pub Vec<(String, V)>);
+
+impl<V> Default for OrderedMap<V> {
+    fn default() -> Self {
+        OrderedMap(Vec::new())
+    }
+}
 
 impl<V> OrderedMap<V> {
     pub fn get(&self, key: &str) -> Option<&V> {
@@ -36,6 +43,26 @@ impl<V: Serialize> Serialize for OrderedMap<V> {
             map.serialize_entry(key, value)?;
         }
         map.end()
+    }
+}
+
+impl<'de, V: Deserialize<'de>> Deserialize<'de> for OrderedMap<V> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct OrderedVisitor<V>(std::marker::PhantomData<V>);
+        impl<'de, V: Deserialize<'de>> Visitor<'de> for OrderedVisitor<V> {
+            type Value = OrderedMap<V>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut entries = Vec::new();
+                while let Some((key, value)) = map.next_entry::<String, V>()? {
+                    entries.push((key, value));
+                }
+                Ok(OrderedMap(entries))
+            }
+        }
+        deserializer.deserialize_map(OrderedVisitor(std::marker::PhantomData))
     }
 }
 

@@ -2,60 +2,16 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use serde::de::{MapAccess, Visitor};
-use serde::ser::SerializeMap;
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde::{Deserialize, Serialize};
 
 use super::metrics::{calibration, decision, Bin, Metrics, Scored};
 use super::suite::SuiteItem;
 use crate::pyjson::{self, PyValue};
 use crate::request::QuestionType;
 
-/// A JSON object whose entries keep their order.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Ordered<V>(pub Vec<(String, V)>);
-
-impl<V> Default for Ordered<V> {
-    fn default() -> Self {
-        Ordered(Vec::new())
-    }
-}
-
-impl<V> Ordered<V> {
-    pub fn get(&self, key: &str) -> Option<&V> {
-        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| v)
-    }
-}
-
-impl<V: Serialize> Serialize for Ordered<V> {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let mut map = serializer.serialize_map(Some(self.0.len()))?;
-        for (key, value) in &self.0 {
-            map.serialize_entry(key, value)?;
-        }
-        map.end()
-    }
-}
-
-impl<'de, V: Deserialize<'de>> Deserialize<'de> for Ordered<V> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct OrderedVisitor<V>(std::marker::PhantomData<V>);
-        impl<'de, V: Deserialize<'de>> Visitor<'de> for OrderedVisitor<V> {
-            type Value = Ordered<V>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("an object")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-                let mut entries = Vec::new();
-                while let Some((key, value)) = map.next_entry::<String, V>()? {
-                    entries.push((key, value));
-                }
-                Ok(Ordered(entries))
-            }
-        }
-        deserializer.deserialize_map(OrderedVisitor(std::marker::PhantomData))
-    }
-}
+/// A JSON object whose entries keep their order: the response's
+/// [`OrderedMap`](crate::response::OrderedMap), read back as well as written.
+pub use crate::response::OrderedMap as Ordered;
 
 /// What became of an item.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -229,6 +185,8 @@ pub fn answers_from_response(item: &SuiteItem, body: &[u8]) -> Result<ItemResult
 }
 
 /// The run's numbers (`results.json`'s `summary`).
+// A field list of counts and rates: alike in shape only to other structs' plain fields (the suite's,
+// a request's, the loadgen options).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
     /// Every suite item was run (false after Ctrl-C: a partial report).
@@ -349,6 +307,7 @@ pub struct Flip {
 }
 
 /// Agreement and probability drift between this run and another (`--compare`).
+// A field list: alike in shape only to other structs' plain fields (a request's, a model segment's).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Comparison {
     /// The other run's file.
