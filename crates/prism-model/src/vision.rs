@@ -130,6 +130,8 @@ impl VisionConfig {
             field: format!("clip.vision.{field}"),
             reason,
         };
+        // The widths `SynthVisionSpec::check` also requires, here under their GGUF keys: a table each,
+        // in its own names.
         for (field, v) in [
             ("embedding_length", cfg.hidden),
             ("feed_forward_length", cfg.ffn),
@@ -665,6 +667,21 @@ impl VisionWeights {
     }
 }
 
+/// Each run of consecutive `pad` tokens in `tokens`, in order: `(first index, length)`.
+pub fn pad_runs(tokens: &[u32], pad: u32) -> Vec<(usize, usize)> {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for (i, &t) in tokens.iter().enumerate() {
+        if t != pad {
+            continue;
+        }
+        match runs.last_mut() {
+            Some((start, len)) if *start + *len == i => *len += 1,
+            _ => runs.push((i, 1)),
+        }
+    }
+    runs
+}
+
 /// The rows of a prompt's `tokens` that hold image pads (`pad`: the `<|image_pad|>` id) and the
 /// images' embeddings stacked in the same order: what replaces those rows' token embeddings
 /// ([`crate::BatchItem::embeddings`]). `images` are the tower's outputs in the order of the images in
@@ -680,16 +697,7 @@ pub fn image_embedding_rows(
             reason: "no images to place".into(),
         });
     }
-    let mut runs: Vec<(usize, usize)> = Vec::new();
-    for (i, &t) in tokens.iter().enumerate() {
-        if t != pad {
-            continue;
-        }
-        match runs.last_mut() {
-            Some((start, len)) if *start + *len == i => *len += 1,
-            _ => runs.push((i, 1)),
-        }
-    }
+    let runs = pad_runs(tokens, pad);
     if runs.len() != images.len() {
         return Err(ModelError::ImagePads {
             reason: format!(

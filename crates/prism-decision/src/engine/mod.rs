@@ -969,16 +969,7 @@ fn place_images(
             "the model reads images but its tokenizer has no <|image_pad|> token".into(),
         ))
     })?;
-    let mut runs: Vec<(usize, usize)> = Vec::new();
-    for (i, &t) in key.iter().enumerate() {
-        if t != pad {
-            continue;
-        }
-        match runs.last_mut() {
-            Some((start, len)) if *start + *len == i => *len += 1,
-            _ => runs.push((i, 1)),
-        }
-    }
+    let runs = prism_model::vision::pad_runs(key, pad);
     let foreign = || {
         DecisionError::from(FieldError::unanswerable(
             FieldPath::root().key("state"),
