@@ -133,6 +133,8 @@ fn load_prompts(format: &PromptFormat, reference: &str) -> Prompts {
     }
 }
 
+// The fold of tests/int8_readout.rs's `best` (over f64 there): an example and a test target share no
+// module.
 fn argmax(v: &[f32]) -> usize {
     v.iter()
         .enumerate()

@@ -11,6 +11,7 @@ use prism_model::{LoadOptions, Precision, Qwen35Model};
 use crate::chat_template::PromptFormat;
 
 /// `prism logits`' flags.
+// Plain optional fields: alike in shape only to the other option structs (`InProcess`, `TokenizerConfig`).
 #[derive(Clone, Debug, Default)]
 pub struct LogitsOptions {
     pub gguf: Option<PathBuf>,

@@ -6,6 +6,7 @@
 pub use crate::error::ModelError;
 
 /// One question's prompt, before the chat template.
+// A field list: alike in shape only to other structs' plain fields.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct LetterPrompt {
     /// The system message.

@@ -11,6 +11,7 @@ use thiserror::Error;
 
 /// Preprocessing settings (the processor config's `min_pixels`, `max_pixels`, `patch_size`,
 /// `merge_size`, `temporal_patch_size`, `image_mean`, `image_std`).
+// The processor config's fields; prism-model's `VisionConfig` has the tower's, alike in shape only.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ImageConfig {
     pub min_pixels: usize,
@@ -45,7 +46,8 @@ impl ImageConfig {
     }
 }
 
-/// What is wrong with an image.
+/// What is wrong with an image. (One variant a problem, each with its message: alike in shape only to
+/// the other error enums.)
 #[derive(Debug, Error, PartialEq)]
 pub enum ImageError {
     #[error("the image is {width} × {height} pixels: both sides must be at least 1")]

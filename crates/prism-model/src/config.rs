@@ -512,6 +512,8 @@ impl Qwen35Config {
             gguf,
             config_json: hf.to_string(),
         };
+        // The fields of `validate`'s list above under config.json's names (with the conv kernel too):
+        // two tables, each in its own names.
         let ints = [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),

@@ -24,6 +24,7 @@ pub enum ModelError {
     #[error("metadata key {key:?} is missing")]
     MissingMetadata { key: String },
 
+    // Variants of a name and a reason, alike in shape: each says what failed in its own words.
     #[error("metadata key {key:?}: {reason}")]
     BadMetadata { key: String, reason: String },
 

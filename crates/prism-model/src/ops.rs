@@ -404,7 +404,8 @@ mod tests {
             .narrow(1, 0, 2)
             .unwrap();
         check_row_map(&cube, 5);
-        // Three strided levels do not fold into two; a transposed row is not unit-stride.
+        // Three strided levels do not fold into two; a transposed row is not unit-stride. (Built like
+        // the cube above: each case spells out its view.)
         let cube = base
             .reshape((7, 3, 4, 5))
             .unwrap()

@@ -24,6 +24,8 @@ use crate::state::{LayerState, SequenceState};
 use crate::weights::{Precision, WeightLoader};
 
 /// The rows of the packed activation that belong to one sequence.
+// A sequence's rows in the packed activation; the delta rule's `RuleSegment` has the same fields but
+// `past` (it knows no positions) and stays its own type, as each module's calls take it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Segment {
     /// First row in the packed `[N, d]` activation.
@@ -40,6 +42,7 @@ pub struct Segment {
 }
 
 /// How to load a model.
+// A field list: alike in shape only to other structs' plain fields.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
     pub device: Device,

@@ -87,6 +87,7 @@ impl KvRoom {
 
 /// K/V cache of one attention layer for one sequence, in the storage the model was loaded with
 /// ([`crate::kv_fp8::KvStorage`]).
+// A field list: alike in shape only to other structs' optional fields.
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
     /// Keys after k-norm and RoPE, `[n_kv, len, head_dim]`; `None` before the first token.

@@ -71,6 +71,7 @@ pub fn quantize_row(x: &[f32], q: &mut [i8], scales: &mut [f32]) -> Result<(), u
 
 /// `rows` rows of `cols` activations, quantized, with one scale per row and run, and the sums of each
 /// run of `group` quantized values when the weight format needs them (the mins term of Q4_K/Q5_K).
+// A field list: alike in shape only to other structs' plain fields.
 #[derive(Debug, Clone)]
 pub struct QuantizedRows {
     pub rows: usize,

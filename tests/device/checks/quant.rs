@@ -32,6 +32,8 @@ fn weight(
 }
 
 /// `m × k` activations: row r scaled by 10^(r mod 5 − 2), every 97th channel × 300.
+// The pattern of prism-quant's tests/reference.rs `uneven_activations`, from this crate's own Rng: two
+// test targets share no module.
 fn activations(rng: &mut Rng, m: usize, k: usize) -> Vec<f32> {
     (0..m * k)
         .map(|i| {

@@ -26,6 +26,8 @@ const PROBE_SYSTEM: &str =
 const PROBE_USER: &str =
     "Evidence:\n(none)\n\nQuestion: Which option fits?\nOptions:\nA) yes\nB) no";
 
+// One variant a source of failure: alike in shape only to the other error enums (`ChatTemplateError`,
+// `EngineDecideError`), each wrapping its own sources.
 #[derive(Debug, thiserror::Error)]
 pub enum PromptFormatError {
     #[error(transparent)]
@@ -217,6 +219,7 @@ impl PromptFormat {
         Ok(self.tokenizer.encode(text)?)
     }
 
+    // Thin methods like the ones around it, alike in shape only: each forwards to its own part.
     pub fn decode(
         &self,
         ids: &[u32],

@@ -110,6 +110,7 @@ pub fn decision(kind: QuestionType, probabilities: &[f64]) -> usize {
 }
 
 /// One equal-width bin of the reliability diagram.
+// A field list: alike in shape only to other structs' plain fields (`Metrics` below, ...).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Bin {
     /// The bin's lower and upper edge.

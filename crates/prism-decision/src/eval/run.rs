@@ -66,6 +66,7 @@ pub trait Progress: Sync {
 }
 
 /// The in-process run's model and engine (`prism eval`'s flags).
+// `prism eval`'s flags as plain fields: alike in shape only to the other option structs (`LogitsOptions`, ...).
 #[derive(Clone, Debug, Default)]
 pub struct InProcess {
     pub gguf: Option<PathBuf>,

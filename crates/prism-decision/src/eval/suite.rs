@@ -35,6 +35,7 @@ pub struct SuiteError {
 }
 
 /// One question of an item, as the request asks it.
+// A field list: alike in shape only to other structs' plain fields (`GgufVocabulary`'s, ...).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SuiteQuestion {
     pub name: String,
@@ -46,6 +47,7 @@ pub struct SuiteQuestion {
 }
 
 /// One labelled request.
+// A field list: alike in shape only to other structs' plain fields (a request's, the loadgen options).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SuiteItem {
     /// Line number in the suite file (from 1).

@@ -36,6 +36,7 @@ impl GgufTokenType {
 }
 
 /// A GGUF's tokenizer metadata, read out of the file.
+// One field a metadata key: alike in shape only to other structs' plain fields.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GgufVocabulary {
     /// `tokenizer.ggml.model`; only "gpt2" (byte-level BPE) is supported.

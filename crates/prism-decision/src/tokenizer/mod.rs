@@ -200,6 +200,7 @@ pub struct AddedTokenSpec {
 }
 
 /// The special ids the engine uses, looked up by their text. `None` when the vocabulary lacks one.
+// One field a special token: alike in shape only to other structs' plain fields.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SpecialTokenIds {
     pub endoftext: Option<u32>,
@@ -298,6 +299,7 @@ struct TokenizerJsonAddedToken {
 }
 
 /// What we read from `tokenizer_config.json`.
+// One field a key of the file: alike in shape only to other structs' optional fields.
 #[derive(Debug, Clone, Default)]
 pub struct TokenizerConfig {
     pub tokenizer_class: Option<String>,

@@ -461,6 +461,7 @@ mod tests {
             RankedVocabulary::parse_tiktoken("IQ==\n").unwrap_err(),
             RankListProblem::Malformed { line: 1, .. }
         ));
+        // One assertion a problem, alike in shape: each matches its own variant's fields.
         assert!(matches!(
             RankedVocabulary::parse_tiktoken("IQ== 0\nIQ== 1\n").unwrap_err(),
             RankListProblem::DuplicateToken {
