@@ -140,6 +140,7 @@ pub fn config_note(source: &ModelSource, demo: bool) -> &'static str {
 }
 
 /// The engine's limits as the flags give them (`None`: sized from the device).
+// A field list: alike in shape only to other structs' plain fields.
 #[derive(Clone, Debug)]
 pub struct Budgets {
     pub replicas: usize,
@@ -174,45 +175,43 @@ pub fn engine_options(
         .map(|state| state.bytes() as u64)
         .context("cannot make a sequence state")?
         .max(1);
-    let max_prompts_per_pass = match (budgets.max_prompts_per_pass, free_memory) {
-        (Some(0), _) => bail!("--max-prompts-per-pass must be at least 1"),
-        (Some(n), _) => n,
-        (None, Some((free, _))) => {
-            // A sixth of what the cache leaves: measured on the H200 (27B bf16, 2026-12-01), half
-            // of it ran out of memory under 16 and 64 clients (the pool's fragments, the pass's
-            // activations and the delta rule's buffers come on top of the states).
-            (free.saturating_sub(cache_bytes * per_device) / 6 / per_device / state_bytes)
-                .clamp(8, 1024) as usize
-        }
-        (None, None) => 1024,
-    };
-    let think_seqs = match (budgets.think_seqs, free_memory) {
-        (Some(0), _) => bail!("--think-seqs must be at least 1"),
-        (Some(n), _) => n,
-        (None, Some((free, _))) => {
-            // A quarter of what the cache leaves, at eight fresh states a thought: measured on the
-            // H200 (27B int8, 2026-12-02), 64 thoughts held ~1.2 GB each (their state with a chunk
-            // of pending delta-rule rows, the next step's state, the pool's fragments) against a
-            // fresh state's ~150 MB; with an eighth of the memory a seat at one state each, 64
-            // clients with thoughts ran out of memory.
-            (free.saturating_sub(cache_bytes * per_device) / 4 / per_device / (8 * state_bytes))
-                .clamp(4, 512) as usize
-        }
-        (None, None) => 64,
-    };
-    let max_batch_tokens = match (budgets.max_batch_tokens, free_memory) {
-        (Some(0), _) => bail!("--max-batch-tokens must be at least 1"),
-        (Some(n), _) => n,
-        (None, Some((free, _))) => {
-            // A quarter of what the cache leaves, at the config's estimate of a token's peak bytes
-            // in a pass; never above the CPU's 8,192 (27B bf16 passes of 10-16k tokens ran out of
-            // memory on the H200 on 2026-12-01, with the cache and the states of many requests).
+    // A replica's share of the device memory the prefix caches leave.
+    let left = free_memory.map(|(free, _)| free.saturating_sub(cache_bytes * per_device) / per_device);
+    let max_prompts_per_pass = budget(
+        budgets.max_prompts_per_pass,
+        "max-prompts-per-pass",
+        left,
+        // A sixth of what the cache leaves: measured on the H200 (27B bf16, 2026-12-01), half
+        // of it ran out of memory under 16 and 64 clients (the pool's fragments, the pass's
+        // activations and the delta rule's buffers come on top of the states).
+        |left| (left / 6 / state_bytes).clamp(8, 1024) as usize,
+        1024,
+    )?;
+    let think_seqs = budget(
+        budgets.think_seqs,
+        "think-seqs",
+        left,
+        // A quarter of what the cache leaves, at eight fresh states a thought: measured on the
+        // H200 (27B int8, 2026-12-02), 64 thoughts held ~1.2 GB each (their state with a chunk
+        // of pending delta-rule rows, the next step's state, the pool's fragments) against a
+        // fresh state's ~150 MB; with an eighth of the memory a seat at one state each, 64
+        // clients with thoughts ran out of memory.
+        |left| (left / 4 / (8 * state_bytes)).clamp(4, 512) as usize,
+        64,
+    )?;
+    let max_batch_tokens = budget(
+        budgets.max_batch_tokens,
+        "max-batch-tokens",
+        left,
+        // A quarter of what the cache leaves, at the config's estimate of a token's peak bytes
+        // in a pass; never above the CPU's 8,192 (27B bf16 passes of 10-16k tokens ran out of
+        // memory on the H200 on 2026-12-01, with the cache and the states of many requests).
+        |left| {
             let per_token = model.decoder().config().pass_bytes_per_token().max(1) as u64;
-            let fits = free.saturating_sub(cache_bytes * per_device) / 4 / per_device / per_token;
-            pass_tokens(fits)
-        }
-        (None, None) => MAX_BATCH_TOKENS,
-    };
+            pass_tokens(left / 4 / per_token)
+        },
+        MAX_BATCH_TOKENS,
+    )?;
     let options = EngineOptions {
         think_seqs,
         max_batch_tokens,
@@ -227,6 +226,23 @@ pub fn engine_options(
         },
     };
     Ok(options)
+}
+
+/// A budget: `flag` where given (`--NAME`, at least 1), else `sized` of `left` (a replica's share of the
+/// device memory left, on a GPU), else `cpu` (on the CPU).
+fn budget(
+    flag: Option<usize>,
+    name: &str,
+    left: Option<u64>,
+    sized: impl FnOnce(u64) -> usize,
+    cpu: usize,
+) -> Result<usize> {
+    Ok(match (flag, left) {
+        (Some(0), _) => bail!("--{name} must be at least 1"),
+        (Some(n), _) => n,
+        (None, Some(left)) => sized(left),
+        (None, None) => cpu,
+    })
 }
 
 /// The default token budget of a pass (vLLM's default `max_num_batched_tokens` too).
