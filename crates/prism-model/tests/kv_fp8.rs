@@ -1524,7 +1524,8 @@ fn alone(model: &Qwen35Model, i: usize) -> (Tensor, SequenceState) {
     (model.logits(&hidden).unwrap(), state)
 }
 
-/// Every attention layer's cache of two states holds the same bytes and scales (and is fp8).
+/// Every attention layer's cache of two states holds the same bytes and scales, in the same shapes (and
+/// is fp8).
 fn assert_same_fp8_caches(what: &str, a: &SequenceState, b: &SequenceState) {
     assert_eq!(a.n_tokens(), b.n_tokens(), "{what}: token counts");
     let mut layers = 0;
@@ -1539,6 +1540,7 @@ fn assert_same_fp8_caches(what: &str, a: &SequenceState, b: &SequenceState) {
             ] {
                 let (p, q) = (p.as_ref().unwrap(), q.as_ref().unwrap());
                 assert_eq!(p.dtype(), q.dtype());
+                assert_eq!(p.dims(), q.dims(), "{what}: layer {l} cache shapes");
                 let (p, q) = (
                     p.to_dtype(DType::F32).unwrap(),
                     q.to_dtype(DType::F32).unwrap(),
@@ -1711,24 +1713,7 @@ fn an_fp8_snapshot_is_the_prefix_cache_its_prefix_leaves() {
         item.snapshot = Some(point);
         let mut out = model.forward(&mut [item]).unwrap();
         let snapshot = out.snapshots[0].take().expect("a snapshot");
-        let mut caches = 0;
-        for (got, want) in snapshot.layers().iter().zip(alone.layers()) {
-            if let (LayerState::Attention(a), LayerState::Attention(b)) = (got, want) {
-                assert!(a.is_fp8() && b.is_fp8());
-                for (x, y) in [
-                    (&a.k, &b.k),
-                    (&a.v, &b.v),
-                    (&a.k_scale, &b.k_scale),
-                    (&a.v_scale, &b.v_scale),
-                ] {
-                    let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
-                    assert_eq!(x.dims(), y.dims(), "after {point}");
-                    assert_eq!(bits(x), bits(y), "after {point}");
-                }
-                caches += 1;
-            }
-        }
-        assert!(caches > 0);
+        assert_same_fp8_caches(&format!("after {point}"), &snapshot, &alone);
         let read = |mut state: SequenceState| {
             let hidden = model
                 .forward(&mut [BatchItem::new(&mut state, question)])
