@@ -347,6 +347,8 @@ fn make_qx_quants_rmse1<const N: usize>(nmax: i32, x: &[f32; N], levels: &mut [i
 /// Q6_K (the reference's `quantize_row_q6_K_ref`): sixteen sub-blocks of 16 get a scale each from
 /// [`make_qx_quants_rmse1`], the scales are quantized to int8 against the block's fp16 `d`, and the
 /// 6-bit levels are recomputed with the rounded scales.
+// Follows the reference's own Q6_K function, as `quantize_block_q4_k` follows its Q4_K one: alike in
+// their opening, the two differ in sub-block sizes, level search and packing.
 pub fn quantize_block_q6_k(x: &[f32; QK_K]) -> [u8; 210] {
     let mut levels = [0i8; QK_K];
     let mut scales = [0f32; 16];

@@ -304,6 +304,8 @@ mod x86 {
         reduce_lanes(&lanes)
     }
 
+    // `dot_f32`'s loop for f64: the intrinsics are per type (8 lanes in one register there, two of 4
+    // here), so each type has its own body.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dot_f64(a: &[f64], b: &[f64]) -> f64 {
         let n = a.len().min(b.len());

@@ -481,6 +481,7 @@ impl Qwen35Model {
     /// [`Self::from_gguf_simulated`] on the integer path's weights (Q8_0 re-blocked per run of 128,
     /// K-quants as stored) instead of the file's: an activation format simulated on the weights the
     /// integer path multiplies.
+    // The parameters of `from_gguf_simulated` above: both are thin entry points into `simulated`.
     pub fn from_gguf_simulated_on_integer_weights(
         gguf: &GgufFile,
         options: &LoadOptions,

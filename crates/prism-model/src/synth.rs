@@ -900,7 +900,9 @@ mod tests {
     fn planned_tensors_are_what_llama_cpp_wrote_for_the_tiny_fixture() {
         // tiny-{BF16,Q8_0,Q4_K_M}.gguf were made by llama.cpp's converter and llama-quantize: same names,
         // dims and per-tensor types (the Q4_K_M Q4_K/Q6_K mix included); Q8_0 and Q4_K_M in the same
-        // order (llama-quantize's). The converter's BF16 order differs; compare that one as a set.
+        // order (llama-quantize's). The converter's BF16 order differs; compare that one as a set. (A
+        // table of the fixture files, as tests/parallel_load.rs and int8_accuracy.rs have: each test asks
+        // its own thing of them.)
         for (file, ty) in [
             ("tiny-BF16.gguf", SynthFileType::Bf16),
             ("tiny-Q8_0.gguf", SynthFileType::Q8_0),

@@ -454,7 +454,8 @@ fn launch_limit_checks(r: &mut Report, gpu: &Device) -> Result<()> {
     )?;
 
     // A 2,200-token prompt (35 chunks, over the 32-chunk budget) among three short sequences, one of
-    // them starting mid-chunk and one branching from the long one.
+    // them starting mid-chunk and one branching from the long one. (Run and compared like the case
+    // above: each case is its segments, states and name, written out whole.)
     let segments = tile(&[(20, None), (2200, None), (70, None), (33, Some(1))]);
     let n: usize = segments.iter().map(|s| s.len).sum();
     let states = vec![
