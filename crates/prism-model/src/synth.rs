@@ -731,12 +731,25 @@ pub fn write_gguf(
     tokenizer_metadata: Vec<(String, MetadataValue)>,
     progress: impl FnMut(&SynthProgress<'_>),
 ) -> Result<SynthSummary, SynthError> {
-    let file = std::fs::File::create(path).map_err(|source| SynthError::Create {
+    write_file(path, |out| {
+        write_gguf_to(out, spec, tokenizer_metadata, progress)
+    })
+}
+
+/// Creates `path` and has `write` fill it through a buffer, flushed at the end; `write`'s summary.
+pub(crate) fn write_file(
+    path: &Path,
+    write: impl FnOnce(
+        std::io::BufWriter<std::fs::File>,
+    ) -> Result<(std::io::BufWriter<std::fs::File>, SynthSummary), SynthError>,
+) -> Result<SynthSummary, SynthError> {
+    let create = |source| SynthError::Create {
         path: path.to_path_buf(),
         source,
-    })?;
-    let out = std::io::BufWriter::with_capacity(8 << 20, file);
-    let (_, summary) = write_gguf_to(out, spec, tokenizer_metadata, progress)?;
+    };
+    let file = std::fs::File::create(path).map_err(create)?;
+    let (mut out, summary) = write(std::io::BufWriter::with_capacity(8 << 20, file))?;
+    out.flush().map_err(create)?;
     Ok(summary)
 }
 

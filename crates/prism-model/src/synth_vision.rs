@@ -353,17 +353,7 @@ pub fn write_mmproj(
     spec: &SynthVisionSpec,
     progress: impl FnMut(&SynthProgress<'_>),
 ) -> Result<SynthSummary, SynthError> {
-    let file = std::fs::File::create(path).map_err(|source| SynthError::Create {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let out = std::io::BufWriter::with_capacity(8 << 20, file);
-    let (mut out, summary) = write_mmproj_to(out, spec, progress)?;
-    out.flush().map_err(|source| SynthError::Create {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    Ok(summary)
+    crate::synth::write_file(path, |out| write_mmproj_to(out, spec, progress))
 }
 
 /// As [`write_mmproj`], into any sink; returns it with the summary.
