@@ -11,6 +11,21 @@ use crate::pyjson::{self, py_strip, PyObject, PyValue};
 /// Most images in one request (spec §2).
 pub const MAX_IMAGES: usize = 8;
 
+/// The refusals (422) of `object`'s keys that are not among `known`, each under its key below `path`.
+pub fn unknown_fields<'a>(
+    object: &'a PyObject,
+    known: &'a [&str],
+    path: &'a FieldPath,
+) -> impl Iterator<Item = FieldError> + 'a {
+    object.keys().filter(|key| !known.contains(key)).map(|key| {
+        FieldError::malformed(
+            path.key(key),
+            "extra_forbidden",
+            format!("unknown field `{key}`"),
+        )
+    })
+}
+
 /// The refusal (422) of a request with `count` images, more than [`MAX_IMAGES`], under `path`; `None`
 /// for a count allowed.
 pub fn too_many_images(path: FieldPath, count: usize) -> Option<FieldError> {
@@ -461,15 +476,7 @@ fn parse_question(
         return None;
     };
     let errors_before = errors.len();
-    for key in object.keys() {
-        if !QUESTION_FIELDS.contains(&key) {
-            errors.push(FieldError::malformed(
-                path.key(key),
-                "extra_forbidden",
-                format!("unknown field `{key}`"),
-            ));
-        }
-    }
+    errors.extend(unknown_fields(object, QUESTION_FIELDS, &path));
     let kind = match object.get("type") {
         None => {
             errors.push(FieldError::malformed(

@@ -16,7 +16,7 @@ use axum::http::StatusCode;
 use prism_decision::error::{FieldError, FieldErrors, FieldPath, LocPart};
 use prism_decision::image_input::{ImageData, RequestImage};
 use prism_decision::pyjson::{self, PyObject, PyValue};
-use prism_decision::request::too_many_images;
+use prism_decision::request::{too_many_images, unknown_fields};
 use prism_decision::{DecisionError, DecisionRequest, RequestDefaults};
 
 use crate::error::{loc, ApiError};
@@ -657,15 +657,7 @@ fn check_assets(
                     ));
                     continue;
                 };
-                for key in entry.keys() {
-                    if !ASSET_FIELDS.contains(&key) {
-                        errors.push(FieldError::malformed(
-                            entry_path.key(key),
-                            "extra_forbidden",
-                            format!("unknown field `{key}`"),
-                        ));
-                    }
-                }
+                errors.extend(unknown_fields(entry, ASSET_FIELDS, &entry_path));
                 match entry.get("type") {
                     None | Some(PyValue::Null) => {}
                     Some(PyValue::Str(kind)) if kind == "image" => {}
