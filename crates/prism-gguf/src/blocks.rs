@@ -154,17 +154,23 @@ pub fn dequantize_row_q4_1(bytes: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Elements `j` and `j + 16` of a Q5_0 or Q5_1 block (`j < 16`): the nibbles of `q` with their fifth
+/// bits, bits `j` and `j + 16` of `qh`.
+fn q5_pair(q: u8, qh: u32, j: usize) -> (u8, u8) {
+    let h0 = ((qh >> j) & 1) as u8;
+    let h1 = ((qh >> (j + 16)) & 1) as u8;
+    ((q & 0x0F) | (h0 << 4), (q >> 4) | (h1 << 4))
+}
+
 /// Q5_0: d @0, qh u32 @2, qs[16] @6; fifth bit of element j is bit j of qh; `x = (q - 16) * d`.
 pub fn dequantize_row_q5_0(bytes: &[u8], out: &mut [f32]) {
     for (b, y) in blocks_mut::<22, 32>(bytes, out) {
         let d = fp16(b[0], b[1]);
         let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
         for j in 0..16 {
-            let q = b[6 + j];
-            let h0 = ((qh >> j) & 1) as u8;
-            let h1 = ((qh >> (j + 16)) & 1) as u8;
-            y[j] = (((q & 0x0F) | (h0 << 4)) as i32 - 16) as f32 * d;
-            y[j + 16] = (((q >> 4) | (h1 << 4)) as i32 - 16) as f32 * d;
+            let (lo, hi) = q5_pair(b[6 + j], qh, j);
+            y[j] = (lo as i32 - 16) as f32 * d;
+            y[j + 16] = (hi as i32 - 16) as f32 * d;
         }
     }
 }
@@ -176,11 +182,9 @@ pub fn dequantize_row_q5_1(bytes: &[u8], out: &mut [f32]) {
         let m = fp16(b[2], b[3]);
         let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
         for j in 0..16 {
-            let q = b[8 + j];
-            let h0 = ((qh >> j) & 1) as u8;
-            let h1 = ((qh >> (j + 16)) & 1) as u8;
-            y[j] = ((q & 0x0F) | (h0 << 4)) as f32 * d + m;
-            y[j + 16] = ((q >> 4) | (h1 << 4)) as f32 * d + m;
+            let (lo, hi) = q5_pair(b[8 + j], qh, j);
+            y[j] = lo as f32 * d + m;
+            y[j + 16] = hi as f32 * d + m;
         }
     }
 }
