@@ -929,6 +929,7 @@ fn engine_timings(
 /// `args.runs` times, each computing only its question's tail. Its answers must have the bits of the
 /// one-question request computed whole (the `short` scenario's, checked by the caller), and every run
 /// must have hit the cache. With a profile, one more run profiled.
+// The parameters of `engine_timings`, which calls it with its own: one run's model, scenarios and flags.
 fn followup_timings(
     model: DecoderLetterModel,
     config: &crate::DecisionConfig,
