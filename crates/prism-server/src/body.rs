@@ -1087,7 +1087,8 @@ mod tests {
         assert_eq!(error.status, StatusCode::UNPROCESSABLE_ENTITY);
         assert_eq!(locs(&error), [["body", "assets", "<image:0>"]]);
 
-        // A part no asset claims, an asset naming a missing part: 400 with the asset's path.
+        // A part no asset claims, an asset naming a missing part: 422 with the asset's path. (Built like
+        // the case above: each case is its own body and the refusal it expects.)
         let json = format!(
             r#"{{"state": "s", {QUESTIONS}, "assets": {{"a": {{"type": "image", "part": "asset-9"}}}}}}"#
         );
