@@ -176,7 +176,8 @@ pub fn engine_options(
         .context("cannot make a sequence state")?
         .max(1);
     // A replica's share of the device memory the prefix caches leave.
-    let left = free_memory.map(|(free, _)| free.saturating_sub(cache_bytes * per_device) / per_device);
+    let left =
+        free_memory.map(|(free, _)| free.saturating_sub(cache_bytes * per_device) / per_device);
     let max_prompts_per_pass = budget(
         budgets.max_prompts_per_pass,
         "max-prompts-per-pass",
