@@ -476,7 +476,7 @@ fn parse_question(
         return None;
     };
     let errors_before = errors.len();
-    errors.extend(unknown_fields(object, QUESTION_FIELDS, &path));
+    errors.extend(unknown_fields(object, QUESTION_FIELDS, path));
     let kind = match object.get("type") {
         None => {
             errors.push(FieldError::malformed(
