@@ -192,12 +192,13 @@ pub fn engine_options(
         budgets.think_seqs,
         "think-seqs",
         left,
-        // A quarter of what the cache leaves, at eight fresh states a thought: measured on the
-        // H200 (27B int8, 2026-12-02), 64 thoughts held ~1.2 GB each (their state with a chunk
-        // of pending delta-rule rows, the next step's state, the pool's fragments) against a
-        // fresh state's ~150 MB; with an eighth of the memory a seat at one state each, 64
-        // clients with thoughts ran out of memory.
-        |left| (left / 4 / (8 * state_bytes)).clamp(4, 512) as usize,
+        // A quarter of what the cache leaves, at `thought_device_bytes` a seat: with an eighth
+        // of the memory a seat at one state each, 64 clients with thoughts ran out of memory on
+        // the H200 (27B int8, 2026-12-02).
+        |left| {
+            (left / 4 / prism_decision::engine::thought_device_bytes(state_bytes).max(1))
+                .clamp(4, 512) as usize
+        },
         64,
     )?;
     let max_batch_tokens = budget(

@@ -56,6 +56,11 @@ pub(super) fn thought_rows(
         },
         ..config.clone()
     };
+    if let Some((used, total)) = prism_model::device_memory(model.decoder().device()) {
+        let state = model.decoder().new_state()?.bytes() as u64;
+        let free = total.saturating_sub(used);
+        check_batch_fits(most, crate::engine::thought_device_bytes(state), free)?;
+    }
     let (engine, worker) = super::bench_engine(model, config, most, false)?;
     let request = |i: usize, run: usize| -> Result<DecisionRequest> {
         let body = json!({
@@ -209,4 +214,40 @@ pub(super) fn thought_rows(
         stats.passes, stats.thought_steps, stats.thoughts_finished
     ));
     Ok((rows, Value::Array(profiled)))
+}
+
+/// Refuses `most` thoughts at once where `per_thought` bytes each exceed the device's `free` bytes:
+/// the engine would run out of memory part-way (`prism serve` sizes its seats from the same estimate).
+fn check_batch_fits(most: usize, per_thought: u64, free: u64) -> Result<()> {
+    let need = per_thought.saturating_mul(most as u64);
+    if need > free {
+        bail!(
+            "--think-batch {most}: {most} thoughts at once hold about {:.1} GB on the device \
+             ({:.2} GB each) and {:.1} GB is free; ask for at most {} at once",
+            need as f64 / 1e9,
+            per_thought as f64 / 1e9,
+            free as f64 / 1e9,
+            free / per_thought.max(1)
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_batch_fits;
+
+    #[test]
+    fn a_thought_batch_must_fit_the_free_device_memory() {
+        // The 27B on an 80-GB card: ~1.2 GB a thought, ~47 GB free beside the model.
+        let per = 1_200_000_000;
+        assert!(check_batch_fits(32, per, 47_000_000_000).is_ok());
+        let error = check_batch_fits(64, per, 47_000_000_000)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("--think-batch 64"), "{error}");
+        assert!(error.contains("at most 39 at once"), "{error}");
+        assert!(check_batch_fits(39, per, 47_000_000_000).is_ok());
+        assert!(check_batch_fits(40, per, 47_000_000_000).is_err());
+    }
 }

@@ -46,6 +46,15 @@ use crate::render::evidence_probe;
 use crate::request::DecisionRequest;
 use crate::response::DecisionResponse;
 
+/// Device bytes one decoding thought holds, from a fresh sequence state's `state_bytes`: eight
+/// states' worth (its state with a chunk of pending delta-rule rows, the next step's state, the
+/// memory pool's fragments). Measured on the H200 (27B int8, 2026-12-02): 64 thoughts held ~1.2 GB
+/// each against a fresh state's ~150 MB. `prism serve` sizes `--think-seqs` from it and `prism bench
+/// --think` refuses a batch that cannot fit.
+pub fn thought_device_bytes(state_bytes: u64) -> u64 {
+    state_bytes.saturating_mul(8)
+}
+
 /// Settings of an engine (the server's flags).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EngineOptions {
