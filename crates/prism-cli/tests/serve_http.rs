@@ -650,6 +650,8 @@ fn hostile_cases() -> Vec<Case> {
             422,
             &["body", "questions", "q", "criteria"],
         ),
+        // Criteria of the wrong size or kind, one case each: a table of bodies and the field path each
+        // 422 must name (alike by design).
         case(
             "score of one level",
             question(r#"{"type": "score", "instructions": "x", "criteria": ["only"]}"#),

@@ -99,6 +99,8 @@ fn tensors() -> Vec<(String, Vec<u64>, GgmlType, Fill)> {
 fn write_model(path: &PathBuf) -> Result<(), Box<dyn std::error::Error>> {
     let mut w = GgufWriter::new();
     let u32v = |v: u64| MetadataValue::U32(v as u32);
+    // The metadata keys llama.cpp writes for a Qwen3.5 GGUF, as data: `tests/config_and_errors.rs`
+    // lists the same keys for its own shapes (a table each; sharing it would hide what each file holds).
     let meta: Vec<(&str, MetadataValue)> = vec![
         (
             "general.architecture",

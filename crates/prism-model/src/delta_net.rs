@@ -52,8 +52,11 @@ impl DeltaNet {
     pub fn load(w: &WeightLoader<'_>, cfg: &Qwen35Config, layer: usize) -> Result<Self> {
         let d = cfg.hidden_size;
         let n = |s: &str| format!("blk.{layer}.{s}");
-        let conv =
-            w.activation_tensor(&n("ssm_conv1d.weight"), &[cfg.conv_kernel, cfg.conv_dim()])?; // [C, K]
+        // GGUF [K, C] (ggml order): the taps as [K, C] row-major, channel-contiguous per tap.
+        let conv_taps = w.activation_tensor_transposed(
+            &n("ssm_conv1d.weight"),
+            [cfg.conv_kernel, cfg.conv_dim()],
+        )?;
         let names = [
             n("attn_qkv.weight"),
             n("attn_gate.weight"),
@@ -69,7 +72,7 @@ impl DeltaNet {
         let parts: Vec<(&str, usize)> = names.iter().map(String::as_str).zip(rows).collect();
         Ok(Self {
             in_proj: w.fused_linear(&parts, d)?,
-            conv_taps: conv.t()?.contiguous()?,
+            conv_taps,
             ssm_a: w.vector(&n("ssm_a"), cfg.linear_value_heads)?,
             dt_bias: w.vector(&n("ssm_dt.bias"), cfg.linear_value_heads)?,
             norm: w.vector(&n("ssm_norm.weight"), cfg.linear_value_head_dim)?,

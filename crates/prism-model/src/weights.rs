@@ -165,6 +165,10 @@ fn dequantize_parallel(gguf: &GgufFile, info: &TensorInfo) -> Result<Vec<f32>, G
 /// the host) 9B and 27B bf16 loads from 8 threads complete, 9B ones from 4 / 8 / 16 threads in
 /// 10.3 / 10.7 / 7.3 s against 14.3 s from one, with the same answers (docs/optimization-log.md,
 /// history: the eighth session of 2026-11-30). The driver's side of the stall was not seen (no stacks could be taken on the device).
+/// Every kernel launch and device free of a load happens under it (a layer's tensors are built from
+/// values prepared on the host: see [`WeightLoader::activation_tensor_transposed`]); only the integer
+/// path's weight uploads (`QuantMatmul::prepare`: host-to-device copies, no launch, no free) run
+/// outside it, on each loader thread.
 static DEVICE_WORK: Mutex<()> = Mutex::new(());
 
 /// `work` run under [`DEVICE_WORK`] when `device` is a GPU. `work` should own the tensors it
@@ -339,6 +343,26 @@ impl<'a> WeightLoader<'a> {
     pub fn activation_tensor(&self, name: &str, ne: &[usize]) -> Result<Tensor> {
         let t = self.f32_tensor(name, ne)?;
         on_device(&self.device, move || {
+            Ok(t.to_dtype(self.precision.activation_dtype())?)
+        })
+    }
+
+    /// The 2-D tensor `name` of exactly `ne` = `[inner, outer]` (ggml order) transposed: `[inner, outer]`
+    /// row-major, in the activation dtype. Transposed in host memory, so that the device sees one upload
+    /// and one cast under [`DEVICE_WORK`] and nothing else (a transposing copy on the device would be a
+    /// kernel launch and a free outside the lock).
+    pub fn activation_tensor_transposed(&self, name: &str, ne: [usize; 2]) -> Result<Tensor> {
+        let [inner, outer] = ne;
+        let values = self.f32_values(name, &ne)?;
+        let mut transposed = vec![0f32; values.len()];
+        for (o, row) in values.chunks_exact(inner.max(1)).enumerate() {
+            for (i, &v) in row.iter().enumerate() {
+                transposed[i * outer + o] = v;
+            }
+        }
+        drop(values);
+        on_device(&self.device, || {
+            let t = Tensor::from_vec(transposed, (inner, outer), &self.device)?;
             Ok(t.to_dtype(self.precision.activation_dtype())?)
         })
     }

@@ -115,6 +115,8 @@ fn metadata(s: &Size, mtp: bool, recurrent_layers: bool) -> HashMap<String, Meta
     if mtp {
         put("qwen35.nextn_predict_layers", MetadataValue::U32(1));
     }
+    // The Qwen3.5 metadata keys as data, one `put` a key (the bench example lists the same keys for
+    // its shape: each file's table says what its model is).
     put("qwen35.context_length", MetadataValue::U32(262_144));
     put("qwen35.embedding_length", MetadataValue::U32(s.d as u32));
     put(

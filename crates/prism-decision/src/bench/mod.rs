@@ -77,6 +77,10 @@ struct Timings {
     answers_differ: bool,
     /// The first run's answers.
     answers: Value,
+    /// Through the engine, each timed run's split (ms): submission to its first pass (`queue`), that
+    /// pass to the answer (`compute`); the rest of a run is rendering, tokenizing and the reply.
+    queue_ms: Vec<f64>,
+    compute_ms: Vec<f64>,
 }
 
 impl Timings {
@@ -114,12 +118,26 @@ impl Timings {
     }
 
     fn median(&self) -> f64 {
-        let s = self.sorted();
-        match s.len() {
-            0 => f64::NAN,
-            n if n % 2 == 1 => s[n / 2],
-            n => 0.5 * (s[n / 2 - 1] + s[n / 2]),
+        median_of(&self.runs)
+    }
+
+    /// An engine run's split of its time, taken with the run.
+    fn record_split(&mut self, output: &crate::engine::JobOutput) {
+        self.queue_ms.push(output.queue_ms);
+        self.compute_ms.push(output.compute_ms);
+    }
+
+    /// The medians of the engine runs' split (ms), and what is left of the median run time.
+    fn split_json(&self) -> Value {
+        if self.queue_ms.is_empty() {
+            return Value::Null;
         }
+        let (queue, compute) = (median_of(&self.queue_ms), median_of(&self.compute_ms));
+        json!({
+            "queue_ms": queue,
+            "compute_ms": compute,
+            "outside_ms": ms(self.median()) - queue - compute,
+        })
     }
 
     /// Nearest-rank 95th percentile.
@@ -127,6 +145,17 @@ impl Timings {
         let s = self.sorted();
         let rank = ((0.95 * s.len() as f64).ceil() as usize).clamp(1, s.len().max(1));
         s.get(rank - 1).copied().unwrap_or(f64::NAN)
+    }
+}
+
+/// The median of `values` (NaN when empty).
+fn median_of(values: &[f64]) -> f64 {
+    let mut s = values.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => s[n / 2],
+        n => 0.5 * (s[n / 2 - 1] + s[n / 2]),
     }
 }
 
@@ -760,6 +789,7 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
                 "p95_ms": ms(timings.p95()),
                 "answers_sha256": timings.answers_sha256,
                 "answers_same_every_run": !timings.answers_differ,
+                "split": timings.split_json(),
                 "profile": profile,
             }))
         }
@@ -817,6 +847,7 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
                 "p95_ms": ms(e.p95()),
                 "answers_sha256": e.answers_sha256,
                 "answers_same_every_run": !e.answers_differ,
+                "split": e.split_json(),
             })),
         }));
     }
@@ -887,6 +918,7 @@ fn engine_timings(
             let secs = start.elapsed().as_secs_f64();
             if run >= args.warmup {
                 timings.runs.push(secs);
+                timings.record_split(&output);
             }
             timings.record_answers(&output.response.answers)?;
         }
@@ -956,6 +988,7 @@ fn followup_timings(
         let secs = start.elapsed().as_secs_f64();
         if run >= args.warmup {
             timings.runs.push(secs);
+            timings.record_split(&output);
         }
         timings.record_answers(&output.response.answers)?;
     }
