@@ -521,20 +521,11 @@ impl<M: PassModel> StepLoop<M> {
         for &i in &members {
             self.active[i].solo = false;
         }
-        let memory = self.model.device_memory();
         let vision = self.model.vision_totals();
         self.shared.stats(|s| {
             if let Some((images, seconds)) = vision {
                 s.vision_images = images;
                 s.vision_seconds = seconds;
-            }
-            if let Some((used, total)) = memory {
-                let max = s.device_memory.map_or(0, |m| m.max_used_bytes).max(used);
-                s.device_memory = Some(super::DeviceMemory {
-                    used_bytes: used,
-                    total_bytes: total,
-                    max_used_bytes: max,
-                });
             }
             s.passes += 1;
             s.prompts += record.prompts as u64;
@@ -614,6 +605,18 @@ impl<M: PassModel> StepLoop<M> {
                 Ok(()) => self.answer(i, None),
                 Err(error) => self.answer(i, Some(JobError::Decision(error))),
             }
+        }
+        // The device's memory after the pass, read once its answers are out: the query is a driver
+        // round trip that no answer should wait for.
+        if let Some((used, total)) = self.model.device_memory() {
+            self.shared.stats(|s| {
+                let max = s.device_memory.map_or(0, |m| m.max_used_bytes).max(used);
+                s.device_memory = Some(super::DeviceMemory {
+                    used_bytes: used,
+                    total_bytes: total,
+                    max_used_bytes: max,
+                });
+            });
         }
         // Requests still waiting to run alone go first (stable: the others keep their order).
         self.active.sort_by_key(|a| !a.solo);
