@@ -9,6 +9,11 @@
 #               the integer matmul's included) from .device-carry/device-tests.xz, built here by
 #               tools/device/build-tests.sh; log in checks.log (exit status kept), every check's row in
 #               checks.json
+#   hang-probe  issue #24's intermittent model_bf16 hang: `device-tests --exact model_bf16` (every other
+#               run after kv_fp8, in one process) in a loop for $PROBE_S seconds (default 120); a run alive
+#               after 20 s gets nvidia-smi, its threads' states and `cuda-gdb -p PID -batch -ex "thread apply
+#               all bt"` (carry an unstripped device-tests for names), then is killed; then
+#               compute-sanitizer --tool initcheck on model_bf16 (hang-probe/ and hang-probe.txt)
 #   ncu-vision  ncu kernel times of the device checks' vision tower test (the fixture's tiny tower,
 #               then the 27B-shape one: $NCU_SKIP launches skipped, default 1,500, then $NCU_COUNT,
 #               default 3,000) from .device-carry/device-tests.xz (ncu-vision.csv)
@@ -71,7 +76,7 @@
 # every thread's stack to its stderr (crates/prism-server/src/stack_dump.rs; carry an unstripped build).
 # The binaries are taken from .device-carry/NAME.xz (xz of a stripped `--features cuda` build; unpacked
 # by xz or Python's lzma) or .device-carry/NAME.gz, unless /tmp/NAME exists: NAME is prism for every
-# step but checks and ncu-vision, which need only device-tests.
+# step but checks, hang-probe and ncu-vision, which need only device-tests.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -97,7 +102,7 @@ think_profile() {
     esac
 }
 for step in "$@"; do
-    if [ "$step" != checks ] && [ "$step" != ncu-vision ]; then
+    if [ "$step" != checks ] && [ "$step" != ncu-vision ] && [ "$step" != hang-probe ]; then
         unpack prism || exit 1
         break
     fi
@@ -281,6 +286,34 @@ for step in "$@"; do
                 --profiler-range > "$OUT/bench-27b-under-ncu-kernel.txt" 2>&1
             echo "ncu-kernel rc=$?"
             "$NCU" --import "$OUT/ncu-kernel.ncu-rep" --page details > "$OUT/ncu-kernel-details.txt" 2>&1 ;;
+        hang-probe)
+            unpack device-tests || exit 1
+            P=$OUT/hang-probe; mkdir -p "$P"
+            GDB=$(command -v cuda-gdb || ls /usr/local/cuda*/bin/cuda-gdb 2>/dev/null | head -1)
+            CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+            end=$(( $(date +%s) + ${PROBE_S:-120} )); i=0; hangs=0
+            while [ "$(date +%s)" -lt "$end" ] && [ $hangs -lt 1 ]; do
+                i=$((i + 1))
+                if [ $((i % 2)) -eq 1 ]; then args="--exact kv_fp8 model_bf16"; else args="--exact model_bf16"; fi
+                /tmp/device-tests --test-threads=1 --nocapture $args > "$P/run-$i.log" 2>&1 &
+                pid=$!
+                for _ in $(seq 1 40); do kill -0 $pid 2> /dev/null || break; sleep 0.5; done
+                if kill -0 $pid 2> /dev/null; then
+                    hangs=$((hangs + 1)); echo "run $i ($args): alive after 20 s" | tee -a "$OUT/hang-probe.txt"
+                    nvidia-smi > "$P/hang-$i-smi.txt" 2>&1
+                    for t in /proc/$pid/task/*; do
+                        echo "$(basename "$t") $(cat "$t/comm") $(cut -d' ' -f3,14,15 "$t/stat") $(cat "$t/wchan" 2> /dev/null)"
+                    done > "$P/hang-$i-tasks.txt" 2>&1
+                    timeout 60 "$GDB" -p $pid -batch -ex "set pagination off" -ex "info threads" \
+                        -ex "thread apply all bt 40" -ex "info cuda kernels" > "$P/hang-$i-gdb.txt" 2>&1
+                    kill -9 $pid
+                fi
+                wait $pid; echo "run $i ($args) rc=$?" >> "$OUT/hang-probe.txt"
+            done
+            echo "hang-probe: $i runs, $hangs alive after 20 s" | tee -a "$OUT/hang-probe.txt"
+            timeout 120 "$CS" --tool initcheck --print-limit 30 /tmp/device-tests --test-threads=1 --nocapture \
+                --exact model_bf16 > "$P/initcheck-model_bf16.txt" 2>&1
+            echo "initcheck model_bf16 rc=$?" | tee -a "$OUT/hang-probe.txt" ;;
         ncu-vision)
             unpack device-tests || exit 1
             "$NCU" --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
