@@ -258,8 +258,10 @@ impl<'a> WeightLoader<'a> {
                     })?,
             );
         }
-        Ok(Tensor::from_vec(values, (rows, cols), &self.device)?
-            .to_dtype(self.precision.matrix_dtype())?)
+        on_device(&self.device, || {
+            Ok(Tensor::from_vec(values, (rows, cols), &self.device)?
+                .to_dtype(self.precision.matrix_dtype())?)
+        })
     }
 
     pub fn precision(&self) -> Precision {
@@ -446,7 +448,11 @@ impl<'a> WeightLoader<'a> {
                 for &(name, rows) in parts {
                     loaded.push(self.simulated_matrix(name, rows, cols)?);
                 }
-                Tensor::cat(&loaded, 0)?
+                on_device(&self.device, move || {
+                    let stacked = Tensor::cat(&loaded, 0)?;
+                    drop(loaded);
+                    Ok(stacked)
+                })?
             } else {
                 self.stacked_matrix(parts, cols)?
             };
