@@ -10,10 +10,12 @@
 #               tools/device/build-tests.sh; log in checks.log (exit status kept), every check's row in
 #               checks.json
 #   hang-probe  issue #24's intermittent model_bf16 hang: `device-tests --exact model_bf16` (every other
-#               run after kv_fp8, in one process) in a loop for $PROBE_S seconds (default 120); a run alive
-#               after 20 s gets nvidia-smi, its threads' states and `cuda-gdb -p PID -batch -ex "thread apply
-#               all bt"` (carry an unstripped device-tests for names), then is killed; then
-#               compute-sanitizer --tool initcheck on model_bf16 (hang-probe/ and hang-probe.txt)
+#               run after kv_fp8, in one process) in a loop for $PROBE_S seconds (default 120), with
+#               PRISM_STACKS_ON_SIGQUIT=1; a run alive after 20 s gets nvidia-smi, its threads' states and
+#               system calls, two `kill -QUIT` stack dumps 2 s apart into its log (raw return addresses and
+#               the memory map: symbolize here with addr2line on the unstripped device-tests the carried
+#               one came from), then is killed; then compute-sanitizer --tool initcheck on model_bf16
+#               unless INITCHECK=0 (hang-probe/ and hang-probe.txt); PROBE_PAIRS=1: every run after kv_fp8
 #   ncu-vision  ncu kernel times of the device checks' vision tower test (the fixture's tiny tower,
 #               then the 27B-shape one: $NCU_SKIP launches skipped, default 1,500, then $NCU_COUNT,
 #               default 3,000) from .device-carry/device-tests.xz (ncu-vision.csv)
@@ -53,7 +55,7 @@
 #               /tmp/s27 at bf16, then at int8 with --compare against the bf16 run (outputs eval-bf16/,
 #               eval-int8/ with results.json, report.md, reliability.png; logs eval-*.log)
 #   think27     thought decoding of /tmp/s27 at int8 through the engine (prism bench --think): one thought
-#               of $THINK tokens (default 128) alone, then 64 at once, then each profiled (think-27b-int8.json;
+#               of $THINK tokens (default 128) alone, then 64 at once ($THINK_BATCH, default 1,64), then each profiled (think-27b-int8.json;
 #               $PROFILE: sync, the default, events, or none for no profiled run)
 #   serve27-think  prism serve on /tmp/s27 at int8 as a v1.1 AutoThink model (the synthetic directory's
 #               decision_config.json gets "family": "v1.1") and loadgen from 64 clients for $LOAD_S seconds:
@@ -73,7 +75,7 @@
 # host-profile-think.txt; here: python3 tools/host_profile.py FILE target/release/prism, the unstripped
 # binary the carried one was stripped from).
 # Any step: PRISM_STACKS_ON_SIGQUIT=1 in the environment and `kill -QUIT PID` on a hung prism write
-# every thread's stack to its stderr (crates/prism-server/src/stack_dump.rs; carry an unstripped build).
+# every thread's stack to its stderr (crates/prism-model/src/stack_dump.rs; carry an unstripped build).
 # The binaries are taken from .device-carry/NAME.xz (xz of a stripped `--features cuda` build; unpacked
 # by xz or Python's lzma) or .device-carry/NAME.gz, unless /tmp/NAME exists: NAME is prism for every
 # step but checks, hang-probe and ncu-vision, which need only device-tests.
@@ -240,7 +242,7 @@ for step in "$@"; do
         images27) images27 ;;
         think27)
             /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --think "${THINK:-128}" \
-                --think-batch 1,64 --runs 1 $(think_profile) ${HOST_PROFILE:+--host-profile $OUT/host-profile-think.txt} \
+                --think-batch "${THINK_BATCH:-1,64}" --runs 1 $(think_profile) ${HOST_PROFILE:+--host-profile $OUT/host-profile-think.txt} \
                 > "$OUT/think-27b-int8.json" 2> "$OUT/think-27b-int8.log"
             echo "think27 rc=$?" ;;
         eval27)
@@ -289,31 +291,38 @@ for step in "$@"; do
         hang-probe)
             unpack device-tests || exit 1
             P=$OUT/hang-probe; mkdir -p "$P"
-            GDB=$(command -v cuda-gdb || ls /usr/local/cuda*/bin/cuda-gdb 2>/dev/null | head -1)
             CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
             end=$(( $(date +%s) + ${PROBE_S:-120} )); i=0; hangs=0
             while [ "$(date +%s)" -lt "$end" ] && [ $hangs -lt 1 ]; do
                 i=$((i + 1))
-                if [ $((i % 2)) -eq 1 ]; then args="--exact kv_fp8 model_bf16"; else args="--exact model_bf16"; fi
-                /tmp/device-tests --test-threads=1 --nocapture $args > "$P/run-$i.log" 2>&1 &
+                if [ $((i % 2)) -eq 1 ] || [ "${PROBE_PAIRS:-0}" = 1 ]; then
+                    args="--exact kv_fp8 model_bf16"
+                else
+                    args="--exact model_bf16"
+                fi
+                PRISM_STACKS_ON_SIGQUIT=1 /tmp/device-tests --test-threads=1 --nocapture $args > "$P/run-$i.log" 2>&1 &
                 pid=$!
                 for _ in $(seq 1 40); do kill -0 $pid 2> /dev/null || break; sleep 0.5; done
                 if kill -0 $pid 2> /dev/null; then
                     hangs=$((hangs + 1)); echo "run $i ($args): alive after 20 s" | tee -a "$OUT/hang-probe.txt"
                     nvidia-smi > "$P/hang-$i-smi.txt" 2>&1
-                    for t in /proc/$pid/task/*; do
-                        echo "$(basename "$t") $(cat "$t/comm") $(cut -d' ' -f3,14,15 "$t/stat") $(cat "$t/wchan" 2> /dev/null)"
-                    done > "$P/hang-$i-tasks.txt" 2>&1
-                    timeout 60 "$GDB" -p $pid -batch -ex "set pagination off" -ex "info threads" \
-                        -ex "thread apply all bt 40" -ex "info cuda kernels" > "$P/hang-$i-gdb.txt" 2>&1
+                    for round in 1 2; do
+                        for t in /proc/$pid/task/*; do
+                            echo "$(basename "$t") $(cat "$t/comm") $(cut -d' ' -f3,14,15 "$t/stat") $(cat "$t/wchan" 2> /dev/null) syscall: $(cat "$t/syscall" 2> /dev/null)"
+                        done > "$P/hang-$i-tasks-$round.txt" 2>&1
+                        kill -QUIT $pid; sleep 2
+                    done
+                    cp /proc/$pid/maps "$P/hang-$i-maps.txt" 2> /dev/null
                     kill -9 $pid
                 fi
                 wait $pid; echo "run $i ($args) rc=$?" >> "$OUT/hang-probe.txt"
             done
             echo "hang-probe: $i runs, $hangs alive after 20 s" | tee -a "$OUT/hang-probe.txt"
-            timeout 120 "$CS" --tool initcheck --print-limit 30 /tmp/device-tests --test-threads=1 --nocapture \
-                --exact model_bf16 > "$P/initcheck-model_bf16.txt" 2>&1
-            echo "initcheck model_bf16 rc=$?" | tee -a "$OUT/hang-probe.txt" ;;
+            if [ "${INITCHECK:-1}" = 1 ]; then
+                timeout 120 "$CS" --tool initcheck --print-limit 30 /tmp/device-tests --test-threads=1 --nocapture \
+                    --exact model_bf16 > "$P/initcheck-model_bf16.txt" 2>&1
+                echo "initcheck model_bf16 rc=$?" | tee -a "$OUT/hang-probe.txt"
+            fi ;;
         ncu-vision)
             unpack device-tests || exit 1
             "$NCU" --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \

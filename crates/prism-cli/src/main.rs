@@ -309,7 +309,7 @@ fn main() -> Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     if std::env::var_os("PRISM_STACKS_ON_SIGQUIT").is_some_and(|v| v != "0") {
-        prism_server::stack_dump::install().context("PRISM_STACKS_ON_SIGQUIT")?;
+        prism_model::stack_dump::install().context("PRISM_STACKS_ON_SIGQUIT")?;
         tracing::info!(
             "PRISM_STACKS_ON_SIGQUIT: `kill -QUIT {}` writes every thread's stack to stderr",
             std::process::id()

@@ -36,6 +36,7 @@ pub mod ops;
 pub mod profile;
 pub mod qwen35;
 pub mod rope;
+pub mod stack_dump;
 pub mod state;
 pub mod synth;
 pub mod synth_vision;

@@ -14,7 +14,6 @@ pub mod loadgen;
 pub mod metrics;
 pub mod protocol;
 pub mod server;
-pub mod stack_dump;
 pub mod stats;
 
 pub use error::ApiError;

@@ -167,10 +167,34 @@ impl Report {
 
 /// Runs one group of checks on GPU 0: its rows join the JSON record ([`JSON_ENV`]); the test fails
 /// with the name of every check that failed, or with the error that stopped the group.
+/// With `PRISM_STACKS_ON_SIGQUIT` set (and not `0`), `kill -QUIT` on this process writes every
+/// thread's stack to stderr (`prism_model::stack_dump`): how `tools/device/run.sh hang-probe` takes
+/// the stacks of a hung group. Installed once, by the first group that runs.
+fn install_stack_dump() -> Result<()> {
+    static INSTALLED: std::sync::OnceLock<std::result::Result<(), String>> =
+        std::sync::OnceLock::new();
+    let wanted = std::env::var_os("PRISM_STACKS_ON_SIGQUIT").is_some_and(|v| v != "0");
+    if !wanted {
+        return Ok(());
+    }
+    INSTALLED
+        .get_or_init(|| {
+            prism_model::stack_dump::install().map_err(|e| e.to_string())?;
+            eprintln!(
+                "PRISM_STACKS_ON_SIGQUIT: `kill -QUIT {}` writes every thread's stack to stderr",
+                std::process::id()
+            );
+            Ok(())
+        })
+        .clone()
+        .map_err(|e| anyhow::anyhow!("PRISM_STACKS_ON_SIGQUIT: {e}"))
+}
+
 pub fn run_group(
     group: &str,
     checks: impl FnOnce(&mut Report, &Device) -> Result<()>,
 ) -> Result<()> {
+    install_stack_dump()?;
     let gpu = prism_quant::cuda_launch::open_device(0).context("no CUDA device")?;
     let mut report = Report::default();
     let outcome = checks(&mut report, &gpu);

@@ -1,5 +1,6 @@
-//! The stack dump of `PRISM_STACKS_ON_SIGQUIT=1` (the `prism` binary installs it): `kill -QUIT PID` makes every thread of the process write its call
-//! stack to stderr, then the process's memory map, and the process carries on.
+//! The stack dump of `PRISM_STACKS_ON_SIGQUIT=1` (the `prism` binary and the device checks install it):
+//! `kill -QUIT PID` makes every thread of the process write its call stack to stderr, then the
+//! process's memory map, and the process carries on.
 //!
 //! This is for hangs on machines without a debugger. The GPU machines have no gdb, and `cuda-gdb`'s
 //! attach hung there on a stalled load (docs/optimization-log.md, history: the eighth session). The output is raw return
@@ -20,8 +21,8 @@
 //! doing, the allocator included. The unwinder is not formally async-signal-safe, but the binary links
 //! it statically (no `dlopen` on first use), which is what crash reporters rely on too.
 
-/// Installs the SIGQUIT dump for the rest of the process (the `prism` binary does when
-/// `PRISM_STACKS_ON_SIGQUIT` is set). Linux only: elsewhere an error.
+/// Installs the SIGQUIT dump for the rest of the process (the `prism` binary and the device checks do
+/// when `PRISM_STACKS_ON_SIGQUIT` is set). Linux only: elsewhere an error.
 pub fn install() -> std::io::Result<()> {
     imp::install()
 }
