@@ -196,16 +196,45 @@ impl DecoderLayer {
 }
 
 /// Loader threads by default ([`LoadOptions::load_threads`]). Each holds one layer's host buffers at a
-/// time, and the tensor conversions inside a layer already run on rayon's pool, so more threads mostly
+/// time, and the tensor conversions inside a layer already run on the loader threads' pool, so more threads mostly
 /// buy overlap of one layer's single-threaded steps (shape checks, uploads, casts) with another's work.
 pub const DEFAULT_MAX_LOAD_THREADS: usize = 8;
 
-/// `load(0)`, …, `load(n − 1)` on up to `threads` threads (the calling one included), returned in
-/// index order. Each thread takes the next index from a shared counter, so indices are started in
-/// order; after a failure no new index is started, and every index below the failed one has already
-/// been started and runs to its end. The error returned is therefore the one of the lowest failing
-/// index — the same one a loop over `0..n` would return — whatever the thread count and timing. A
-/// panic inside `load(i)` becomes [`ModelError::LayerLoad`] for `i` instead of taking the process down.
+/// The loader threads of a given count, built on first use and kept for the life of the process.
+///
+/// They are never let go because a thread that did device work and then exits runs the CUDA driver's
+/// thread-exit clean-up, and that clean-up hung: on 2026-12-05 (H100 and H200) a bf16 load from 8
+/// short-lived threads stopped in 1 of 12 to 23 runs with one loader thread that had finished its
+/// layers waiting forever in the driver's thread-local destructor (below `start_thread`, no frame of
+/// ours) on a driver thread it had started, which spun in `sched_yield` while the GPU sat idle
+/// (docs/optimization-log.md, the fourth session of 2026-12-05). Threads that live as long as the
+/// process never run that destructor during a load.
+fn loader_pool(threads: usize) -> Option<std::sync::Arc<rayon::ThreadPool>> {
+    use std::sync::{Arc, Mutex};
+    static POOLS: Mutex<Vec<Arc<rayon::ThreadPool>>> = Mutex::new(Vec::new());
+    // Pools only get added, so one left by a panicking thread is still whole.
+    let mut pools = POOLS.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(pool) = pools.iter().find(|p| p.current_num_threads() == threads) {
+        return Some(pool.clone());
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|k| format!("prism-load-{k}"))
+        .build()
+        .ok()?;
+    let pool = Arc::new(pool);
+    pools.push(pool.clone());
+    Some(pool)
+}
+
+/// `load(0)`, …, `load(n − 1)` on up to `threads` loader threads ([`loader_pool`]; one: the calling
+/// thread), returned in index order. Each thread takes the next index from a shared counter, so
+/// indices are started in order; after a failure no new index is started, and every index below the
+/// failed one has already been started and runs to its end. The error returned is therefore the one
+/// of the lowest failing index — the same one a loop over `0..n` would return — whatever the thread
+/// count and timing. A panic inside `load(i)` becomes [`ModelError::LayerLoad`] for `i` instead of
+/// taking the process down. Rayon work inside `load` (the tensor conversions) runs on the loader
+/// threads' pool.
 fn load_in_order<T: Send>(
     n: usize,
     threads: usize,
@@ -235,34 +264,19 @@ fn load_in_order<T: Send>(
         done
     };
 
+    let threads = threads.clamp(1, n.max(1));
+    // A pool that cannot be built leaves the work to the calling thread.
+    let finished = match (threads > 1).then(|| loader_pool(threads)).flatten() {
+        // Every thread of the pool runs `work` once; the calling thread waits.
+        Some(pool) => pool.broadcast(|_| work()),
+        None => vec![work()],
+    };
     let mut slots: Vec<Option<Result<T>>> = (0..n).map(|_| None).collect();
-    // Why a thread ended without handing back its results (not expected: `load` panics are caught).
-    let mut lost: Option<String> = None;
-    std::thread::scope(|scope| {
-        let helpers: Vec<_> = (1..threads.clamp(1, n.max(1)))
-            .filter_map(|k| {
-                // A thread that cannot be started leaves its share to the others.
-                std::thread::Builder::new()
-                    .name(format!("prism-load-{k}"))
-                    .spawn_scoped(scope, work)
-                    .ok()
-            })
-            .collect();
-        let mut finished = vec![work()];
-        for helper in helpers {
-            match helper.join() {
-                Ok(done) => finished.push(done),
-                Err(payload) => {
-                    lost.get_or_insert_with(|| panic_message(&*payload));
-                }
-            }
+    for (i, result) in finished.into_iter().flatten() {
+        if let Some(slot) = slots.get_mut(i) {
+            *slot = Some(result);
         }
-        for (i, result) in finished.into_iter().flatten() {
-            if let Some(slot) = slots.get_mut(i) {
-                *slot = Some(result);
-            }
-        }
-    });
+    }
 
     let mut loaded = Vec::with_capacity(n);
     for (i, slot) in slots.into_iter().enumerate() {
@@ -271,10 +285,7 @@ fn load_in_order<T: Send>(
             None => {
                 return Err(ModelError::LayerLoad {
                     layer: i,
-                    reason: match &lost {
-                        Some(message) => format!("a loader thread panicked: {message}"),
-                        None => "no loader thread reached it".into(),
-                    },
+                    reason: "no loader thread reached it".into(),
                 })
             }
         }
@@ -1257,6 +1268,39 @@ mod tests {
                 assert_eq!(describe(&load_in_order(16, threads, load)), reference);
             }
         }
+    }
+
+    #[test]
+    fn loads_run_on_loader_threads_that_outlive_them() {
+        // The same few threads serve every load of a thread count (none of them exits, so none runs
+        // the CUDA driver's thread-exit clean-up), and a load of one runs on the calling thread.
+        let caller = std::thread::current().id();
+        let seen = std::sync::Mutex::new(std::collections::HashSet::new());
+        let load = |i: usize| -> Result<usize> {
+            let name = std::thread::current().name().map(str::to_string);
+            assert!(
+                name.as_deref()
+                    .is_some_and(|n| n.starts_with("prism-load-")),
+                "{name:?}"
+            );
+            seen.lock().unwrap().insert(std::thread::current().id());
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            Ok(i)
+        };
+        for _ in 0..3 {
+            assert_eq!(
+                load_in_order(24, 3, load).unwrap(),
+                (0..24).collect::<Vec<_>>()
+            );
+        }
+        let seen = seen.into_inner().unwrap();
+        assert!((2..=3).contains(&seen.len()), "{} threads", seen.len());
+        assert!(!seen.contains(&caller));
+        let on_caller = |i: usize| -> Result<usize> {
+            assert_eq!(std::thread::current().id(), caller);
+            Ok(i)
+        };
+        assert_eq!(load_in_order(5, 1, on_caller).unwrap(), vec![0, 1, 2, 3, 4]);
     }
 
     #[test]
