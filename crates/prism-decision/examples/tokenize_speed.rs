@@ -1,0 +1,141 @@
+//! Experiment: where a request's host time before the first kernel goes — rendering the chat
+//! template, and encoding with the full Qwen3.5 vocabulary (the 248k tiktoken ranks of
+//! `tests/fixtures/qwen35-vocab`), split into the pre-tokenizer's regex and the rest (numbers in
+//! docs/optimization-log.md).
+//!
+//! ```text
+//! cargo run --release -p prism-decision --example tokenize_speed [-- REPEATS]
+//! ```
+//!
+//! Texts: the README request's `team` prompt rendered with the tiny fixture's chat template (what
+//! `prism bench`'s short scenario renders), and the same with its ticket repeated to ~4 KiB (just under
+//! the piecewise threshold). For each: bytes, tokens, then medians over REPEATS runs (default 200) of
+//! rendering the two messages, of `PromptTokenizer::encode_in_one_piece` on the rendered text (the
+//! rank backend), of the split alone (`fancy_regex` with [`QWEN35_SPLIT_REGEX`], the pattern the
+//! pre-tokenizer runs), and of encoding with the same vocabulary as a `tokenizer.json` with merges (what
+//! `prism synth` writes, so what the device's synthetic models encode with; ids checked equal).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use prism_decision::chat_template::PromptFormat;
+use prism_decision::engine::decoder::prompt_messages;
+use prism_decision::synth_files::{qwen35_vocabulary, tokenizer_json, QWEN35_ADDED_TOKENS};
+use prism_decision::tokenizer::{
+    AddedTokenSpec, PromptTokenizer, RankedVocabulary, TokenizerJsonPipeline, QWEN35_SPLIT_REGEX,
+};
+use prism_decision::{DecisionConfig, DecisionRequest, DecisionTask, RequestDefaults};
+
+fn median_us(mut f: impl FnMut(), repeats: usize) -> f64 {
+    let mut times: Vec<f64> = (0..repeats)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64() * 1e6
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+fn main() -> anyhow::Result<()> {
+    let repeats: usize = std::env::args()
+        .nth(1)
+        .map(|a| a.parse())
+        .transpose()?
+        .unwrap_or(200);
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let tiny = root.join("tests/fixtures/qwen35-tiny");
+    let format = PromptFormat::load_from_model_dir(&tiny, None)?;
+    let config = DecisionConfig::from_model_dir(&tiny)?;
+    let ranks_path = root.join("tests/fixtures/qwen35-vocab/qwen3_6.tiktoken");
+    let ranks = RankedVocabulary::parse_tiktoken(&std::fs::read_to_string(&ranks_path)?)
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    // The release's added tokens after the ranks, as `prism synth` numbers them.
+    let added: Vec<AddedTokenSpec> = QWEN35_ADDED_TOKENS
+        .iter()
+        .enumerate()
+        .map(|(i, (content, special))| AddedTokenSpec {
+            id: (ranks.len() + i) as u32,
+            content: content.to_string(),
+            special: *special,
+        })
+        .collect();
+    let tok = PromptTokenizer::from_tiktoken_file(&ranks_path, &added)?;
+    // The same vocabulary as `prism synth` writes it (tokenizer.json with merges derived from the
+    // ranks): what the synthetic models on the device encode with.
+    let synth_json = tokenizer_json(&qwen35_vocabulary(&ranks, 248_320)?);
+    let merges_tok = PromptTokenizer::from_tokenizer_json_bytes(
+        &serde_json::to_vec(&synth_json)?,
+        std::path::Path::new("synthetic tokenizer.json"),
+        TokenizerJsonPipeline::Qwen35,
+    )?;
+    let split = fancy_regex::Regex::new(QWEN35_SPLIT_REGEX)?;
+
+    let body: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+        root.join("examples/request.json"),
+    )?)?;
+    let mut long_body = body.clone();
+    let ticket = body["state"]["ticket"].as_str().unwrap_or_default();
+    let mut long_ticket = ticket.to_string();
+    while long_ticket.len() + ticket.len() < 3400 {
+        long_ticket.push('\n');
+        long_ticket.push_str(ticket);
+    }
+    long_body["state"]["ticket"] = serde_json::Value::String(long_ticket);
+
+    println!(
+        "prompt   bytes  tokens  render µs  encode µs  µs/token  split µs  split share  merges-file encode µs"
+    );
+    for (name, body) in [("short", &body), ("~4 KiB", &long_body)] {
+        let request =
+            DecisionRequest::parse(&serde_json::to_vec(body)?, &RequestDefaults::default())?;
+        let mut task = DecisionTask::new(request, &config)?;
+        let prompts = task.next_prompts();
+        let prompt = prompts
+            .iter()
+            .find(|p| p.user.contains("Which team"))
+            .or(prompts.first())
+            .ok_or_else(|| anyhow::anyhow!("the request renders no prompt"))?;
+        let messages = prompt_messages(prompt);
+        let text = format.render_chat(&messages, false)?;
+        let tokens = tok.encode_in_one_piece(&text)?.len();
+        let render = median_us(
+            || {
+                let _ = std::hint::black_box(format.render_chat(&messages, false));
+            },
+            repeats,
+        );
+        let encode = median_us(
+            || {
+                let _ = std::hint::black_box(tok.encode_in_one_piece(&text));
+            },
+            repeats,
+        );
+        let ids = tok.encode_in_one_piece(&text)?;
+        anyhow::ensure!(
+            merges_tok.encode_in_one_piece(&text)? == ids,
+            "the two backends disagree on {name}"
+        );
+        let merges_us = median_us(
+            || {
+                let _ = std::hint::black_box(merges_tok.encode_in_one_piece(&text));
+            },
+            repeats,
+        );
+        let split_us = median_us(
+            || {
+                let n = split.find_iter(&text).filter(|m| m.is_ok()).count();
+                std::hint::black_box(n);
+            },
+            repeats,
+        );
+        println!(
+            "{name:<7} {:>6} {tokens:>7} {render:>10.1} {encode:>10.1} {:>9.2} {split_us:>9.1} {:>10.0} % {merges_us:>12.1}",
+            text.len(),
+            encode / tokens.max(1) as f64,
+            100.0 * split_us / encode.max(1e-9)
+        );
+    }
+    Ok(())
+}
