@@ -196,19 +196,17 @@ impl DecoderLayer {
 }
 
 /// Loader threads by default ([`LoadOptions::load_threads`]). Each holds one layer's host buffers at a
-/// time, and the tensor conversions inside a layer already run on the loader threads' pool, so more threads mostly
-/// buy overlap of one layer's single-threaded steps (shape checks, uploads, casts) with another's work.
+/// time, and the tensor conversions inside a layer already run on the loader threads' pool, so more
+/// threads mostly buy overlap of one layer's single-threaded steps (shape checks, uploads, casts) with
+/// another's work.
 pub const DEFAULT_MAX_LOAD_THREADS: usize = 8;
 
-/// The loader threads of a given count, built on first use and kept for the life of the process.
+/// The loader threads of a given count: built on first use, kept for the life of the process, shared
+/// by loads that run at once.
 ///
-/// They are never let go because a thread that did device work and then exits runs the CUDA driver's
-/// thread-exit clean-up, and that clean-up hung: on 2026-12-05 (H100 and H200) a bf16 load from 8
-/// short-lived threads stopped in 1 of 12 to 23 runs with one loader thread that had finished its
-/// layers waiting forever in the driver's thread-local destructor (below `start_thread`, no frame of
-/// ours) on a driver thread it had started, which spun in `sched_yield` while the GPU sat idle
-/// (docs/optimization-log.md, the fourth session of 2026-12-05). Threads that live as long as the
-/// process never run that destructor during a load.
+/// No thread that did a load's device work exits while the process goes on: a thread's exit runs the
+/// CUDA driver's per-thread clean-up, and that clean-up was seen to hang a load whose loader threads
+/// were short-lived (the `model_bf16` hang; docs/optimization-log.md, 2026-12-05, fourth session).
 fn loader_pool(threads: usize) -> Option<std::sync::Arc<rayon::ThreadPool>> {
     use std::sync::{Arc, Mutex};
     static POOLS: Mutex<Vec<Arc<rayon::ThreadPool>>> = Mutex::new(Vec::new());

@@ -164,10 +164,9 @@ fn dequantize_parallel(gguf: &GgufFile, info: &TensorInfo) -> Result<Vec<f32>, G
 /// the copies alone nor eager CUDA module loading prevented it. With this lock (and bf16 rounded on
 /// the host) 9B and 27B bf16 loads from 8 threads complete, 9B ones from 4 / 8 / 16 threads in
 /// 10.3 / 10.7 / 7.3 s against 14.3 s from one, with the same answers (docs/optimization-log.md,
-/// history: the eighth session of 2026-11-30). The stall's cause, seen with stacks on 2026-12-05, was
-/// a loader thread's exit, not the concurrent device work: the loader threads are now kept for the
-/// life of the process (`qwen35::loader_pool`), and this lock stays as the narrower of the two
-/// measures (one thread's device work at a time costs little next to the host work).
+/// history: the eighth session of 2026-11-30; the stall's cause, found later, was a loader thread's
+/// exit: `qwen35::loader_pool`). The lock stays: one thread's device work at a time costs little next
+/// to the host work.
 /// Every kernel launch and device free of a load happens under it (a layer's tensors are built from
 /// values prepared on the host: see [`WeightLoader::activation_tensor_transposed`]); only the integer
 /// path's weight uploads (`QuantMatmul::prepare`: host-to-device copies, no launch, no free) run

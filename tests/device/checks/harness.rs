@@ -165,8 +165,6 @@ impl Report {
     }
 }
 
-/// Runs one group of checks on GPU 0: its rows join the JSON record ([`JSON_ENV`]); the test fails
-/// with the name of every check that failed, or with the error that stopped the group.
 /// With `PRISM_STACKS_ON_SIGQUIT` set (and not `0`), `kill -QUIT` on this process writes every
 /// thread's stack to stderr (`prism_model::stack_dump`): how `tools/device/run.sh hang-probe` takes
 /// the stacks of a hung group. Installed once, by the first group that runs.
@@ -190,6 +188,8 @@ fn install_stack_dump() -> Result<()> {
         .map_err(|e| anyhow::anyhow!("PRISM_STACKS_ON_SIGQUIT: {e}"))
 }
 
+/// Runs one group of checks on GPU 0: its rows join the JSON record ([`JSON_ENV`]); the test fails
+/// with the name of every check that failed, or with the error that stopped the group.
 pub fn run_group(
     group: &str,
     checks: impl FnOnce(&mut Report, &Device) -> Result<()>,
