@@ -30,7 +30,9 @@
 #   bench27-int8  27B int8 bench of /tmp/s27 (5 runs after 1 warm-up): bench-27b-int8.json, log; with
 #               $PROFILE (sync or events) set, each scenario also profiled; with ENGINE=1 also through the
 #               engine the server runs (its median next to the direct path's) and a prefix-cache follow-up
-#               (the short request after the three-question one, cache on: the report's "followup")
+#               (the short request after the three-question one, cache on: the report's "followup");
+#               with ENGINE_BATCH=6,16 also that many distinct three-question requests in one pass of
+#               the engine (the report's "engine_batches"; profiled too with $PROFILE)
 #   bench9 / bench4   9B / 4B bf16 benches (10 runs after 2 warm-ups)
 #   loads9      9B bf16 loads from 1, 4, 8 and 16 loader threads (--load-threads), one bench run each
 #               after no warm-up (answer digests comparable across them); each killed after 120 s
@@ -265,7 +267,8 @@ for step in "$@"; do
                 > "$OUT/bench-27b-bf16.json" 2> "$OUT/bench-27b-bf16.log" ;;
         bench27-int8)
             /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --runs 5 --warmup 1 --json \
-                ${PROFILE:+--profile $PROFILE} ${ENGINE:+--engine} ${HOST_PROFILE:+--host-profile $OUT/host-profile-bench.txt} \
+                ${PROFILE:+--profile $PROFILE} ${ENGINE:+--engine} ${ENGINE_BATCH:+--engine-batch $ENGINE_BATCH} \
+                ${HOST_PROFILE:+--host-profile $OUT/host-profile-bench.txt} \
                 > "$OUT/bench-27b-int8.json" 2> "$OUT/bench-27b-int8.log"
             echo "bench27-int8 rc=$?" ;;
         bench9) /tmp/prism bench --model-dir /tmp/s9 --device cuda --precision bf16 --runs 10 --warmup 2 > "$OUT/bench-9b-bf16.txt" 2>&1 ;;

@@ -26,6 +26,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         host_profile: args.host_profile.clone(),
         think: args.think,
         think_batch: args.think_batch.clone(),
+        engine_batch: args.engine_batch.clone(),
     };
     let report = prism_decision::bench::run(&options, &mut |line| eprintln!("{line}"))?;
     if args.json || args.think.is_some() {

@@ -277,6 +277,10 @@ pub struct BenchArgs {
     /// report its median next to the direct path's; with --profile, profile one run there too.
     #[arg(long)]
     pub engine: bool,
+    /// With --engine: also submit this many distinct three-question requests at once (one measurement
+    /// per size; with --profile one profiled batch each).
+    #[arg(long, value_delimiter = ',')]
+    pub engine_batch: Vec<usize>,
     /// CUDA builds: wrap the last timed run of each scenario in a CUDA profiler range
     /// (cuProfilerStart/Stop), so that `ncu --profile-from-start off` records exactly one warm pass
     /// of each scenario and nothing of the load or the floor measurements.

@@ -357,11 +357,32 @@ fn bench_through_the_engine_times_a_prefix_cache_follow_up_with_the_whole_reques
         ["--runs", "2"],
         ["--warmup", "0"],
         ["--long-tokens", "300"],
+        ["--engine-batch", "3"],
     ] {
         args.extend(pair);
     }
     let report: Value = serde_json::from_slice(&ok(&prism(&args)).stdout).expect("bench JSON");
     let short = &report["scenarios"][0];
+    // The engine's split: the passes inside the compute, the parts adding up to at most the run.
+    let split = &short["engine"]["split"];
+    let part = |name: &str| {
+        split[name]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{name}: {split}"))
+    };
+    assert!(part("prepare_ms") > 0.0 && part("pass_ms") > 0.0, "{split}");
+    assert!(part("pass_ms") <= part("compute_ms"), "{split}");
+    assert!(
+        part("prepare_ms") + part("queue_ms") + part("compute_ms")
+            <= short["engine"]["median_ms"].as_f64().unwrap() + 1e-6,
+        "{split}"
+    );
+    // Three distinct requests in one pass, each answering what it answers alone.
+    let batch = &report["engine_batches"][0];
+    assert_eq!(batch["requests"], 3, "{batch}");
+    assert_eq!(batch["passes"], serde_json::json!([1, 1]), "{batch}");
+    assert_eq!(batch["answers_differing_from_alone"], 0, "{batch}");
+    assert!(batch["requests_per_s"].as_f64().unwrap() > 0.0, "{batch}");
     assert_eq!(short["scenario"], "short");
     let followup = &report["followup"];
     assert_eq!(

@@ -44,7 +44,13 @@ fn main() -> anyhow::Result<()> {
         .map(|a| a.parse())
         .transpose()?
         .unwrap_or(200);
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    // The repository root: the working directory when it holds the fixtures (a binary carried to
+    // another machine), else the one this was built in.
+    let root = if std::path::Path::new("tests/fixtures/qwen35-tiny").is_dir() {
+        PathBuf::from(".")
+    } else {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+    };
     let tiny = root.join("tests/fixtures/qwen35-tiny");
     let format = PromptFormat::load_from_model_dir(&tiny, None)?;
     let config = DecisionConfig::from_model_dir(&tiny)?;

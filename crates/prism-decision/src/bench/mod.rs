@@ -16,6 +16,7 @@
 //! the hardware allows the path is.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -77,10 +78,14 @@ struct Timings {
     answers_differ: bool,
     /// The first run's answers.
     answers: Value,
-    /// Through the engine, each timed run's split (ms): submission to its first pass (`queue`), that
-    /// pass to the answer (`compute`); the rest of a run is rendering, tokenizing and the reply.
+    /// Through the engine, each timed run's split (ms): rendering and tokenizing (`prepare`),
+    /// submission to its first pass (`queue`), that pass to the answer (`compute`), of which the
+    /// model's passes (`pass`: [`crate::engine::PassModel::run_pass`], read-out included); the rest of a
+    /// run is the submission and the reply's hand-over.
+    prepare_ms: Vec<f64>,
     queue_ms: Vec<f64>,
     compute_ms: Vec<f64>,
+    pass_ms: Vec<f64>,
 }
 
 impl Timings {
@@ -122,9 +127,11 @@ impl Timings {
     }
 
     /// An engine run's split of its time, taken with the run.
-    fn record_split(&mut self, output: &crate::engine::JobOutput) {
-        self.queue_ms.push(output.queue_ms);
-        self.compute_ms.push(output.compute_ms);
+    fn record_split(&mut self, run: &EngineRun) {
+        self.prepare_ms.push(run.prepare_ms);
+        self.queue_ms.push(run.output.queue_ms);
+        self.compute_ms.push(run.output.compute_ms);
+        self.pass_ms.push(run.pass_ms);
     }
 
     /// The medians of the engine runs' split (ms), and what is left of the median run time.
@@ -132,11 +139,20 @@ impl Timings {
         if self.queue_ms.is_empty() {
             return Value::Null;
         }
-        let (queue, compute) = (median_of(&self.queue_ms), median_of(&self.compute_ms));
+        let (prepare, queue, compute, pass) = (
+            median_of(&self.prepare_ms),
+            median_of(&self.queue_ms),
+            median_of(&self.compute_ms),
+            median_of(&self.pass_ms),
+        );
         json!({
+            "prepare_ms": prepare,
             "queue_ms": queue,
             "compute_ms": compute,
+            "pass_ms": pass,
+            "around_pass_ms": compute - pass,
             "outside_ms": ms(self.median()) - queue - compute,
+            "handover_ms": ms(self.median()) - prepare - queue - compute,
         })
     }
 
@@ -626,6 +642,9 @@ pub struct BenchOptions {
     pub think: Option<usize>,
     /// With `think`: the batch sizes.
     pub think_batch: Vec<usize>,
+    /// With `engine`: batches of this many distinct three-question requests submitted at once, one
+    /// measurement each (the report's `engine_batches`).
+    pub engine_batch: Vec<usize>,
 }
 
 /// Runs the benchmark and returns its report (the JSON `prism bench --json` prints). `progress`
@@ -762,11 +781,11 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
     let model_name = crate::LetterModel::model_name(&model).to_string();
     // The same requests through the engine the server runs (its step loop, one request at a time, the
     // prefix cache off so every run computes its evidence): what the engine adds to the decision path.
-    let (engine_runs, engine_profiles, followup) = if args.engine {
+    let (engine_runs, engine_profiles, followup, batches) = if args.engine {
         engine_timings(model, &loaded.config, &scenarios, args, precision, progress)?
     } else {
         drop(model);
-        (Vec::new(), serde_json::Map::new(), None)
+        (Vec::new(), serde_json::Map::new(), None, Vec::new())
     };
     // The follow-up's answers against the one-question request's computed whole: the same bits.
     let followup = match followup {
@@ -855,6 +874,7 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
         "profile": profiles,
         "engine_profile": engine_profiles,
         "followup": followup,
+        "engine_batches": batches,
         "model": model_name,
         "gguf": gguf_path.display().to_string(),
         "device": args.device,
@@ -893,6 +913,7 @@ type EngineTimings = (
     Vec<Timings>,
     serde_json::Map<String, Value>,
     Option<(Timings, Option<Value>)>,
+    Vec<Value>,
 );
 
 /// Each scenario's request through an [`crate::Engine`] on `model` (prefix cache off, one request
@@ -906,21 +927,22 @@ fn engine_timings(
     progress: &mut dyn FnMut(String),
 ) -> Result<EngineTimings> {
     let followup_model = model.share();
-    let (engine, worker) = bench_engine(model, config.clone(), 64, false)?;
+    let clock = Arc::new(PassClock::default());
+    let (engine, worker) = bench_engine(model, config.clone(), 64, false, Some(clock.clone()))?;
     let mut all = Vec::new();
     for scenario in scenarios {
         let mut timings = Timings::default();
         for run in 0..args.warmup + args.runs {
             let start = Instant::now();
-            let output = engine.decide(scenario.request.clone(), None).map_err(|e| {
+            let run_ = timed_decide(&engine, &clock, &scenario.request).map_err(|e| {
                 anyhow::anyhow!("scenario {} through the engine: {e}", scenario.name)
             })?;
             let secs = start.elapsed().as_secs_f64();
             if run >= args.warmup {
                 timings.runs.push(secs);
-                timings.record_split(&output);
+                timings.record_split(&run_);
             }
-            timings.record_answers(&output.response.answers)?;
+            timings.record_answers(&run_.output.response.answers)?;
         }
         timings.check_same(scenario.name, precision)?;
         all.push(timings);
@@ -950,10 +972,149 @@ fn engine_timings(
         }
         prism_model::profile::set_mode(prism_model::profile::Mode::Off);
     }
+    let mut batches = Vec::new();
+    for &size in &args.engine_batch {
+        batches.push(batch_timings(&engine, &clock, size, args, progress)?);
+    }
     drop(engine);
     worker.join();
     let followup = followup_timings(followup_model, config, scenarios, args, precision, progress)?;
-    Ok((all, profiles, followup))
+    Ok((all, profiles, followup, batches))
+}
+
+/// `size` distinct three-question requests (the README request, its ticket numbered) through the
+/// engine in one pass (rendered and tokenized before, not timed), `args.warmup` + `args.runs` times,
+/// each time with tickets of its own (the prefix cache is off): the time from the pass before theirs
+/// to their last answer, the engine's passes and their time, and whether every request answered what
+/// it answers alone (asked alone just before). With a profile, one more batch profiled: where a pass
+/// of several requests goes.
+fn batch_timings(
+    engine: &crate::Engine,
+    clock: &PassClock,
+    size: usize,
+    args: &BenchOptions,
+    progress: &mut dyn FnMut(String),
+) -> Result<Value> {
+    if size == 0 {
+        bail!("--engine-batch sizes must be at least 1");
+    }
+    let example: Value = serde_json::from_str(EXAMPLE_REQUEST).context("examples/request.json")?;
+    let request = |run: usize, k: usize| -> Result<DecisionRequest> {
+        let mut value = example.clone();
+        let ticket = value["state"]["ticket"].as_str().unwrap_or_default();
+        value["state"]["ticket"] = json!(format!("[{run}.{k}] {ticket}"));
+        parse_request(&value)
+    };
+    // One batch: every request prepared; a request of its own submitted first and, once the step
+    // loop has taken it, the batch, which so waits for that pass and goes into the next one whole;
+    // timed from the first request's answer. `profiling`: the profile's sections of that first pass
+    // are dropped. The batch's answers' digests in order.
+    let batch = |run: usize, profiling: bool| -> Result<(f64, f64, u64, Vec<String>)> {
+        let prepare = |k: usize| -> Result<crate::engine::Prepared> {
+            engine.prepare(request(run, k)?).map_err(|e| {
+                anyhow::anyhow!("{}", serde_json::to_string(&e.body()).unwrap_or_default())
+            })
+        };
+        let first = prepare(size)?;
+        let prepared = (0..size).map(prepare).collect::<Result<Vec<_>>>()?;
+        let submit = |prepared, reply: crate::engine::Reply| {
+            engine
+                .submit(prepared, reply, None, crate::engine::CancelToken::default())
+                .map_err(|e| anyhow::anyhow!("{e}"))
+        };
+        let (first_tx, first_rx) = std::sync::mpsc::channel();
+        submit(
+            first,
+            Box::new(move |result| {
+                let _ = first_tx.send(result);
+            }),
+        )?;
+        while engine.queue_state().running == 0 {
+            std::thread::yield_now();
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        for (k, prepared) in prepared.into_iter().enumerate() {
+            let tx = tx.clone();
+            submit(
+                prepared,
+                Box::new(move |result| {
+                    let _ = tx.send((k, result));
+                }),
+            )?;
+        }
+        drop(tx);
+        first_rx
+            .recv()
+            .context("the engine stopped")?
+            .map_err(|e| anyhow::anyhow!("the request before the batch: {e}"))?;
+        let start = Instant::now();
+        let passes_before = engine.stats().passes;
+        clock.take();
+        if profiling {
+            prism_model::profile::take()?;
+        }
+        let mut digests = vec![String::new(); size];
+        for (k, result) in rx.iter() {
+            let output =
+                result.map_err(|e| anyhow::anyhow!("batch of {size}, request {k}: {e}"))?;
+            digests[k] = answers_digest(&output.response.answers)?;
+        }
+        let secs = start.elapsed().as_secs_f64();
+        let passes = engine.stats().passes - passes_before;
+        Ok((secs, clock.take(), passes, digests))
+    };
+    let mut walls = Vec::new();
+    let mut pass_secs = Vec::new();
+    let mut passes = Vec::new();
+    let mut differ = 0;
+    for run in 0..args.warmup + args.runs {
+        // Each request's answer alone (before its batch, same tickets), then the batch.
+        let alone = (0..size)
+            .map(|k| {
+                let output = engine
+                    .decide(request(run, k)?, None)
+                    .map_err(|e| anyhow::anyhow!("batch request {k} alone: {e}"))?;
+                answers_digest(&output.response.answers)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (wall, pass, n, digests) = batch(run, false)?;
+        differ += digests.iter().zip(&alone).filter(|(a, b)| a != b).count();
+        if run >= args.warmup {
+            walls.push(wall);
+            pass_secs.push(pass);
+            passes.push(n);
+        }
+    }
+    let median = median_of(&walls);
+    progress(format!(
+        "batch of {size} three-question requests through the engine: median {:.1} ms, {:.2} requests/s, \
+         {} passes, {differ} answers differing from alone",
+        ms(median),
+        size as f64 / median,
+        passes.first().copied().unwrap_or(0),
+    ));
+    let profile = if args.profile != prism_model::profile::Mode::Off {
+        prism_model::profile::set_mode(args.profile);
+        prism_model::profile::take()?;
+        let (total, _, _, _) = batch(args.warmup + args.runs, true)?;
+        let label = format!("batch of {size}");
+        let report = profile_report(args.profile, &label, " through the engine", total, progress)?;
+        prism_model::profile::set_mode(prism_model::profile::Mode::Off);
+        Some(report)
+    } else {
+        None
+    };
+    Ok(json!({
+        "requests": size,
+        "what": "distinct three-question requests (the README request, tickets numbered) submitted at once, prefix cache off",
+        "runs_ms": walls.iter().map(|&s| ms(s)).collect::<Vec<_>>(),
+        "median_ms": ms(median),
+        "requests_per_s": size as f64 / median,
+        "pass_ms": pass_secs.iter().map(|&s| ms(s)).collect::<Vec<_>>(),
+        "passes": passes,
+        "answers_differing_from_alone": differ,
+        "profile": profile,
+    }))
 }
 
 /// A prefix-cache follow-up through an engine with its prefix cache on: the three-question request
@@ -974,7 +1135,8 @@ fn followup_timings(
     let (Some(short), Some(shared)) = (by_name("short"), by_name("shared")) else {
         return Ok(None);
     };
-    let (engine, worker) = bench_engine(model, config.clone(), 64, true)?;
+    let clock = Arc::new(PassClock::default());
+    let (engine, worker) = bench_engine(model, config.clone(), 64, true, Some(clock.clone()))?;
     engine
         .decide(shared.request.clone(), None)
         .map_err(|e| anyhow::anyhow!("the follow-up's first request: {e}"))?;
@@ -982,15 +1144,14 @@ fn followup_timings(
     let mut timings = Timings::default();
     for run in 0..args.warmup + args.runs {
         let start = Instant::now();
-        let output = engine
-            .decide(short.request.clone(), None)
+        let run_ = timed_decide(&engine, &clock, &short.request)
             .map_err(|e| anyhow::anyhow!("the follow-up: {e}"))?;
         let secs = start.elapsed().as_secs_f64();
         if run >= args.warmup {
             timings.runs.push(secs);
-            timings.record_split(&output);
+            timings.record_split(&run_);
         }
-        timings.record_answers(&output.response.answers)?;
+        timings.record_answers(&run_.output.response.answers)?;
     }
     timings.check_same("followup", precision)?;
     let hits = engine.stats().prefix_cache.hits - hits_before;
@@ -1061,14 +1222,76 @@ fn profile_report(
     Ok(json!({"mode": mode.as_str(), "total_ms": ms(total), "sections": rows}))
 }
 
+/// Adds up the time of the engine's passes (its observer).
+#[derive(Default)]
+struct PassClock(std::sync::Mutex<f64>);
+
+impl crate::engine::EngineObserver for PassClock {
+    fn pass(&self, _record: &crate::engine::PassRecord, seconds: f64) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) += seconds;
+    }
+}
+
+impl PassClock {
+    /// The seconds added up since the last call.
+    fn take(&self) -> f64 {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+/// One request through the engine, timed in parts.
+struct EngineRun {
+    output: crate::engine::JobOutput,
+    /// Rendering and tokenizing ([`crate::Engine::prepare`]), ms.
+    prepare_ms: f64,
+    /// The engine's passes while it ran ([`PassClock`]), ms.
+    pass_ms: f64,
+}
+
+/// [`crate::Engine::decide`] in its parts: prepare (timed), submit, wait; the passes' time from `clock`
+/// (the engine runs nothing else meanwhile).
+fn timed_decide(
+    engine: &crate::Engine,
+    clock: &PassClock,
+    request: &DecisionRequest,
+) -> Result<EngineRun> {
+    clock.take();
+    let start = Instant::now();
+    let prepared = engine
+        .prepare(request.clone())
+        .map_err(|e| anyhow::anyhow!("{}", serde_json::to_string(&e.body()).unwrap_or_default()))?;
+    let prepare_ms = ms(start.elapsed().as_secs_f64());
+    let (tx, rx) = std::sync::mpsc::channel();
+    engine
+        .submit(
+            prepared,
+            Box::new(move |result| {
+                let _ = tx.send(result);
+            }),
+            None,
+            crate::engine::CancelToken::default(),
+        )
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let output = rx
+        .recv()
+        .context("the engine stopped")?
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(EngineRun {
+        output,
+        prepare_ms,
+        pass_ms: ms(clock.take()),
+    })
+}
+
 /// An engine for the benchmarks on `model`: the prefix cache off (every run computes its evidence)
 /// unless `cache` (then the server's default budgets), no prompt-length limits, `seats` thoughts
-/// decoded at once and a queue that holds them.
+/// decoded at once and a queue that holds them; `observer` sees every pass.
 fn bench_engine(
     model: DecoderLetterModel,
     config: crate::DecisionConfig,
     seats: usize,
     cache: bool,
+    observer: Option<Arc<dyn crate::engine::EngineObserver>>,
 ) -> Result<(crate::Engine, crate::EngineWorker)> {
     use crate::{Engine, EngineOptions, PrefixCacheLimits};
     let encoder = model.encoder();
@@ -1092,7 +1315,7 @@ fn bench_engine(
             prefix_cache,
             ..EngineOptions::default()
         },
-        None,
+        observer,
     )?)
 }
 

@@ -61,7 +61,7 @@ pub(super) fn thought_rows(
         let free = total.saturating_sub(used);
         check_batch_fits(most, crate::engine::thought_device_bytes(state), free)?;
     }
-    let (engine, worker) = super::bench_engine(model, config, most, false)?;
+    let (engine, worker) = super::bench_engine(model, config, most, false, None)?;
     let request = |i: usize, run: usize| -> Result<DecisionRequest> {
         let body = json!({
             "state": format!("Ticket {i} (run {run}): the customer was charged twice for the March invoice and the card was declined afterwards."),
