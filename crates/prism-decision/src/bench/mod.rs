@@ -1029,7 +1029,11 @@ fn batch_timings(
                 let _ = first_tx.send(result);
             }),
         )?;
-        while engine.queue_state().running == 0 {
+        // Until the step loop has taken it, or it is answered already (then nothing waits on a count
+        // that went back to 0).
+        let mut first_answer = None;
+        while first_answer.is_none() && engine.queue_state().running == 0 {
+            first_answer = first_rx.try_recv().ok();
             std::thread::yield_now();
         }
         let (tx, rx) = std::sync::mpsc::channel();
@@ -1043,10 +1047,11 @@ fn batch_timings(
             )?;
         }
         drop(tx);
-        first_rx
-            .recv()
-            .context("the engine stopped")?
-            .map_err(|e| anyhow::anyhow!("the request before the batch: {e}"))?;
+        match first_answer {
+            Some(answer) => answer,
+            None => first_rx.recv().context("the engine stopped")?,
+        }
+        .map_err(|e| anyhow::anyhow!("the request before the batch: {e}"))?;
         let start = Instant::now();
         let passes_before = engine.stats().passes;
         clock.take();
