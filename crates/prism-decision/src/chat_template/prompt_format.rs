@@ -219,6 +219,12 @@ impl PromptFormat {
         Ok(self.tokenizer.encode(text)?)
     }
 
+    /// [`Self::encode`] of each text, their common beginning encoded once
+    /// ([`crate::tokenizer::PromptTokenizer::encode_sharing`]).
+    pub fn encode_sharing(&self, texts: &[&str]) -> Result<Vec<Vec<u32>>, PromptFormatError> {
+        Ok(self.tokenizer.encode_sharing(texts)?)
+    }
+
     // Thin methods like the ones around it, alike in shape only: each forwards to its own part.
     pub fn decode(
         &self,

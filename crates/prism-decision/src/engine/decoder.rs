@@ -435,6 +435,29 @@ impl PromptEncoder for FormatEncoder {
         self.expand(ids, prompt)
     }
 
+    /// The prompts rendered, and their common beginning (the system prompt and the evidence) encoded
+    /// once ([`PromptFormat::encode_sharing`]); where rendering or encoding fails, each prompt is
+    /// encoded alone, so that an error names its own prompt.
+    fn encode_many(&self, prompts: &[LetterPrompt]) -> Vec<Result<Vec<u32>, ModelError>> {
+        let shared = prompts
+            .iter()
+            .map(|p| self.format.render_chat(&prompt_messages(p), false))
+            .collect::<Result<Vec<String>, _>>()
+            .ok()
+            .and_then(|texts| {
+                let texts: Vec<&str> = texts.iter().map(String::as_str).collect();
+                self.format.encode_sharing(&texts).ok()
+            });
+        match shared {
+            Some(all) => all
+                .into_iter()
+                .zip(prompts)
+                .map(|(ids, prompt)| self.expand(ids, prompt))
+                .collect(),
+            None => prompts.iter().map(|p| self.encode(p)).collect(),
+        }
+    }
+
     fn image_config(&self) -> Option<ImageConfig> {
         self.images.as_ref().map(|(config, _)| config.clone())
     }

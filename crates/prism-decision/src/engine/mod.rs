@@ -650,19 +650,21 @@ impl Engine {
             }
         };
         let prompts = task.next_prompts();
-        // The prompts and the evidence probe are encoded on rayon's threads, each on its own.
-        let (tokens, probe) = rayon::join(
-            || {
-                encode_all(
-                    &*self.encoder,
-                    &task,
-                    &prompts,
-                    self.options.max_prompt_tokens,
-                )
-            },
-            || self.encoder.encode(&evidence_probe(task.evidence())),
-        );
-        let tokens = tokens?;
+        // The prompts and the evidence probe, encoded together (they share the evidence).
+        let mut with_probe = prompts.clone();
+        with_probe.push(evidence_probe(task.evidence()));
+        let mut encoded = self.encoder.encode_many(&with_probe);
+        let probe = encoded.pop().unwrap_or_else(|| {
+            Err(ModelError::Backend(
+                "the encoder returned no ids for the evidence probe".into(),
+            ))
+        });
+        let tokens = check_encoded(
+            &task,
+            encoded,
+            prompts.len(),
+            self.options.max_prompt_tokens,
+        )?;
         let total: usize = tokens.iter().map(Vec::len).sum();
         if total > self.options.max_request_tokens {
             return Err(FieldError::unanswerable(
@@ -922,11 +924,24 @@ pub(crate) fn encode_all(
     prompts: &[LetterPrompt],
     limit: usize,
 ) -> Result<Vec<Vec<u32>>, DecisionError> {
-    use rayon::prelude::*;
-    // Encoded in parallel, checked in order (the first bad prompt is the one reported).
-    let encoded: Vec<Result<Vec<u32>, ModelError>> =
-        prompts.par_iter().map(|p| encoder.encode(p)).collect();
-    let mut all = Vec::with_capacity(prompts.len());
+    check_encoded(task, encoder.encode_many(prompts), prompts.len(), limit)
+}
+
+/// The `count` prompts' ids from [`PromptEncoder::encode_many`], checked in order (the first bad
+/// prompt is the one reported), refusing one longer than `limit` with the 422 naming its question.
+fn check_encoded(
+    task: &DecisionTask,
+    encoded: Vec<Result<Vec<u32>, ModelError>>,
+    count: usize,
+    limit: usize,
+) -> Result<Vec<Vec<u32>>, DecisionError> {
+    if encoded.len() != count {
+        return Err(DecisionError::ModelOutput(format!(
+            "the encoder returned {} prompts' ids for {count}",
+            encoded.len()
+        )));
+    }
+    let mut all = Vec::with_capacity(count);
     for (index, ids) in encoded.into_iter().enumerate() {
         let ids = ids.map_err(|e| task.model_error(e))?;
         if ids.len() > limit {

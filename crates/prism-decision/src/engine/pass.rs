@@ -180,6 +180,14 @@ pub trait PassModel: Send {
 pub trait PromptEncoder: Send + Sync {
     fn encode(&self, prompt: &LetterPrompt) -> Result<Vec<u32>, ModelError>;
 
+    /// [`Self::encode`] of each prompt, in order (a request's prompts, which share their evidence).
+    /// The default encodes them one by one in parallel; an encoder may encode what they share once,
+    /// giving the same ids.
+    fn encode_many(&self, prompts: &[LetterPrompt]) -> Vec<Result<Vec<u32>, ModelError>> {
+        use rayon::prelude::*;
+        prompts.par_iter().map(|p| self.encode(p)).collect()
+    }
+
     /// The longest text one token stands for, in UTF-8 bytes, when every prompt's user message reaches
     /// the tokenizer whole: then a prompt's evidence and instructions alone bound its token count from
     /// below, and the engine refuses a request that bound already puts over a limit without rendering

@@ -71,6 +71,29 @@ pub fn split_points(text: &str, parts: usize) -> Vec<usize> {
     cuts
 }
 
+/// The last byte offset where every one of `texts` may be cut (the rule of [`split_points`]: between
+/// an ASCII letter and a space that an ASCII letter follows) with the same bytes before it and at the
+/// two bytes after it: where the texts' common beginning can be encoded once for all of them. `None`
+/// for fewer than two texts or no such place.
+pub fn shared_cut(texts: &[&str]) -> Option<usize> {
+    let (first, rest) = texts.split_first()?;
+    if rest.is_empty() {
+        return None;
+    }
+    let b = first.as_bytes();
+    let common = rest.iter().fold(b.len(), |n, t| {
+        n.min(
+            b.iter()
+                .zip(t.as_bytes())
+                .take_while(|(x, y)| x == y)
+                .count(),
+        )
+    });
+    (1..common.saturating_sub(1))
+        .rev()
+        .find(|&p| b[p] == b' ' && b[p - 1].is_ascii_alphabetic() && b[p + 1].is_ascii_alphabetic())
+}
+
 /// `tokenizer_config.json`'s class name for which transformers applies the Qwen3.5 pipeline.
 pub const QWEN35_TOKENIZER_CLASS: &str = "Qwen3_5Tokenizer";
 
@@ -730,6 +753,32 @@ impl PromptTokenizer {
             }
         }
         self.encode_in_one_piece(text)
+    }
+
+    /// [`Self::encode`] of each text, the beginning the texts share encoded once: cut at
+    /// [`shared_cut`] (where the split regex ends a piece whatever follows, as for [`Self::encode`]'s
+    /// pieces), the common part encoded once and each text's rest after it. The ids are those of each
+    /// text encoded alone (tested); texts without such a cut, or a pipeline that may not be cut, are
+    /// encoded one by one.
+    pub fn encode_sharing(&self, texts: &[&str]) -> Result<Vec<Vec<u32>>, TokenizerError> {
+        let cut = if self.piecewise {
+            shared_cut(texts)
+        } else {
+            None
+        };
+        let Some(cut) = cut else {
+            return texts.iter().map(|t| self.encode(t)).collect();
+        };
+        let head = self.encode(&texts[0][..cut])?;
+        texts
+            .iter()
+            .map(|t| {
+                let mut ids = Vec::with_capacity(head.len() + 64);
+                ids.extend_from_slice(&head);
+                ids.extend(self.encode(&t[cut..])?);
+                Ok(ids)
+            })
+            .collect()
     }
 
     /// [`Self::encode`] of the whole text at once, however long (what its pieces must add up to).
