@@ -53,7 +53,8 @@
 #               --expect-identical); then the three-question request made 4,096 distinct (its own evidence
 #               each) from 64 clients for $LOAD_S seconds (loadgen-TAG-shared64.json: issue #19's target);
 #               /stats and /metrics at the end; outputs serve-*.log, loadgen-*.json,
-#               stats-*.json
+#               stats-*.json. $LOADS picks loads (default "short shared followup mix shared64"),
+#               $SERVE_FLAGS adds serve flags, $TAG_SUFFIX tells the outputs of two such runs apart
 #   eval27      prism eval of a generated $EVAL_N-item suite (default 2,000; tools/device/make_suite.py) on
 #               /tmp/s27 at bf16, then at int8 with --compare against the bf16 run (outputs eval-bf16/,
 #               eval-int8/ with results.json, report.md, reliability.png; logs eval-*.log)
@@ -192,29 +193,36 @@ images27() {
 }
 # prism serve on /tmp/s27 at precision $1, loadgen runs against it (outputs tagged $2).
 serve27() {
-    local precision=$1 tag=$2 port=18700 url=http://127.0.0.1:18700 check=""
+    local precision=$1 tag=$2$TAG_SUFFIX port=18700 url=http://127.0.0.1:18700 check="" loads=" ${LOADS:-short shared followup mix shared64} "
     [ "$precision" = bf16 ] || check=--expect-identical
+    # $SERVE_FLAGS: more `prism serve` flags (an engine limit to compare); $LOADS: which loads run.
     /tmp/prism serve --gguf /tmp/s27/model.gguf --model-dir /tmp/s27 --device "${DEVICE:-cuda}" --precision "$precision" \
-        --port $port > "$OUT/serve-$tag.log" 2>&1 &
+        --port $port $SERVE_FLAGS > "$OUT/serve-$tag.log" 2>&1 &
     local pid=$!
     wait_ready $pid "$tag" || return 1
     # Cold: 20 distinct short / three-question requests from one client, each sent once (new evidence).
     for r in short shared; do
+        [[ $loads == *" $r "* ]] || continue
         /tmp/prism loadgen --url $url --requests tools/device/$r.jsonl --clients 1 --duration 60 \
             --max-requests 20 --check 20 $check --json-out "$OUT/loadgen-$tag-$r.json" > "$OUT/loadgen-$tag-$r.txt" 2>&1
         echo "loadgen $tag $r rc=$?"
     done
     # Follow-ups: 10 pairs, the second asking about the first one's evidence (a prefix-cache hit).
-    /tmp/prism loadgen --url $url --requests tools/device/followup.jsonl --clients 1 --duration 60 \
-        --max-requests 20 --check 20 $check --json-out "$OUT/loadgen-$tag-followup.json" > "$OUT/loadgen-$tag-followup.txt" 2>&1
-    echo "loadgen $tag followup rc=$?"
+    if [[ $loads == *" followup "* ]]; then
+        /tmp/prism loadgen --url $url --requests tools/device/followup.jsonl --clients 1 --duration 60 \
+            --max-requests 20 --check 20 $check --json-out "$OUT/loadgen-$tag-followup.json" > "$OUT/loadgen-$tag-followup.txt" 2>&1
+        echo "loadgen $tag followup rc=$?"
+    fi
     # 64 clients on the built-in mix (a quarter of the requests repeat an earlier evidence).
-    /tmp/prism loadgen --url $url --clients 64 --duration "${LOAD_S:-60}" --check 128 $check \
-        --json-out "$OUT/loadgen-$tag-64.json" > "$OUT/loadgen-$tag-64.txt" 2>&1
-    echo "loadgen $tag 64 clients rc=$?"
+    if [[ $loads == *" mix "* ]]; then
+        /tmp/prism loadgen --url $url --clients 64 --duration "${LOAD_S:-60}" --check 128 $check \
+            --json-out "$OUT/loadgen-$tag-64.json" > "$OUT/loadgen-$tag-64.txt" 2>&1
+        echo "loadgen $tag 64 clients rc=$?"
+    fi
     # 64 clients on the bench's three-question request, each with its own evidence (issue #19's
     # throughput target): shared.jsonl made 4,096 distinct by a ticket number.
-    python3 - tools/device/shared.jsonl /tmp/shared-distinct.jsonl <<'PY'
+    if [[ $loads == *" shared64 "* ]]; then
+        python3 - tools/device/shared.jsonl /tmp/shared-distinct.jsonl <<'PY'
 import json, sys
 base = [json.loads(line) for line in open(sys.argv[1])]
 with open(sys.argv[2], "w") as out:
@@ -223,9 +231,10 @@ with open(sys.argv[2], "w") as out:
         request["state"]["ticket"] = f"Ticket {9000 + i}: " + request["state"]["ticket"].split(": ", 1)[-1]
         out.write(json.dumps(request) + "\n")
 PY
-    /tmp/prism loadgen --url $url --requests /tmp/shared-distinct.jsonl --clients 64 --duration "${LOAD_S:-60}" \
-        --check 64 $check --json-out "$OUT/loadgen-$tag-shared64.json" > "$OUT/loadgen-$tag-shared64.txt" 2>&1
-    echo "loadgen $tag shared 64 clients rc=$?"
+        /tmp/prism loadgen --url $url --requests /tmp/shared-distinct.jsonl --clients 64 --duration "${LOAD_S:-60}" \
+            --check 64 $check --json-out "$OUT/loadgen-$tag-shared64.json" > "$OUT/loadgen-$tag-shared64.txt" 2>&1
+        echo "loadgen $tag shared 64 clients rc=$?"
+    fi
     http_get $url/stats > "$OUT/stats-$tag.json"
     http_get $url/metrics > "$OUT/metrics-$tag.txt"
     kill -TERM $pid; wait $pid
