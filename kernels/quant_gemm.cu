@@ -362,6 +362,238 @@ QGEMV_ENTRY(qgemv_q8_0_m4, 4)
 QGEMV_ENTRY(qgemv_q8_0_m8, 8)
 
 // ===================================================================================================
+// The narrow Q8_0 kernel for 3 to 64 activation rows (a batch of a few decode steps): tensor cores
+// through mma.sync m16n8k32 (s8 × s8 → exact s32) with the weight as the 16-row operand and the
+// activation rows as the 8-column one, so a product of a few rows streams its weight bytes once,
+// straight from global memory into the registers that feed the MMA, on every SM (the tiles' few large
+// CTAs leave most SMs idle there).
+//
+// A warp owns 16 outputs and MT tiles of 8 activation rows; a CTA NARROW_WARPS warps (consecutive
+// outputs); grid y splits the contract's four parts over K into `splits` (1, 2 or 4) CTAs. Per run r,
+// four MMAs a tile give the run's exact int32 sums I_r (the bytes of a run enter the MMA in another
+// order than 0..127 — lane (g, t) feeds bytes 32t .. 32t + 31 of its rows, the same permutation for
+// both operands — and an integer sum is exact in any order), then every output takes
+//   acc = fma(f32(I_r), sa_r · sw_r, acc)
+// — qgemm_simt's float operations in its order, parts from +0 and combined as (p0 + p1) + (p2 + p3):
+// p0 waits in registers, p0 + p1 in shared memory, p2 in registers, then y = slot + (p2 + p3). A split
+// CTA stores its share (a part, or the sum of two) in ws [splits, M, N] and the last of an output
+// block's CTAs adds the shares in the same tree (the counters as the Hopper tile's: zero between
+// launches, reset by the last CTA). A row flagged in bad_rows is NaN. K is a multiple of 32; the
+// activation scales row-major [M, R]; the weight bytes row-major [N, K] with run scales wd [N, R].
+// ===================================================================================================
+
+#define NARROW_WARPS 4
+// Runs of weight loaded ahead per lane.
+#define NARROW_AHEAD 2
+
+__device__ __forceinline__ void mma_s8_16832(int (&c)[4], int a0, int a1, int a2, int a3, int b0, int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// 32 bytes of a row at p (16-byte aligned) as two int4 (streamed: read once, or through L1); zeros
+// where !live.
+__device__ __forceinline__ void load32(const signed char* p, bool live, int4& lo, int4& hi, bool stream) {
+    if (!live) {
+        lo = make_int4(0, 0, 0, 0);
+        hi = lo;
+    } else if (stream) {
+        lo = __ldcs(reinterpret_cast<const int4*>(p));
+        hi = __ldcs(reinterpret_cast<const int4*>(p + 16));
+    } else {
+        lo = __ldg(reinterpret_cast<const int4*>(p));
+        hi = __ldg(reinterpret_cast<const int4*>(p + 16));
+    }
+}
+
+// Word s of the 8 words in (lo, hi) (s known at compile time after unrolling).
+__device__ __forceinline__ int word8(const int4& lo, const int4& hi, int s) {
+    switch (s) {
+        case 0: return lo.x;
+        case 1: return lo.y;
+        case 2: return lo.z;
+        case 3: return lo.w;
+        case 4: return hi.x;
+        case 5: return hi.y;
+        case 6: return hi.z;
+        default: return hi.w;
+    }
+}
+
+template <int MT>
+__device__ void qgemm_narrow_q8_0(const signed char* __restrict__ qa, const float* __restrict__ sa,
+                                  const unsigned int* __restrict__ bad_rows, const signed char* __restrict__ wq,
+                                  const float* __restrict__ wd, int M, int N, int K, float* __restrict__ y,
+                                  float* __restrict__ ws, int splits, unsigned int* __restrict__ counters) {
+    __shared__ float slot[NARROW_WARPS][MT * 4][32];
+    __shared__ int last_of_block;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int n0 = (blockIdx.x * NARROW_WARPS + warp) * 16;
+    const int R = K / RUN + (K % RUN != 0);
+    const int z = blockIdx.y;
+    const int part_lo = z * 4 / splits, part_hi = (z + 1) * 4 / splits;
+    // This lane's two outputs (rows g and g + 8 of the warp's 16).
+    const int na = n0 + g, nb = n0 + g + 8;
+    const bool la = na < N, lb = nb < N;
+    const signed char* wa = wq + (size_t)(la ? na : 0) * K + 32 * t;
+    const signed char* wb = wq + (size_t)(lb ? nb : 0) * K + 32 * t;
+    const float* da = wd + (size_t)(la ? na : 0) * R;
+    const float* db = wd + (size_t)(lb ? nb : 0) * R;
+    float acc[MT][4], hold[MT][4];
+#pragma unroll
+    for (int j = 0; j < MT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+    // One run from the weight words of output g (alo, ahi) and g + 8 (blo, bhi): the MMAs over the
+    // activation rows (read through L1), then the promotion of every output.
+    auto run_once = [&](int r, const int4& alo, const int4& ahi, const int4& blo, const int4& bhi) {
+        const int c = r * RUN + 32 * t;
+        const bool in_k = c < K;
+        int ci[MT][4];
+#pragma unroll
+        for (int j = 0; j < MT; ++j) {
+            const int row = 8 * j + g;
+            int4 xlo, xhi;
+            load32(qa + (size_t)(row < M ? row : 0) * K + (in_k ? c : 0), row < M && in_k, xlo, xhi, false);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ci[j][e] = 0;
+#pragma unroll
+            for (int s = 0; s < 4; ++s)
+                mma_s8_16832(ci[j], word8(alo, ahi, 2 * s), word8(blo, bhi, 2 * s), word8(alo, ahi, 2 * s + 1),
+                             word8(blo, bhi, 2 * s + 1), word8(xlo, xhi, 2 * s), word8(xlo, xhi, 2 * s + 1));
+        }
+        const float swa = la ? da[r] : 0.f, swb = lb ? db[r] : 0.f;
+#pragma unroll
+        for (int j = 0; j < MT; ++j) {
+            const int m0 = 8 * j + 2 * t;
+            const float s0 = m0 < M ? sa[(size_t)m0 * R + r] : 0.f;
+            const float s1 = m0 + 1 < M ? sa[(size_t)(m0 + 1) * R + r] : 0.f;
+            acc[j][0] = __fmaf_rn(__int2float_rn(ci[j][0]), __fmul_rn(s0, swa), acc[j][0]);
+            acc[j][1] = __fmaf_rn(__int2float_rn(ci[j][1]), __fmul_rn(s1, swa), acc[j][1]);
+            acc[j][2] = __fmaf_rn(__int2float_rn(ci[j][2]), __fmul_rn(s0, swb), acc[j][2]);
+            acc[j][3] = __fmaf_rn(__int2float_rn(ci[j][3]), __fmul_rn(s1, swb), acc[j][3]);
+        }
+    };
+    // Output (j, e) of this lane: output n0 + g (+ 8 for e ≥ 2), activation row 8j + 2t + (e & 1).
+    auto out_n = [&](int e) { return e < 2 ? na : nb; };
+    auto out_m = [&](int j, int e) { return 8 * j + 2 * t + (e & 1); };
+    const bool warp_live = n0 < N;  // the same for the whole warp
+    float* wz = ws + (size_t)z * M * N;
+    if (warp_live) {
+#pragma unroll 1
+        for (int part = part_lo; part < part_hi; ++part) {
+            const int r0 = part * R / 4, r1 = (part + 1) * R / 4;
+#pragma unroll 1
+            for (int r = r0; r < r1; r += NARROW_AHEAD) {
+                int4 alo[NARROW_AHEAD], ahi[NARROW_AHEAD], blo[NARROW_AHEAD], bhi[NARROW_AHEAD];
+#pragma unroll
+                for (int u = 0; u < NARROW_AHEAD; ++u) {
+                    const int c = (r + u) * RUN + 32 * t;
+                    const bool in = r + u < r1 && c < K;
+                    load32(wa + (size_t)(r + u) * RUN, in && la, alo[u], ahi[u], true);
+                    load32(wb + (size_t)(r + u) * RUN, in && lb, blo[u], bhi[u], true);
+                }
+#pragma unroll
+                for (int u = 0; u < NARROW_AHEAD; ++u) {
+                    if (r + u >= r1) break;  // the same for the whole warp
+                    run_once(r + u, alo[u], ahi[u], blo[u], bhi[u]);
+                }
+            }
+            // The end of part `part`, acc its sum.
+            if (splits == 4) {
+#pragma unroll
+                for (int j = 0; j < MT; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int n = out_n(e), m = out_m(j, e);
+                        if (n < N && m < M) wz[(size_t)m * N + n] = acc[j][e];
+                    }
+            } else if ((part & 1) == 0) {
+#pragma unroll
+                for (int j = 0; j < MT; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) hold[j][e] = acc[j][e];
+            } else {
+#pragma unroll
+                for (int j = 0; j < MT; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[j][e] = __fadd_rn(hold[j][e], acc[j][e]);
+                if (splits == 2) {
+#pragma unroll
+                    for (int j = 0; j < MT; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int n = out_n(e), m = out_m(j, e);
+                            if (n < N && m < M) wz[(size_t)m * N + n] = acc[j][e];
+                        }
+                } else if (part == 1) {
+#pragma unroll
+                    for (int j = 0; j < MT; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) slot[warp][4 * j + e][lane] = acc[j][e];
+                } else {
+#pragma unroll
+                    for (int j = 0; j < MT; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int n = out_n(e), m = out_m(j, e);
+                            const float v = __fadd_rn(slot[warp][4 * j + e][lane], acc[j][e]);
+                            if (n < N && m < M) y[(size_t)m * N + n] = bad_rows[m] ? __int_as_float(0x7fc00000) : v;
+                        }
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < MT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+        }
+    }
+    if (splits == 1) return;
+    // A split block: the last of its CTAs adds the shares in the contract's tree (4 splits:
+    // (p0 + p1) + (p2 + p3); 2: the two sums) and resets the block's counter for the next launch.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int* counter = counters + blockIdx.x;
+        const bool last = atomicAdd(counter, 1u) == (unsigned)splits - 1;
+        if (last) *counter = 0u;
+        last_of_block = last;
+    }
+    __syncthreads();
+    if (!last_of_block || !warp_live) return;
+    __threadfence();
+    const size_t share = (size_t)M * N;
+#pragma unroll
+    for (int j = 0; j < MT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int n = out_n(e), m = out_m(j, e);
+            if (n < N && m < M) {
+                const float* o = ws + (size_t)m * N + n;
+                float v = __fadd_rn(__ldcg(o), __ldcg(o + share));
+                if (splits == 4) v = __fadd_rn(v, __fadd_rn(__ldcg(o + 2 * share), __ldcg(o + 3 * share)));
+                y[(size_t)m * N + n] = bad_rows[m] ? __int_as_float(0x7fc00000) : v;
+            }
+        }
+}
+
+#define QGEMM_NARROW_ENTRY(NAME, MT)                                                                    \
+    extern "C" __global__ void __launch_bounds__(32 * NARROW_WARPS) NAME(                               \
+        const signed char* qa, const float* sa, const unsigned int* bad_rows, const signed char* wq,     \
+        const float* wd, int M, int N, int K, float* y, float* ws, int splits, unsigned int* counters) { \
+        qgemm_narrow_q8_0<MT>(qa, sa, bad_rows, wq, wd, M, N, K, y, ws, splits, counters);              \
+    }
+
+QGEMM_NARROW_ENTRY(qgemm_narrow_q8_0_m8, 1)
+QGEMM_NARROW_ENTRY(qgemm_narrow_q8_0_m16, 2)
+QGEMM_NARROW_ENTRY(qgemm_narrow_q8_0_m32, 4)
+QGEMM_NARROW_ENTRY(qgemm_narrow_q8_0_m64, 8)
+
+// ===================================================================================================
 // The Q8_0 tile for Hopper (sm_90a): warpgroup MMA fed by TMA, warp-specialized. The same bits as
 // qgemm_run128_q8_0 above; only which thread does which output's work differs, never the order of an
 // output's float operations.

@@ -25,14 +25,15 @@
 #               Q4_K / Q6_K mix, quantized by prism-gguf: about 2 minutes on 16 cores)
 #   synth9 / synth4   synthetic 9B / 4B BF16 model directories in /tmp/s9, /tmp/s4
 #   gemm        prism gemm-bench: the integer GEMM at the 27B projection shapes next to cuBLAS int8 and
-#               bf16 (gemm-bench.txt, gemm-bench.json)
+#               bf16 (gemm-bench.txt, gemm-bench.json); $GEMM_ARGS: more gemm-bench flags (--shape K,N,M …)
 #   bench27     27B bf16 bench (5 runs after 1 warm-up): bench-27b-bf16.json (prism bench --json), log
 #   bench27-int8  27B int8 bench of /tmp/s27 (5 runs after 1 warm-up): bench-27b-int8.json, log; with
 #               $PROFILE (sync or events) set, each scenario also profiled; with ENGINE=1 also through the
 #               engine the server runs (its median next to the direct path's) and a prefix-cache follow-up
 #               (the short request after the three-question one, cache on: the report's "followup");
 #               with ENGINE_BATCH=6,16 also that many distinct three-question requests in one pass of
-#               the engine (the report's "engine_batches"; profiled too with $PROFILE)
+#               the engine (the report's "engine_batches"; profiled too with $PROFILE); NARROW=N: the
+#               integer products of 3 to N rows on the narrow kernel (bench and think27: --narrow-rows)
 #   bench9 / bench4   9B / 4B bf16 benches (10 runs after 2 warm-ups)
 #   loads9      9B bf16 loads from 1, 4, 8 and 16 loader threads (--load-threads), one bench run each
 #               after no warm-up (answer digests comparable across them); each killed after 120 s
@@ -193,11 +194,11 @@ images27() {
 }
 # prism serve on /tmp/s27 at precision $1, loadgen runs against it (outputs tagged $2).
 serve27() {
-    local precision=$1 tag=$2$TAG_SUFFIX port=18700 url=http://127.0.0.1:18700 check="" loads=" ${LOADS:-short shared followup mix shared64} "
+    local precision=$1 tag=$2${TAG_SUFFIX:-} port=18700 url=http://127.0.0.1:18700 check="" loads=" ${LOADS:-short shared followup mix shared64} "
     [ "$precision" = bf16 ] || check=--expect-identical
     # $SERVE_FLAGS: more `prism serve` flags (an engine limit to compare); $LOADS: which loads run.
     /tmp/prism serve --gguf /tmp/s27/model.gguf --model-dir /tmp/s27 --device "${DEVICE:-cuda}" --precision "$precision" \
-        --port $port $SERVE_FLAGS > "$OUT/serve-$tag.log" 2>&1 &
+        --port $port ${SERVE_FLAGS:-} > "$OUT/serve-$tag.log" 2>&1 &
     local pid=$!
     wait_ready $pid "$tag" || return 1
     # Cold: 20 distinct short / three-question requests from one client, each sent once (new evidence).
@@ -255,6 +256,7 @@ for step in "$@"; do
         think27)
             /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --think "${THINK:-128}" \
                 --think-batch "${THINK_BATCH:-1,64}" --runs 1 $(think_profile) ${HOST_PROFILE:+--host-profile $OUT/host-profile-think.txt} \
+                ${NARROW:+--narrow-rows $NARROW} \
                 > "$OUT/think-27b-int8.json" 2> "$OUT/think-27b-int8.log"
             echo "think27 rc=$?" ;;
         eval27)
@@ -270,14 +272,14 @@ for step in "$@"; do
         synth27q4) /tmp/prism synth --shape 27b --type q4_k_m --out /tmp/s27q4 $R > "$OUT/synth27q4.log" 2>&1 ;;
         synth9) /tmp/prism synth --shape 9b --type bf16 --out /tmp/s9 $R > "$OUT/synth9.log" 2>&1 ;;
         synth4) /tmp/prism synth --shape 4b --type bf16 --out /tmp/s4 $R > "$OUT/synth4.log" 2>&1 ;;
-        gemm) /tmp/prism gemm-bench --json-out "$OUT/gemm-bench.json" > "$OUT/gemm-bench.txt" 2>&1
+        gemm) /tmp/prism gemm-bench ${GEMM_ARGS:-} --json-out "$OUT/gemm-bench.json" > "$OUT/gemm-bench.txt" 2>&1
             echo "gemm-bench rc=$?" ;;
         bench27) /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision bf16 --runs 5 --warmup 1 --json \
                 > "$OUT/bench-27b-bf16.json" 2> "$OUT/bench-27b-bf16.log" ;;
         bench27-int8)
             /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --runs 5 --warmup 1 --json \
                 ${PROFILE:+--profile $PROFILE} ${ENGINE:+--engine} ${ENGINE_BATCH:+--engine-batch $ENGINE_BATCH} \
-                ${HOST_PROFILE:+--host-profile $OUT/host-profile-bench.txt} \
+                ${HOST_PROFILE:+--host-profile $OUT/host-profile-bench.txt} ${NARROW:+--narrow-rows $NARROW} \
                 > "$OUT/bench-27b-int8.json" 2> "$OUT/bench-27b-int8.log"
             echo "bench27-int8 rc=$?" ;;
         bench9) /tmp/prism bench --model-dir /tmp/s9 --device cuda --precision bf16 --runs 10 --warmup 2 > "$OUT/bench-9b-bf16.txt" 2>&1 ;;

@@ -27,6 +27,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         think: args.think,
         think_batch: args.think_batch.clone(),
         engine_batch: args.engine_batch.clone(),
+        narrow_rows: args.narrow_rows,
     };
     let report = prism_decision::bench::run(&options, &mut |line| eprintln!("{line}"))?;
     if args.json || args.think.is_some() {

@@ -281,6 +281,9 @@ pub struct BenchArgs {
     /// per size; with --profile one profiled batch each).
     #[arg(long, value_delimiter = ',')]
     pub engine_batch: Vec<usize>,
+    /// CUDA builds: run the integer products of 3 to N rows on the narrow kernel (0: never).
+    #[arg(long)]
+    pub narrow_rows: Option<usize>,
     /// CUDA builds: wrap the last timed run of each scenario in a CUDA profiler range
     /// (cuProfilerStart/Stop), so that `ncu --profile-from-start off` records exactly one warm pass
     /// of each scenario and nothing of the load or the floor measurements.

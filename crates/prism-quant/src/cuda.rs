@@ -182,8 +182,9 @@ pub fn matmul(x: &Tensor, w: &CudaQuantWeight) -> Result<Tensor> {
 /// Which device kernel runs a product (the same bits either way).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kernel {
-    /// The Hopper warpgroup tile for Q8_0 on a compute-capability-9.0 GPU (its shape by
-    /// [`TileShape::auto`]), otherwise the simple one.
+    /// For Q8_0: the skinny kernel up to [`AUTO_SKINNY_ROWS`] rows, the narrow one up to
+    /// [`auto_narrow_rows`], past those the Hopper warpgroup tile on a compute-capability-9.0 GPU (its
+    /// shape by [`TileShape::auto`]); otherwise the simple one.
     Auto,
     /// The simple kernels (one thread an output, dp4a): the comparison for the device checks.
     Simple,
@@ -202,6 +203,62 @@ pub enum Kernel {
     /// The skinny kernel where it runs (Q8_0, at most [`SKINNY_ROWS`] rows, K a multiple of 16), else
     /// the simple one. [`Kernel::Auto`] takes it up to [`AUTO_SKINNY_ROWS`] rows.
     Skinny,
+    /// The narrow kernel where it runs (Q8_0, at most [`NARROW_ROWS`] rows, K a multiple of 32: tensor
+    /// cores through `mma.sync`, any GPU from Ampere on), else the simple one; its split over K chosen
+    /// by [`narrow_splits`].
+    Narrow,
+    /// [`Kernel::Narrow`] with every block of outputs split over K into 1, 2 or 4 CTAs.
+    NarrowSplit(usize),
+}
+
+/// The most activation rows the narrow kernel takes (`qgemm_narrow_q8_0_m*`: tiles of 8 rows).
+pub const NARROW_ROWS: usize = 64;
+
+/// The most activation rows [`Kernel::Auto`] gives the narrow kernel (past [`AUTO_SKINNY_ROWS`]); 0:
+/// never. Set by [`set_auto_narrow_rows`], [`DEFAULT_AUTO_NARROW_ROWS`] before.
+static AUTO_NARROW_ROWS: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(DEFAULT_AUTO_NARROW_ROWS);
+
+/// [`auto_narrow_rows`] until [`set_auto_narrow_rows`]: measured on an H100 at the 27B's gate | up and
+/// down projections, the narrow kernel in 4 splits beat the 64-row tile by 5–24 % at 3 to 16 rows
+/// and lost at 32 and 64 (`docs/optimization-log.md`, 2026-12-06).
+pub const DEFAULT_AUTO_NARROW_ROWS: usize = 16;
+
+/// Makes [`Kernel::Auto`] run the narrow kernel for products of more than [`AUTO_SKINNY_ROWS`] and at
+/// most `rows` rows (capped at [`NARROW_ROWS`]; 0: never) for the rest of the process.
+/// Every kernel gives the same bits: this changes only speed.
+pub fn set_auto_narrow_rows(rows: usize) {
+    AUTO_NARROW_ROWS.store(rows.min(NARROW_ROWS), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// What [`set_auto_narrow_rows`] set last.
+pub fn auto_narrow_rows() -> usize {
+    AUTO_NARROW_ROWS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Outputs of one narrow-kernel CTA (`NARROW_WARPS` warps of 16 in `quant_gemm.cu`).
+const NARROW_BLOCK: usize = 64;
+
+/// The narrow kernel's entry for `m` rows (1 ≤ m ≤ [`NARROW_ROWS`]): tiles of 8 rows, 1, 2, 4 or 8.
+fn narrow_kernel(m: usize) -> &'static str {
+    match m.div_ceil(8) {
+        1 => "qgemm_narrow_q8_0_m8",
+        2 => "qgemm_narrow_q8_0_m16",
+        3 | 4 => "qgemm_narrow_q8_0_m32",
+        _ => "qgemm_narrow_q8_0_m64",
+    }
+}
+
+/// The narrow kernel's split over K for `n` outputs on `sms` multiprocessors: the fewest of 1, 2, 4
+/// CTAs a block of outputs that give at least sixteen CTAs a multiprocessor (a CTA of few warps
+/// keeps few weight bytes in flight: measured on an H100 at the 27B's gate | up and down
+/// projections, 4 splits were the fastest of the three at 4, 8 and 16 rows, `docs/optimization-log.md`).
+pub fn narrow_splits(n: usize, sms: usize) -> usize {
+    let blocks = n.div_ceil(NARROW_BLOCK);
+    [1, 2, 4]
+        .into_iter()
+        .find(|&s| blocks * s >= 16 * sms)
+        .unwrap_or(4)
 }
 
 /// The most activation rows the skinny kernel takes (`qgemv_q8_0_m*`: 4 outputs a 128-thread CTA,
@@ -356,6 +413,28 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
     };
     let skinny =
         info.format == WeightFormat::Q8_0 && (1..=most_rows).contains(&m) && k % 16 == 0 && n > 0;
+    // The narrow kernel's split over K where it runs.
+    let auto_narrow = kernel == Kernel::Auto && !skinny && m <= auto_narrow_rows();
+    let narrow = match kernel {
+        Kernel::Narrow | Kernel::NarrowSplit(_) | Kernel::Auto
+            if (kernel != Kernel::Auto || auto_narrow)
+                && info.format == WeightFormat::Q8_0
+                && (1..=NARROW_ROWS).contains(&m)
+                && k % 32 == 0
+                && n > 0 =>
+        {
+            Some(match kernel {
+                Kernel::NarrowSplit(splits) => {
+                    if ![1, 2, 4].contains(&splits) {
+                        bail!("integer matmul narrow kernel: {splits} splits over K (1, 2 or 4)");
+                    }
+                    splits
+                }
+                _ => narrow_splits(n, multiprocessors(&dev)?),
+            })
+        }
+        _ => None,
+    };
     // The Hopper tile reads the activation scales run-major, [runs, ldsa] with ldsa a whole number of
     // tiles (rows past m are never stored); the simple kernels row-major [m, runs].
     let hopper = w
@@ -363,13 +442,13 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
         .as_ref()
         .zip(match kernel {
             Kernel::Auto => Some((TileShape::auto(m), Grid::Balanced(None), None)),
-            Kernel::Simple | Kernel::Skinny => None,
+            Kernel::Simple | Kernel::Skinny | Kernel::Narrow | Kernel::NarrowSplit(_) => None,
             Kernel::Tile(shape) => Some((shape, Grid::Balanced(None), None)),
             Kernel::TileSplit(shape, splits) => Some((shape, Grid::Split(splits), None)),
             Kernel::TileGrid(shape, sms) => Some((shape, Grid::Balanced(Some(sms)), None)),
             Kernel::TileOrder(shape, group) => Some((shape, Grid::Balanced(None), Some(group))),
         })
-        .filter(|_| m > 0 && n > 0 && !skinny);
+        .filter(|_| m > 0 && n > 0 && !skinny && narrow.is_none());
     let ldsa = m.div_ceil(WG_TILE) * WG_TILE;
     let (sa_len, sa_row_stride, sa_run_stride) = match hopper {
         Some(_) => (runs * ldsa, 1, ldsa),
@@ -401,8 +480,9 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
         None => None,
     };
     let sums_len = if want_sums { m * k / 32 } else { 1 };
-    let ws_len = match hopper {
-        Some((_, _, schedule, _)) if schedule.splits > 1 => schedule.splits * m * n,
+    let ws_len = match (hopper, narrow) {
+        (Some((_, _, schedule, _)), _) if schedule.splits > 1 => schedule.splits * m * n,
+        (None, Some(splits)) if splits > 1 => splits * m * n,
         _ => 1,
     };
     // The quantized activation, its scales, its 32-value sums (formats with mins), the rows' bad
@@ -510,22 +590,50 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
         )?;
         return Ok(wrap(y, &dev, (m, n)));
     }
+    if let Some(splits) = narrow {
+        let (wq, wd) = (
+            Input::new(&w.q, DType::U8, "weight bytes")?,
+            Input::new(&w.d, DType::F32, "scales")?,
+        );
+        let (wq, wd) = (wq.view::<u8>()?, wd.view::<f32>()?);
+        check_aligned(&dev, &wq, info)?;
+        let func = load_kernel(&dev, MODULE, IMAGE, narrow_kernel(m))?;
+        let blocks = n.div_ceil(NARROW_BLOCK);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(blocks).map_err(|_| {
+                    candle_core::Error::Msg(format!("integer matmul: {n} outputs are too many"))
+                })?,
+                splits as u32,
+                1,
+            ),
+            // Warps of 16 outputs.
+            block_dim: ((NARROW_BLOCK / 16 * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let splits_i = i32_arg(splits, "splits")?;
+        with_counters(&dev, blocks, |counters| {
+            let mut b = func.builder();
+            b.arg(&qa).arg(&sa).arg(&bad).arg(&wq).arg(&wd);
+            b.arg(&m_i).arg(&n_i).arg(&k_i).arg(&y);
+            b.arg(&ws).arg(&splits_i).arg(counters);
+            // SAFETY: qa holds m·k bytes (k a multiple of 32, so every 16-byte read of a row is
+            // aligned and inside it), sa m·runs f32 row-major, bad m u32; the weight's q n·k bytes
+            // (16-byte aligned) and d n·runs f32 (Q8_0 run scales, row-major); y m·n f32; with
+            // splits, ws splits·m·n f32 and the counters at least one u32 a block of outputs, all
+            // zero (this stream's own set: its launches run in order, and each leaves them zero).
+            unsafe { b.launch(cfg) }.map_err(launch_err)?;
+            Ok(())
+        })?;
+        return Ok(wrap(y, &dev, (m, n)));
+    }
     if skinny {
         let (wq, wd) = (
             Input::new(&w.q, DType::U8, "weight bytes")?,
             Input::new(&w.d, DType::F32, "scales")?,
         );
         let (wq, wd) = (wq.view::<u8>()?, wd.view::<f32>()?);
-        {
-            let stream = dev.cuda_stream();
-            let (ptr, _sync) = wq.device_ptr(&stream);
-            if ptr % 16 != 0 {
-                bail!(
-                    "integer matmul: {:?}'s bytes are not 16-byte aligned on the device",
-                    info.name
-                );
-            }
-        }
+        check_aligned(&dev, &wq, info)?;
         let func = load_kernel(&dev, MODULE, IMAGE, skinny_kernel(m))?;
         let cfg = LaunchConfig {
             grid_dim: (
@@ -694,8 +802,48 @@ fn hopper_q8_0(
         i32_arg(n, "outputs")?,
         i32_arg(k, "inputs")?,
     );
-    // The split tiles' counters stay allocated (and zero between launches: the last CTA of a tile
-    // resets its own), so a split product is one launch.
+    with_counters(dev, tiles, |counter_buf| {
+        let mut b = func.builder();
+        b.arg(&maps[0]).arg(&maps[1]);
+        b.arg(sa).arg(&ldsa_i).arg(&sw).arg(&ldsw_i).arg(bad);
+        let group_i = i32_arg(group, "tile order")?;
+        b.arg(&m_i)
+            .arg(&n_i)
+            .arg(&k_i)
+            .arg(y)
+            .arg(ws)
+            .arg(&group_i)
+            .arg(counter_buf);
+        let (gx_i, gy_i) = (i32_arg(gx, "row tiles")?, i32_arg(gy, "output tiles")?);
+        let (full_i, splits_i, jobs_i) = (
+            i32_arg(schedule.full, "whole tiles")?,
+            i32_arg(splits, "splits")?,
+            i32_arg(jobs, "jobs")?,
+        );
+        b.arg(&gx_i)
+            .arg(&gy_i)
+            .arg(&full_i)
+            .arg(&splits_i)
+            .arg(&jobs_i);
+        // SAFETY: the maps describe qa (m·k bytes) and the weight (n·k bytes), both alive until the launch
+        // is queued; sa holds runs·ldsa f32 and sw_t runs·ldsw (ldsa, ldsw whole tiles, so every CTA's
+        // 512-byte scale copies stay inside); bad m u32; y m·n f32; with splits, ws splits·m·n f32 (a
+        // split tile's job z writes its outputs of ws[z]) and the counters at least one u32 a tile, all
+        // zero (this stream's own set: its launches run in order, and each leaves them zero); the jobs
+        // are those of `schedule` over gx·gy tiles.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+        Ok(())
+    })
+}
+
+/// Runs `launch` with this stream's split counters, at least `count` of them: they stay allocated
+/// (and zero between launches: the last CTA of a split tile or block resets its own), so a split
+/// product is one launch.
+fn with_counters(
+    dev: &CudaDevice,
+    count: usize,
+    launch: impl FnOnce(&CudaSlice<u32>) -> Result<()>,
+) -> Result<()> {
     let mut counters = TILE_COUNTERS.lock().map_err(|_| {
         candle_core::Error::Msg("integer matmul: tile counter lock poisoned".into())
     })?;
@@ -708,39 +856,22 @@ fn hopper_q8_0(
             slot.len() - 1
         }
     };
-    if slot[at].1.len() < tiles {
-        slot[at].1 = dev.alloc_zeros::<u32>(tiles.next_power_of_two())?;
+    if slot[at].1.len() < count {
+        slot[at].1 = dev.alloc_zeros::<u32>(count.next_power_of_two())?;
     }
-    let counter_buf = &slot[at].1;
-    let mut b = func.builder();
-    b.arg(&maps[0]).arg(&maps[1]);
-    b.arg(sa).arg(&ldsa_i).arg(&sw).arg(&ldsw_i).arg(bad);
-    let group_i = i32_arg(group, "tile order")?;
-    b.arg(&m_i)
-        .arg(&n_i)
-        .arg(&k_i)
-        .arg(y)
-        .arg(ws)
-        .arg(&group_i)
-        .arg(counter_buf);
-    let (gx_i, gy_i) = (i32_arg(gx, "row tiles")?, i32_arg(gy, "output tiles")?);
-    let (full_i, splits_i, jobs_i) = (
-        i32_arg(schedule.full, "whole tiles")?,
-        i32_arg(splits, "splits")?,
-        i32_arg(jobs, "jobs")?,
-    );
-    b.arg(&gx_i)
-        .arg(&gy_i)
-        .arg(&full_i)
-        .arg(&splits_i)
-        .arg(&jobs_i);
-    // SAFETY: the maps describe qa (m·k bytes) and the weight (n·k bytes), both alive until the launch
-    // is queued; sa holds runs·ldsa f32 and sw_t runs·ldsw (ldsa, ldsw whole tiles, so every CTA's
-    // 512-byte scale copies stay inside); bad m u32; y m·n f32; with splits, ws splits·m·n f32 (a
-    // split tile's job z writes its outputs of ws[z]) and the counters at least one u32 a tile, all
-    // zero (this stream's own set: its launches run in order, and each leaves them zero); the jobs
-    // are those of `schedule` over gx·gy tiles.
-    unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    launch(&slot[at].1)
+}
+
+/// Fails unless the weight bytes start 16-byte aligned on the device (the kernels' vector reads).
+fn check_aligned(dev: &CudaDevice, wq: &CudaView<'_, u8>, info: &WeightInfo) -> Result<()> {
+    let stream = dev.cuda_stream();
+    let (ptr, _sync) = wq.device_ptr(&stream);
+    if ptr % 16 != 0 {
+        bail!(
+            "integer matmul: {:?}'s bytes are not 16-byte aligned on the device",
+            info.name
+        );
+    }
     Ok(())
 }
 

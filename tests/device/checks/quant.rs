@@ -72,7 +72,7 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
         let dw = CudaQuantWeight::upload(&w, dev)?;
         let tag = format!("int8 matmul (GPU) {ty:?} {q8:?} K={k} N={n}");
         let rows: &[usize] = if ty == GgmlType::Q8_0 {
-            &[1, 2, 3, 4, 7, 8, 9, 64, 129, 300]
+            &[1, 2, 3, 4, 7, 8, 9, 16, 31, 33, 64, 129, 300]
         } else {
             &[1, 7, 64]
         };
@@ -91,6 +91,15 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
             let mut kernels = vec![("simple kernel".to_string(), Kernel::Simple)];
             if ty == GgmlType::Q8_0 {
                 kernels.push(("skinny kernel".into(), Kernel::Skinny));
+                // The narrow kernel, its split chosen and each split forced (a product past its
+                // rows runs the simple kernel).
+                kernels.push(("narrow kernel".into(), Kernel::Narrow));
+                for splits in [1, 2, 4] {
+                    kernels.push((
+                        format!("narrow kernel in {splits} split(s)"),
+                        Kernel::NarrowSplit(splits),
+                    ));
+                }
                 kernels.push(("128-row tile".into(), Kernel::Tile(TileShape::M128)));
                 kernels.push(("64-row tile".into(), Kernel::Tile(TileShape::M64)));
                 // Every tile order: which CTA computes a tile, never what it computes.
@@ -229,6 +238,7 @@ fn wide_checks(
                 Kernel::TileSplit(TileShape::M128, 1),
             ),
             ("128-row tile", Kernel::Tile(TileShape::M128)),
+            ("narrow kernel", Kernel::Narrow),
         ] {
             r.identical(
                 &format!("{tag}: {label} vs the default"),
@@ -245,6 +255,8 @@ fn fused_kernels(ty: GgmlType) -> Vec<(&'static str, Kernel)> {
     let mut kernels = vec![("default", Kernel::Auto), ("simple kernel", Kernel::Simple)];
     if ty == GgmlType::Q8_0 {
         kernels.push(("skinny kernel", Kernel::Skinny));
+        kernels.push(("narrow kernel", Kernel::Narrow));
+        kernels.push(("narrow kernel in 4 splits", Kernel::NarrowSplit(4)));
         kernels.push(("128-row tile", Kernel::Tile(TileShape::M128)));
         kernels.push(("64-row tile", Kernel::Tile(TileShape::M64)));
     }

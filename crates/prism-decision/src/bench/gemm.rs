@@ -167,6 +167,19 @@ pub fn time_shape(
             ));
         }
     }
+    // At a few dozen rows the narrow kernel (its own split and each forced), and the skinny one.
+    if m <= prism_quant::cuda::NARROW_ROWS {
+        kernels.push(("narrow".to_string(), Kernel::Narrow));
+        for splits in [1, 2, 4] {
+            kernels.push((
+                format!("narrow split {splits}"),
+                Kernel::NarrowSplit(splits),
+            ));
+        }
+    }
+    if m <= prism_quant::cuda::SKINNY_ROWS {
+        kernels.push(("skinny".to_string(), Kernel::Skinny));
+    }
     let mut shapes_ms = Vec::new();
     for (label, kernel) in kernels {
         let t = time_median(gpu, runs, reps, || {

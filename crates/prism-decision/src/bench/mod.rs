@@ -645,6 +645,9 @@ pub struct BenchOptions {
     /// With `engine`: batches of this many distinct three-question requests submitted at once, one
     /// measurement each (the report's `engine_batches`).
     pub engine_batch: Vec<usize>,
+    /// CUDA: the integer products of 3 to this many rows on the narrow kernel
+    /// (`prism_quant::cuda::set_auto_narrow_rows`; `None`: the built-in choice).
+    pub narrow_rows: Option<usize>,
 }
 
 /// Runs the benchmark and returns its report (the JSON `prism bench --json` prints). `progress`
@@ -655,6 +658,10 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
     }
     if let Some(path) = &args.host_profile {
         host_profile::check_writable(path)?;
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(rows) = args.narrow_rows {
+        prism_quant::cuda::set_auto_narrow_rows(rows);
     }
     let device = open_device(&args.device)?;
     let gguf_path = match &args.gguf {
@@ -880,6 +887,7 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
         "device": args.device,
         "precision": precision.as_str(),
         "kv_storage": kv_storage.as_str(),
+        "narrow_rows": args.narrow_rows,
         "threads": rayon::current_num_threads(),
         "layers": cost.config.n_layers,
         "hidden_size": cost.config.hidden_size,
