@@ -20,11 +20,14 @@ use std::time::Instant;
 
 use prism_decision::chat_template::PromptFormat;
 use prism_decision::engine::decoder::prompt_messages;
+use prism_decision::render::evidence_probe;
 use prism_decision::synth_files::{qwen35_vocabulary, tokenizer_json, QWEN35_ADDED_TOKENS};
 use prism_decision::tokenizer::{
-    AddedTokenSpec, PromptTokenizer, RankedVocabulary, TokenizerJsonPipeline, QWEN35_SPLIT_REGEX,
+    shared_cut, AddedTokenSpec, PromptTokenizer, RankedVocabulary, TokenizerJsonPipeline,
+    QWEN35_SPLIT_REGEX,
 };
 use prism_decision::{DecisionConfig, DecisionRequest, DecisionTask, RequestDefaults};
+use rayon::prelude::*;
 
 fn median_us(mut f: impl FnMut(), repeats: usize) -> f64 {
     let mut times: Vec<f64> = (0..repeats)
@@ -141,6 +144,34 @@ fn main() -> anyhow::Result<()> {
             text.len(),
             encode / tokens.max(1) as f64,
             100.0 * split_us / encode.max(1e-9)
+        );
+        // What `Engine::prepare` encodes: every prompt of the request and the evidence probe, their
+        // common beginning once (`encode_sharing`), against each text on its own thread.
+        let mut with_probe = prompts.clone();
+        with_probe.push(evidence_probe(task.evidence()));
+        let texts = with_probe
+            .iter()
+            .map(|p| format.render_chat(&prompt_messages(p), false))
+            .collect::<Result<Vec<String>, _>>()?;
+        let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+        let shared = median_us(
+            || {
+                let _ = std::hint::black_box(merges_tok.encode_sharing(&refs));
+            },
+            repeats,
+        );
+        let each = median_us(
+            || {
+                let all: Vec<_> = refs.par_iter().map(|t| merges_tok.encode(t)).collect();
+                std::hint::black_box(all);
+            },
+            repeats,
+        );
+        println!(
+            "{name:<7} prompts + probe: {} texts of {:?} bytes, shared cut at {:?}: encode_sharing {shared:.1} µs, each on its own thread {each:.1} µs",
+            refs.len(),
+            refs.iter().map(|t| t.len()).collect::<Vec<_>>(),
+            shared_cut(&refs),
         );
     }
     Ok(())

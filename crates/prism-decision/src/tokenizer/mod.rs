@@ -21,6 +21,7 @@ mod byte_level;
 mod gguf_vocab;
 mod ranked_bpe;
 
+use rayon::prelude::*;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
@@ -740,7 +741,6 @@ impl PromptTokenizer {
                 .min(MAX_PIECES);
             let cuts = split_points(text, threads);
             if !cuts.is_empty() {
-                use rayon::prelude::*;
                 let mut bounds = Vec::with_capacity(cuts.len() + 2);
                 bounds.push(0);
                 bounds.extend_from_slice(&cuts);
@@ -759,7 +759,7 @@ impl PromptTokenizer {
     /// [`shared_cut`] (where the split regex ends a piece whatever follows, as for [`Self::encode`]'s
     /// pieces), the common part encoded once and each text's rest after it. The ids are those of each
     /// text encoded alone (tested); texts without such a cut, or a pipeline that may not be cut, are
-    /// encoded one by one.
+    /// encoded each on its own (rayon) thread, as the head and the rest are.
     pub fn encode_sharing(&self, texts: &[&str]) -> Result<Vec<Vec<u32>>, TokenizerError> {
         let cut = if self.piecewise {
             shared_cut(texts)
@@ -767,18 +767,24 @@ impl PromptTokenizer {
             None
         };
         let Some(cut) = cut else {
-            return texts.iter().map(|t| self.encode(t)).collect();
+            return texts.par_iter().map(|t| self.encode(t)).collect();
         };
-        let head = self.encode(&texts[0][..cut])?;
-        texts
-            .iter()
-            .map(|t| {
-                let mut ids = Vec::with_capacity(head.len() + 64);
-                ids.extend_from_slice(&head);
-                ids.extend(self.encode(&t[cut..])?);
-                Ok(ids)
-            })
-            .collect()
+        // The head and every tail on threads of their own: a tail may be longer than the head (an
+        // evidence that ends in numbers has its last cut early).
+        let (head, tails) = rayon::join(
+            || self.encode(&texts[0][..cut]),
+            || {
+                texts
+                    .par_iter()
+                    .map(|t| self.encode(&t[cut..]))
+                    .collect::<Result<Vec<_>, _>>()
+            },
+        );
+        let head = head?;
+        Ok(tails?
+            .into_iter()
+            .map(|tail| [head.as_slice(), &tail].concat())
+            .collect())
     }
 
     /// [`Self::encode`] of the whole text at once, however long (what its pieces must add up to).
