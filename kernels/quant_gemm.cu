@@ -368,8 +368,8 @@ QGEMV_ENTRY(qgemv_q8_0_m8, 8)
 // straight from global memory into the registers that feed the MMA, on every SM (the tiles' few large
 // CTAs leave most SMs idle there).
 //
-// A warp owns 16 outputs and MT tiles of 8 activation rows; a CTA NARROW_WARPS warps (consecutive
-// outputs); grid y splits the contract's four parts over K into `splits` (1, 2 or 4) CTAs. Per run r,
+// A warp owns WT tiles of 16 outputs (2 for 17 to 32 rows: each activation read feeds both) and MT
+// tiles of 8 activation rows; a CTA NARROW_WARPS warps (consecutive outputs); grid y splits the contract's four parts over K into `splits` (1, 2 or 4) CTAs. Per run r,
 // four MMAs a tile give the run's exact int32 sums I_r (the bytes of a run enter the MMA in another
 // order than 0..127 — lane (g, t) feeds bytes 32t .. 32t + 31 of its rows, the same permutation for
 // both operands — and an integer sum is exact in any order), then every output takes
@@ -383,8 +383,8 @@ QGEMV_ENTRY(qgemv_q8_0_m8, 8)
 // ===================================================================================================
 
 #define NARROW_WARPS 4
-// Runs of weight loaded ahead per lane.
-#define NARROW_AHEAD 2
+// Runs of weight loaded ahead per lane: 2 runs of one weight tile, one run of two (the same bytes).
+#define NARROW_AHEAD(WT) (WT == 1 ? 2 : 1)
 
 __device__ __forceinline__ void mma_s8_16832(int (&c)[4], int a0, int a1, int a2, int a3, int b0, int b1) {
     asm volatile(
@@ -423,63 +423,80 @@ __device__ __forceinline__ int word8(const int4& lo, const int4& hi, int s) {
     }
 }
 
-template <int MT>
+template <int MT, int WT>
 __device__ void qgemm_narrow_q8_0(const signed char* __restrict__ qa, const float* __restrict__ sa,
                                   const unsigned int* __restrict__ bad_rows, const signed char* __restrict__ wq,
                                   const float* __restrict__ wd, int M, int N, int K, float* __restrict__ y,
                                   float* __restrict__ ws, int splits, unsigned int* __restrict__ counters) {
-    __shared__ float slot[NARROW_WARPS][MT * 4][32];
+    __shared__ float slot[NARROW_WARPS][WT * MT * 4][32];
     __shared__ int last_of_block;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    const int n0 = (blockIdx.x * NARROW_WARPS + warp) * 16;
+    // The warp's 16 · WT outputs, in WT weight tiles of 16.
+    const int n0 = (blockIdx.x * NARROW_WARPS + warp) * 16 * WT;
     const int R = K / RUN + (K % RUN != 0);
     const int z = blockIdx.y;
     const int part_lo = z * 4 / splits, part_hi = (z + 1) * 4 / splits;
-    // This lane's two outputs (rows g and g + 8 of the warp's 16).
-    const int na = n0 + g, nb = n0 + g + 8;
-    const bool la = na < N, lb = nb < N;
-    const signed char* wa = wq + (size_t)(la ? na : 0) * K + 32 * t;
-    const signed char* wb = wq + (size_t)(lb ? nb : 0) * K + 32 * t;
-    const float* da = wd + (size_t)(la ? na : 0) * R;
-    const float* db = wd + (size_t)(lb ? nb : 0) * R;
-    float acc[MT][4], hold[MT][4];
+    // This lane's two outputs of weight tile w (rows g and g + 8 of its 16).
+    int na[WT], nb[WT];
+    bool la[WT], lb[WT];
+    const signed char *wa[WT], *wb[WT];
+    const float *da[WT], *db[WT];
 #pragma unroll
-    for (int j = 0; j < MT; ++j)
+    for (int w = 0; w < WT; ++w) {
+        na[w] = n0 + 16 * w + g;
+        nb[w] = na[w] + 8;
+        la[w] = na[w] < N;
+        lb[w] = nb[w] < N;
+        wa[w] = wq + (size_t)(la[w] ? na[w] : 0) * K + 32 * t;
+        wb[w] = wq + (size_t)(lb[w] ? nb[w] : 0) * K + 32 * t;
+        da[w] = wd + (size_t)(la[w] ? na[w] : 0) * R;
+        db[w] = wd + (size_t)(lb[w] ? nb[w] : 0) * R;
+    }
+    float acc[WT][MT][4], hold[WT][MT][4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-    // One run from the weight words of output g (alo, ahi) and g + 8 (blo, bhi): the MMAs over the
-    // activation rows (read through L1), then the promotion of every output.
-    auto run_once = [&](int r, const int4& alo, const int4& ahi, const int4& blo, const int4& bhi) {
+    for (int w = 0; w < WT; ++w)
+#pragma unroll
+        for (int j = 0; j < MT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[w][j][e] = 0.f;
+    // One run from the weight words of each tile's output g (wv[w][0..1]) and g + 8 (wv[w][2..3]):
+    // per tile of 8 activation rows (read through L1, once for all weight tiles) the MMAs, then the
+    // promotion of its outputs.
+    auto run_once = [&](int r, const int4 (&wv)[WT][4]) {
         const int c = r * RUN + 32 * t;
         const bool in_k = c < K;
-        int ci[MT][4];
+        float swa[WT], swb[WT];
+#pragma unroll
+        for (int w = 0; w < WT; ++w) {
+            swa[w] = la[w] ? da[w][r] : 0.f;
+            swb[w] = lb[w] ? db[w][r] : 0.f;
+        }
 #pragma unroll
         for (int j = 0; j < MT; ++j) {
             const int row = 8 * j + g;
             int4 xlo, xhi;
             load32(qa + (size_t)(row < M ? row : 0) * K + (in_k ? c : 0), row < M && in_k, xlo, xhi, false);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) ci[j][e] = 0;
-#pragma unroll
-            for (int s = 0; s < 4; ++s)
-                mma_s8_16832(ci[j], word8(alo, ahi, 2 * s), word8(blo, bhi, 2 * s), word8(alo, ahi, 2 * s + 1),
-                             word8(blo, bhi, 2 * s + 1), word8(xlo, xhi, 2 * s), word8(xlo, xhi, 2 * s + 1));
-        }
-        const float swa = la ? da[r] : 0.f, swb = lb ? db[r] : 0.f;
-#pragma unroll
-        for (int j = 0; j < MT; ++j) {
             const int m0 = 8 * j + 2 * t;
             const float s0 = m0 < M ? sa[(size_t)m0 * R + r] : 0.f;
             const float s1 = m0 + 1 < M ? sa[(size_t)(m0 + 1) * R + r] : 0.f;
-            acc[j][0] = __fmaf_rn(__int2float_rn(ci[j][0]), __fmul_rn(s0, swa), acc[j][0]);
-            acc[j][1] = __fmaf_rn(__int2float_rn(ci[j][1]), __fmul_rn(s1, swa), acc[j][1]);
-            acc[j][2] = __fmaf_rn(__int2float_rn(ci[j][2]), __fmul_rn(s0, swb), acc[j][2]);
-            acc[j][3] = __fmaf_rn(__int2float_rn(ci[j][3]), __fmul_rn(s1, swb), acc[j][3]);
+#pragma unroll
+            for (int w = 0; w < WT; ++w) {
+                int ci[4] = {0, 0, 0, 0};
+#pragma unroll
+                for (int s = 0; s < 4; ++s)
+                    mma_s8_16832(ci, word8(wv[w][0], wv[w][1], 2 * s), word8(wv[w][2], wv[w][3], 2 * s),
+                                 word8(wv[w][0], wv[w][1], 2 * s + 1), word8(wv[w][2], wv[w][3], 2 * s + 1),
+                                 word8(xlo, xhi, 2 * s), word8(xlo, xhi, 2 * s + 1));
+                acc[w][j][0] = __fmaf_rn(__int2float_rn(ci[0]), __fmul_rn(s0, swa[w]), acc[w][j][0]);
+                acc[w][j][1] = __fmaf_rn(__int2float_rn(ci[1]), __fmul_rn(s1, swa[w]), acc[w][j][1]);
+                acc[w][j][2] = __fmaf_rn(__int2float_rn(ci[2]), __fmul_rn(s0, swb[w]), acc[w][j][2]);
+                acc[w][j][3] = __fmaf_rn(__int2float_rn(ci[3]), __fmul_rn(s1, swb[w]), acc[w][j][3]);
+            }
         }
     };
-    // Output (j, e) of this lane: output n0 + g (+ 8 for e ≥ 2), activation row 8j + 2t + (e & 1).
-    auto out_n = [&](int e) { return e < 2 ? na : nb; };
+    // Output (w, j, e) of this lane: output n0 + 16w + g (+ 8 for e ≥ 2), activation row 8j + 2t + (e & 1).
+    auto out_n = [&](int w, int e) { return e < 2 ? na[w] : nb[w]; };
     auto out_m = [&](int j, int e) { return 8 * j + 2 * t + (e & 1); };
     const bool warp_live = n0 < N;  // the same for the whole warp
     float* wz = ws + (size_t)z * M * N;
@@ -488,68 +505,52 @@ __device__ void qgemm_narrow_q8_0(const signed char* __restrict__ qa, const floa
         for (int part = part_lo; part < part_hi; ++part) {
             const int r0 = part * R / 4, r1 = (part + 1) * R / 4;
 #pragma unroll 1
-            for (int r = r0; r < r1; r += NARROW_AHEAD) {
-                int4 alo[NARROW_AHEAD], ahi[NARROW_AHEAD], blo[NARROW_AHEAD], bhi[NARROW_AHEAD];
+            for (int r = r0; r < r1; r += NARROW_AHEAD(WT)) {
+                int4 wv[NARROW_AHEAD(WT)][WT][4];
 #pragma unroll
-                for (int u = 0; u < NARROW_AHEAD; ++u) {
+                for (int u = 0; u < NARROW_AHEAD(WT); ++u) {
                     const int c = (r + u) * RUN + 32 * t;
                     const bool in = r + u < r1 && c < K;
-                    load32(wa + (size_t)(r + u) * RUN, in && la, alo[u], ahi[u], true);
-                    load32(wb + (size_t)(r + u) * RUN, in && lb, blo[u], bhi[u], true);
+#pragma unroll
+                    for (int w = 0; w < WT; ++w) {
+                        load32(wa[w] + (size_t)(r + u) * RUN, in && la[w], wv[u][w][0], wv[u][w][1], true);
+                        load32(wb[w] + (size_t)(r + u) * RUN, in && lb[w], wv[u][w][2], wv[u][w][3], true);
+                    }
                 }
 #pragma unroll
-                for (int u = 0; u < NARROW_AHEAD; ++u) {
+                for (int u = 0; u < NARROW_AHEAD(WT); ++u) {
                     if (r + u >= r1) break;  // the same for the whole warp
-                    run_once(r + u, alo[u], ahi[u], blo[u], bhi[u]);
+                    run_once(r + u, wv[u]);
                 }
             }
             // The end of part `part`, acc its sum.
-            if (splits == 4) {
+#pragma unroll
+            for (int w = 0; w < WT; ++w)
 #pragma unroll
                 for (int j = 0; j < MT; ++j)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const int n = out_n(e), m = out_m(j, e);
-                        if (n < N && m < M) wz[(size_t)m * N + n] = acc[j][e];
+                        const int n = out_n(w, e), m = out_m(j, e);
+                        const bool in = n < N && m < M;
+                        float& a = acc[w][j][e];
+                        if (splits == 4) {
+                            if (in) wz[(size_t)m * N + n] = a;
+                        } else if ((part & 1) == 0) {
+                            hold[w][j][e] = a;
+                        } else {
+                            a = __fadd_rn(hold[w][j][e], a);
+                            float& kept = slot[warp][(w * MT + j) * 4 + e][lane];
+                            if (splits == 2) {
+                                if (in) wz[(size_t)m * N + n] = a;
+                            } else if (part == 1) {
+                                kept = a;
+                            } else {
+                                const float v = __fadd_rn(kept, a);
+                                if (in) y[(size_t)m * N + n] = bad_rows[m] ? __int_as_float(0x7fc00000) : v;
+                            }
+                        }
+                        a = 0.f;
                     }
-            } else if ((part & 1) == 0) {
-#pragma unroll
-                for (int j = 0; j < MT; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) hold[j][e] = acc[j][e];
-            } else {
-#pragma unroll
-                for (int j = 0; j < MT; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[j][e] = __fadd_rn(hold[j][e], acc[j][e]);
-                if (splits == 2) {
-#pragma unroll
-                    for (int j = 0; j < MT; ++j)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int n = out_n(e), m = out_m(j, e);
-                            if (n < N && m < M) wz[(size_t)m * N + n] = acc[j][e];
-                        }
-                } else if (part == 1) {
-#pragma unroll
-                    for (int j = 0; j < MT; ++j)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) slot[warp][4 * j + e][lane] = acc[j][e];
-                } else {
-#pragma unroll
-                    for (int j = 0; j < MT; ++j)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int n = out_n(e), m = out_m(j, e);
-                            const float v = __fadd_rn(slot[warp][4 * j + e][lane], acc[j][e]);
-                            if (n < N && m < M) y[(size_t)m * N + n] = bad_rows[m] ? __int_as_float(0x7fc00000) : v;
-                        }
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < MT; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
         }
     }
     if (splits == 1) return;
@@ -568,30 +569,33 @@ __device__ void qgemm_narrow_q8_0(const signed char* __restrict__ qa, const floa
     __threadfence();
     const size_t share = (size_t)M * N;
 #pragma unroll
-    for (int j = 0; j < MT; ++j)
+    for (int w = 0; w < WT; ++w)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int n = out_n(e), m = out_m(j, e);
-            if (n < N && m < M) {
-                const float* o = ws + (size_t)m * N + n;
-                float v = __fadd_rn(__ldcg(o), __ldcg(o + share));
-                if (splits == 4) v = __fadd_rn(v, __fadd_rn(__ldcg(o + 2 * share), __ldcg(o + 3 * share)));
-                y[(size_t)m * N + n] = bad_rows[m] ? __int_as_float(0x7fc00000) : v;
+        for (int j = 0; j < MT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int n = out_n(w, e), m = out_m(j, e);
+                if (n < N && m < M) {
+                    const float* o = ws + (size_t)m * N + n;
+                    float v = __fadd_rn(__ldcg(o), __ldcg(o + share));
+                    if (splits == 4) v = __fadd_rn(v, __fadd_rn(__ldcg(o + 2 * share), __ldcg(o + 3 * share)));
+                    y[(size_t)m * N + n] = bad_rows[m] ? __int_as_float(0x7fc00000) : v;
+                }
             }
-        }
 }
 
-#define QGEMM_NARROW_ENTRY(NAME, MT)                                                                    \
+#define QGEMM_NARROW_ENTRY(NAME, MT, WT)                                                                \
     extern "C" __global__ void __launch_bounds__(32 * NARROW_WARPS) NAME(                               \
         const signed char* qa, const float* sa, const unsigned int* bad_rows, const signed char* wq,     \
         const float* wd, int M, int N, int K, float* y, float* ws, int splits, unsigned int* counters) { \
-        qgemm_narrow_q8_0<MT>(qa, sa, bad_rows, wq, wd, M, N, K, y, ws, splits, counters);              \
+        qgemm_narrow_q8_0<MT, WT>(qa, sa, bad_rows, wq, wd, M, N, K, y, ws, splits, counters);          \
     }
 
-QGEMM_NARROW_ENTRY(qgemm_narrow_q8_0_m8, 1)
-QGEMM_NARROW_ENTRY(qgemm_narrow_q8_0_m16, 2)
-QGEMM_NARROW_ENTRY(qgemm_narrow_q8_0_m32, 4)
-QGEMM_NARROW_ENTRY(qgemm_narrow_q8_0_m64, 8)
+// Rows up to 8 · MT; a warp's outputs 16 · WT (`narrow_kernel` in crates/prism-quant/src/cuda.rs).
+QGEMM_NARROW_ENTRY(qgemm_narrow_q8_0_m8, 1, 1)
+QGEMM_NARROW_ENTRY(qgemm_narrow_q8_0_m16, 2, 1)
+QGEMM_NARROW_ENTRY(qgemm_narrow_q8_0_m32, 4, 2)
+QGEMM_NARROW_ENTRY(qgemm_narrow_q8_0_m64, 8, 1)
 
 // ===================================================================================================
 // The Q8_0 tile for Hopper (sm_90a): warpgroup MMA fed by TMA, warp-specialized. The same bits as

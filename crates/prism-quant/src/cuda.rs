@@ -236,25 +236,27 @@ pub fn auto_narrow_rows() -> usize {
     AUTO_NARROW_ROWS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// Outputs of one narrow-kernel CTA (`NARROW_WARPS` warps of 16 in `quant_gemm.cu`).
-const NARROW_BLOCK: usize = 64;
+/// Warps of one narrow-kernel CTA (`NARROW_WARPS` in `quant_gemm.cu`).
+const NARROW_WARPS: usize = 4;
 
-/// The narrow kernel's entry for `m` rows (1 ≤ m ≤ [`NARROW_ROWS`]): tiles of 8 rows, 1, 2, 4 or 8.
-fn narrow_kernel(m: usize) -> &'static str {
+/// The narrow kernel's entry for `m` rows (1 ≤ m ≤ [`NARROW_ROWS`]; tiles of 8 rows, 1, 2, 4 or 8) and
+/// the outputs of one of its CTAs ([`NARROW_WARPS`] warps of 16 outputs, 32 for 17 to 32 rows: one
+/// activation read feeds two weight tiles).
+fn narrow_kernel(m: usize) -> (&'static str, usize) {
     match m.div_ceil(8) {
-        1 => "qgemm_narrow_q8_0_m8",
-        2 => "qgemm_narrow_q8_0_m16",
-        3 | 4 => "qgemm_narrow_q8_0_m32",
-        _ => "qgemm_narrow_q8_0_m64",
+        1 => ("qgemm_narrow_q8_0_m8", 16 * NARROW_WARPS),
+        2 => ("qgemm_narrow_q8_0_m16", 16 * NARROW_WARPS),
+        3 | 4 => ("qgemm_narrow_q8_0_m32", 32 * NARROW_WARPS),
+        _ => ("qgemm_narrow_q8_0_m64", 16 * NARROW_WARPS),
     }
 }
 
-/// The narrow kernel's split over K for `n` outputs on `sms` multiprocessors: the fewest of 1, 2, 4
-/// CTAs a block of outputs that give at least sixteen CTAs a multiprocessor (a CTA of few warps
-/// keeps few weight bytes in flight: measured on an H100 at the 27B's gate | up and down
-/// projections, 4 splits were the fastest of the three at 4, 8 and 16 rows, `docs/optimization-log.md`).
-pub fn narrow_splits(n: usize, sms: usize) -> usize {
-    let blocks = n.div_ceil(NARROW_BLOCK);
+/// The narrow kernel's split over K for `n` outputs in blocks of `block` on `sms` multiprocessors: the
+/// fewest of 1, 2, 4 CTAs a block of outputs that give at least sixteen CTAs a multiprocessor (a CTA of
+/// few warps keeps few weight bytes in flight: measured on an H100 at the 27B's gate | up and down
+/// projections, 4 splits were the fastest of the three at 3 to 16 rows, `docs/optimization-log.md`).
+pub fn narrow_splits(n: usize, block: usize, sms: usize) -> usize {
+    let blocks = n.div_ceil(block.max(1));
     [1, 2, 4]
         .into_iter()
         .find(|&s| blocks * s >= 16 * sms)
@@ -430,7 +432,7 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
                     }
                     splits
                 }
-                _ => narrow_splits(n, multiprocessors(&dev)?),
+                _ => narrow_splits(n, narrow_kernel(m).1, multiprocessors(&dev)?),
             })
         }
         _ => None,
@@ -597,8 +599,9 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
         );
         let (wq, wd) = (wq.view::<u8>()?, wd.view::<f32>()?);
         check_aligned(&dev, &wq, info)?;
-        let func = load_kernel(&dev, MODULE, IMAGE, narrow_kernel(m))?;
-        let blocks = n.div_ceil(NARROW_BLOCK);
+        let (name, block) = narrow_kernel(m);
+        let func = load_kernel(&dev, MODULE, IMAGE, name)?;
+        let blocks = n.div_ceil(block);
         let cfg = LaunchConfig {
             grid_dim: (
                 u32::try_from(blocks).map_err(|_| {
@@ -607,8 +610,7 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
                 splits as u32,
                 1,
             ),
-            // Warps of 16 outputs.
-            block_dim: ((NARROW_BLOCK / 16 * 32) as u32, 1, 1),
+            block_dim: ((32 * NARROW_WARPS) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         let splits_i = i32_arg(splits, "splits")?;
