@@ -721,7 +721,11 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
             "device": args.device,
             "precision": precision.as_str(),
             "load_s": load_secs,
-            "device_memory_bytes": prism_model::device_memory(&device).map(|m| json!({"used": m.0, "total": m.1})),
+            "device_memory_bytes": prism_model::device_memory(&device).map(|m| json!({
+                "used": m.0,
+                "total": m.1,
+                "after_load": device_loaded.map(|l| l.0),
+            })),
             "thoughts": rows,
             "profile": profile,
         });

@@ -56,11 +56,15 @@ pub(super) fn thought_rows(
         },
         ..config.clone()
     };
-    if let Some((used, total)) = prism_model::device_memory(model.decoder().device()) {
-        let state = model.decoder().new_state()?.bytes() as u64;
-        let free = total.saturating_sub(used);
-        check_batch_fits(most, crate::engine::thought_device_bytes(state), free)?;
+    let device = model.decoder().device().clone();
+    let state_bytes = model.decoder().new_state()?.bytes() as u64;
+    let estimate = crate::engine::thought_device_bytes(state_bytes);
+    if let Some((used, total)) = prism_model::device_memory(&device) {
+        check_batch_fits(most, estimate, total.saturating_sub(used))?;
     }
+    progress(format!(
+        "a fresh sequence state: {state_bytes} bytes; a thought estimated at {estimate} bytes on a device"
+    ));
     let (engine, worker) = super::bench_engine(model, config, most, false, None)?;
     let request = |i: usize, run: usize| -> Result<DecisionRequest> {
         let body = json!({
@@ -196,6 +200,9 @@ pub(super) fn thought_rows(
                 "decode_tokens_per_s": total as f64 / (longest_ms / 1e3).max(1e-9),
                 "wall_tokens_per_s": total as f64 / wall,
                 "per_sequence_tokens_per_s_median": sorted[sorted.len() / 2],
+                // The device's used memory after the batch (CUDA; the stream-ordered pool keeps what
+                // it grew to, so its growth across rows bounds what a batch of thoughts held).
+                "device_used_bytes": prism_model::device_memory(&device).map(|m| m.0),
             });
             progress(format!(
                 "thoughts: {batch:>3} sequences x {budget} tokens: {total} tokens, decode {:.1} tokens/s ({:.1} a sequence), wall {:.0} ms",
