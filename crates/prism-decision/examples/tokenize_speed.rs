@@ -167,6 +167,33 @@ fn main() -> anyhow::Result<()> {
             },
             repeats,
         );
+        // The rest of what `Engine::prepare` does before encoding: the task and its prompts, the
+        // probe, rendering every text.
+        let bytes = serde_json::to_vec(body)?;
+        let task_us = median_us(
+            || {
+                let request = DecisionRequest::parse(&bytes, &RequestDefaults::default());
+                if let Ok(request) = request {
+                    if let Ok(mut task) = DecisionTask::new(request, &config) {
+                        let prompts = task.next_prompts();
+                        std::hint::black_box((prompts, evidence_probe(task.evidence())));
+                    }
+                }
+            },
+            repeats,
+        );
+        let render_all = median_us(
+            || {
+                for p in &with_probe {
+                    let _ = std::hint::black_box(format.render_chat(&prompt_messages(p), false));
+                }
+            },
+            repeats,
+        );
+        println!(
+            "{name:<7} parse + task + prompts + probe {task_us:.1} µs, rendering the {} texts {render_all:.1} µs",
+            with_probe.len()
+        );
         println!(
             "{name:<7} prompts + probe: {} texts of {:?} bytes, shared cut at {:?}: encode_sharing {shared:.1} µs, each on its own thread {each:.1} µs",
             refs.len(),
