@@ -362,7 +362,7 @@ QGEMV_ENTRY(qgemv_q8_0_m4, 4)
 QGEMV_ENTRY(qgemv_q8_0_m8, 8)
 
 // ===================================================================================================
-// The narrow Q8_0 kernel for 3 to 64 activation rows (a batch of a few decode steps): tensor cores
+// The narrow Q8_0 kernel for 3 to 32 activation rows (a batch of a few decode steps): tensor cores
 // through mma.sync m16n8k32 (s8 × s8 → exact s32) with the weight as the 16-row operand and the
 // activation rows as the 8-column one, so a product of a few rows streams its weight bytes once,
 // straight from global memory into the registers that feed the MMA, on every SM (the tiles' few large
@@ -595,7 +595,6 @@ __device__ void qgemm_narrow_q8_0(const signed char* __restrict__ qa, const floa
 QGEMM_NARROW_ENTRY(qgemm_narrow_q8_0_m8, 1, 1)
 QGEMM_NARROW_ENTRY(qgemm_narrow_q8_0_m16, 2, 1)
 QGEMM_NARROW_ENTRY(qgemm_narrow_q8_0_m32, 4, 2)
-QGEMM_NARROW_ENTRY(qgemm_narrow_q8_0_m64, 8, 1)
 
 // ===================================================================================================
 // The Q8_0 tile for Hopper (sm_90a): warpgroup MMA fed by TMA, warp-specialized. The same bits as

@@ -211,8 +211,9 @@ pub enum Kernel {
     NarrowSplit(usize),
 }
 
-/// The most activation rows the narrow kernel takes (`qgemm_narrow_q8_0_m*`: tiles of 8 rows).
-pub const NARROW_ROWS: usize = 64;
+/// The most activation rows the narrow kernel takes (`qgemm_narrow_q8_0_m*`: tiles of 8 rows). A
+/// 64-row entry measured 1.6–2× slower than the 64-row tile (H100, 2026-12-06) and was dropped.
+pub const NARROW_ROWS: usize = 32;
 
 /// The most activation rows [`Kernel::Auto`] gives the narrow kernel (past [`AUTO_SKINNY_ROWS`]); 0:
 /// never. Set by [`set_auto_narrow_rows`], [`DEFAULT_AUTO_NARROW_ROWS`] before.
@@ -239,15 +240,14 @@ pub fn auto_narrow_rows() -> usize {
 /// Warps of one narrow-kernel CTA (`NARROW_WARPS` in `quant_gemm.cu`).
 const NARROW_WARPS: usize = 4;
 
-/// The narrow kernel's entry for `m` rows (1 ≤ m ≤ [`NARROW_ROWS`]; tiles of 8 rows, 1, 2, 4 or 8) and
+/// The narrow kernel's entry for `m` rows (1 ≤ m ≤ [`NARROW_ROWS`]; tiles of 8 rows, 1, 2 or 4) and
 /// the outputs of one of its CTAs ([`NARROW_WARPS`] warps of 16 outputs, 32 for 17 to 32 rows: one
 /// activation read feeds two weight tiles).
 fn narrow_kernel(m: usize) -> (&'static str, usize) {
     match m.div_ceil(8) {
         1 => ("qgemm_narrow_q8_0_m8", 16 * NARROW_WARPS),
         2 => ("qgemm_narrow_q8_0_m16", 16 * NARROW_WARPS),
-        3 | 4 => ("qgemm_narrow_q8_0_m32", 32 * NARROW_WARPS),
-        _ => ("qgemm_narrow_q8_0_m64", 16 * NARROW_WARPS),
+        _ => ("qgemm_narrow_q8_0_m32", 32 * NARROW_WARPS),
     }
 }
 

@@ -238,7 +238,6 @@ fn wide_checks(
                 Kernel::TileSplit(TileShape::M128, 1),
             ),
             ("128-row tile", Kernel::Tile(TileShape::M128)),
-            ("narrow kernel", Kernel::Narrow),
         ] {
             r.identical(
                 &format!("{tag}: {label} vs the default"),
