@@ -454,7 +454,10 @@ impl PromptEncoder for FormatEncoder {
                 .zip(prompts)
                 .map(|(ids, prompt)| self.expand(ids, prompt))
                 .collect(),
-            None => prompts.iter().map(|p| self.encode(p)).collect(),
+            None => {
+                use rayon::prelude::*;
+                prompts.par_iter().map(|p| self.encode(p)).collect()
+            }
         }
     }
 
