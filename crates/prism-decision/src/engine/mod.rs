@@ -46,13 +46,14 @@ use crate::render::evidence_probe;
 use crate::request::DecisionRequest;
 use crate::response::DecisionResponse;
 
-/// Device bytes one decoding thought holds, from a fresh sequence state's `state_bytes`: eight
-/// states' worth (its state with a chunk of pending delta-rule rows, the next step's state, the
-/// memory pool's fragments). Measured on the H200 (27B int8, 2026-12-02): 64 thoughts held ~1.2 GB
-/// each against a fresh state's ~150 MB. `prism serve` sizes `--think-seqs` from it and `prism bench
-/// --think` refuses a batch that cannot fit.
+/// Device bytes one decoding thought holds, from a fresh sequence state's `state_bytes` (which
+/// counts its chunk of pending delta-rule rows): four states' worth (its state, the next step's, the
+/// memory pool's fragments). Measured for the 27B at int8: 64 thoughts held ~1.2 GB each on the
+/// H200 (2026-12-02), and 16 thoughts at most ~1.14 GB each on an H100 (2026-12-06), where a fresh
+/// state counts ~309 MB. `prism serve` sizes `--think-seqs` from it and `prism bench --think`
+/// refuses a batch that cannot fit.
 pub fn thought_device_bytes(state_bytes: u64) -> u64 {
-    state_bytes.saturating_mul(8)
+    state_bytes.saturating_mul(4)
 }
 
 /// Settings of an engine (the server's flags).
