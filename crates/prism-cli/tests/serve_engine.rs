@@ -373,10 +373,13 @@ fn loadgen_checks_every_answer_under_load_and_reports() {
             }
         }
     }
-    // At least one point of each series shows its colour somewhere in the plot area.
-    for color in [[31u8, 119, 180], [255, 127, 14]] {
-        assert!(image.pixels().any(|p| p.0 == color), "no {color:?} pixel");
-    }
+    // The series drawn last (p95) shows its colour somewhere whatever the points. The p50 series may
+    // lie wholly under it when the two percentiles of every level fall within a pixel of each other
+    // (a run seen in CI); its points that no other point covers were checked above.
+    assert!(
+        image.pixels().any(|p| p.0 == [255u8, 127, 14]),
+        "no p95 pixel"
+    );
     let levels = report["levels"].as_array().unwrap();
     assert_eq!(levels.len(), 2);
     for (level, clients) in levels.iter().zip([1, 4]) {
