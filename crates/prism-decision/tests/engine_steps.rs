@@ -351,10 +351,19 @@ fn requests_share_passes_and_answer_as_alone() {
     // fewer groups than it held requests.
     let passes = log.lock().unwrap().clone();
     assert!(passes.iter().any(|p| p.groups < p.branches));
-    // The model's device memory as asked after each pass: the last pass's, and the most of any.
-    let memory = stats.device_memory.expect("the fake reports device memory");
+    // The model's device memory as asked after each pass: the last pass's, and the most of any. The
+    // engine asks once a pass's answers are out, so the last answer may arrive before that query.
     let last = passes.last().unwrap().tokens as u64 * 10;
     let most = passes.iter().map(|p| p.tokens as u64 * 10).max().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut stats = stats;
+    while stats.device_memory.map(|m| m.used_bytes) != Some(last)
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        stats = engine.stats();
+    }
+    let memory = stats.device_memory.expect("the fake reports device memory");
     assert_eq!(
         (memory.used_bytes, memory.total_bytes, memory.max_used_bytes),
         (last, 1 << 40, most)
