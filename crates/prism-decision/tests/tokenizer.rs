@@ -1238,7 +1238,7 @@ fn no_text_has_fewer_tokens_than_the_length_bound() {
     assert_eq!(full.max_token_bytes(), 128);
 }
 
-/// A text longer than [`PIECEWISE_BYTES`] made of the random strings (special tokens whole and
+/// A text of about 12 KiB (many times [`PIECEWISE_BYTES`]) made of the random strings (special tokens whole and
 /// broken, combining marks, NFD sequences, whitespace runs, contractions) with letter-space-letter
 /// places between some of them, so that it is cut into pieces.
 fn long_mixed_text(seed: u64) -> String {
@@ -1248,7 +1248,7 @@ fn long_mixed_text(seed: u64) -> String {
         if i % 7 == 0 {
             text.push_str("x y");
         }
-        if text.len() > 3 * PIECEWISE_BYTES {
+        if text.len() > 12 * 1024 {
             break;
         }
     }
@@ -1290,6 +1290,15 @@ fn a_long_text_encoded_in_pieces_gets_the_ids_of_the_whole() {
         let mut texts: Vec<String> = (0..3).map(long_mixed_text).collect();
         // A prompt as the engine renders it, its evidence grown past the threshold.
         let (prompt, _) = prompt_texts().remove(0);
+        // The longest fixture prompt as it is: a short prompt is cut too, into pieces of a few
+        // hundred bytes.
+        let longest = prompt_texts()
+            .into_iter()
+            .map(|(text, _)| text)
+            .max_by_key(String::len)
+            .unwrap_or_default();
+        assert!(longest.len() >= PIECEWISE_BYTES, "{} bytes", longest.len());
+        texts.push(longest);
         texts.push(prompt.replace(
             "Evidence:",
             &"Evidence: the quick fox said it's done. ".repeat(300),

@@ -45,8 +45,13 @@ pub use ranked_bpe::{RankListProblem, RankedBpe, RankedVocabulary};
 /// `(?i:)`, llama.cpp's `qwen35` pre-type.
 pub const QWEN35_SPLIT_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
-/// Texts of at least this many bytes are encoded in pieces ([`PromptTokenizer::encode`]).
-pub const PIECEWISE_BYTES: usize = 4 * 1024;
+/// Texts of at least this many bytes are encoded in pieces ([`PromptTokenizer::encode`]): two pieces
+/// of [`MIN_PIECE_BYTES`].
+pub const PIECEWISE_BYTES: usize = 2 * MIN_PIECE_BYTES;
+
+/// The shortest piece a text is cut into for its own thread (about 50 tokens: a piece's encoding
+/// then costs well over what handing it to a thread does).
+const MIN_PIECE_BYTES: usize = 192;
 
 /// The most pieces a text is cut into.
 const MAX_PIECES: usize = 8;
@@ -727,7 +732,8 @@ impl PromptTokenizer {
     /// Text → ids. Special and added tokens written in the text (`<|im_start|>`, `<think>`) become
     /// their single ids; no BOS/EOS is added.
     ///
-    /// A text of at least [`PIECEWISE_BYTES`] is encoded in pieces on several threads, cut where an
+    /// A text of at least [`PIECEWISE_BYTES`] is encoded in pieces of at least about
+    /// [`MIN_PIECE_BYTES`] on several threads (at most one a core), cut where an
     /// ASCII letter, a space and an ASCII letter meet (between the letter and the space): the
     /// Qwen3.5 split regex ends a piece there in any context (no alternative matches a letter and a
     /// following space, and the next match starts at the space whatever precedes it), NFC composes
@@ -738,7 +744,8 @@ impl PromptTokenizer {
             let threads = std::thread::available_parallelism()
                 .map(|n| n.get())
                 .unwrap_or(1)
-                .min(MAX_PIECES);
+                .min(MAX_PIECES)
+                .min(text.len() / MIN_PIECE_BYTES);
             let cuts = split_points(text, threads);
             if !cuts.is_empty() {
                 let mut bounds = Vec::with_capacity(cuts.len() + 2);
