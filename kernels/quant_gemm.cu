@@ -173,6 +173,96 @@ extern "C" __global__ void quantize_act_gated_norm_run128(
     if (lane == 0) sa[(size_t)row * sa_row_stride + (size_t)head * sa_run_stride] = s;
 }
 
+// Elements i0 .. i0 + 3 of row xr, plus those of rr when it is given (16-byte aligned rows).
+__device__ __forceinline__ float4 row4_sum(const float* __restrict__ xr, const float* __restrict__ rr, int i0) {
+    float4 v = *reinterpret_cast<const float4*>(xr + i0);
+    if (rr) {
+        const float4 r = *reinterpret_cast<const float4*>(rr + i0);
+        v.x = __fadd_rn(v.x, r.x); v.y = __fadd_rn(v.y, r.y);
+        v.z = __fadd_rn(v.z, r.z); v.w = __fadd_rn(v.w, r.w);
+    }
+    return v;
+}
+
+// Threads of quantize_act_add_norm_run128: ops.cu's NORM_THREADS, whose thread order it repeats.
+#define ADD_NORM_THREADS 256
+
+// quantize_act_run128 of the RMS norm of x + res (kernels/ops.cu `norm_rows_block_f32`, mode 0, with the
+// residual; res null: the norm of x alone) with weight w [cols], writing the sum x + res to sum_out when
+// res is given, as the norm kernel does. One block of ADD_NORM_THREADS per row, cols a multiple of 128,
+// x, res and sum_out contiguous [rows, cols]. The norm's operations in its order: thread t takes the
+// groups of 4 elements 4t, 4t + 1024, …, the sum of squares by fmaf in that order, the warp butterfly,
+// the 8 warp sums added in order, then ss / cols and 1 / sqrt(· + eps), each value (x + res) · inv · w.
+// In each of those passes warp w's groups are one run of 128 (run 8·pass + w, lane l its elements 4l ..
+// 4l + 3, as the quantizer's lanes), so the warp quantizes its run where the norm kernel would store
+// it: the bytes, scales, sums and bad flags are those of the norm followed by quantize_act_run128.
+extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS) quantize_act_add_norm_run128(
+    const float* __restrict__ x, const float* __restrict__ res, float* __restrict__ sum_out,
+    const float* __restrict__ w, float eps, int rows, int cols, signed char* __restrict__ qa,
+    float* __restrict__ sa, int sa_row_stride, int sa_run_stride, int* __restrict__ sums32, int want_sums,
+    unsigned int* __restrict__ bad_rows) {
+    __shared__ float partial[ADD_NORM_THREADS / 32];
+    const int row = blockIdx.x;
+    if (row >= rows) return;  // never: one block per row
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const float* xr = x + (size_t)row * cols;
+    const float* rr = res ? res + (size_t)row * cols : nullptr;
+    float* sr = rr && sum_out ? sum_out + (size_t)row * cols : nullptr;
+    float ss = 0.f;
+    for (int i0 = 4 * threadIdx.x; i0 < cols; i0 += 4 * ADD_NORM_THREADS) {
+        const float4 v = row4_sum(xr, rr, i0);
+        if (sr) *reinterpret_cast<float4*>(sr + i0) = v;
+        ss = __fmaf_rn(v.x, v.x, ss);
+        ss = __fmaf_rn(v.y, v.y, ss);
+        ss = __fmaf_rn(v.z, v.z, ss);
+        ss = __fmaf_rn(v.w, v.w, ss);
+    }
+    for (int off = 16; off > 0; off >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, off));
+    if (lane == 0) partial[warp] = ss;
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int k = 0; k < ADD_NORM_THREADS / 32; ++k) total = __fadd_rn(total, partial[k]);
+    const float denom = __fdiv_rn(total, (float)cols);
+    const float inv_norm = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(denom, eps)));
+    for (int i0 = 4 * threadIdx.x; i0 < cols; i0 += 4 * ADD_NORM_THREADS) {
+        // Whole warps: cols is a multiple of 128, so i0 < cols alike for a warp's 32 lanes.
+        const float4 v = row4_sum(xr, rr, i0);
+        const float4 wv = *reinterpret_cast<const float4*>(w + i0);
+        float e[4] = {__fmul_rn(__fmul_rn(v.x, inv_norm), wv.x), __fmul_rn(__fmul_rn(v.y, inv_norm), wv.y),
+                      __fmul_rn(__fmul_rn(v.z, inv_norm), wv.z), __fmul_rn(__fmul_rn(v.w, inv_norm), wv.w)};
+        bool bad = false;
+        float m = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            bad |= !isfinite(e[i]);
+            m = fmaxf(m, fabsf(e[i]));
+        }
+        const int run = i0 / RUN, c0 = run * RUN;
+        const float2 scale = run_scale(bad, m, row, lane, bad_rows);
+        const float s = scale.x, inv = scale.y;
+        signed char* qr = qa + (size_t)row * cols + c0;
+        int part = 0;
+        char4 q4;
+        int q[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            q[i] = quantize_value(e[i], inv);
+            part += q[i];
+        }
+        q4.x = (signed char)q[0]; q4.y = (signed char)q[1]; q4.z = (signed char)q[2]; q4.w = (signed char)q[3];
+        *reinterpret_cast<char4*>(qr + 4 * lane) = q4;
+        if (lane == 0) sa[(size_t)row * sa_row_stride + (size_t)run * sa_run_stride] = s;
+        if (want_sums) {
+            // Lanes 8g .. 8g + 7 hold the 32 values of group g of the run.
+            part += __shfl_xor_sync(0xffffffffu, part, 1);
+            part += __shfl_xor_sync(0xffffffffu, part, 2);
+            part += __shfl_xor_sync(0xffffffffu, part, 4);
+            if (lane % 8 == 0) sums32[((size_t)row * cols + c0) / 32 + lane / 8] = part;
+        }
+    }
+}
+
 // Σ a_i · b_i over n bytes (n a multiple of 4, both 4-byte aligned), exact in int32.
 __device__ __forceinline__ int dot_bytes(const signed char* a, const signed char* b, int n) {
     const int* a4 = reinterpret_cast<const int*>(a);

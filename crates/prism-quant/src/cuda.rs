@@ -30,6 +30,8 @@ const IMAGE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/quant_gemm.fatbin
 const MODULE: &str = "prism_quant_gemm";
 /// Threads per block of both kernels.
 const THREADS: u32 = 128;
+/// Threads of the fused norm quantizer's block (`ADD_NORM_THREADS` in quant_gemm.cu).
+const ADD_NORM_THREADS: u32 = 256;
 
 /// A [`QuantWeight`] on a CUDA device: its arrays as they are on the host (row-major), the bytes as
 /// `U8` (read as int8 by the kernels), the scales as `F32`. An array the format does not have holds one
@@ -370,8 +372,87 @@ pub fn matmul_gated_norm_with(
     )
 }
 
+/// `rms_norm(x + residual) · Wᵀ` for a decoder layer's next projection: `x`, `residual: [m, k]` f32
+/// (`residual` `None`: the norm of `x` alone), `weight: [k]`; returns `x + residual` (when a residual is
+/// given) and the product. The bits of prism-model's CUDA `add_rms_norm` (`norm_rows_block_f32`)
+/// followed by [`matmul`], with the residual add and the norm formed by the activation quantizer (no
+/// `[m, k]` normed intermediate, one launch fewer). `None` where that kernel does not apply: `k` not a
+/// multiple of 128 or smaller than the norm kernel's block rows (1,024), or buffers not 16-byte aligned;
+/// the caller then runs the norm and the product apart.
+pub fn matmul_add_norm(
+    x: &Tensor,
+    residual: Option<&Tensor>,
+    weight: &Tensor,
+    eps: f64,
+    w: &CudaQuantWeight,
+) -> Result<Option<(Option<Tensor>, Tensor)>> {
+    matmul_add_norm_with(x, residual, weight, eps, w, Kernel::Auto)
+}
+
+/// The shortest row the fused norm takes: prism-model's norm runs rows of at least this many values as
+/// one block of 256 threads (`NORM_BLOCK_MIN_LEN`), the thread order the fused quantizer repeats.
+pub const ADD_NORM_MIN_COLS: usize = 1024;
+
+/// [`matmul_add_norm`] with the kernel chosen by `kernel`.
+pub fn matmul_add_norm_with(
+    x: &Tensor,
+    residual: Option<&Tensor>,
+    weight: &Tensor,
+    eps: f64,
+    w: &CudaQuantWeight,
+    kernel: Kernel,
+) -> Result<Option<(Option<Tensor>, Tensor)>> {
+    let (m, k) = x.dims2()?;
+    if k % RUN != 0 || k < ADD_NORM_MIN_COLS {
+        return Ok(None);
+    }
+    if let Some(r) = residual {
+        if r.dims() != x.dims() {
+            bail!(
+                "integer matmul: norm residual {:?} does not fit x {:?}",
+                r.dims(),
+                x.dims()
+            );
+        }
+    }
+    if weight.dims() != [k] {
+        bail!("integer matmul: norm weight {:?}, not [{k}]", weight.dims());
+    }
+    let x = x.contiguous()?;
+    let residual = residual.map(Tensor::contiguous).transpose()?;
+    let weight = weight.contiguous()?;
+    let dev = cuda_device(&x)?;
+    let aligned = |t: &Tensor| -> Result<bool> {
+        let input = Input::new(t, DType::F32, "norm operand")?;
+        let view = input.view::<f32>()?;
+        let stream = dev.cuda_stream();
+        let (ptr, _guard) = view.device_ptr(&stream);
+        Ok(ptr % 16 == 0)
+    };
+    if !aligned(&x)? || !residual.as_ref().map_or(Ok(true), aligned)? || !aligned(&weight)? {
+        return Ok(None);
+    }
+    let sum = residual
+        .as_ref()
+        .map(|_| alloc::<f32>(&dev, m * k))
+        .transpose()?;
+    let y = product(
+        Rows::AddNorm {
+            x: &x,
+            residual: residual.as_ref(),
+            sum: sum.as_ref(),
+            weight: &weight,
+            eps: eps as f32,
+        },
+        w,
+        kernel,
+    )?;
+    Ok(Some((sum.map(|s| wrap(s, &dev, (m, k))), y)))
+}
+
 /// Where a product's activation rows come from: a contiguous `[m, k]` f32 tensor, the SwiGLU of a
-/// contiguous `[m, 2k]` gate | up tensor, or the DeltaNet output norm of `[m, heads, 128]` with its gate.
+/// contiguous `[m, 2k]` gate | up tensor, the DeltaNet output norm of `[m, heads, 128]` with its gate,
+/// or the RMS norm of a residual sum (its sum written to `sum`).
 #[derive(Clone, Copy)]
 enum Rows<'a> {
     Plain(&'a Tensor),
@@ -383,6 +464,13 @@ enum Rows<'a> {
         eps: f32,
         heads: usize,
     },
+    AddNorm {
+        x: &'a Tensor,
+        residual: Option<&'a Tensor>,
+        sum: Option<&'a CudaSlice<f32>>,
+        weight: &'a Tensor,
+        eps: f32,
+    },
 }
 
 fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
@@ -390,11 +478,12 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
         Rows::Plain(x) => (x, "x"),
         Rows::SwiGlu(gu, _) => (gu, "swiglu(gate | up)"),
         Rows::GatedNorm { x, .. } => (x, "the gated norm of x"),
+        Rows::AddNorm { x, .. } => (x, "the norm of x + residual"),
     };
     let dev = cuda_device(x)?;
     let m = x.dim(0)?;
     let k = match rows {
-        Rows::Plain(x) => x.dims2()?.1,
+        Rows::Plain(x) | Rows::AddNorm { x, .. } => x.dims2()?.1,
         Rows::SwiGlu(_, f) => f,
         Rows::GatedNorm { heads, .. } => heads * RUN,
     };
@@ -551,6 +640,52 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
         // SAFETY: x holds m·heads·128 f32; the gate view spans its m rows (g_stride apart, heads·128
         // each); the weight 128 f32; qa m·k bytes, sa m·runs f32 at the strides given, sums m·k/32 i32
         // when asked, bad m u32.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+    } else if let Rows::AddNorm {
+        residual,
+        sum,
+        weight,
+        eps,
+        ..
+    } = rows
+    {
+        let xi = Input::new(x, DType::F32, "norm input")?;
+        let xv = xi.view::<f32>()?;
+        let ri = residual
+            .map(|r| Input::new(r, DType::F32, "norm residual"))
+            .transpose()?;
+        let rv = ri.as_ref().map(|r| r.view::<f32>()).transpose()?;
+        let wi = Input::new(weight, DType::F32, "norm weight")?;
+        let wv = wi.view::<f32>()?;
+        let func = load_kernel(&dev, MODULE, IMAGE, "quantize_act_add_norm_run128")?;
+        let null = 0u64;
+        let mut b = func.builder();
+        b.arg(&xv);
+        match &rv {
+            Some(rv) => b.arg(rv),
+            None => b.arg(&null),
+        };
+        match sum {
+            Some(s) => b.arg(s),
+            None => b.arg(&null),
+        };
+        b.arg(&wv).arg(&eps).arg(&m_i).arg(&k_i);
+        b.arg(&qa).arg(&sa).arg(&rs).arg(&cs);
+        b.arg(&sums).arg(&want).arg(&bad);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(m).map_err(|_| {
+                    candle_core::Error::Msg("norm rows: too many for one launch".into())
+                })?,
+                1,
+                1,
+            ),
+            block_dim: (ADD_NORM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: x (and the residual, and the sum when given) hold m·k contiguous f32, 16-byte aligned
+        // (checked by matmul_add_norm_with), the weight k f32; k a multiple of 128; qa m·k bytes, sa
+        // m·runs f32 at the strides given, sums m·k/32 i32 when asked, bad m u32; one block a row.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     } else {
         let xi = Input::new(x, DType::F32, "integer matmul input")?;

@@ -149,6 +149,36 @@ impl QuantMatmul {
     }
 }
 
+impl QuantMatmul {
+    /// `rms_norm(x + residual) · Wᵀ` fused on a CUDA device ([`crate::cuda::matmul_add_norm`]: the
+    /// residual add and the norm formed by the activation quantizer, the bits of prism-model's CUDA
+    /// `add_rms_norm` then [`QuantMatmul::forward`]), returning the sum `x + residual` (when a residual
+    /// is given) and the product; `None` elsewhere, or where that kernel does not take the rows, where
+    /// the caller adds, normalizes and then calls [`QuantMatmul::forward`].
+    pub fn forward_add_norm(
+        &self,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+        weight: &Tensor,
+        eps: f64,
+    ) -> candle_core::Result<Option<(Option<Tensor>, Tensor)>> {
+        #[cfg(feature = "cuda")]
+        if let candle_core::Device::Cuda(dev) = x.device() {
+            let f32 = candle_core::DType::F32;
+            if x.dtype() == f32
+                && residual.is_none_or(|r| r.dtype() == f32)
+                && weight.dtype() == f32
+                && x.rank() == 2
+            {
+                let w = self.device_weight(dev)?;
+                return crate::cuda::matmul_add_norm(x, residual, weight, eps, &w);
+            }
+        }
+        let _ = (x, residual, weight, eps);
+        Ok(None)
+    }
+}
+
 impl CustomOp1 for QuantMatmul {
     fn name(&self) -> &'static str {
         "prism-quant-matmul"

@@ -13,6 +13,7 @@ use prism_gguf::quantize::quantize;
 use prism_gguf::GgmlType;
 use prism_quant::cuda::{matmul, matmul_with, CudaQuantWeight, Kernel, TileShape};
 use prism_quant::{Q8Scales, QuantWeight};
+use serde_json::json;
 
 use crate::harness::{Report, Rng};
 
@@ -198,7 +199,8 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
     }
     wide_checks(r, gpu, dev, &mut rng)?;
     swiglu_checks(r, gpu, dev, &mut rng)?;
-    gated_norm_checks(r, gpu, dev, &mut rng)
+    gated_norm_checks(r, gpu, dev, &mut rng)?;
+    add_norm_checks(r, gpu, dev, &mut rng)
 }
 
 /// More output tiles than the GPU has multiprocessors (the 27B gate|up width, 34,816 outputs, at a short
@@ -306,6 +308,100 @@ fn gated_norm_checks(
             }
         }
     }
+    Ok(())
+}
+
+/// A layer's residual add and RMS norm fused into the activation quantizer (`matmul_add_norm`, what a
+/// layer's first projection and the MLP's gate | up run) against prism-model's `add_rms_norm` (or
+/// `rms_norm_as` without a residual) followed by the product: the same product bits for every kernel
+/// and the same sum, with K-quant sums, the shortest row it takes and a row holding a NaN; rows it does
+/// not take are refused (`None`).
+fn add_norm_checks(
+    r: &mut Report,
+    gpu: &Device,
+    dev: &candle_core::cuda_backend::CudaDevice,
+    rng: &mut Rng,
+) -> Result<()> {
+    use candle_core::DType;
+    use prism_quant::cuda::matmul_add_norm_with;
+    for (ty, k, n) in [
+        (GgmlType::Q8_0, 1024, 129),
+        (GgmlType::Q8_0, 5120, 64),
+        (GgmlType::Q8_0, 2560, 300),
+        (GgmlType::Q4_K, 2048, 64),
+    ] {
+        let w = weight(rng, ty, n, k, Q8Scales::PerRun)?;
+        let dw = CudaQuantWeight::upload(&w, dev)?;
+        let norm_w = Tensor::from_vec(activations(rng, 1, k), k, gpu)?;
+        for m in [1, 2, 7, 64, 300] {
+            let mut x = activations(rng, m, k);
+            if m >= 7 {
+                x[5 * k + 130] = f32::NAN;
+            }
+            let x = Tensor::from_vec(x, (m, k), gpu)?;
+            let res = Tensor::from_vec(activations(rng, m, k), (m, k), gpu)?;
+            for with_residual in [true, false] {
+                let (want_sum, h) = if with_residual {
+                    let (sum, h) =
+                        prism_model::ops::add_rms_norm(&x, &res, &norm_w, 1e-6, DType::F32)?;
+                    (Some(sum), h)
+                } else {
+                    (
+                        None,
+                        prism_model::ops::rms_norm_as(&x, &norm_w, 1e-6, DType::F32)?,
+                    )
+                };
+                let want = matmul(&h, &dw)?;
+                let tag = format!(
+                    "int8 matmul (GPU) {ty:?} add + norm fused ({}), K={k} N={n} M={m}",
+                    if with_residual {
+                        "with a residual"
+                    } else {
+                        "x alone"
+                    }
+                );
+                for (label, kernel) in fused_kernels(ty) {
+                    let name = format!("{tag}: {label} vs the norm then the product");
+                    let Some((sum, got)) = matmul_add_norm_with(
+                        &x,
+                        with_residual.then_some(&res),
+                        &norm_w,
+                        1e-6,
+                        &dw,
+                        kernel,
+                    )?
+                    else {
+                        let line = "refused rows it takes";
+                        r.check(&name, line, false, json!({"check": name, "ok": false}));
+                        continue;
+                    };
+                    r.identical(&name, &got, &want)?;
+                    match (&sum, &want_sum) {
+                        (Some(sum), Some(want_sum)) => r.identical(
+                            &format!("{tag}: {label}: the sum vs add_rms_norm's"),
+                            sum,
+                            want_sum,
+                        )?,
+                        (None, None) => {}
+                        _ => {
+                            let name = format!("{tag}: {label}: the sum");
+                            let line = "a sum where none was asked, or none where one was";
+                            r.check(&name, line, false, json!({"check": name, "ok": false}));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // A row shorter than the fused kernel takes: refused, the caller runs the norm apart.
+    let (k, n) = (512, 64);
+    let w = weight(rng, GgmlType::Q8_0, n, k, Q8Scales::PerRun)?;
+    let dw = CudaQuantWeight::upload(&w, dev)?;
+    let x = Tensor::from_vec(activations(rng, 3, k), (3, k), gpu)?;
+    let norm_w = Tensor::from_vec(activations(rng, 1, k), k, gpu)?;
+    let refused = matmul_add_norm_with(&x, None, &norm_w, 1e-6, &dw, Kernel::Auto)?.is_none();
+    let name = "int8 matmul (GPU) add + norm fused: a row of 512 is refused";
+    r.check(name, "", refused, json!({"check": name, "ok": refused}));
     Ok(())
 }
 
