@@ -14,7 +14,7 @@ use rayon::prelude::*;
 use crate::config::Qwen35Config;
 use crate::error::{ModelError, Result};
 use crate::kv_fp8::{self, KvStorage};
-use crate::linear::{FusedLinear, Linear};
+use crate::linear::{FusedLinear, Linear, ProjInput};
 use crate::matmul::{self, Float};
 use crate::ops::{sigmoid_gate, softmax_last_dim};
 use crate::qwen35::Segment;
@@ -78,7 +78,9 @@ impl Attention {
         self.kv
     }
 
-    /// `x`: normed packed activation `[N, d]`; `cos`/`sin`: `[N, rotary_dim/2]` for the same rows.
+    /// `input`: the normed packed activation `[N, d]` (or its pending norm, see [`ProjInput`]);
+    /// `cos`/`sin`: `[N, rotary_dim/2]` for the same rows. Returns the output and the sum a pending norm
+    /// of `x + residual` formed.
     ///
     /// Appends each sequence's new keys and values to its cache (quantized first with fp8 storage, so
     /// that a token's own attention reads the same stored keys as every later token's) and attends
@@ -86,13 +88,13 @@ impl Attention {
     /// refused.
     pub fn forward(
         &self,
-        x: &Tensor,
+        input: &ProjInput<'_>,
         rope: &MRope,
         cos: &Tensor,
         sin: &Tensor,
         segments: &[Segment],
         caches: &mut [&mut KvCache],
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Option<Tensor>)> {
         if caches.len() != segments.len() {
             return Err(crate::ModelError::InvalidInput(format!(
                 "attention: {} segments but {} states",
@@ -100,9 +102,10 @@ impl Attention {
                 caches.len()
             )));
         }
+        let x = input.rows();
         let n_tokens = x.dim(0)?;
         let (n_h, n_kv, hd) = (self.n_h, self.n_kv, self.hd);
-        let proj = self.qkv.forward(x)?;
+        let (proj, sum) = self.qkv.forward_input(input)?;
         // [n, n_h, query | gate]: a view of the projection's output (reshaping its column range
         // would copy it; 27B, 8,201 tokens: 0.7 ms a layer).
         let qg = proj.part_heads(Self::Q, n_h, 2 * hd)?;
@@ -159,7 +162,7 @@ impl Attention {
         attend_timer.stop()?;
         // attn · σ(gate), written in the dtype attn_output reads (bf16 for a bf16 GEMM on CUDA).
         let attn = sigmoid_gate(&attn, &gate, self.o.input_dtype(attn.dtype()))?;
-        Ok(self.o.forward(&attn)?)
+        Ok((self.o.forward(&attn)?, sum))
     }
 
     /// Every segment's attention on native (bf16 / activation-dtype) storage, its new keys and values

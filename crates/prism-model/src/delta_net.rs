@@ -8,7 +8,7 @@ use candle_core::Tensor;
 use crate::config::Qwen35Config;
 use crate::delta_rule;
 use crate::error::{ModelError, Result};
-use crate::linear::{FusedLinear, Linear};
+use crate::linear::{FusedLinear, Linear, ProjInput};
 use crate::ops::{delta_net_gates, l2_norm, l2_norm_scaled};
 use crate::profile;
 use crate::qwen35::Segment;
@@ -85,16 +85,18 @@ impl DeltaNet {
         })
     }
 
-    /// `x`: the normed packed activation `[N, d]`; `segments[i]` is sequence `i`'s rows, `states[i]` its
-    /// state (updated in place). Returns the mixer output `[N, d]` and, for each segment with a
-    /// [`Segment::snapshot`] point `p`, its state after its first `p` rows (bit for bit the state a
-    /// call on those rows alone leaves).
+    /// `input`: the normed packed activation `[N, d]` (or its pending norm, see [`ProjInput`]);
+    /// `segments[i]` is sequence `i`'s rows, `states[i]` its state (updated in place). Returns the mixer
+    /// output `[N, d]`, for each segment with a [`Segment::snapshot`] point `p` its state after its first
+    /// `p` rows (bit for bit the state a call on those rows alone leaves), and the sum a pending norm
+    /// of `x + residual` formed.
+    #[allow(clippy::type_complexity)]
     pub fn forward(
         &self,
-        x: &Tensor,
+        input: &ProjInput<'_>,
         segments: &[Segment],
         states: &mut [&mut DeltaNetState],
-    ) -> Result<(Tensor, Vec<Option<DeltaNetState>>)> {
+    ) -> Result<(Tensor, Vec<Option<DeltaNetState>>, Option<Tensor>)> {
         if states.len() != segments.len() {
             return Err(ModelError::InvalidInput(format!(
                 "DeltaNet: {} segments but {} states",
@@ -102,13 +104,13 @@ impl DeltaNet {
                 states.len()
             )));
         }
-        let n_tokens = x.dim(0)?;
-        let dev = x.device();
+        let n_tokens = input.rows().dim(0)?;
+        let dev = input.rows().device();
         // Parts of the fused projection stay column ranges of its output (views): the conv, the gates
         // and the gated norm read them in place on CUDA.
-        let (mixed, z, beta, g) =
+        let (mixed, z, beta, g, sum) =
             profile::time("deltanet: input projections", dev, || -> Result<_> {
-                let proj = self.in_proj.forward(x)?;
+                let (proj, sum) = self.in_proj.forward_input(input)?;
                 let mixed = proj.part(Self::QKV)?;
                 let z = proj.part(Self::Z)?;
                 let (beta, g) = delta_net_gates(
@@ -117,7 +119,7 @@ impl DeltaNet {
                     &self.dt_bias,
                     &self.ssm_a,
                 )?;
-                Ok((mixed, z, beta, g))
+                Ok((mixed, z, beta, g, sum))
             })?;
 
         // A snapshot's conv window: the last K − 1 pre-conv rows before its point (the start window's
@@ -202,7 +204,7 @@ impl DeltaNet {
                 Ok(self.out.forward_gated_norm(&o, &z, &self.norm, self.eps)?)
             },
         )?;
-        Ok((out, snapshots))
+        Ok((out, snapshots, sum))
     }
 
     /// q, k and v of the conv output `conv_out: [N, q | k | v]` as `[N, heads, d]`. When the head sizes

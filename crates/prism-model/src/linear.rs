@@ -159,6 +159,32 @@ impl Linear {
     }
 }
 
+/// A projection's input: rows ready to multiply, or the RMS norm of a residual stream's next value
+/// `x + residual` (`residual` `None`: of `x` itself) that is not yet formed. [`FusedLinear::forward_input`]
+/// forms the sum and the norm with [`crate::ops::add_rms_norm`] / [`crate::ops::rms_norm_as`] first; the
+/// integer path on CUDA is to form them inside the product's activation quantizer instead
+/// (`prism_quant::cuda::matmul_add_norm`, the same bits by construction) once that kernel's device
+/// checks have run.
+#[derive(Debug, Clone, Copy)]
+pub enum ProjInput<'a> {
+    Rows(&'a Tensor),
+    Norm {
+        x: &'a Tensor,
+        residual: Option<&'a Tensor>,
+        weight: &'a Tensor,
+        eps: f64,
+    },
+}
+
+impl ProjInput<'_> {
+    /// The rows the projection reads (`x` of a pending norm: the same shape).
+    pub fn rows(&self) -> &Tensor {
+        match self {
+            ProjInput::Rows(x) | ProjInput::Norm { x, .. } => x,
+        }
+    }
+}
+
 /// Where one part of a [`FusedLinear`] lies in the outputs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FusedPart {
@@ -195,6 +221,37 @@ impl FusedLinear {
             .map(|g| g.forward(x))
             .collect::<Result<Vec<_>>>()?;
         Ok(FusedOutput { fused: self, outs })
+    }
+
+    /// [`FusedLinear::forward`] of `input`, a pending norm formed first (see [`ProjInput`]); returns the
+    /// outputs and, for a norm of `x + residual`, that sum (the residual stream's next value).
+    pub fn forward_input(
+        &self,
+        input: &ProjInput<'_>,
+    ) -> Result<(FusedOutput<'_>, Option<Tensor>)> {
+        let (x, residual, weight, eps) = match *input {
+            ProjInput::Rows(x) => return Ok((self.forward(x)?, None)),
+            ProjInput::Norm {
+                x,
+                residual,
+                weight,
+                eps,
+            } => (x, residual, weight, eps),
+        };
+        // The integer path's fused kernel (`QuantMatmul::forward_add_norm`, one GEMM of a CUDA
+        // device) is not called here yet: its device checks (`add_norm_checks`) have not run on a GPU
+        // (issue #21). Until they pass, the sum and the norm are formed first, as on every device.
+        let dtype = self.input_dtype(x.dtype());
+        let (sum, h) = crate::profile::time("norm", x.device(), || -> Result<_> {
+            match residual {
+                Some(r) => {
+                    let (sum, h) = ops::add_rms_norm(x, r, weight, eps, dtype)?;
+                    Ok((Some(sum), h))
+                }
+                None => Ok((None, ops::rms_norm_as(x, weight, eps, dtype)?)),
+            }
+        })?;
+        Ok((self.forward(&h)?, sum))
     }
 
     /// Outputs of all parts together.

@@ -16,7 +16,7 @@ use crate::config::{hf_text_config, read_hf_config, LayerKind, Qwen35Config};
 use crate::delta_net::DeltaNet;
 use crate::error::{ModelError, Result};
 use crate::kv_fp8::KvStorage;
-use crate::linear::{FusedLinear, Linear};
+use crate::linear::{FusedLinear, Linear, ProjInput};
 use crate::ops::{add_rms_norm, rms_norm_as};
 use crate::profile;
 use crate::rope::{MRope, Position3};
@@ -130,11 +130,14 @@ impl Mlp {
         })
     }
 
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate_up = self.gate_up.forward(x)?.parts(Self::GATE..Self::UP + 1)?;
+    /// The block on `input` (normed rows, or a pending norm: see [`ProjInput`]); returns its output and
+    /// the sum a pending norm of `x + residual` formed.
+    pub fn forward(&self, input: &ProjInput<'_>) -> Result<(Tensor, Option<Tensor>)> {
+        let (gate_up, sum) = self.gate_up.forward_input(input)?;
+        let gate_up = gate_up.parts(Self::GATE..Self::UP + 1)?;
         // SwiGLU written in the form ffn_down reads: bf16 for a bf16 GEMM on CUDA, int8 on the integer
         // path on CUDA.
-        Ok(self.down.forward_swiglu(&gate_up, self.ffn)?)
+        Ok((self.down.forward_swiglu(&gate_up, self.ffn)?, sum))
     }
 
     /// The dtype [`Mlp::forward`] wants its input in when the activations are `act`.
@@ -825,32 +828,33 @@ impl Qwen35Model {
         let eps = self.config.rms_norm_eps;
         let dev = &self.device;
         let act = x.dtype();
-        // The norm after each residual add runs with it (`add_rms_norm`), writing its output in the
-        // dtype the next projection reads: `h` is always the normed input of what comes next, the
-        // first layer's mixer here and, after the last layer, the final norm's output.
-        let (first_norm, first_dtype) = match self.layers.first() {
-            Some(layer) => (&layer.attn_norm, layer.mixer.input_dtype(act)),
-            None => (&self.final_norm, act),
-        };
-        let mut h = profile::time("norm", dev, || {
-            rms_norm_as(&x, first_norm, eps, first_dtype)
-        })?;
+        // The residual stream is `x + residual`, `residual` the last block's output not yet added: the
+        // next projection forms that sum and its norm (`ProjInput::Norm`), on the integer path on CUDA
+        // inside its activation quantizer, elsewhere with the fused add + norm kernel first.
+        let mut residual: Option<Tensor> = None;
         for (l, layer) in self.layers.iter().enumerate() {
-            let mixed = match &layer.mixer {
+            let input = ProjInput::Norm {
+                x: &x,
+                residual: residual.as_ref(),
+                weight: &layer.attn_norm,
+                eps,
+            };
+            let (mixed, sum) = match &layer.mixer {
                 Mixer::DeltaNet(net) => {
                     let mut states = layer_states(&mut work, l, "a DeltaNet state", |s| match s {
                         LayerState::DeltaNet(d) => Some(d),
                         _ => None,
                     })?;
-                    let (mixed, layer_snapshots) = profile::time("deltanet layer", dev, || {
-                        net.forward(&h, &segments, &mut states)
-                    })?;
+                    let (mixed, layer_snapshots, sum) =
+                        profile::time("deltanet layer", dev, || {
+                            net.forward(&input, &segments, &mut states)
+                        })?;
                     for (snapshot, layer) in snapshots.iter_mut().zip(layer_snapshots) {
                         if let (Some(state), Some(layer)) = (snapshot.as_mut(), layer) {
                             state.layers[l] = LayerState::DeltaNet(layer);
                         }
                     }
-                    mixed
+                    (mixed, sum)
                 }
                 Mixer::Attention(attn) => {
                     let mut caches =
@@ -858,8 +862,8 @@ impl Qwen35Model {
                             LayerState::Attention(c) => Some(c),
                             _ => None,
                         })?;
-                    let mixed = profile::time("attention layer", dev, || {
-                        attn.forward(&h, &self.rope, &cos, &sin, &segments, &mut caches)
+                    let (mixed, sum) = profile::time("attention layer", dev, || {
+                        attn.forward(&input, &self.rope, &cos, &sin, &segments, &mut caches)
                     })?;
                     for ((snapshot, cache), seg) in snapshots.iter_mut().zip(&caches).zip(&segments)
                     {
@@ -867,9 +871,16 @@ impl Qwen35Model {
                             state.layers[l] = LayerState::Attention(cache.prefix(seg.past + p)?);
                         }
                     }
-                    mixed
+                    (mixed, sum)
                 }
             };
+            // The residual stream after the previous layer, formed by this layer's first projection.
+            if let Some(sum) = sum {
+                x = sum;
+                if let Some(t) = trace.as_deref_mut() {
+                    t.push(x.clone());
+                }
+            }
             // The layer's new state of an item whose state is not wanted: no one reads it again
             // (branches of it took theirs inside the layer), so it goes now, not at the end.
             for (slot, item) in work.iter_mut().zip(items.iter()) {
@@ -881,29 +892,34 @@ impl Qwen35Model {
                     }
                 }
             }
-            let (u, h_mlp) = profile::time("norm", dev, || {
-                add_rms_norm(
-                    &x,
-                    &mixed,
-                    &layer.post_norm,
+            let (mlp_out, u) = profile::time("mlp", dev, || {
+                layer.mlp.forward(&ProjInput::Norm {
+                    x: &x,
+                    residual: Some(&mixed),
+                    weight: &layer.post_norm,
                     eps,
-                    layer.mlp.input_dtype(act),
-                )
+                })
             })?;
-            let mlp_out = profile::time("mlp", dev, || layer.mlp.forward(&h_mlp))?;
-            let (next_norm, next_dtype) = match self.layers.get(l + 1) {
-                Some(next) => (&next.attn_norm, next.mixer.input_dtype(act)),
-                None => (&self.final_norm, act),
-            };
-            (x, h) = profile::time("norm", dev, || {
-                add_rms_norm(&u, &mlp_out, next_norm, eps, next_dtype)
+            x = u.ok_or_else(|| {
+                ModelError::InvalidInput(format!(
+                    "layer {l}: the MLP's norm formed no residual sum"
+                ))
             })?;
-            if let Some(t) = trace.as_deref_mut() {
-                t.push(x.clone());
-            }
+            residual = Some(mlp_out);
         }
-        // The final norm of the last residual stream (computed with the last add above).
-        let hidden = h;
+        // The final norm of the last residual stream (and that stream, after the last layer).
+        let hidden = profile::time("norm", dev, || -> Result<Tensor> {
+            match &residual {
+                Some(r) => {
+                    let (sum, h) = add_rms_norm(&x, r, &self.final_norm, eps, act)?;
+                    if let Some(t) = trace {
+                        t.push(sum);
+                    }
+                    Ok(h)
+                }
+                None => Ok(rms_norm_as(&x, &self.final_norm, eps, act)?),
+            }
+        })?;
         whole.stop()?;
 
         for (((item, mut state), seg), next) in items
