@@ -663,6 +663,10 @@ impl PassModel for DecoderLetterModel {
         // A fresh state (a new sequence, and the placeholders of branches that continue a prefix or
         // shared-tail item of the pass), made only when some group needs one: a pass of decode steps
         // needs none.
+        let device = self.decoder.device().clone();
+        // The host's work before the forward (the pass's items and states), a profile section.
+        let items_timer =
+            prism_model::profile::Section::start("pass: items", &device).map_err(backend)?;
         let needs_fresh = groups.iter().any(|g| {
             (g.start.is_none() && !(g.prefix.is_empty() && g.branches.is_empty()))
                 || (!g.prefix.is_empty() && !g.branches.is_empty())
@@ -821,6 +825,7 @@ impl PassModel for DecoderLetterModel {
                     },
                 )
                 .collect();
+            items_timer.stop().map_err(backend)?;
             if !items.is_empty() {
                 let mut out = self.decoder.forward(&mut items).map_err(backend)?;
                 snapshots = std::mem::take(&mut out.snapshots);
@@ -866,12 +871,18 @@ impl PassModel for DecoderLetterModel {
                     let n = rows.len();
                     let index = candle_core::Tensor::from_vec(rows, n, out.hidden.device())
                         .map_err(backend)?;
-                    let hidden = out.hidden.index_select(&index, 0).map_err(backend)?;
-                    logits_rows = self
-                        .decoder
-                        .logits_for_rows(&hidden, self.format.letter_ids())
-                        .and_then(|t| Ok(t.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?))
-                        .map_err(backend)?;
+                    logits_rows = prism_model::profile::time(
+                        "head rows + read back",
+                        &device,
+                        || -> prism_model::Result<Vec<Vec<f32>>> {
+                            let hidden = out.hidden.index_select(&index, 0)?;
+                            let rows = self
+                                .decoder
+                                .logits_for_rows(&hidden, self.format.letter_ids())?;
+                            Ok(rows.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?)
+                        },
+                    )
+                    .map_err(backend)?;
                 }
             }
         }
