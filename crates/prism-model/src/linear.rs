@@ -161,10 +161,9 @@ impl Linear {
 
 /// A projection's input: rows ready to multiply, or the RMS norm of a residual stream's next value
 /// `x + residual` (`residual` `None`: of `x` itself) that is not yet formed. [`FusedLinear::forward_input`]
-/// forms the sum and the norm with [`crate::ops::add_rms_norm`] / [`crate::ops::rms_norm_as`] first; the
-/// integer path on CUDA is to form them inside the product's activation quantizer instead
-/// (`prism_quant::cuda::matmul_add_norm`, the same bits by construction) once that kernel's device
-/// checks have run.
+/// forms the sum and the norm with [`crate::ops::add_rms_norm`] / [`crate::ops::rms_norm_as`] first, except
+/// on the integer path on CUDA, where the product's activation quantizer forms them
+/// (`QuantMatmul::forward_add_norm`: the same bits).
 #[derive(Debug, Clone, Copy)]
 pub enum ProjInput<'a> {
     Rows(&'a Tensor),
@@ -238,9 +237,19 @@ impl FusedLinear {
                 eps,
             } => (x, residual, weight, eps),
         };
-        // The integer path's fused kernel (`QuantMatmul::forward_add_norm`, one GEMM of a CUDA
-        // device) is not called here yet: its device checks (`add_norm_checks`) have not run on a GPU
-        // (issue #21). Until they pass, the sum and the norm are formed first, as on every device.
+        // The integer path on a GPU: the activation quantizer forms the sum and the norm itself (the
+        // same bits as `add_rms_norm` then `forward`), when the parts are one GEMM.
+        if let [Linear::Quant(op)] = self.gemms.as_slice() {
+            if let Some((sum, y)) = op.forward_add_norm(x, residual, weight, eps)? {
+                return Ok((
+                    FusedOutput {
+                        fused: self,
+                        outs: vec![y],
+                    },
+                    sum,
+                ));
+            }
+        }
         let dtype = self.input_dtype(x.dtype());
         let (sum, h) = crate::profile::time("norm", x.device(), || -> Result<_> {
             match residual {
