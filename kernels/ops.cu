@@ -358,7 +358,9 @@ extern "C" __global__ void sigmoid_gate_f32(const float* __restrict__ attn, cons
 // out: contiguous [T, C] (the segment's rows of the layer's output), new_window: [K−1, C]. Each
 // output is the sum of `causal_conv_f32` (same products and sums in the same order, so bitwise the
 // CPU's conv) followed by candle's SiLU. blockIdx.y < gridDim.y − 1: rows CONV_ROWS·y.. of the
-// segment, the padded inputs kept in registers as they slide; the last row of blocks writes the window.
+// segment, the padded inputs kept in registers as they slide; the last row of blocks writes the window,
+// and with snap_p ≥ 0 (≤ T) also the window after the segment's first snap_p rows to snap_window
+// ([K−1, C]: a snapshot state's window, copied from the same inputs).
 #define CONV_ROWS 8
 
 template <int KT>
@@ -390,12 +392,15 @@ extern "C" __global__ void causal_conv_silu_f32(const float* __restrict__ x, lon
                                                 const float* __restrict__ window,  // [K-1, C]
                                                 const float* __restrict__ taps,    // [K, C]
                                                 float* __restrict__ out, float* __restrict__ new_window,
+                                                float* __restrict__ snap_window, int snap_p,
                                                 int T, int C, int K) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
 #define PADDED(p) ((p) < K - 1 ? window[(size_t)(p) * C + c] : x[(size_t)((p) - (K - 1)) * x_stride + c])
     if (blockIdx.y == gridDim.y - 1) {
         for (int w = 0; w < K - 1; ++w) new_window[(size_t)w * C + c] = PADDED(T + w);
+        if (snap_p >= 0)
+            for (int w = 0; w < K - 1; ++w) snap_window[(size_t)w * C + c] = PADDED(snap_p + w);
         return;
     }
     const int r0 = blockIdx.y * CONV_ROWS;

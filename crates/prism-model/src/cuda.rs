@@ -511,6 +511,20 @@ impl ConvSiluOutput {
         window: &Tensor,
         taps: &Tensor,
     ) -> Result<Tensor> {
+        Ok(self.segment_with_snapshot(x, start, window, taps, None)?.0)
+    }
+
+    /// [`Self::segment`], also returning, for `snapshot: Some(p)` (p ≤ T), the window after the
+    /// segment's first `p` inputs (the last K−1 of `window` and those rows; a snapshot state's window),
+    /// written by the same launch.
+    pub fn segment_with_snapshot(
+        &mut self,
+        x: &Tensor,
+        start: usize,
+        window: &Tensor,
+        taps: &Tensor,
+        snapshot: Option<usize>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let (t_len, c) = x.dims2()?;
         let (k, c_taps) = taps.dims2()?;
         if c != self.channels || c_taps != c || window.dims() != [k.saturating_sub(1), c] || k < 2 {
@@ -529,7 +543,18 @@ impl ConvSiluOutput {
                 self.rows
             );
         }
+        if let Some(p) = snapshot.filter(|&p| p > t_len) {
+            bail!("conv + silu: a snapshot after {p} of the segment's {t_len} rows");
+        }
         let new_window = alloc::<f32>(&self.dev, (k - 1) * c)?;
+        let snap_window = match snapshot {
+            Some(_) => Some(alloc::<f32>(&self.dev, (k - 1) * c)?),
+            None => None,
+        };
+        let snap_p = match snapshot {
+            Some(p) => i32_arg(p, "snapshot row")?,
+            None => -1,
+        };
         let row_groups = t_len.div_ceil(CONV_SILU_ROWS);
         if row_groups + 1 > 65535 {
             bail!("conv + silu: a segment of {t_len} tokens is longer than one launch takes");
@@ -569,13 +594,20 @@ impl ConvSiluOutput {
                 .arg(&vt)
                 .arg(&mut rows_out)
                 .arg(&new_window);
+            // Without a snapshot (snap_p = −1) the kernel never touches its window: any pointer will do.
+            b.arg(snap_window.as_ref().unwrap_or(&new_window))
+                .arg(&snap_p);
             b.arg(&t_i).arg(&c_i).arg(&k_i);
             // SAFETY: x covers T rows of C at its row stride (row map), the output slice T rows of C,
-            // the window K−1 rows and the taps K rows of C; the kernel reads and writes nothing else.
+            // the windows (old, new and snapshot) K−1 rows and the taps K rows of C; snap_p ≤ T, so
+            // the snapshot's window reads only those; the kernel reads and writes nothing else.
             unsafe { b.launch(cfg) }.map_err(launch_err)?;
         }
         self.filled += t_len;
-        Ok(wrap(new_window, &self.dev, (k - 1, c)))
+        Ok((
+            wrap(new_window, &self.dev, (k - 1, c)),
+            snap_window.map(|w| wrap(w, &self.dev, (k - 1, c))),
+        ))
     }
 
     /// Output rows `rows[s]` of one-token segments (decode steps), each from input row `rows[s]` of

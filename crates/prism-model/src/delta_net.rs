@@ -122,21 +122,17 @@ impl DeltaNet {
                 Ok((mixed, z, beta, g, sum))
             })?;
 
-        // A snapshot's conv window: the last K − 1 pre-conv rows before its point (the start window's
-        // rows where the point comes sooner), taken before the conv moves the windows on.
-        let mut snapshots: Vec<Option<DeltaNetState>> = Vec::with_capacity(segments.len());
-        for (i, seg) in segments.iter().enumerate() {
-            snapshots.push(match seg.snapshot {
-                Some(p) => Some(DeltaNetState {
-                    conv: window_at(&states[i].conv, &mixed.narrow(0, seg.start, p)?)?,
-                    rule: states[i].rule.clone(),
-                }),
-                None => None,
-            });
-        }
-        let conv_out = profile::time("deltanet: conv", dev, || {
+        let (conv_out, snapshot_windows) = profile::time("deltanet: conv", dev, || {
             self.conv_silu(&mixed, segments, states)
         })?;
+        // A snapshot's rule state is the delta rule's (below); its conv window comes from the conv.
+        let mut snapshots: Vec<Option<DeltaNetState>> = Vec::with_capacity(segments.len());
+        for (i, window) in snapshot_windows.into_iter().enumerate() {
+            snapshots.push(window.map(|conv| DeltaNetState {
+                conv,
+                rule: states[i].rule.clone(),
+            }));
+        }
 
         let (q, k, v) = self.qkv_heads(&conv_out, n_tokens)?;
         let q = l2_norm_scaled(&q, 1e-6, 1.0 / (self.dk as f64).sqrt())?;
@@ -235,13 +231,16 @@ impl DeltaNet {
     }
 
     /// The causal conv of every segment's q|k|v rows (`mixed: [N, conv_dim]`, a column range of the
-    /// projection) against its state's window, then SiLU: `[N, conv_dim]`. Updates each window.
+    /// projection) against its state's window, then SiLU: `[N, conv_dim]`. Updates each window, and
+    /// returns per segment with a snapshot point `p` the window after its first `p` rows (the last
+    /// K − 1 pre-conv rows before the point, the start window's rows where the point comes sooner).
     fn conv_silu(
         &self,
         mixed: &Tensor,
         segments: &[Segment],
         states: &mut [&mut DeltaNetState],
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Vec<Option<Tensor>>)> {
+        let mut snapshot_windows: Vec<Option<Tensor>> = vec![None; segments.len()];
         #[cfg(feature = "cuda")]
         if mixed.device().is_cuda() && mixed.dtype() == candle_core::DType::F32 {
             // Conv + SiLU into one output: a decode step's one-token segments that start from their
@@ -258,7 +257,10 @@ impl DeltaNet {
             let one_token: Vec<usize> = (0..segments.len())
                 .filter(|&i| {
                     let seg = &segments[i];
-                    seg.len == 1 && seg.parent.filter(|&p| p < i).is_none() && !is_parent[i]
+                    seg.len == 1
+                        && seg.parent.filter(|&p| p < i).is_none()
+                        && !is_parent[i]
+                        && seg.snapshot.is_none()
                 })
                 .collect();
             let batched = one_token.len() > 1;
@@ -278,15 +280,17 @@ impl DeltaNet {
                     let window = states[p].conv.clone();
                     states[i].conv = window;
                 }
-                let window = out.segment(
+                let (window, snapshot) = out.segment_with_snapshot(
                     &mixed.narrow(0, seg.start, seg.len)?,
                     seg.start,
                     &states[i].conv,
                     &self.conv_taps,
+                    seg.snapshot,
                 )?;
                 states[i].conv = window;
+                snapshot_windows[i] = snapshot;
             }
-            return Ok(out.finish()?);
+            return Ok((out.finish()?, snapshot_windows));
         }
         // The conv reads whole rows of q|k|v.
         let mixed = mixed.contiguous()?;
@@ -297,15 +301,15 @@ impl DeltaNet {
                 let window = states[p].conv.clone();
                 states[i].conv = window;
             }
-            let (out, window) = causal_conv(
-                &mixed.narrow(0, seg.start, seg.len)?,
-                &states[i].conv,
-                &self.conv_taps,
-            )?;
+            let rows = mixed.narrow(0, seg.start, seg.len)?;
+            if let Some(p) = seg.snapshot {
+                snapshot_windows[i] = Some(window_at(&states[i].conv, &rows.narrow(0, 0, p)?)?);
+            }
+            let (out, window) = causal_conv(&rows, &states[i].conv, &self.conv_taps)?;
             states[i].conv = window;
             conv_out.push(out);
         }
-        Ok(Tensor::cat(&conv_out, 0)?.silu()?)
+        Ok((Tensor::cat(&conv_out, 0)?.silu()?, snapshot_windows))
     }
 }
 

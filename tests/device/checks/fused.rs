@@ -18,7 +18,7 @@
 //! ([`qk_norm_rope_checks`]): bit for bit against the chain it replaces (norm kernel, candle rotation,
 //! cast), against the CPU twin, rows alone vs in a call, and its timing next to that chain.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor, D};
 use prism_model::delta_net::causal_conv;
 use prism_model::ops;
@@ -384,6 +384,35 @@ fn conv_checks(r: &mut Report, gpu: &Device, rng: &mut Rng) -> Result<()> {
         &window,
         &window_after_one_call,
     )?;
+
+    // A snapshot's window (the engine's evidence state inside one segment), written by the same
+    // launch: the last K − 1 rows of the start window and the segment's first p rows, bit for bit,
+    // the output and the new window unchanged.
+    let (gpu_mixed, gpu_window, gpu_taps) =
+        (on(gpu, &mixed)?, on(gpu, &windows[0])?, on(gpu, &taps)?);
+    for p in [0usize, 1, 2, 3, 4, 100, TOKENS - 1, TOKENS] {
+        let padded = Tensor::cat(&[&windows[0], &mixed.narrow(0, 0, p)?], 0)?;
+        let want_snap = padded.narrow(0, p, k - 1)?;
+        let mut out = prism_model::cuda::ConvSiluOutput::new(&gpu_mixed, TOKENS, c)?;
+        let (w, snap) =
+            out.segment_with_snapshot(&gpu_mixed, 0, &gpu_window, &gpu_taps, Some(p))?;
+        let snap = snap.context("conv + silu: no snapshot window returned")?;
+        r.identical(
+            &format!("conv + silu (GPU): snapshot window after {p} rows vs the rows (CPU)"),
+            &snap,
+            &want_snap,
+        )?;
+        r.identical(
+            &format!("conv + silu (GPU): output with a snapshot at {p} vs without"),
+            &out.finish()?,
+            &got,
+        )?;
+        r.identical(
+            &format!("conv + silu (GPU): new window with a snapshot at {p} vs without"),
+            &w,
+            &window_after_one_call,
+        )?;
+    }
 
     // Decode steps: 100 one-token segments in one call (two launches of at most 64), each from its own
     // window, rows in a shuffled order, against each alone through `segment` — bit for bit.
