@@ -43,8 +43,8 @@
 #               matching $NCU_KERNEL (a regex) after $NCU_SKIP (default 0) of them, in the 27B bench's warm
 #               passes at $PREC (default int8): ncu-kernel.ncu-rep and its details page as text
 #   ncu-think27 ncu kernel times of $NCU_COUNT launches (default 3,000: two or three decode steps) after
-#               the first $NCU_SKIP (default 20,000) of 64 thoughts decoded at once on /tmp/s27 at int8
-#               (ncu-think.csv; tools/ncu_summary.py sums it by kernel)
+#               the first $NCU_SKIP (default 20,000) while $NCU_THINK_BATCH (default 64) thoughts decode at
+#               once on /tmp/s27 at int8 (ncu-think.csv; tools/ncu_summary.py sums it by kernel)
 #   serve27-int8 / serve27-bf16   prism serve on /tmp/s27 (int8 / bf16) and prism loadgen against it:
 #               20 variants of one short question (tools/device/short.jsonl) and of the three-question
 #               request (shared.jsonl), each sent once from 1 client (cold: new evidence); follow-ups
@@ -348,7 +348,7 @@ for step in "$@"; do
             "$NCU" --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
                 --launch-skip "${NCU_SKIP:-20000}" --launch-count "${NCU_COUNT:-3000}" --log-file "$OUT/ncu-think.csv" \
                 /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --think "${THINK:-48}" \
-                --think-batch 64 --runs 1 > "$OUT/think-under-ncu.txt" 2>&1
+                --think-batch "${NCU_THINK_BATCH:-64}" --runs 1 > "$OUT/think-under-ncu.txt" 2>&1
             echo "ncu-think27 rc=$?" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
