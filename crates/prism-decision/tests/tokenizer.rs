@@ -1265,7 +1265,8 @@ fn split_points_cut_between_a_letter_and_a_space_before_a_letter() {
     let b = text.as_bytes();
     for &p in &cuts {
         assert!(
-            b[p - 1].is_ascii_alphabetic() && b[p] == b' ' && b[p + 1].is_ascii_alphabetic(),
+            (b[p - 1].is_ascii_alphabetic() && b[p] == b' ' && b[p + 1].is_ascii_alphabetic())
+                || (b[p - 1] == b'\n' && b[p].is_ascii_alphabetic()),
             "cut at {p}: {:?}",
             &text[p - 1..p + 2]
         );
@@ -1377,6 +1378,65 @@ fn texts_encoded_together_get_the_ids_each_gets_alone() {
             "{name}: {cut_groups} groups cut"
         );
     }
+}
+
+#[test]
+fn a_newline_before_a_letter_is_a_cut_where_the_evidence_ends_in_numbers() {
+    let gguf_tok = PromptTokenizer::from_gguf(&tiny_gguf("tiny-Q8_0.gguf")).unwrap();
+    let tiktoken = PromptTokenizer::from_tiktoken_file(
+        &fixtures().join("qwen35-vocab/qwen3_6.tiktoken"),
+        &full_added_tokens(),
+    )
+    .unwrap();
+    // Evidence whose last few hundred bytes have no letter, space, letter (JSON rows of numbers), then
+    // the question, as the README request renders: the texts share everything up to the question's
+    // words, and the cut falls before "Question".
+    let rows: Vec<String> = (0..24)
+        .map(|i| format!("{{\"_index\": {i}, \"value\": {}.0}}", 49 + i % 3))
+        .collect();
+    let head = format!(
+        "<|im_start|>user\nEvidence:\nticket text here\n{{\"rows\": [{}]}}\n\n",
+        rows.join(", ")
+    );
+    let texts = [
+        format!("{head}Question: Which team?\nOptions:\nA) billing\nB) ops<|im_end|>\n"),
+        format!("{head}Question: \u{1}\nOptions:\nA) \u{1}\nB) \u{1}<|im_end|>\n"),
+        format!("{head}Question: Is it urgent?\nOptions:\nA) yes\n\nB) no<|im_end|>\n"),
+    ];
+    let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    let cut = shared_cut(&refs).expect("a cut");
+    assert_eq!(cut, head.len(), "{:?}", &texts[0][cut - 8..cut + 8]);
+    for text in &texts {
+        let cuts = split_points(text, 8);
+        assert!(
+            cuts.iter()
+                .all(|&p| text.as_bytes()[p - 1] == b'\n' || text.as_bytes()[p] == b' '),
+            "{cuts:?}"
+        );
+    }
+    for (name, tok) in [
+        ("tokenizer.json", tiny_json_tokenizer()),
+        ("GGUF vocabulary", gguf_tok),
+        ("tiktoken ranks", tiktoken),
+    ] {
+        let alone: Vec<Vec<u32>> = refs
+            .iter()
+            .map(|t| tok.encode_in_one_piece(t).unwrap())
+            .collect();
+        assert_eq!(tok.encode_sharing(&refs).unwrap(), alone, "{name}");
+        for text in &texts {
+            // Cut at every newline before a letter, one at a time: the two sides' ids are the whole's.
+            let whole = tok.encode_in_one_piece(text).unwrap();
+            let b = text.as_bytes();
+            for p in (1..b.len()).filter(|&p| b[p - 1] == b'\n' && b[p].is_ascii_alphabetic()) {
+                let mut ids = tok.encode_in_one_piece(&text[..p]).unwrap();
+                ids.extend(tok.encode_in_one_piece(&text[p..]).unwrap());
+                assert_eq!(ids, whole, "{name}: cut at {p} ({:?})", &text[p - 1..p + 1]);
+            }
+        }
+    }
+    assert_eq!(shared_cut(&["a\n1 b", "a\n1 c"]), None);
+    assert_eq!(shared_cut(&["x\nabc", "x\nabd"]), Some(2));
 }
 
 #[test]

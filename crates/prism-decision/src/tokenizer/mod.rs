@@ -56,19 +56,26 @@ const MIN_PIECE_BYTES: usize = 192;
 /// The most pieces a text is cut into.
 const MAX_PIECES: usize = 8;
 
+/// Whether byte offset `p` (0 < p, p + 1 < b.len()) of a text is a place where the Qwen3.5 split ends a
+/// piece whatever comes before and after: between an ASCII letter and a space that an ASCII letter
+/// follows (the space begins the next word's piece), or between a newline and an ASCII letter (no
+/// alternative of the split matches a newline followed by a letter: a letter run's optional first
+/// character is never `\r` or `\n`, and the whitespace and punctuation alternatives take no letters).
+fn is_cut(b: &[u8], p: usize) -> bool {
+    (b[p] == b' ' && b[p - 1].is_ascii_alphabetic() && b[p + 1].is_ascii_alphabetic())
+        || (b[p - 1] == b'\n' && b[p].is_ascii_alphabetic())
+}
+
 /// Byte offsets, increasing, where `text` may be cut into about `parts` pieces of similar length: each
-/// between an ASCII letter and a space that an ASCII letter follows (the first such place at or after
-/// each even share, none within 64 bytes of the previous cut or of the end). Empty when there is no
-/// such place.
+/// a place of [`is_cut`] (the first such place at or after each even share, none within 64 bytes of
+/// the previous cut or of the end). Empty when there is no such place.
 pub fn split_points(text: &str, parts: usize) -> Vec<usize> {
     let b = text.as_bytes();
     let mut cuts: Vec<usize> = Vec::new();
     for i in 1..parts.max(1) {
         let target = b.len() * i / parts;
         let from = target.max(cuts.last().map_or(1, |&c| c + 64));
-        let found = (from..b.len().saturating_sub(64)).find(|&p| {
-            b[p] == b' ' && b[p - 1].is_ascii_alphabetic() && b[p + 1].is_ascii_alphabetic()
-        });
+        let found = (from..b.len().saturating_sub(64)).find(|&p| is_cut(b, p));
         match found {
             Some(p) => cuts.push(p),
             None => break,
@@ -77,10 +84,9 @@ pub fn split_points(text: &str, parts: usize) -> Vec<usize> {
     cuts
 }
 
-/// The last byte offset where every one of `texts` may be cut (the rule of [`split_points`]: between
-/// an ASCII letter and a space that an ASCII letter follows) with the same bytes before it and at the
-/// two bytes after it: where the texts' common beginning can be encoded once for all of them. `None`
-/// for fewer than two texts or no such place.
+/// The last byte offset where every one of `texts` may be cut (the rule of [`split_points`]) with the
+/// same bytes before it and at the two bytes after it: where the texts' common beginning can be
+/// encoded once for all of them. `None` for fewer than two texts or no such place.
 pub fn shared_cut(texts: &[&str]) -> Option<usize> {
     let (first, rest) = texts.split_first()?;
     if rest.is_empty() {
@@ -95,9 +101,7 @@ pub fn shared_cut(texts: &[&str]) -> Option<usize> {
                 .count(),
         )
     });
-    (1..common.saturating_sub(1))
-        .rev()
-        .find(|&p| b[p] == b' ' && b[p - 1].is_ascii_alphabetic() && b[p + 1].is_ascii_alphabetic())
+    (1..common.saturating_sub(1)).rev().find(|&p| is_cut(b, p))
 }
 
 /// `tokenizer_config.json`'s class name for which transformers applies the Qwen3.5 pipeline.
