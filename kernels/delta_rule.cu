@@ -581,18 +581,22 @@ delta_rule_scan_batch_f32(const float* __restrict__ q,       // [N, HK, dk]
 //   RK_j, RQ_j = fmaf over i in order from 0 of k̂_r[i] · S[i][j], q̂_r[i] · S[i][j];
 //   u_j = β_r · fmaf(−dec, RK_j, v_j), then fmaf(−A_s, u_sj, ·) for s = 0 .. r−1;
 //   o_j = dec · RQ_j, then fmaf(B_s, u_sj, ·) for s = 0 .. r−1, then fmaf(B_r, u_j, ·).
-// Grid (value heads, dv / CW column slices, segments), DECODE_THREADS threads. Every operand of the
-// dependent chains is staged in shared memory first, all loads in flight at once: the memory's slice
-// [dk][CW] and the pending u rows' slice [r][CW] by cp.async, the pending k̂ rows in pieces of
-// DECODE_PIECE columns (each dot product runs on over the pieces, i in order). Thread s < r forms A_s,
-// thread CHUNK + s (s ≤ r) B_s; thread j < CW forms u_j, thread CW + j forms o_j. The memory is not
-// written (no chunk closes: the launcher hands back the input's); the pending rows go where
-// DecodeOutputs says: row r into the state's own buffers, or the whole rows into fresh ones (rows past
-// r zero), as the scan kernel writes them; slice 0 writes the keys and decays.
+// Grid (value heads, dv / CW column slices, segments), DECODE_THREADS threads. A block stages every
+// operand it reads in one trip (cp.async, all in flight at once): the memory's slice [dk][CW], the
+// pending u rows' slice [r][CW], k̂_r, q̂_r, and the pending k̂ rows whose pair scalars it forms. The
+// pair scalars do not depend on the column slice, so with NS > 1 (Hopper) the NS column slices of a
+// head are one thread-block cluster and each block forms those of CHUNK / NS pending rows — a quarter
+// of the keys read, not all of them four times — and stores them into every block of the cluster
+// (distributed shared memory); with NS = 1 a block forms all of them. Threads: the pair scalars one a
+// chain (A_s on threads 0 .. CH − 1, B_s on CH .. 2CH − 1), B_r on thread 2CH mod 128, RK_j and u_j on
+// threads 64 + j, RQ_j and o_j on 96 + j (j < CW); the chains over the memory run while the pair
+// scalars are formed. The memory is not written (no chunk closes: the launcher hands back the
+// input's); the pending rows go where DecodeOutputs says: row r into the state's own buffers, or the
+// whole rows into fresh ones (rows past r zero), as the scan kernel writes them; slice 0 writes the
+// keys and decays.
 // =====================================================================================================
 
 #define DECODE_THREADS 128
-#define DECODE_PIECE 32
 
 // Where each segment of a decode launch writes its new pending rows (a kernel parameter; mirrored by
 // `DecodeOutputs` in cuda_delta.rs): `[H, CHUNK, dk]`, `[H, CHUNK, dv]`, `[H, CHUNK]` each. With
@@ -605,35 +609,100 @@ struct DecodeOutputs {
     int in_place[MAXSEG];
 };
 
-extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
-delta_rule_decode_batch_f32(const float* __restrict__ q,     // [N, HK, dk]
-                            const float* __restrict__ k,     // [N, HK, dk]
-                            const float* __restrict__ v,     // rows of v_stride, [H, dv] each
-                            const float* __restrict__ g,     // [N, H]
-                            const float* __restrict__ beta,  // [N, H]
-                            float* __restrict__ out,         // [N, H, dv]
-                            const DeltaSegments sg, const DecodeOutputs wo) {
-    extern __shared__ double smem_d[];
+// Thread-block clusters (sm_90): the block's rank, a split barrier over the cluster's threads, and a
+// store into another block's shared memory. Elsewhere they are never reached (the launcher runs the
+// cluster entries on compute capability 9.x only) and trap.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define DECODE_CLUSTERS 1
+#endif
+__device__ __forceinline__ int cluster_rank() {
+#ifdef DECODE_CLUSTERS
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return (int)r;
+#else
+    __trap();
+    return 0;
+#endif
+}
+// Every thread of the cluster has arrived (relaxed: orders nothing; the blocks have started).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#ifdef DECODE_CLUSTERS
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+#else
+    __trap();
+#endif
+}
+__device__ __forceinline__ void cluster_arrive_release() {
+#ifdef DECODE_CLUSTERS
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#else
+    __trap();
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#ifdef DECODE_CLUSTERS
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+    __trap();
+#endif
+}
+// v into the float at `p` (a shared address of this block) in the cluster's block `rank`.
+__device__ __forceinline__ void st_cluster(float* p, int rank, float v) {
+#ifdef DECODE_CLUSTERS
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_u32(p)), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote), "f"(v) : "memory");
+#else
+    __trap();
+#endif
+}
+
+// fmaf over i = 0 .. n − 1 in order, from 0, of x[i] · y[i] (both 16-byte aligned, n a multiple of 4).
+__device__ __forceinline__ float dot_in_order(const float* x, const float* y, int n) {
+    float d = 0.f;
+#pragma unroll 8
+    for (int i = 0; i < n; i += 4) {
+        const float4 a = *(const float4*)&x[i];
+        const float4 b = *(const float4*)&y[i];
+        d = fmaf(a.x, b.x, d);
+        d = fmaf(a.y, b.y, d);
+        d = fmaf(a.z, b.z, d);
+        d = fmaf(a.w, b.w, d);
+    }
+    return d;
+}
+
+template <int NS>
+__device__ __forceinline__ void delta_rule_decode(const float* __restrict__ q, const float* __restrict__ k,
+                                                  const float* __restrict__ v, const float* __restrict__ g,
+                                                  const float* __restrict__ beta, float* __restrict__ out,
+                                                  const DeltaSegments& sg, const DecodeOutputs& wo) {
+    constexpr int CH = CHUNK / NS;  // pending rows whose pair scalars a block forms
+    extern __shared__ double decode_smem[];
     const int h = blockIdx.x, c0 = blockIdx.y * CW, seg = blockIdx.z, tid = threadIdx.x;
     const int H = sg.heads, HK = sg.key_heads, kh = h % HK, dk = sg.dk, dv = sg.dv;
     const int r = sg.pending[seg];
     const long tok = sg.start[seg];
-    const int PS = DECODE_PIECE + 1;  // row stride of a key piece (a thread a row: no bank conflicts)
+    const int KS = dk + KPAD;
+    const int rank = NS > 1 ? cluster_rank() : 0;
+    const int lo = rank * CH, hi = min(r, lo + CH);  // this block's pending rows lo .. hi − 1
 
-    double* gam = smem_d;                 // [CHUNK]
-    float* S = (float*)(gam + CHUNK);     // [dk][CW] the memory's slice
-    float* P = S + dk * CW;               // [CHUNK][CW] the pending u rows' slice
-    float* kr = P + CHUNK * CW;           // [dk] k̂_r
-    float* qr = kr + dk;                  // [dk] q̂_r
-    float* A = qr + dk;                   // [CHUNK]
-    float* B = A + CHUNK;                 // [CHUNK]
-    float* U = B + CHUNK;                 // [CW] u_r
-    float* Kp = U + CW;                   // [CHUNK][PS] a piece of the pending k̂ rows
+    double* gam = decode_smem;         // [CHUNK]
+    float* S = (float*)(gam + CHUNK);  // [dk][CW] the memory's slice
+    float* P = S + dk * CW;            // [CHUNK][CW] the pending u rows' slice
+    float* kr = P + CHUNK * CW;        // [dk] k̂_r
+    float* qr = kr + dk;               // [dk] q̂_r
+    float* A = qr + dk;                // [CHUNK]
+    float* B = A + CHUNK;              // [CHUNK]
+    float* U = B + CHUNK;              // [CW] u_r
+    float* Kq = U + CW;                // [CH][KS] the pending k̂ rows lo .. hi − 1
 
     const float* s_in = sg.s_in[seg] + (size_t)h * dk * dv + c0;
     const float* pk_in = sg.pk_in[seg] + (size_t)h * CHUNK * dk;
     const float* pu_in = sg.pu_in[seg] + (size_t)h * CHUNK * dv + c0;
     const double* gam_in = sg.gam_in[seg] + (size_t)h * CHUNK;
+    const size_t at = ((size_t)tok * HK + kh) * dk;
 
     for (int idx = tid; idx < dk * (CW / 4); idx += DECODE_THREADS) {
         const int i = idx / (CW / 4), j = (idx % (CW / 4)) * 4;
@@ -643,63 +712,69 @@ delta_rule_decode_batch_f32(const float* __restrict__ q,     // [N, HK, dk]
         const int s = idx / (CW / 4), j = (idx % (CW / 4)) * 4;
         cp_async16(&P[s * CW + j], pu_in + (size_t)s * dv + j);
     }
-    for (int i = tid; i < dk; i += DECODE_THREADS) {
-        const size_t at = ((size_t)tok * HK + kh) * dk + i;
-        kr[i] = k[at];
-        qr[i] = q[at];
+    const int d4 = dk >> 2;
+    for (int idx = tid; idx < (hi - lo) * d4; idx += DECODE_THREADS) {
+        const int s = idx / d4, i = (idx % d4) * 4;
+        cp_async16(&Kq[s * KS + i], pk_in + (size_t)(lo + s) * dk + i);
+    }
+    for (int idx = tid; idx < d4; idx += DECODE_THREADS) {
+        cp_async16(&kr[4 * idx], k + at + 4 * idx);
+        cp_async16(&qr[4 * idx], q + at + 4 * idx);
     }
     for (int s = tid; s < r; s += DECODE_THREADS) gam[s] = gam_in[s];
-    __syncthreads();
-    if (tid == 0) {
-        double acc = r == 0 ? 0.0 : gam[r - 1];
-        acc += (double)g[(size_t)tok * H + h];
-        gam[r] = acc;
-    }
+    const double g_r = (double)g[(size_t)tok * H + h];
     const float beta_r = beta[(size_t)tok * H + h];
-
-    // The pair scalars' dot products, the pending keys a piece of columns at a time.
-    const bool is_a = tid < r, is_b = tid >= CHUNK && tid - CHUNK <= r;
-    const int ps = is_a ? tid : tid - CHUNK;
-    const float* xr = is_a ? kr : qr;
-    float d = 0.f;
-    for (int i0 = 0; i0 < dk; i0 += DECODE_PIECE) {
-        __syncthreads();  // the previous piece is read
-        for (int idx = tid; idx < r * DECODE_PIECE; idx += DECODE_THREADS) {
-            const int s = idx / DECODE_PIECE, i = idx % DECODE_PIECE;
-            Kp[s * PS + i] = i0 + i < dk ? pk_in[(size_t)s * dk + i0 + i] : 0.f;
-        }
-        __syncthreads();
-        if (is_a || (is_b && ps < r)) {
-            const int n = min(DECODE_PIECE, dk - i0);
-            for (int i = 0; i < n; ++i) d = fmaf(xr[i0 + i], Kp[ps * PS + i], d);
-        }
-    }
-    if (is_b && ps == r) {
-        for (int i = 0; i < dk; ++i) d = fmaf(qr[i], kr[i], d);
-    }
-    if (is_a) A[ps] = beta_r * d * (float)exp(gam[r] - gam[ps]);
-    if (is_b) B[ps] = ps < r ? d * (float)exp(gam[r] - gam[ps]) : d;
+    const bool is_u = tid >= 64 && tid < 64 + CW, is_o = tid >= 64 + CW && tid < 64 + 2 * CW;
+    const int j = tid - (is_u ? 64 : 64 + CW);
+    const float vj = is_u ? v[(size_t)tok * sg.v_stride + (size_t)h * dv + c0 + j] : 0.f;
+    if (NS > 1) cluster_arrive_relaxed();  // this block has started (paired with the wait below)
     cp_async_wait_all();
     __syncthreads();
+    const double gam_r = (r == 0 ? 0.0 : gam[r - 1]) + g_r;
+    if (NS > 1) cluster_wait();  // every block of the cluster has started: its shared memory is there
 
-    const float dec = (float)exp(gam[r]);
-    const bool is_u = tid < CW, is_o = tid >= CW && tid < 2 * CW;
-    const int j = is_u ? tid : tid - CW;
-    float o = 0.f;
-    if (is_u || is_o) {
-        const float* x = is_u ? kr : qr;
-        float acc = 0.f;
-        for (int i = 0; i < dk; ++i) acc = fmaf(x[i], S[i * CW + j], acc);
-        if (is_u) {
-            const float vj = v[(size_t)tok * sg.v_stride + (size_t)h * dv + c0 + j];
-            float u = beta_r * fmaf(-dec, acc, vj);
-            for (int s = 0; s < r; ++s) u = fmaf(-A[s], P[s * CW + j], u);
-            U[j] = u;
-        } else {
-            o = dec * acc;
-            for (int s = 0; s < r; ++s) o = fmaf(B[s], P[s * CW + j], o);
+    // The pair scalars of rows lo .. hi − 1, into A and B of every block of the cluster.
+    for (int p = tid; p < 2 * CH; p += DECODE_THREADS) {
+        const bool a = p < CH;
+        const int s = lo + (a ? p : p - CH);
+        if (s < hi) {
+            const float d = dot_in_order(a ? kr : qr, Kq + (s - lo) * KS, dk);
+            const float e = (float)exp(gam_r - gam[s]);
+            const float x = a ? beta_r * d * e : d * e;
+            float* dst = a ? &A[s] : &B[s];
+            if (NS == 1) {
+                *dst = x;
+            } else {
+#pragma unroll
+                for (int c = 0; c < NS; ++c) st_cluster(dst, c, x);
+            }
         }
     }
+    if (tid == (2 * CH) % DECODE_THREADS) B[r] = dot_in_order(qr, kr, dk);
+    // RK_j (u threads) and RQ_j (o threads) against the memory.
+    float acc = 0.f;
+    if (is_u || is_o) {
+        const float* x = is_u ? kr : qr;
+        for (int i = 0; i < dk; ++i) acc = fmaf(x[i], S[i * CW + j], acc);
+    }
+    if (NS > 1) {
+        cluster_arrive_release();  // this block's pair scalars are stored everywhere
+        cluster_wait();            // and every other block's here
+    } else {
+        __syncthreads();
+    }
+
+    const float dec = (float)exp(gam_r);
+    float o = 0.f;
+    if (is_u) {
+        float u = beta_r * fmaf(-dec, acc, vj);
+        for (int s = 0; s < r; ++s) u = fmaf(-A[s], P[s * CW + j], u);
+        U[j] = u;
+    } else if (is_o) {
+        o = dec * acc;
+        for (int s = 0; s < r; ++s) o = fmaf(B[s], P[s * CW + j], o);
+    }
+    if (tid == 0) gam[r] = gam_r;
     __syncthreads();
     if (is_o) {
         o = fmaf(B[r], U[j], o);
@@ -715,7 +790,7 @@ delta_rule_decode_batch_f32(const float* __restrict__ q,     // [N, HK, dk]
         if (tid < CW) puo[(size_t)r * dv + tid] = U[tid];
         if (blockIdx.y == 0) {
             for (int i = tid; i < dk; i += DECODE_THREADS) pko[(size_t)r * dk + i] = kr[i];
-            if (tid == 0) go[r] = gam[r];
+            if (tid == 0) go[r] = gam_r;
         }
         return;
     }
@@ -731,3 +806,27 @@ delta_rule_decode_batch_f32(const float* __restrict__ q,     // [N, HK, dk]
         for (int s = tid; s < CHUNK; s += DECODE_THREADS) go[s] = s <= r ? gam[s] : 0.0;
     }
 }
+
+#define DELTA_DECODE_PARAMS                                                                             \
+    const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,             \
+        const float *__restrict__ g, const float *__restrict__ beta, float *__restrict__ out,           \
+        const DeltaSegments sg, const DecodeOutputs wo
+
+// Any GPU: a block forms every pair scalar of its head.
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS) delta_rule_decode_batch_f32(DELTA_DECODE_PARAMS) {
+    delta_rule_decode<1>(q, k, v, g, beta, out, sg, wo);
+}
+
+// Compute capability 9.x: clusters of NS column slices of a head (dv / CW a multiple of NS).
+#ifdef DECODE_CLUSTERS
+#define DELTA_DECODE_CLUSTER(NAME, NS)                                                                  \
+    extern "C" __global__ void __cluster_dims__(1, NS, 1) __launch_bounds__(DECODE_THREADS)             \
+        NAME(DELTA_DECODE_PARAMS) {                                                                     \
+        delta_rule_decode<NS>(q, k, v, g, beta, out, sg, wo);                                           \
+    }
+#else
+#define DELTA_DECODE_CLUSTER(NAME, NS) \
+    extern "C" __global__ void NAME(DELTA_DECODE_PARAMS) { __trap(); }
+#endif
+DELTA_DECODE_CLUSTER(delta_rule_decode_cluster2_f32, 2)
+DELTA_DECODE_CLUSTER(delta_rule_decode_cluster4_f32, 4)

@@ -134,7 +134,7 @@ pub fn delta_rule_batch(
     segments: &[RuleSegment],
     states: &[RuleState],
 ) -> Result<BatchResult> {
-    delta_rule_batch_with(q, k, v, g, beta, segments, states, true)
+    delta_rule_batch_with(q, k, v, g, beta, segments, states, Some(DecodeKernel::Auto))
 }
 
 /// Outputs `[N, H, dv]`, every segment's state after its rows, and each segment's snapshot state.
@@ -151,7 +151,34 @@ pub fn delta_rule_batch_general(
     segments: &[RuleSegment],
     states: &[RuleState],
 ) -> Result<BatchResult> {
-    delta_rule_batch_with(q, k, v, g, beta, segments, states, false)
+    delta_rule_batch_with(q, k, v, g, beta, segments, states, None)
+}
+
+/// Which kernel runs a decode step (one-token segments inside their chunk): the same bits either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeKernel {
+    /// The column slices of a head as one thread-block cluster, each block forming the pair scalars
+    /// of a share of the pending rows, where the GPU has clusters (compute capability 9.x) and the
+    /// slices of a head (dv / 32) are a multiple of 2; otherwise [`DecodeKernel::Portable`].
+    Auto,
+    /// Every block forms all the pair scalars of its head (any GPU).
+    Portable,
+}
+
+/// [`delta_rule_batch`] with its decode steps on the decode kernel `kernel` (the device checks compare
+/// the kernels with each other and with the pair and scan kernels).
+#[allow(clippy::too_many_arguments)]
+pub fn delta_rule_batch_decode_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    segments: &[RuleSegment],
+    states: &[RuleState],
+    kernel: DecodeKernel,
+) -> Result<BatchResult> {
+    delta_rule_batch_with(q, k, v, g, beta, segments, states, Some(kernel))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -163,7 +190,7 @@ fn delta_rule_batch_with(
     beta: &Tensor,
     segments: &[RuleSegment],
     states: &[RuleState],
-    decode: bool,
+    decode: Option<DecodeKernel>,
 ) -> Result<BatchResult> {
     let dims = check_batch(q, k, v, g, beta, segments, states)?;
     let (tokens, heads, dk, dv) = (dims.tokens, dims.heads, dims.dk, dims.dv);
@@ -232,7 +259,7 @@ fn delta_rule_batch_with(
             });
         }
         // Decode steps: one launch of the decode kernel per MAX_SEGMENTS of them.
-        if decode {
+        if let Some(kernel) = decode {
             let steps: Vec<usize> = (0..work.len())
                 .filter(|&wi| {
                     let w = &work[wi];
@@ -249,7 +276,7 @@ fn delta_rule_batch_with(
                         snapshot: None,
                     })
                     .collect();
-                let next = launch_decode(&dev, &x, &out, &parts)?;
+                let next = launch_decode(&dev, &x, &out, &parts, kernel)?;
                 drop(parts);
                 for (&wi, state) in group.iter().zip(next) {
                     work[wi].done = 1;
@@ -664,11 +691,34 @@ fn segment_args<'a>(
     Ok((args, chunks, guards))
 }
 
-/// Threads of the decode kernel (`DECODE_THREADS` in delta_rule.cu): the pair scalars take a thread
-/// each (CHUNK for A, CHUNK for B), the solve two a column of its slice.
+/// Threads of the decode kernel (`DECODE_THREADS` in delta_rule.cu): a pair scalar's chain a thread,
+/// the solve two a column of its slice.
 const DECODE_THREADS: u32 = 128;
-/// Columns of the pending keys staged at a time by the decode kernel (`DECODE_PIECE`).
-const DECODE_PIECE: usize = 32;
+
+/// The decode kernel `kernel` runs on `dev` for `dv` value columns: its entry and the column slices of
+/// a cluster (1: no cluster), `NS` in delta_rule.cu.
+fn decode_entry(
+    dev: &CudaDevice,
+    kernel: DecodeKernel,
+    dv: usize,
+) -> Result<(&'static str, usize)> {
+    let slices = dv / COLUMNS;
+    if kernel == DecodeKernel::Auto && slices % 2 == 0 {
+        let (major, _) = dev
+            .cuda_stream()
+            .context()
+            .compute_capability()
+            .map_err(launch_err)?;
+        if major == 9 {
+            return Ok(if slices % 4 == 0 {
+                ("delta_rule_decode_cluster4_f32", 4)
+            } else {
+                ("delta_rule_decode_cluster2_f32", 2)
+            });
+        }
+    }
+    Ok(("delta_rule_decode_batch_f32", 1))
+}
 
 /// Per-segment destinations of a decode launch: the C layout of `DecodeOutputs` in delta_rule.cu.
 /// Its arrays repeat [`SegmentArgs`]'s first fields, but each struct mirrors its own C struct field for
@@ -704,6 +754,7 @@ fn launch_decode(
     x: &BatchInputs<'_>,
     out: &CudaSlice<f32>,
     parts: &[Part<'_>],
+    kernel: DecodeKernel,
 ) -> Result<Vec<RuleState>> {
     let (heads, dk, dv) = (x.heads, x.dk, x.dv);
     let count = parts.len();
@@ -768,11 +819,12 @@ fn launch_decode(
         }
     }
     // Shared memory as laid out at the top of the kernel: Γ, the memory's and the pending u rows'
-    // slices, k̂_r, q̂_r, A, B, u_r, a piece of the pending k̂ rows.
+    // slices, k̂_r, q̂_r, A, B, u_r, the pending k̂ rows whose pair scalars the block forms.
+    let (entry, cluster) = decode_entry(dev, kernel, dv)?;
     let smem = CHUNK * 8
         + (dk * COLUMNS + CHUNK * COLUMNS + 2 * dk + 2 * CHUNK + COLUMNS) * 4
-        + CHUNK * (DECODE_PIECE + 1) * 4;
-    let kernel = load_kernel(dev, MODULE, IMAGE, "delta_rule_decode_batch_f32")?;
+        + CHUNK / cluster * (dk + KPAD) * 4;
+    let kernel = load_kernel(dev, MODULE, IMAGE, entry)?;
     kernel.allow_dynamic_shared(smem, "delta rule decode shared memory")?;
     let cfg = LaunchConfig {
         grid_dim: (heads as u32, (dv / COLUMNS) as u32, count as u32),

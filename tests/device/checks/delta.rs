@@ -10,8 +10,9 @@
 //!    q/k tiled to the value heads.
 //! 2. The same batch against the CPU twin (`chunked_batch` on the host): ‖Δ‖/‖ref‖ of the outputs and
 //!    of the memories after every segment.
-//! 3. The decode kernel (one-token segments inside their chunk) against the pair and scan kernels, bit
-//!    for bit, at every pending count.
+//! 3. The decode kernels (one-token segments inside their chunk: the cluster kernel on Hopper and the
+//!    portable one) against the pair and scan kernels, bit for bit, at every pending count, at
+//!    dk = dv = 128 and 64.
 //! 4. Snapshots inside segments (the state after a segment's first rows, written by the scan kernel or
 //!    taken at a launch's end) against those rows run alone, bit for bit, and the batch with snapshots
 //!    against the batch without (`snapshot_checks`).
@@ -25,7 +26,9 @@
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use prism_model::cuda_delta::delta_rule_batch_general;
+use prism_model::cuda_delta::{
+    delta_rule_batch_decode_with, delta_rule_batch_general, DecodeKernel,
+};
 use prism_model::delta_rule::{
     self, chunked_batch, chunked_batch_with_snapshots, expand_key_heads, RuleSegment, RuleState,
 };
@@ -260,11 +263,28 @@ fn bitwise_and_accuracy_checks(r: &mut Report, gpu: &Device) -> Result<()> {
     Ok(())
 }
 
-/// The decode kernel (one-token segments inside their chunk) against the pair and scan kernels, bit for
-/// bit: 70 one-token sequences from states at every pending count 0..=63
-/// (the 63s close their chunk and take the general path), two of them branching from others.
+/// The decode kernels (one-token segments inside their chunk) against the pair and scan kernels, bit
+/// for bit: 70 one-token sequences from states at every pending count 0..=63 (the 63s close their
+/// chunk and take the general path), two of them branching from others; at dk = dv = 128 (clusters of
+/// four column slices on Hopper) and 64 (clusters of two), each with [`DecodeKernel::Auto`] and
+/// [`DecodeKernel::Portable`].
 fn decode_kernel_checks(r: &mut Report, gpu: &Device) -> Result<()> {
-    let (h, hk, dk, dv) = (6usize, 2usize, 128usize, 128usize);
+    for (dk, dv) in [(128usize, 128usize), (64, 64)] {
+        for kernel in [DecodeKernel::Auto, DecodeKernel::Portable] {
+            decode_kernel_case(r, gpu, dk, dv, kernel)?;
+        }
+    }
+    Ok(())
+}
+
+fn decode_kernel_case(
+    r: &mut Report,
+    gpu: &Device,
+    dk: usize,
+    dv: usize,
+    kernel: DecodeKernel,
+) -> Result<()> {
+    let (h, hk) = (6usize, 2usize);
     let mut rng = Rng(0xDE17_A5EE_0B00_0003);
     let mut spec: Vec<(usize, Option<usize>)> = vec![(1, None); 68];
     spec.push((1, Some(3)));
@@ -275,34 +295,40 @@ fn decode_kernel_checks(r: &mut Report, gpu: &Device) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let x = on_device(&batch_inputs(&mut rng, 70, h, hk, dk, dv)?, gpu)?;
     let [q, k, v, g, beta] = &x;
+    let what = format!("delta rule decode kernel {kernel:?}, dk = {dk}, dv = {dv}");
+    let decode = || -> Result<(Tensor, Vec<RuleState>)> {
+        let (out, states, _) =
+            delta_rule_batch_decode_with(q, k, v, g, beta, &segments, &states, kernel)?;
+        Ok((out, states))
+    };
     // The decode kernel writes a step's pending row in place when its state's claim on that row is
     // free: this first call finds every claim free (the branches continue their parent's new state in
     // place too). A state's rows past its pending count are read by nobody (a continuation in place
     // writes them), so the comparisons with the pair and scan kernels mask them.
-    let decoded = chunked_batch(q, k, v, g, beta, &segments, &states)?;
+    let decoded = decode()?;
     let continued_in_place = same_storage(&decoded.1[3].pending_k, &states[3].pending_k)?;
     r.check(
-        "delta rule decode kernel: the state continued in place shares its buffers",
+        &format!("{what}: the state continued in place shares its buffers"),
         "",
         continued_in_place,
-        json!({"check": "decode in place shares the state's buffers", "ok": continued_in_place}),
+        json!({"check": "decode in place shares the state's buffers", "kernel": format!("{kernel:?}"), "dk": dk, "dv": dv, "ok": continued_in_place}),
     );
     let (general_out, general_states, _) =
         delta_rule_batch_general(q, k, v, g, beta, &segments, &states)?;
     let general = (general_out, general_states);
     same_results(
         r,
-        "delta rule decode kernel, rows in place: 70 one-token steps (pending 0..=63, branches) vs the pair and scan kernels (rows past pending masked)",
+        &format!("{what}, rows in place: 70 one-token steps (pending 0..=63, branches) vs the pair and scan kernels (rows past pending masked)"),
         &masked(&decoded)?,
         &masked(&general)?,
     )?;
     // From the same states again: every claim is taken, so each step copies its rows into fresh
     // buffers (a branch then continues its parent's fresh state in place, so rows past pending are
     // masked here too).
-    let again = chunked_batch(q, k, v, g, beta, &segments, &states)?;
+    let again = decode()?;
     same_results(
         r,
-        "delta rule decode kernel, again from the same states (claims taken: copies) vs the pair and scan kernels (rows past pending masked)",
+        &format!("{what}, again from the same states (claims taken: copies) vs the pair and scan kernels (rows past pending masked)"),
         &masked(&again)?,
         &masked(&general)?,
     )?;
@@ -311,7 +337,7 @@ fn decode_kernel_checks(r: &mut Report, gpu: &Device) -> Result<()> {
         "  … a state whose row is claimed is copied",
         "",
         copied,
-        json!({"check": "decode with its row claimed copies", "ok": copied}),
+        json!({"check": "decode with its row claimed copies", "kernel": format!("{kernel:?}"), "dk": dk, "dv": dv, "ok": copied}),
     );
     Ok(())
 }
@@ -539,6 +565,34 @@ fn timing_checks(r: &mut Report, gpu: &Device) -> Result<()> {
         &tile(&[(1, None); 12]),
         &states,
     )?;
+    // The decode kernels alone, one sequence and 32 (one launch), as a thought decodes: each step
+    // continues the last one's states in place (pending rows 0..=29 at the start, so the 22 steps
+    // close no chunk).
+    for n in [1usize, 32] {
+        let start = (0..n)
+            .map(|i| state_after(400 + i as u64, 128 + (7 * i) % 30, h, dk, dv, gpu))
+            .collect::<Result<Vec<_>>>()?;
+        let segments = tile(&vec![(1, None); n]);
+        let mut rng = Rng(0xDE17_A5EE_0B00_0005);
+        let x = on_device(&batch_inputs(&mut rng, n, h, 16, dk, dv)?, gpu)?;
+        for kernel in [DecodeKernel::Auto, DecodeKernel::Portable] {
+            let mut states = start.clone();
+            let us = 1e6
+                * median_seconds(gpu, 21, || {
+                    states = delta_rule_batch_decode_with(
+                        &x[0], &x[1], &x[2], &x[3], &x[4], &segments, &states, kernel,
+                    )?
+                    .1;
+                    Ok(())
+                })?;
+            r.note(
+                &format!(
+                    "delta rule 27B layer, decode step of {n} sequences, decode kernel {kernel:?}, median µs"
+                ),
+                json!(us),
+            );
+        }
+    }
     Ok(())
 }
 

@@ -7,7 +7,8 @@
 //! Reported per batch size: the thoughts' tokens and stop reasons, the wall time from submission to the
 //! last answer, and two rates — `decode_tokens_per_s` (all thought tokens over the longest thought's
 //! decode time, `timings.thought_ms`: the decode phase itself) and `wall_tokens_per_s` (over the whole
-//! wall time, prefills included) — plus each request's own rate (tokens / its thought time).
+//! wall time, prefills included) — plus each request's own rate (tokens / its thought time), and the
+//! SHA-256 of the requests' probabilities and thought texts (`thoughts_sha256`).
 
 use std::time::Instant;
 
@@ -72,6 +73,7 @@ pub(super) fn thought_rows(
             "questions": {"refund": {"type": "noul", "instructions": "Should billing refund the second charge today?"}},
             "think_mode": "always",
             "think_budget": budget,
+            "return_thought": true,
             "return_details": true,
         });
         DecisionRequest::parse(body.to_string().as_bytes(), &Default::default())
@@ -129,6 +131,8 @@ pub(super) fn thought_rows(
             let mut tokens = Vec::with_capacity(batch);
             let mut thought_ms = Vec::with_capacity(batch);
             let mut stops = std::collections::BTreeMap::<String, usize>::new();
+            // Each request's probability and thought text, in submission order: the digest's input.
+            let mut outcomes = Vec::with_capacity(batch);
             for rx in receivers {
                 let output = rx
                     .recv()
@@ -144,6 +148,7 @@ pub(super) fn thought_rows(
                     .stop_reason
                     .map_or("none".to_string(), |s| s.as_str().to_string());
                 *stops.entry(stop).or_default() += 1;
+                outcomes.push((answer.noul, answer.thought.clone()));
             }
             let wall = started.elapsed().as_secs_f64();
             if let Some(host) = host.as_deref() {
@@ -200,6 +205,9 @@ pub(super) fn thought_rows(
                 "decode_tokens_per_s": total as f64 / (longest_ms / 1e3).max(1e-9),
                 "wall_tokens_per_s": total as f64 / wall,
                 "per_sequence_tokens_per_s_median": sorted[sorted.len() / 2],
+                // The requests of a run and batch size are the same in every build and always get
+                // the same thoughts (per-question seeds): equal digests across builds, equal bits.
+                "thoughts_sha256": super::answers_digest(&outcomes)?,
                 // The device's used memory after the batch (CUDA; the stream-ordered pool keeps what
                 // it grew to, so its growth across rows bounds what a batch of thoughts held).
                 "device_used_bytes": prism_model::device_memory(&device).map(|m| m.0),
