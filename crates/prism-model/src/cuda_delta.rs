@@ -786,10 +786,16 @@ fn launch_decode(
 
     // Fresh buffers for the parts that copy, one slot each.
     let copies = in_place.iter().filter(|&&p| !p).count();
-    let slots = copies.max(1);
-    let pk_out = alloc::<f32>(dev, slots * heads * CHUNK * dk)?;
-    let pu_out = alloc::<f32>(dev, slots * heads * CHUNK * dv)?;
-    let gam_out = alloc::<f64>(dev, slots * heads * CHUNK)?;
+    // Fresh buffers only where a part copies (a thought's steps all continue in place).
+    let fresh = if copies > 0 {
+        Some((
+            alloc::<f32>(dev, copies * heads * CHUNK * dk)?,
+            alloc::<f32>(dev, copies * heads * CHUNK * dv)?,
+            alloc::<f64>(dev, copies * heads * CHUNK)?,
+        ))
+    } else {
+        None
+    };
     let mut wo = DecodeOutputs {
         pk: [0; MAX_SEGMENTS],
         pu: [0; MAX_SEGMENTS],
@@ -798,9 +804,13 @@ fn launch_decode(
     };
     let mut slot_of = vec![None; count];
     {
-        let (p_pk, _g1) = pk_out.device_ptr(&stream);
-        let (p_pu, _g2) = pu_out.device_ptr(&stream);
-        let (p_gam, _g3) = gam_out.device_ptr(&stream);
+        let ptrs = fresh.as_ref().map(|(pk, pu, gam)| {
+            (
+                pk.device_ptr(&stream),
+                pu.device_ptr(&stream),
+                gam.device_ptr(&stream),
+            )
+        });
         let mut next = 0usize;
         for j in 0..count {
             if in_place[j] {
@@ -809,7 +819,7 @@ fn launch_decode(
                 wo.pu[j] = args.pu_in[j];
                 wo.gam[j] = args.gam_in[j];
                 wo.in_place[j] = 1;
-            } else {
+            } else if let Some(((p_pk, _), (p_pu, _), (p_gam, _))) = &ptrs {
                 wo.pk[j] = p_pk + (next * heads * CHUNK * dk * 4) as u64;
                 wo.pu[j] = p_pu + (next * heads * CHUNK * dv * 4) as u64;
                 wo.gam[j] = p_gam + (next * heads * CHUNK * 8) as u64;
@@ -844,26 +854,30 @@ fn launch_decode(
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
     }
     drop(guards);
-    let pk_all = wrap(pk_out, dev, (slots, heads, CHUNK, dk));
-    let pu_all = wrap(pu_out, dev, (slots, heads, CHUNK, dv));
-    let gam_all = wrap(gam_out, dev, (slots, heads, CHUNK));
+    let fresh = fresh.map(|(pk, pu, gam)| {
+        (
+            wrap(pk, dev, (copies, heads, CHUNK, dk)),
+            wrap(pu, dev, (copies, heads, CHUNK, dv)),
+            wrap(gam, dev, (copies, heads, CHUNK)),
+        )
+    });
     parts
         .iter()
         .zip(slot_of)
         .map(|(p, slot)| {
             let pending = p.state.pending + 1;
-            Ok(match slot {
-                None => RuleState {
-                    pending,
-                    ..p.state.clone()
-                },
-                Some(i) => RuleState {
+            Ok(match (slot, &fresh) {
+                (Some(i), Some((pk_all, pu_all, gam_all))) => RuleState {
                     chunk_start: p.state.chunk_start.clone(),
                     pending_k: pk_all.get(i)?,
                     pending_u: pu_all.get(i)?,
                     pending_gamma: gam_all.get(i)?,
                     pending,
                     rows: crate::delta_rule::PendingRows::new(pending),
+                },
+                _ => RuleState {
+                    pending,
+                    ..p.state.clone()
                 },
             })
         })
