@@ -800,6 +800,24 @@ __device__ __forceinline__ void wgmma_m64n128k32_s8_first(int (&d)[64], unsigned
         : "l"(da), "l"(db), "r"(0)
         : "memory");
 }
+// m64n32k32 (the swapped tile below): d = a·b or d += a·b, the register layout of m64n128k32 with
+// 16 registers a thread.
+__device__ __forceinline__ void wgmma_m64n32k32_s8_first(int (&d)[16], unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p;\n}\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]), "=r"(d[4]), "=r"(d[5]), "=r"(d[6]), "=r"(d[7]), "=r"(d[8]), "=r"(d[9]), "=r"(d[10]), "=r"(d[11]), "=r"(d[12]), "=r"(d[13]), "=r"(d[14]), "=r"(d[15])
+        : "l"(da), "l"(db), "r"(0)
+        : "memory");
+}
+__device__ __forceinline__ void wgmma_m64n32k32_s8(int (&d)[16], unsigned long long da, unsigned long long db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p;\n}\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15])
+        : "l"(da), "l"(db), "r"(scale_d)
+        : "memory");
+}
 #endif
 
 // The tile's two shapes: BM = 128 activation rows × BN = 128 outputs (each consumer warpgroup 64 rows ×
@@ -1101,3 +1119,231 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
     }
 QGEMM_WG(qgemm_wg_q8_0, 128)
 QGEMM_WG(qgemm_wg_q8_0_m64, 64)
+
+// ===================================================================================================
+// The swapped Q8_0 tile for a few dozen activation rows (Hopper, sm_90a): the weight is wgmma's
+// 64-row operand and the activation rows its N, so a CTA owns 64 outputs × NA = 32 activation rows
+// (more rows: more activation tiles, each streaming the weight tile again, mostly from L2) and a
+// product of a few dozen rows is cut into many small jobs: the weight stream of the 27B's
+// projections spreads over every SM (the 64-row tile's 256-output tiles give 20 to 136 jobs there,
+// for 132 SMs). A 64-row version (m64n64k32, 5 stages) lost to this one at every shape measured. A warp of producers (one thread: the stage's two TMA boxes and two bulk copies of
+// scales) and one consumer warpgroup; two CTAs an SM. The same bits as qgemm_run128_q8_0: per run four
+// wgmma m64nNAk32 give the exact int32 sums I_r, then every output takes
+//   acc = fma(f32(I_r), sa_r · sw_r, acc)
+// and the four parts are added as (p0 + p1) + (p2 + p3) (p0 in registers, p0 + p1 in the slot, p2 in
+// registers; a split tile's shares through ws and the last of its CTAs, as the 64-row tile does).
+// Register i of consumer thread t (warp w, lane l): output 16·w + l/4 + 8·((i >> 1) & 1) of the tile,
+// activation row 8·(i >> 2) + 2·(l % 4) + (i & 1).
+// ===================================================================================================
+
+template <int NA>
+struct QwsTile {
+    static constexpr int NR = NA / 2;  // accumulator registers a consumer thread
+    static constexpr int STAGES = 6;
+    static constexpr int A = 0;                 // 64 weight rows × 128 bytes
+    static constexpr int B = 64 * 128;          // NA activation rows × 128 bytes
+    static constexpr int SA = B + NA * 128;     // NA activation scales
+    static constexpr int SW = SA + NA * 4;      // 64 weight scales
+    static constexpr int BYTES = SW + 64 * 4;   // what a stage receives
+    static constexpr int STAGE = (BYTES + 1023) / 1024 * 1024;
+    static constexpr int SLOT = STAGES * STAGE; // p0 + p1: NR floats a consumer thread
+    static constexpr int BARS = SLOT + 128 * NR * 4;
+    static constexpr int SMEM = BARS + 2 * STAGES * 8 + 1024;
+};
+
+#ifdef HAVE_WGMMA
+template <int N>
+__device__ __forceinline__ void fence_regs(int (&acc)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(acc[i])::"memory");
+}
+#endif
+
+// Output and activation row of register i (see above): n = n_base + 8·((i >> 1) & 1), m = m_base + 8·(i >> 2) + (i & 1).
+template <int NR, bool NAN_ROWS>
+__device__ __forceinline__ void qws_store(float* __restrict__ out, const float (&v)[NR],
+                                          const unsigned int* __restrict__ bad_rows, int n_base, int m_base,
+                                          int M, int N) {
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+        const int n = n_base + 8 * ((i >> 1) & 1), m = m_base + 8 * (i >> 2) + (i & 1);
+        if (n < N && m < M) out[(size_t)m * N + n] = NAN_ROWS && bad_rows[m] ? __int_as_float(0x7fc00000) : v[i];
+    }
+}
+
+template <int NR>
+__device__ __forceinline__ void qws_combine_cg(const float* __restrict__ ws, int splits, float (&v)[NR], int n_base,
+                                               int m_base, int M, int N) {
+    const size_t share = (size_t)M * N;
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+        const int n = n_base + 8 * ((i >> 1) & 1), m = m_base + 8 * (i >> 2) + (i & 1);
+        float x = 0.f;
+        if (n < N && m < M) {
+            const float* o = ws + (size_t)m * N + n;
+            x = __fadd_rn(__ldcg(o), __ldcg(o + share));
+            if (splits == 4) x = __fadd_rn(x, __fadd_rn(__ldcg(o + 2 * share), __ldcg(o + 3 * share)));
+        }
+        v[i] = x;
+    }
+}
+
+template <int NA>
+__device__ __forceinline__ void qgemm_wgs_q8_0_body(const TmaDesc* tmap_a, const TmaDesc* tmap_b,
+                                                    const float* __restrict__ sa_t, int ldsa,
+                                                    const float* __restrict__ sw_t, int ldsw,
+                                                    const unsigned int* __restrict__ bad_rows, int M, int N,
+                                                    int K, float* __restrict__ y, float* __restrict__ ws,
+                                                    unsigned int* __restrict__ tile_counters, int gx, int gy,
+                                                    int full, int splits_left, int jobs) {
+#ifdef HAVE_WGMMA
+    extern __shared__ unsigned char smem_raw[];
+    using T = QwsTile<NA>;
+    constexpr int STAGES = T::STAGES, NR = T::NR;
+    unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+    unsigned long long* full_bar = reinterpret_cast<unsigned long long*>(smem + T::BARS);
+    unsigned long long* empty = full_bar + STAGES;
+    const int R = (K + 127) / 128;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_bar + s, 1);
+            mbar_init(empty + s, 4);  // the 4 consumer warps
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == 4) {
+        if (lane == 0) {
+            tma_prefetch_desc(tmap_a);
+            tma_prefetch_desc(tmap_b);
+            unsigned it = 0;  // stages used so far, over all of this CTA's jobs
+            for (int j = blockIdx.x; j < jobs; j += gridDim.x) {
+                const QwJob job = qw_job(j, full, splits_left, gx, gy, 1);
+                const int m0 = job.mt * NA, n0 = job.nt * 64;
+                const int r_lo = (job.z * 4 / job.splits) * R / 4;
+                const int r_hi = ((job.z + 1) * 4 / job.splits) * R / 4;
+                for (int r = r_lo; r < r_hi; ++r, ++it) {
+                    const int s = it % STAGES;
+                    mbar_wait(empty + s, ((it / STAGES) & 1) ^ 1);
+                    unsigned char* st = smem + s * T::STAGE;
+                    mbar_arrive_expect_tx(full_bar + s, T::BYTES);
+                    tma_load_2d(st + T::A, tmap_b, r * 128, n0, full_bar + s);
+                    tma_load_2d(st + T::B, tmap_a, r * 128, m0, full_bar + s);
+                    bulk_load(st + T::SA, sa_t + (size_t)r * ldsa + m0, NA * 4, full_bar + s);
+                    bulk_load(st + T::SW, sw_t + (size_t)r * ldsw + n0, 64 * 4, full_bar + s);
+                }
+            }
+        }
+        return;
+    }
+    const int t = threadIdx.x;
+    float* slot = reinterpret_cast<float*>(smem + T::SLOT) + t;  // element i at slot[128·i]
+    const int row_in = 16 * warp + lane / 4;  // the thread's outputs in the tile: row_in, row_in + 8
+    const int col_in = 2 * (lane % 4);        // its activation rows: col_in + 8·j (+1)
+    __shared__ int last_of_tile;
+    unsigned it = 0;  // as the producer's
+#pragma unroll 1
+    for (int j = blockIdx.x; j < jobs; j += gridDim.x) {
+        const QwJob job = qw_job(j, full, splits_left, gx, gy, 1);
+        const int splits = job.splits;
+        const int part_lo = job.z * 4 / splits, part_hi = (job.z + 1) * 4 / splits;
+        const int n_base = job.nt * 64 + row_in, m_base = job.mt * NA + col_in;
+        float* wz = ws + (size_t)job.z * M * N;
+        float facc[NR], hold[NR];
+        int acc[NR];
+#pragma unroll
+        for (int i = 0; i < NR; ++i) facc[i] = 0.f;
+#pragma unroll 1
+        for (int part = part_lo; part < part_hi; ++part) {
+#pragma unroll 1
+            for (int r = part * R / 4; r < (part + 1) * R / 4; ++r) {
+                const int s = it % STAGES;
+                mbar_wait(full_bar + s, (it / STAGES) & 1);
+                const unsigned char* st = smem + s * T::STAGE;
+                const unsigned long long da = wgmma_desc(smem_addr(st + T::A));
+                const unsigned long long db = wgmma_desc(smem_addr(st + T::B));
+                wgmma_fence();
+                wgmma_m64n32k32_s8_first(acc, da, db);
+                wgmma_m64n32k32_s8(acc, da | 2, db | 2, 1);
+                wgmma_m64n32k32_s8(acc, da | 4, db | 4, 1);
+                wgmma_m64n32k32_s8(acc, da | 6, db | 6, 1);
+                wgmma_commit();
+                fence_regs(acc);
+                wgmma_wait0();
+                fence_regs(acc);
+                const float* ssa = reinterpret_cast<const float*>(st + T::SA);
+                const float* ssw = reinterpret_cast<const float*>(st + T::SW);
+                const float w0 = ssw[row_in], w1 = ssw[row_in + 8];
+#pragma unroll
+                for (int jj = 0; jj < NA / 8; ++jj) {
+                    const float2 a = *reinterpret_cast<const float2*>(ssa + 8 * jj + col_in);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int i = 4 * jj + e;
+                        const float pw = __fmul_rn((e & 1) ? a.y : a.x, (e & 2) ? w1 : w0);
+                        facc[i] = __fmaf_rn(__int2float_rn(acc[i]), pw, facc[i]);
+                    }
+                }
+                mbar_arrive_warp(empty + s);
+                ++it;
+            }
+            // The end of part `part`, facc its sum.
+            if (splits == 4) {
+                qws_store<NR, false>(wz, facc, bad_rows, n_base, m_base, M, N);
+            } else if ((part & 1) == 0) {
+#pragma unroll
+                for (int i = 0; i < NR; ++i) hold[i] = facc[i];
+            } else {
+#pragma unroll
+                for (int i = 0; i < NR; ++i) facc[i] = __fadd_rn(hold[i], facc[i]);
+                if (splits == 2) {
+                    qws_store<NR, false>(wz, facc, bad_rows, n_base, m_base, M, N);
+                } else if (part == 1) {
+#pragma unroll
+                    for (int i = 0; i < NR; ++i) slot[128 * i] = facc[i];
+                } else {
+#pragma unroll
+                    for (int i = 0; i < NR; ++i) facc[i] = __fadd_rn(slot[128 * i], facc[i]);
+                    qws_store<NR, true>(y, facc, bad_rows, n_base, m_base, M, N);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < NR; ++i) facc[i] = 0.f;
+        }
+        // A split tile: the last of its jobs to finish adds the shares in the contract's tree and
+        // resets the tile's counter for the next launch.
+        if (splits > 1) {
+            __threadfence();
+            named_sync(1, 128);
+            if (t == 0) {
+                unsigned int* counter = tile_counters + job.tile;
+                const bool last = atomicAdd(counter, 1u) == (unsigned)splits - 1;
+                if (last) *counter = 0u;
+                last_of_tile = last;
+            }
+            named_sync(1, 128);
+            const bool last = last_of_tile;
+            named_sync(1, 128);  // last_of_tile is read before the next job's counter writes it
+            if (last) {
+                __threadfence();
+                qws_combine_cg<NR>(ws, splits, facc, n_base, m_base, M, N);
+                qws_store<NR, true>(y, facc, bad_rows, n_base, m_base, M, N);
+            }
+        }
+    }
+#endif
+}
+
+// Jobs as the 64-row tile's (qw_job, activation tiles of NA rows, weight tiles of 64 outputs); the
+// grid is usually one CTA a job (crates/prism-quant/src/cuda.rs `TileSchedule::waves`).
+#define QGEMM_WGS(NAME, NA)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(160, 2)                                                    \
+        NAME(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,                \
+             const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows, int M, \
+             int N, int K, float* y, float* ws, int group, unsigned int* tile_counters, int gx, int gy,     \
+             int full, int splits, int jobs) {                                                              \
+        qgemm_wgs_q8_0_body<NA>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws,       \
+                                tile_counters, gx, gy, full, splits, jobs);                                \
+    }
+QGEMM_WGS(qgemm_wgs_q8_0_n32, 32)

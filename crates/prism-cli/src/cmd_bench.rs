@@ -28,6 +28,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         think_batch: args.think_batch.clone(),
         engine_batch: args.engine_batch.clone(),
         narrow_rows: args.narrow_rows,
+        swapped_rows: args.swapped_rows,
     };
     let report = prism_decision::bench::run(&options, &mut |line| eprintln!("{line}"))?;
     if args.json || args.think.is_some() {

@@ -284,6 +284,10 @@ pub struct BenchArgs {
     /// CUDA builds: run the integer products of 3 to N rows on the narrow kernel (0: never).
     #[arg(long)]
     pub narrow_rows: Option<usize>,
+    /// CUDA builds (Hopper): run the integer products the skinny and narrow kernels leave, up to N
+    /// rows (at most 64), on the swapped tile (0: never; default 64).
+    #[arg(long)]
+    pub swapped_rows: Option<usize>,
     /// CUDA builds: wrap the last timed run of each scenario in a CUDA profiler range
     /// (cuProfilerStart/Stop), so that `ncu --profile-from-start off` records exactly one warm pass
     /// of each scenario and nothing of the load or the floor measurements.

@@ -66,6 +66,10 @@ pub enum TileShape {
     M128,
     /// 64 × 256 outputs a CTA, 3 stages of 43,008 bytes.
     M64,
+    /// The swapped tile (`qgemm_wgs_q8_0_n32`): 32 activation rows × 64 outputs a CTA, the weight as
+    /// wgmma's 64-row operand; 6 stages of 13,312 bytes, two CTAs an SM, one CTA a job
+    /// ([`TileSchedule::waves`]).
+    S32,
 }
 
 impl TileShape {
@@ -73,18 +77,33 @@ impl TileShape {
         match self {
             TileShape::M128 => (128, 128),
             TileShape::M64 => (64, 256),
+            TileShape::S32 => (32, 64),
         }
     }
     fn kernel(self) -> &'static str {
         match self {
             TileShape::M128 => "qgemm_wg_q8_0",
             TileShape::M64 => "qgemm_wg_q8_0_m64",
+            TileShape::S32 => "qgemm_wgs_q8_0_n32",
         }
     }
     fn smem(self) -> usize {
         match self {
             TileShape::M128 => 4 * 33_792 + 256 * 64 * 4 + 2 * 4 * 8 + 1024,
             TileShape::M64 => 3 * 43_008 + 256 * 64 * 4 + 2 * 3 * 8 + 1024,
+            // `QwsTile`: stages, the part slot (a float a register of a consumer thread), barriers.
+            TileShape::S32 => 6 * 13_312 + 128 * 16 * 4 + 2 * 6 * 8 + 1024,
+        }
+    }
+    /// Whether this is the swapped shape (160 threads, two CTAs an SM, a plain grid of jobs).
+    fn swapped(self) -> bool {
+        self == TileShape::S32
+    }
+    fn threads(self) -> u32 {
+        if self.swapped() {
+            WGS_THREADS
+        } else {
+            WG_THREADS
         }
     }
 
@@ -102,6 +121,8 @@ impl TileShape {
 }
 /// Threads of the Hopper tile: a producer warpgroup and two consumer warpgroups.
 const WG_THREADS: u32 = 384;
+/// Threads of the swapped tile: a consumer warpgroup and a producer warp.
+const WGS_THREADS: u32 = 160;
 
 /// Whether `dev` runs the Hopper tile (compute capability 9.0: `wgmma`, TMA).
 fn is_hopper(dev: &CudaDevice) -> Result<bool> {
@@ -185,8 +206,9 @@ pub fn matmul(x: &Tensor, w: &CudaQuantWeight) -> Result<Tensor> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kernel {
     /// For Q8_0: the skinny kernel up to [`AUTO_SKINNY_ROWS`] rows, the narrow one up to
-    /// [`auto_narrow_rows`], past those the Hopper warpgroup tile on a compute-capability-9.0 GPU (its
-    /// shape by [`TileShape::auto`]); otherwise the simple one.
+    /// [`auto_narrow_rows`], past those on a compute-capability-9.0 GPU the swapped tile up to
+    /// [`auto_swapped_rows`] and the Hopper warpgroup tile beyond (its shape by [`TileShape::auto`]);
+    /// otherwise the simple one.
     Auto,
     /// The simple kernels (one thread an output, dp4a): the comparison for the device checks.
     Simple,
@@ -237,6 +259,30 @@ pub fn set_auto_narrow_rows(rows: usize) {
 /// What [`set_auto_narrow_rows`] set last.
 pub fn auto_narrow_rows() -> usize {
     AUTO_NARROW_ROWS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The most activation rows [`Kernel::Auto`] gives the swapped tile ([`TileShape::S32`]; past 32
+/// rows in several activation tiles), past the narrow kernel's; 0: never. Set by
+/// [`set_auto_swapped_rows`], [`DEFAULT_AUTO_SWAPPED_ROWS`] before.
+static AUTO_SWAPPED_ROWS: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(DEFAULT_AUTO_SWAPPED_ROWS);
+
+/// [`auto_swapped_rows`] until [`set_auto_swapped_rows`]: measured on an H100 at the 27B's
+/// projections (`docs/optimization-log.md`, 2026-12-07), the swapped tile beat or tied the 64-row
+/// tile at every shape from 24 to 64 rows (gate | up 0.079–0.092 ms against 0.098–0.103, the
+/// 5,120-output products 0.020–0.053 against 0.037–0.068); larger row counts were not measured.
+pub const DEFAULT_AUTO_SWAPPED_ROWS: usize = 64;
+
+/// Makes [`Kernel::Auto`] run the swapped tile for products of at most `rows` rows (capped at 64)
+/// that the skinny and narrow kernels do not take, for the rest of the process (0: never). Every
+/// kernel gives the same bits: this changes only speed.
+pub fn set_auto_swapped_rows(rows: usize) {
+    AUTO_SWAPPED_ROWS.store(rows.min(64), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// What [`set_auto_swapped_rows`] set last.
+pub fn auto_swapped_rows() -> usize {
+    AUTO_SWAPPED_ROWS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Warps of one narrow-kernel CTA (`NARROW_WARPS` in `quant_gemm.cu`).
@@ -532,7 +578,15 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
         .hopper
         .as_ref()
         .zip(match kernel {
-            Kernel::Auto => Some((TileShape::auto(m), Grid::Balanced(None), None)),
+            Kernel::Auto => Some((
+                if m <= auto_swapped_rows() {
+                    TileShape::S32
+                } else {
+                    TileShape::auto(m)
+                },
+                Grid::Balanced(None),
+                None,
+            )),
             Kernel::Simple | Kernel::Skinny | Kernel::Narrow | Kernel::NarrowSplit(_) => None,
             Kernel::Tile(shape) => Some((shape, Grid::Balanced(None), None)),
             Kernel::TileSplit(shape, splits) => Some((shape, Grid::Split(splits), None)),
@@ -563,6 +617,9 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
                     TileSchedule::split(tiles, splits)
                 }
                 Grid::Balanced(Some(sms)) => TileSchedule::balanced(tiles, sms),
+                Grid::Balanced(None) if shape.swapped() => {
+                    TileSchedule::waves(tiles, 2 * multiprocessors(&dev)?)
+                }
                 Grid::Balanced(None) => TileSchedule::balanced(tiles, multiprocessors(&dev)?),
             };
             let group = group.unwrap_or_else(|| tile_group(shape, m));
@@ -924,7 +981,7 @@ fn hopper_q8_0(
         .map_err(|_| too_many(format!("{} CTAs", schedule.ctas)))?;
     let cfg = LaunchConfig {
         grid_dim: (ctas, 1, 1),
-        block_dim: (WG_THREADS, 1, 1),
+        block_dim: (shape.threads(), 1, 1),
         shared_mem_bytes: shape.smem() as u32,
     };
     if splits > 1 && ws.len() < splits * m * n {

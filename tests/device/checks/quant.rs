@@ -103,6 +103,23 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
                 }
                 kernels.push(("128-row tile".into(), Kernel::Tile(TileShape::M128)));
                 kernels.push(("64-row tile".into(), Kernel::Tile(TileShape::M64)));
+                // The swapped tile: its waves, every split over K, and a persistent grid of a
+                // few CTAs (several jobs a CTA through the same stages).
+                for (name, shape) in [("swapped tile", TileShape::S32)] {
+                    kernels.push((name.into(), Kernel::Tile(shape)));
+                    for splits in [1, 2, 4] {
+                        kernels.push((
+                            format!("{name} in {splits} split(s)"),
+                            Kernel::TileSplit(shape, splits),
+                        ));
+                    }
+                    for sms in [1, 3] {
+                        kernels.push((
+                            format!("{name} scheduled on {sms} CTA(s)"),
+                            Kernel::TileGrid(shape, sms),
+                        ));
+                    }
+                }
                 // Every tile order: which CTA computes a tile, never what it computes.
                 for group in [1, 2, 3, 8] {
                     kernels.push((

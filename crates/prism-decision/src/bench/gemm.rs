@@ -146,6 +146,16 @@ pub fn time_shape(
         ("M128".to_string(), Kernel::Tile(TileShape::M128)),
         ("M64".to_string(), Kernel::Tile(TileShape::M64)),
     ];
+    // At a few dozen rows the swapped tiles (64 outputs a CTA).
+    if m <= 128 {
+        kernels.push(("S32".to_string(), Kernel::Tile(TileShape::S32)));
+        for splits in [1, 2, 4] {
+            kernels.push((
+                format!("S32 split {splits}"),
+                Kernel::TileSplit(TileShape::S32, splits),
+            ));
+        }
+    }
     if m >= 1024 {
         for group in [1, 4, 8, 16] {
             kernels.push((

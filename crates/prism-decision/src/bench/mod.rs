@@ -648,6 +648,9 @@ pub struct BenchOptions {
     /// CUDA: the integer products of 3 to this many rows on the narrow kernel
     /// (`prism_quant::cuda::set_auto_narrow_rows`; `None`: the built-in choice).
     pub narrow_rows: Option<usize>,
+    /// CUDA: the integer products up to this many rows (past the narrow kernel's) on the swapped tile
+    /// (`prism_quant::cuda::set_auto_swapped_rows`; `None`: the built-in choice).
+    pub swapped_rows: Option<usize>,
 }
 
 /// Runs the benchmark and returns its report (the JSON `prism bench --json` prints). `progress`
@@ -662,6 +665,10 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
     #[cfg(feature = "cuda")]
     if let Some(rows) = args.narrow_rows {
         prism_quant::cuda::set_auto_narrow_rows(rows);
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(rows) = args.swapped_rows {
+        prism_quant::cuda::set_auto_swapped_rows(rows);
     }
     let device = open_device(&args.device)?;
     let gguf_path = match &args.gguf {
@@ -892,6 +899,7 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
         "precision": precision.as_str(),
         "kv_storage": kv_storage.as_str(),
         "narrow_rows": args.narrow_rows,
+        "swapped_rows": args.swapped_rows,
         "threads": rayon::current_num_threads(),
         "layers": cost.config.n_layers,
         "hidden_size": cost.config.hidden_size,
