@@ -140,20 +140,6 @@ pub fn delta_rule_batch(
 /// Outputs `[N, H, dv]`, every segment's state after its rows, and each segment's snapshot state.
 pub type BatchResult = (Tensor, Vec<RuleState>, Vec<Option<RuleState>>);
 
-/// [`delta_rule_batch`] with every segment on the pair and scan kernels (the decode kernel's
-/// reference in the device checks).
-pub fn delta_rule_batch_general(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-    segments: &[RuleSegment],
-    states: &[RuleState],
-) -> Result<BatchResult> {
-    delta_rule_batch_with(q, k, v, g, beta, segments, states, None)
-}
-
 /// Which kernel runs a decode step (one-token segments inside their chunk): the same bits either way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecodeKernel {
@@ -165,24 +151,11 @@ pub enum DecodeKernel {
     Portable,
 }
 
-/// [`delta_rule_batch`] with its decode steps on the decode kernel `kernel` (the device checks compare
-/// the kernels with each other and with the pair and scan kernels).
+/// [`delta_rule_batch`] with its decode steps (one-token segments inside their chunk) on the decode
+/// kernel `decode`, or with `None` every segment on the pair and scan kernels: the device checks
+/// compare the decode kernels with each other and with the pair and scan kernels.
 #[allow(clippy::too_many_arguments)]
-pub fn delta_rule_batch_decode_with(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-    segments: &[RuleSegment],
-    states: &[RuleState],
-    kernel: DecodeKernel,
-) -> Result<BatchResult> {
-    delta_rule_batch_with(q, k, v, g, beta, segments, states, Some(kernel))
-}
-
-#[allow(clippy::too_many_arguments)]
-fn delta_rule_batch_with(
+pub fn delta_rule_batch_with(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,

@@ -26,9 +26,7 @@
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use prism_model::cuda_delta::{
-    delta_rule_batch_decode_with, delta_rule_batch_general, DecodeKernel,
-};
+use prism_model::cuda_delta::{delta_rule_batch_with, DecodeKernel};
 use prism_model::delta_rule::{
     self, chunked_batch, chunked_batch_with_snapshots, expand_key_heads, RuleSegment, RuleState,
 };
@@ -298,7 +296,7 @@ fn decode_kernel_case(
     let what = format!("delta rule decode kernel {kernel:?}, dk = {dk}, dv = {dv}");
     let decode = || -> Result<(Tensor, Vec<RuleState>)> {
         let (out, states, _) =
-            delta_rule_batch_decode_with(q, k, v, g, beta, &segments, &states, kernel)?;
+            delta_rule_batch_with(q, k, v, g, beta, &segments, &states, Some(kernel))?;
         Ok((out, states))
     };
     // The decode kernel writes a step's pending row in place when its state's claim on that row is
@@ -314,7 +312,7 @@ fn decode_kernel_case(
         json!({"check": "decode in place shares the state's buffers", "kernel": format!("{kernel:?}"), "dk": dk, "dv": dv, "ok": continued_in_place}),
     );
     let (general_out, general_states, _) =
-        delta_rule_batch_general(q, k, v, g, beta, &segments, &states)?;
+        delta_rule_batch_with(q, k, v, g, beta, &segments, &states, None)?;
     let general = (general_out, general_states);
     same_results(
         r,
@@ -579,8 +577,15 @@ fn timing_checks(r: &mut Report, gpu: &Device) -> Result<()> {
             let mut states = start.clone();
             let us = 1e6
                 * median_seconds(gpu, 21, || {
-                    states = delta_rule_batch_decode_with(
-                        &x[0], &x[1], &x[2], &x[3], &x[4], &segments, &states, kernel,
+                    states = delta_rule_batch_with(
+                        &x[0],
+                        &x[1],
+                        &x[2],
+                        &x[3],
+                        &x[4],
+                        &segments,
+                        &states,
+                        Some(kernel),
                     )?
                     .1;
                     Ok(())
