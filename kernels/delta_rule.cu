@@ -31,6 +31,7 @@
 // launch per segment, the history in docs/optimization-log.md) formed the same sequences; they were
 // deleted once the device checks had compared them bit for bit on every case.
 
+#include "launch.cuh"
 #define CHUNK 64
 #define CW 32
 #define THREADS 256
@@ -138,6 +139,7 @@ delta_rule_pairs_batch_f32(const float* __restrict__ q,     // [N, HK, dk]
                            double* __restrict__ gam_s,      // [chunks, H, CHUNK]
                            float* __restrict__ fac,         // [chunks, H, 4, CHUNK]
                            const DeltaSegments sg) {
+    PRISM_GRID_PROLOGUE();
     extern __shared__ double smem_d[];
     const int h = blockIdx.x, gc = blockIdx.y, tid = threadIdx.x;
     const int H = sg.heads, HK = sg.key_heads, dk = sg.dk, kh = h % HK;
@@ -284,6 +286,7 @@ delta_rule_scan_batch_f32(const float* __restrict__ q,       // [N, HK, dk]
                           float* __restrict__ pu_out,        // [segments, H, CHUNK, dv]
                           double* __restrict__ gam_out,      // [segments, H, CHUNK]
                           const DeltaSegments sg, const DeltaSnapshots sn) {
+    PRISM_GRID_PROLOGUE();
     extern __shared__ double smem_d[];
     const int h = blockIdx.x, c0 = blockIdx.y * CW, seg = blockIdx.z;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -814,6 +817,7 @@ __device__ __forceinline__ void delta_rule_decode(const float* __restrict__ q, c
 
 // Any GPU: a block forms every pair scalar of its head.
 extern "C" __global__ void __launch_bounds__(DECODE_THREADS) delta_rule_decode_batch_f32(DELTA_DECODE_PARAMS) {
+    PRISM_GRID_PROLOGUE();
     delta_rule_decode<1>(q, k, v, g, beta, out, sg, wo);
 }
 
@@ -822,11 +826,12 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS) delta_rule_decode_b
 #define DELTA_DECODE_CLUSTER(NAME, NS)                                                                  \
     extern "C" __global__ void __cluster_dims__(1, NS, 1) __launch_bounds__(DECODE_THREADS)             \
         NAME(DELTA_DECODE_PARAMS) {                                                                     \
+        PRISM_GRID_PROLOGUE();                                                                          \
         delta_rule_decode<NS>(q, k, v, g, beta, out, sg, wo);                                           \
     }
 #else
 #define DELTA_DECODE_CLUSTER(NAME, NS) \
-    extern "C" __global__ void NAME(DELTA_DECODE_PARAMS) { __trap(); }
+    extern "C" __global__ void NAME(DELTA_DECODE_PARAMS) { PRISM_GRID_PROLOGUE(); __trap(); }
 #endif
 DELTA_DECODE_CLUSTER(delta_rule_decode_cluster2_f32, 2)
 DELTA_DECODE_CLUSTER(delta_rule_decode_cluster4_f32, 4)

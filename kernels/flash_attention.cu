@@ -51,6 +51,7 @@
 // Shared memory: (64 + 4·BK) rows of HD + 8 bf16 (the 16-byte pad per row keeps ldmatrix free of bank
 // conflicts): 99 KiB for HD = 256 (two blocks per H100/H200 SM), 85 KiB for 128, 45 KiB for 64.
 
+#include "launch.cuh"
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -473,6 +474,7 @@ __device__ __forceinline__ void flash_attention_fp8(const __nv_bfloat16* __restr
         NAME(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,                       \
              const __nv_bfloat16* __restrict__ v, float* __restrict__ out, int T, int n_h, int n_kv, int past, \
              float scale_log2, int first_block, int n_blocks, int kv_rows) {                                  \
+        PRISM_GRID_PROLOGUE();                                                                                \
         flash_attention<HD, BK>(q, k, v, out, T, n_h, n_kv, past, scale_log2, first_block, n_blocks, kv_rows, \
                                 static_cast<int>(blockIdx.y));                                                \
     }
@@ -502,6 +504,7 @@ struct FlashBatch {
     extern "C" __global__ void __launch_bounds__(FA_THREADS)                                                   \
         NAME(const __nv_bfloat16* __restrict__ q, const FlashBatch batch, float* __restrict__ out, int n_h,    \
              int n_kv, float scale_log2) {                                                                     \
+        PRISM_GRID_PROLOGUE();                                                                                 \
         const int z = blockIdx.z;                                                                              \
         const int y = blockIdx.y;                                                                              \
         if (y >= batch.n_blocks[z]) return;                                                                    \
@@ -530,6 +533,7 @@ struct KvAppendBatch {
 extern "C" __global__ void kv_append_batch_bf16(const __nv_bfloat16* __restrict__ k_new,
                                                 const __nv_bfloat16* __restrict__ v_new, const KvAppendBatch batch,
                                                 int n_kv, int hd) {
+    PRISM_GRID_PROLOGUE();
     const int z = blockIdx.z, head = blockIdx.x;
     for (int t = blockIdx.y; t < batch.T[z]; t += gridDim.y) {
         const size_t src = (static_cast<size_t>(batch.row[z] + t) * n_kv + head) * hd;
@@ -548,6 +552,7 @@ extern "C" __global__ void kv_append_batch_bf16(const __nv_bfloat16* __restrict_
         NAME(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k, const float* __restrict__ ks, \
              const uint8_t* __restrict__ v, const float* __restrict__ vs, float* __restrict__ out, int T,      \
              int n_h, int n_kv, int past, float scale_log2, int first_block, int n_blocks) {                   \
+        PRISM_GRID_PROLOGUE();                                                                                 \
         flash_attention_fp8<HD, BK>(q, k, ks, v, vs, out, T, n_h, n_kv, past, scale_log2, first_block,        \
                                     n_blocks);                                                                 \
     }

@@ -12,6 +12,7 @@
 // `prism cuda-check`). Rows are independent: a row's bytes never depend on the launch or the other rows.
 // The explicit __fdiv_rn / __fmul_rn intrinsics keep nvcc from contracting or approximating them.
 
+#include "launch.cuh"
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -56,11 +57,13 @@ __device__ __forceinline__ void quantize_rows(const T* __restrict__ x, uint8_t* 
 
 extern "C" __global__ void kv_fp8_quantize_f32(const float* __restrict__ x, uint8_t* __restrict__ q,
                                                float* __restrict__ scales, int rows, int d) {
+    PRISM_GRID_PROLOGUE();
     quantize_rows(x, q, scales, rows, d);
 }
 
 extern "C" __global__ void kv_fp8_quantize_bf16(const __nv_bfloat16* __restrict__ x, uint8_t* __restrict__ q,
                                                 float* __restrict__ scales, int rows, int d) {
+    PRISM_GRID_PROLOGUE();
     quantize_rows(x, q, scales, rows, d);
 }
 
@@ -68,6 +71,7 @@ extern "C" __global__ void kv_fp8_quantize_bf16(const __nv_bfloat16* __restrict_
 // nearest even from the f32 value when `bf16`).
 extern "C" __global__ void kv_fp8_dequantize(const uint8_t* __restrict__ q, const float* __restrict__ scales,
                                              void* __restrict__ y, int bf16, long long n, int d) {
+    PRISM_GRID_PROLOGUE();
     const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const float v = __fmul_rn(e4m3_to_float(q[i]), scales[i / d]);

@@ -6,6 +6,7 @@
 // or sequences share a launch. Kernels that feed a bf16 GEMM can write their output in bf16 (rounded
 // to nearest even, as candle's cast does), sparing the GEMM a separate cast.
 
+#include "launch.cuh"
 #include <cuda_bf16.h>
 
 
@@ -95,6 +96,7 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.f / (expf(-x) + 1.f
         void* __restrict__ y, int y_bf16, int rows, int D, float eps, int mode, float scale
 
 extern "C" __global__ void norm_rows_f32(NORM_ARGS) {
+    PRISM_GRID_PROLOGUE();
     const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     const int lane = threadIdx.x % WARP;
     if (row >= rows) return;
@@ -128,6 +130,7 @@ extern "C" __global__ void norm_rows_f32(NORM_ARGS) {
 #define NORM_THREADS 256
 
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) norm_rows_block_f32(NORM_ARGS) {
+    PRISM_GRID_PROLOGUE();
     __shared__ float partial[NORM_THREADS / WARP];
     const int row = blockIdx.x;
     if (row >= rows) return;  // never: one block per row
@@ -196,6 +199,7 @@ extern "C" __global__ void causal_conv_f32(const float* __restrict__ x,       //
                                            const float* __restrict__ taps,    // [K, C]
                                            float* __restrict__ out, float* __restrict__ new_window,
                                            int T, int C, int K) {
+    PRISM_GRID_PROLOGUE();
     const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     const size_t total = (size_t)(T + K - 1) * C;
     if (idx >= total) return;
@@ -232,6 +236,7 @@ extern "C" __global__ void causal_attention_f32(const float* __restrict__ q, con
                                                 const float* __restrict__ v, float* __restrict__ out,
                                                 int T, int n_h, int n_kv, int hd, int past,
                                                 float scale, int rows_per_block, int heads_per_block) {
+    PRISM_GRID_PROLOGUE();
     extern __shared__ float att_smem[];
     float* Ks = att_smem;               // [ATT_KEYS][hd]
     float* Vs = att_smem + ATT_KEYS * hd;  // [ATT_KEYS][hd]
@@ -308,6 +313,7 @@ extern "C" __global__ void causal_attention_f32(const float* __restrict__ q, con
 // thread per 4 columns; the same two roundings per element as candle's silu then mul.
 extern "C" __global__ void swiglu_f32(const float* __restrict__ gu, long long stride, void* __restrict__ y,
                                       int y_bf16, int rows, int f) {
+    PRISM_GRID_PROLOGUE();
     const int groups = (f + 3) / 4;
     const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (size_t)rows * groups) return;
@@ -331,6 +337,7 @@ extern "C" __global__ void deltanet_gates_f32(const float* __restrict__ b, long 
                                               const float* __restrict__ a, long long a_stride,
                                               const float* __restrict__ dt_bias, const float* __restrict__ ssm_a,
                                               float* __restrict__ beta, float* __restrict__ g, int rows, int H) {
+    PRISM_GRID_PROLOGUE();
     const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (size_t)rows * H) return;
     const int row = (int)(idx / H), h = (int)(idx % H);
@@ -346,6 +353,7 @@ extern "C" __global__ void deltanet_gates_f32(const float* __restrict__ b, long 
 extern "C" __global__ void sigmoid_gate_f32(const float* __restrict__ attn, const float* __restrict__ gate,
                                             long long g_inner, long long g_istride, long long g_outer, int hd,
                                             void* __restrict__ y, int y_bf16, int rows, int W) {
+    PRISM_GRID_PROLOGUE();
     const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (size_t)rows * W) return;
     const int row = (int)(idx / W), j = (int)(idx % W);
@@ -394,6 +402,7 @@ extern "C" __global__ void causal_conv_silu_f32(const float* __restrict__ x, lon
                                                 float* __restrict__ out, float* __restrict__ new_window,
                                                 float* __restrict__ snap_window, int snap_p,
                                                 int T, int C, int K) {
+    PRISM_GRID_PROLOGUE();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
 #define PADDED(p) ((p) < K - 1 ? window[(size_t)(p) * C + c] : x[(size_t)((p) - (K - 1)) * x_stride + c])
@@ -431,6 +440,7 @@ extern "C" __global__ void causal_conv_silu_decode_f32(const float* __restrict__
                                                        ConvDecodeArgs args, const float* __restrict__ taps,
                                                        float* __restrict__ out, float* __restrict__ new_windows,
                                                        int C, int K) {
+    PRISM_GRID_PROLOGUE();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int s = blockIdx.y;
     if (c >= C || s >= args.count) return;
@@ -467,6 +477,7 @@ extern "C" __global__ void qk_norm_rope_f32(const float* __restrict__ q, long lo
                                             const float* __restrict__ sin_t, void* __restrict__ q_out, int q_bf16,
                                             void* __restrict__ k_out, int k_bf16, int n_tokens, int n_h, int n_kv,
                                             int D, int rot, float eps) {
+    PRISM_GRID_PROLOGUE();
     const int row = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     const int lane = threadIdx.x % WARP;
     const int q_rows = n_tokens * n_h;
@@ -532,6 +543,7 @@ __device__ __forceinline__ float block_reduce(float v, int op, float* scratch) {
 extern "C" __global__ void __launch_bounds__(ROW_THREADS)
 layer_norm_rows_f32(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b, int D,
                     float eps, float* __restrict__ y) {
+    PRISM_GRID_PROLOGUE();
     __shared__ float scratch[ROW_THREADS / WARP];
     const float* xr = x + (size_t)blockIdx.x * D;
     float* yr = y + (size_t)blockIdx.x * D;
@@ -555,6 +567,7 @@ layer_norm_rows_f32(const float* __restrict__ x, const float* __restrict__ w, co
 // y = e / Σe.
 extern "C" __global__ void __launch_bounds__(ROW_THREADS)
 softmax_rows_scaled_f32(float* __restrict__ x, int D, float scale) {
+    PRISM_GRID_PROLOGUE();
     __shared__ float scratch[ROW_THREADS / WARP];
     float* xr = x + (size_t)blockIdx.x * D;
     float m = -INFINITY;
@@ -576,6 +589,7 @@ softmax_rows_scaled_f32(float* __restrict__ x, int D, float scale) {
 extern "C" __global__ void vision_qkv_rope_f32(const float* __restrict__ qkv, const float* __restrict__ cosv,
                                                const float* __restrict__ sinv, int n, int heads, int hd,
                                                float* __restrict__ q, float* __restrict__ k, float* __restrict__ v) {
+    PRISM_GRID_PROLOGUE();
     const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x, per = (size_t)heads * n * hd;
     if (idx >= 3 * per) return;
     const int which = (int)(idx / per);

@@ -6,6 +6,7 @@
 // __fadd_rn, __int2float_rn), so nvcc cannot contract or reorder them. Integer sums are exact in any
 // order.
 
+#include "launch.cuh"
 #include <stdint.h>
 
 #define RUN 128
@@ -101,6 +102,7 @@ extern "C" __global__ void quantize_act_run128(const float* __restrict__ x, int 
                                                int sa_row_stride, int sa_run_stride,
                                                int* __restrict__ sums32, int want_sums,
                                                unsigned int* __restrict__ bad_rows) {
+    PRISM_GRID_PROLOGUE();
     quantize_act_body<false>(x, cols, rows, cols, qa, sa, sa_row_stride, sa_run_stride, sums32, want_sums,
                              bad_rows);
 }
@@ -111,6 +113,7 @@ extern "C" __global__ void quantize_act_swiglu_run128(const float* __restrict__ 
                                                       float* __restrict__ sa, int sa_row_stride,
                                                       int sa_run_stride, int* __restrict__ sums32, int want_sums,
                                                       unsigned int* __restrict__ bad_rows) {
+    PRISM_GRID_PROLOGUE();
     quantize_act_body<true>(gu, gu_stride, rows, cols, qa, sa, sa_row_stride, sa_run_stride, sums32, want_sums,
                             bad_rows);
 }
@@ -125,6 +128,7 @@ extern "C" __global__ void quantize_act_gated_norm_run128(
     const float* __restrict__ x, const float* __restrict__ gate, long long g_stride, const float* __restrict__ w,
     float eps, int rows, int heads, signed char* __restrict__ qa, float* __restrict__ sa, int sa_row_stride,
     int sa_run_stride, int* __restrict__ sums32, int want_sums, unsigned int* __restrict__ bad_rows) {
+    PRISM_GRID_PROLOGUE();
     const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
     if (warp >= (long long)rows * heads) return;  // whole warps
@@ -201,6 +205,7 @@ extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS) quantize_act_add_
     const float* __restrict__ w, float eps, int rows, int cols, signed char* __restrict__ qa,
     float* __restrict__ sa, int sa_row_stride, int sa_run_stride, int* __restrict__ sums32, int want_sums,
     unsigned int* __restrict__ bad_rows) {
+    PRISM_GRID_PROLOGUE();
     __shared__ float partial[ADD_NORM_THREADS / 32];
     const int row = blockIdx.x;
     if (row >= rows) return;  // never: one block per row
@@ -343,6 +348,7 @@ __device__ void qgemm_simt(const signed char* __restrict__ qa, const float* __re
                                     const unsigned int* bad_rows, const signed char* wq, const float* wd, \
                                     const float* wdmin, const signed char* wsc, const signed char* wmins, \
                                     int M, int N, int K, float* y) {                                   \
+        PRISM_GRID_PROLOGUE();                                                                         \
         qgemm_simt<FMT>(qa, sa, sums32, bad_rows, wq, wd, wdmin, wsc, wmins, M, N, K, y);             \
     }
 
@@ -443,6 +449,7 @@ __device__ void qgemv_q8_0(const signed char* __restrict__ qa, const float* __re
     extern "C" __global__ void __launch_bounds__(128) NAME(                                            \
         const signed char* qa, const float* sa, const unsigned int* bad_rows, const signed char* wq,    \
         const float* wd, int M, int N, int K, float* y) {                                              \
+        PRISM_GRID_PROLOGUE();                                                                         \
         qgemv_q8_0<MR>(qa, sa, bad_rows, wq, wd, M, N, K, y);                                         \
     }
 
@@ -678,6 +685,7 @@ __device__ void qgemm_narrow_q8_0(const signed char* __restrict__ qa, const floa
     extern "C" __global__ void __launch_bounds__(32 * NARROW_WARPS) NAME(                               \
         const signed char* qa, const float* sa, const unsigned int* bad_rows, const signed char* wq,     \
         const float* wd, int M, int N, int K, float* y, float* ws, int splits, unsigned int* counters) { \
+        PRISM_GRID_PROLOGUE();                                                                           \
         qgemm_narrow_q8_0<MT, WT>(qa, sa, bad_rows, wq, wd, M, N, K, y, ws, splits, counters);          \
     }
 
@@ -1114,6 +1122,7 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
              const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows, int M, \
              int N, int K, float* y, float* ws, int group, unsigned int* tile_counters, int gx, int gy,     \
              int full, int splits, int jobs) {                                                              \
+        PRISM_GRID_PROLOGUE();                                                                              \
         qgemm_wg_q8_0_body<BM>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws, group,  \
                                tile_counters, gx, gy, full, splits, jobs);                                 \
     }
@@ -1343,6 +1352,7 @@ __device__ __forceinline__ void qgemm_wgs_q8_0_body(const TmaDesc* tmap_a, const
              const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows, int M, \
              int N, int K, float* y, float* ws, int group, unsigned int* tile_counters, int gx, int gy,     \
              int full, int splits, int jobs) {                                                              \
+        PRISM_GRID_PROLOGUE();                                                                              \
         qgemm_wgs_q8_0_body<NA>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws,       \
                                 tile_counters, gx, gy, full, splits, jobs);                                \
     }

@@ -34,7 +34,8 @@
 #               with ENGINE_BATCH=6,16 also that many distinct three-question requests in one pass of
 #               the engine (the report's "engine_batches"; profiled too with $PROFILE); NARROW=N: the
 #               integer products of 3 to N rows on the narrow kernel (bench and think27: --narrow-rows);
-#               SWAPPED=N: those up to N rows past the narrow kernel's on the swapped tile (--swapped-rows)
+#               SWAPPED=N: those up to N rows past the narrow kernel's on the swapped tile (--swapped-rows);
+#               PDL=on|off: programmatic dependent launch (bench and think27: --programmatic-launch)
 #   bench9 / bench4   9B / 4B bf16 benches (10 runs after 2 warm-ups)
 #   loads9      9B bf16 loads from 1, 4, 8 and 16 loader threads (--load-threads), one bench run each
 #               after no warm-up (answer digests comparable across them); each killed after 120 s
@@ -257,7 +258,7 @@ for step in "$@"; do
         think27)
             /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --think "${THINK:-128}" \
                 --think-batch "${THINK_BATCH:-1,64}" --runs 1 $(think_profile) ${HOST_PROFILE:+--host-profile $OUT/host-profile-think.txt} \
-                ${NARROW:+--narrow-rows $NARROW} ${SWAPPED:+--swapped-rows $SWAPPED} \
+                ${NARROW:+--narrow-rows $NARROW} ${SWAPPED:+--swapped-rows $SWAPPED} ${PDL:+--programmatic-launch $PDL} \
                 > "$OUT/think-27b-int8.json" 2> "$OUT/think-27b-int8.log"
             echo "think27 rc=$?" ;;
         eval27)
@@ -280,7 +281,7 @@ for step in "$@"; do
         bench27-int8)
             /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --runs 5 --warmup 1 --json \
                 ${PROFILE:+--profile $PROFILE} ${ENGINE:+--engine} ${ENGINE_BATCH:+--engine-batch $ENGINE_BATCH} \
-                ${HOST_PROFILE:+--host-profile $OUT/host-profile-bench.txt} ${NARROW:+--narrow-rows $NARROW} ${SWAPPED:+--swapped-rows $SWAPPED} \
+                ${HOST_PROFILE:+--host-profile $OUT/host-profile-bench.txt} ${NARROW:+--narrow-rows $NARROW} ${SWAPPED:+--swapped-rows $SWAPPED} ${PDL:+--programmatic-launch $PDL} \
                 > "$OUT/bench-27b-int8.json" 2> "$OUT/bench-27b-int8.log"
             echo "bench27-int8 rc=$?" ;;
         bench9) /tmp/prism bench --model-dir /tmp/s9 --device cuda --precision bf16 --runs 10 --warmup 2 > "$OUT/bench-9b-bf16.txt" 2>&1 ;;

@@ -288,6 +288,10 @@ pub struct BenchArgs {
     /// rows (at most 64), on the swapped tile (0: never; default 64).
     #[arg(long)]
     pub swapped_rows: Option<usize>,
+    /// CUDA builds (Hopper): launch the kernels with programmatic dependent launch (each kernel's
+    /// launch overlaps the tail of the one before it; the results are the same); default on.
+    #[arg(long, value_name = "on|off", value_parser = parse_on_off)]
+    pub programmatic_launch: Option<bool>,
     /// CUDA builds: wrap the last timed run of each scenario in a CUDA profiler range
     /// (cuProfilerStart/Stop), so that `ncu --profile-from-start off` records exactly one warm pass
     /// of each scenario and nothing of the load or the floor measurements.
@@ -341,5 +345,14 @@ fn main() -> Result<()> {
         Command::Bench(args) => cmd_bench::run(&args),
         #[cfg(feature = "cuda")]
         Command::GemmBench(args) => cmd_gemm_bench::run(&args),
+    }
+}
+
+/// `on` or `off` (a flag's value).
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(format!("expected on or off, found {other:?}")),
     }
 }

@@ -13,11 +13,12 @@
 
 use candle_core::cuda_backend::cudarc::cublas::{result as cublas, sys as cublas_sys};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, DevicePtr, DevicePtrMut, LaunchConfig,
 };
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Result, Shape, Storage, StorageRef, Tensor, D};
 use prism_quant::cuda_launch::{alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input};
+use prism_quant::cuda_launch::{Launch, PushArg};
 
 use crate::ops::{row_map, RowMap};
 
@@ -169,7 +170,7 @@ impl Output {
         i32::from(matches!(self, Output::Bf16(_)))
     }
 
-    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+    fn push<'a>(&'a self, b: &mut Launch<'a>) {
         match self {
             Output::F32(s) => b.arg(s),
             Output::Bf16(s) => b.arg(s),
@@ -485,6 +486,8 @@ struct ConvDecodeArgs {
 // SAFETY: plain integers in the layout of the kernel's `ConvDecodeArgs` (64 pointers, 65 ints, tail
 // padding to 8 bytes: 776 bytes, checked below).
 unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for ConvDecodeArgs {}
+// SAFETY: as for DeviceRepr above.
+unsafe impl prism_quant::cuda_launch::KernelParam for ConvDecodeArgs {}
 
 const _: () = assert!(std::mem::size_of::<ConvDecodeArgs>() == 776);
 

@@ -15,10 +15,11 @@
 //! batch with its segments one call each, and with the CPU twin (`tests/device/checks/delta.rs`).
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
+    CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig, SyncOnDrop,
 };
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Result, Tensor};
+use prism_quant::cuda_launch::PushArg;
 use prism_quant::cuda_launch::{
     alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input, Scratch,
 };
@@ -66,6 +67,8 @@ struct SegmentArgs {
 // SAFETY: plain integers in the layout of the kernel's `DeltaSegments` (4·32 pointers, then 135 ints,
 // 1568 bytes with the tail padding of an 8-byte-aligned struct; checked below).
 unsafe impl DeviceRepr for SegmentArgs {}
+// SAFETY: as for DeviceRepr above.
+unsafe impl prism_quant::cuda_launch::KernelParam for SegmentArgs {}
 
 const _: () = assert!(std::mem::size_of::<SegmentArgs>() == 1568);
 
@@ -85,6 +88,8 @@ struct SnapshotArgs {
 // SAFETY: plain integers in the layout of the kernel's `DeltaSnapshots` (4·32 pointers, then 64 ints;
 // checked below).
 unsafe impl DeviceRepr for SnapshotArgs {}
+// SAFETY: as for DeviceRepr above.
+unsafe impl prism_quant::cuda_launch::KernelParam for SnapshotArgs {}
 
 const _: () =
     assert!(std::mem::size_of::<SnapshotArgs>() == 4 * MAX_SEGMENTS * 8 + 2 * MAX_SEGMENTS * 4);
@@ -708,6 +713,8 @@ struct DecodeOutputs {
 // SAFETY: plain integers in the layout of the kernel's `DecodeOutputs` (3·32 pointers, 32 ints: 896
 // bytes, checked below).
 unsafe impl DeviceRepr for DecodeOutputs {}
+// SAFETY: as for DeviceRepr above.
+unsafe impl prism_quant::cuda_launch::KernelParam for DecodeOutputs {}
 
 const _: () = assert!(std::mem::size_of::<DecodeOutputs>() == 896);
 

@@ -13,10 +13,9 @@
 //! [`crate::cuda_kv_fp8::dequantize`] writes, so its output is bit for bit [`flash_attention`] on the
 //! dequantized bf16 cache (checked by `prism cuda-check`), with half the cache traffic.
 
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
-};
+use candle_core::cuda_backend::cudarc::driver::{CudaView, DevicePtr, DeviceRepr, LaunchConfig};
 use candle_core::{bail, DType, Result, Storage, StorageRef, Tensor};
+use prism_quant::cuda_launch::PushArg;
 use prism_quant::cuda_launch::{alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input};
 
 use crate::attention::attention_dims;
@@ -371,6 +370,8 @@ struct FlashBatch {
 
 // SAFETY: plain integers in the layout of the kernel's `FlashBatch` (checked below).
 unsafe impl DeviceRepr for FlashBatch {}
+// SAFETY: as for DeviceRepr above.
+unsafe impl prism_quant::cuda_launch::KernelParam for FlashBatch {}
 const _: () = assert!(std::mem::size_of::<FlashBatch>() == FA_BATCH * (2 * 8 + 6 * 4));
 
 /// The segments of one [`kv_append_batch`] launch: the C layout of `KvAppendBatch`. Like
@@ -389,6 +390,8 @@ struct KvAppendBatch {
 
 // SAFETY: plain integers in the layout of the kernel's `KvAppendBatch` (checked below).
 unsafe impl DeviceRepr for KvAppendBatch {}
+// SAFETY: as for DeviceRepr above.
+unsafe impl prism_quant::cuda_launch::KernelParam for KvAppendBatch {}
 const _: () = assert!(std::mem::size_of::<KvAppendBatch>() == FA_BATCH * (2 * 8 + 4 * 4));
 
 /// One sequence's part of [`flash_attention_batch`]: its query rows `row..row + len` of the packed

@@ -2,10 +2,9 @@
 //! (`kernels/kv_fp8.cu`): the same bytes, scales and dequantized values, bit for bit (checked by
 //! `prism cuda-check`), and the device check behind `--kv-fp8` ([`compute_capability`]).
 
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
-};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 use candle_core::{bail, DType, Device, Result, Tensor};
+use prism_quant::cuda_launch::PushArg;
 use prism_quant::cuda_launch::{alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input};
 
 const KV_FP8_IMAGE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kv_fp8.fatbin"));

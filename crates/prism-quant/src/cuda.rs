@@ -11,7 +11,7 @@
 //! quantizer flags the row and every output of that row is NaN; the other rows keep their bits.
 
 use candle_core::cuda_backend::cudarc::driver::{
-    sys, CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    sys, CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig,
 };
 use std::sync::Arc;
 
@@ -19,6 +19,7 @@ use candle_core::cuda_backend::CudaDevice;
 use candle_core::{bail, DType, Device, Result, Tensor};
 
 use crate::activation::{run_count, RUN};
+use crate::cuda_launch::PushArg;
 use crate::cuda_launch::{
     alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input, Scratch,
 };
@@ -283,6 +284,14 @@ pub fn set_auto_swapped_rows(rows: usize) {
 /// What [`set_auto_swapped_rows`] set last.
 pub fn auto_swapped_rows() -> usize {
     AUTO_SWAPPED_ROWS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Whether launches on `dev` use programmatic dependent launch now: it is on
+/// ([`crate::cuda_launch::set_programmatic_launch`]) and the code the driver loaded for this GPU has the
+/// grid-dependency prologue (compute capability 9.x). For reports.
+pub fn programmatic_launch_in_effect(dev: &CudaDevice) -> Result<bool> {
+    let kernel = load_kernel(dev, MODULE, IMAGE, "quantize_act_run128")?;
+    Ok(kernel.programmatic() && crate::cuda_launch::programmatic_launch())
 }
 
 /// Warps of one narrow-kernel CTA (`NARROW_WARPS` in `quant_gemm.cu`).
@@ -1082,6 +1091,8 @@ struct TensorMapArg(sys::CUtensorMap);
 
 // SAFETY: plain bytes the driver copies into the kernel's parameter space.
 unsafe impl DeviceRepr for TensorMapArg {}
+// SAFETY: as for DeviceRepr above.
+unsafe impl crate::cuda_launch::KernelParam for TensorMapArg {}
 
 /// The TMA map of a row-major `[rows, k]` byte matrix at `ptr`, read in boxes of 128 bytes of K by
 /// `box_rows` (≤ 256) rows with the 128-byte swizzle (16-byte chunk c of row r lands at chunk c ^ (r & 7):

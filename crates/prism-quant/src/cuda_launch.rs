@@ -4,11 +4,14 @@
 //! [`load_kernel`], which loads our fatbins (machine code for sm_80/sm_89/sm_90a plus PTX).
 
 use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
+use candle_core::cuda_backend::cudarc::driver::sys::{self, CUfunction_attribute_enum};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DeviceRepr, LaunchArgs,
+    result as driver_result, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView,
+    CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, DriverError, LaunchConfig,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
@@ -299,16 +302,48 @@ pub fn open_device(ordinal: usize) -> Result<Device> {
     Ok(Device::Cuda(dev))
 }
 
+/// Whether launches through [`Kernel::builder`] use programmatic dependent launch where the GPU has it
+/// (see [`Launch`]); on by default.
+static PROGRAMMATIC: AtomicBool = AtomicBool::new(true);
+
+/// Turns programmatic dependent launch on or off for the launches that follow (`prism bench
+/// --programmatic-launch off` compares). Results are the same either way: only when a kernel starts
+/// changes, not what it computes.
+pub fn set_programmatic_launch(on: bool) {
+    PROGRAMMATIC.store(on, Ordering::Relaxed);
+}
+
+/// Whether programmatic dependent launch is on ([`set_programmatic_launch`]).
+pub fn programmatic_launch() -> bool {
+    PROGRAMMATIC.load(Ordering::Relaxed)
+}
+
 /// A kernel of one of our modules, bound to the device's stream (like candle's `CudaFunc`).
 pub struct Kernel {
     func: CudaFunction,
     stream: Arc<CudaStream>,
+    /// The device runs our sm_90a code, whose kernels all begin with the grid-dependency prologue
+    /// (`kernels/launch.cuh`): compute capability 9.x.
+    programmatic: bool,
 }
 
 impl Kernel {
     /// A launch of this kernel on the device's stream.
-    pub fn builder(&self) -> LaunchArgs<'_> {
-        self.stream.launch_builder(&self.func)
+    pub fn builder(&self) -> Launch<'_> {
+        Launch {
+            func: &self.func,
+            stream: &self.stream,
+            programmatic: self.programmatic && programmatic_launch(),
+            args: Vec::with_capacity(24),
+            pointers: Vec::with_capacity(16),
+            _borrows: std::marker::PhantomData,
+        }
+    }
+
+    /// Whether this kernel may be launched programmatically on its device (its code has the
+    /// grid-dependency prologue: compute capability 9.x), whether or not [`programmatic_launch`] is on.
+    pub fn programmatic(&self) -> bool {
+        self.programmatic
     }
 
     /// Raises this kernel's dynamic shared-memory limit to `bytes` (what a launch needs); the error of a
@@ -347,12 +382,164 @@ impl std::ops::Deref for Kernel {
     }
 }
 
+/// One kernel argument of a [`Launch`]: the address of a host value the launch borrows, or an index
+/// into the launch's own device pointers.
+enum Arg {
+    Host(*mut c_void),
+    Device(usize),
+}
+
+/// The arguments of one launch of a [`Kernel`], pushed in the kernel's parameter order with
+/// [`PushArg::arg`] (the same calls as cudarc's `LaunchArgs`), then [`Launch::launch`].
+///
+/// On a GPU of compute capability 9.x (while [`programmatic_launch`] is on) the kernel is launched with
+/// the programmatic stream serialization attribute: it may start before the kernel ahead of it on the
+/// stream has finished. That is safe because every kernel of ours begins with `PRISM_GRID_PROLOGUE()`
+/// (`kernels/launch.cuh`, checked by a test over `kernels/`), which waits for the kernels ahead of it
+/// and for their writes before touching memory; what overlaps is the launch and the blocks' start, not
+/// the work. Elsewhere it is a plain `cuLaunchKernel`. Device buffers are passed as their device
+/// pointers, with no per-buffer events: [`load_kernel`] refuses a context that tracks them (cudarc's
+/// multi-stream synchronization, which [`open_device`] turns off; one stream orders our work).
+pub struct Launch<'a> {
+    func: &'a CudaFunction,
+    stream: &'a Arc<CudaStream>,
+    programmatic: bool,
+    args: Vec<Arg>,
+    pointers: Vec<sys::CUdeviceptr>,
+    /// Ties the borrowed host values to the launch.
+    _borrows: std::marker::PhantomData<&'a ()>,
+}
+
+/// Pushing one kernel argument onto a [`Launch`].
+pub trait PushArg<T> {
+    fn arg(&mut self, arg: T) -> &mut Self;
+}
+
+impl<'a> Launch<'a> {
+    fn device(&mut self, ptr: sys::CUdeviceptr) -> &mut Self {
+        self.args.push(Arg::Device(self.pointers.len()));
+        self.pointers.push(ptr);
+        self
+    }
+
+    /// Queues the kernel on the stream with the arguments pushed so far.
+    ///
+    /// # Safety
+    /// The arguments must be the kernel's parameters in order and type, and the kernel must stay inside
+    /// the buffers it is given (as for cudarc's `LaunchArgs::launch`).
+    pub unsafe fn launch(&mut self, cfg: LaunchConfig) -> std::result::Result<(), DriverError> {
+        self.stream.context().bind_to_thread()?;
+        let pointers = &self.pointers;
+        let mut params: Vec<*mut c_void> = self
+            .args
+            .iter()
+            .map(|a| match *a {
+                Arg::Host(p) => p,
+                Arg::Device(i) => (&pointers[i]) as *const sys::CUdeviceptr as *mut c_void,
+            })
+            .collect();
+        if self.programmatic {
+            // SAFETY: a zeroed attribute is a valid value of the plain C struct; only its id and the
+            // union member of that id are read.
+            let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+            attr.id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: cfg.grid_dim.0,
+                gridDimY: cfg.grid_dim.1,
+                gridDimZ: cfg.grid_dim.2,
+                blockDimX: cfg.block_dim.0,
+                blockDimY: cfg.block_dim.1,
+                blockDimZ: cfg.block_dim.2,
+                sharedMemBytes: cfg.shared_mem_bytes,
+                hStream: self.stream.cu_stream(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            sys::cuLaunchKernelEx(
+                &config,
+                self.func.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+            .result()?;
+        } else {
+            driver_result::launch_kernel(
+                self.func.cu_function(),
+                cfg.grid_dim,
+                cfg.block_dim,
+                cfg.shared_mem_bytes,
+                self.stream.cu_stream(),
+                &mut params,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// A value passed to a kernel by value: a number, or a `#[repr(C)]` struct laid out as the kernel's
+/// parameter type.
+///
+/// # Safety
+/// The type's bytes must be what the kernel's parameter of that position expects (as for cudarc's
+/// `DeviceRepr`, which it extends).
+pub unsafe trait KernelParam: DeviceRepr {}
+
+macro_rules! kernel_params {
+    ($($t:ty),*) => { $(
+        // SAFETY: a plain number is passed by value as C passes it.
+        unsafe impl KernelParam for $t {}
+    )* };
+}
+kernel_params!(i8, u8, i16, u16, i32, u32, i64, u64, isize, usize, f32, f64, bool);
+
+impl<'a, 'b: 'a, T: KernelParam> PushArg<&'b T> for Launch<'a> {
+    fn arg(&mut self, arg: &'b T) -> &mut Self {
+        self.args.push(Arg::Host(arg as *const T as *mut c_void));
+        self
+    }
+}
+
+impl<'a, 'b: 'a, T> PushArg<&'b CudaSlice<T>> for Launch<'a> {
+    fn arg(&mut self, arg: &'b CudaSlice<T>) -> &mut Self {
+        // No events are tracked (see `Launch`): the guard does nothing.
+        let (ptr, _guard) = arg.device_ptr(self.stream);
+        self.device(ptr)
+    }
+}
+
+impl<'a, 'b: 'a, T> PushArg<&'b mut CudaSlice<T>> for Launch<'a> {
+    fn arg(&mut self, arg: &'b mut CudaSlice<T>) -> &mut Self {
+        // No events are tracked (see `Launch`): the guard does nothing.
+        let (ptr, _guard) = arg.device_ptr_mut(self.stream);
+        self.device(ptr)
+    }
+}
+
+impl<'a, 'b: 'a, 'c: 'b, T> PushArg<&'b CudaView<'c, T>> for Launch<'a> {
+    fn arg(&mut self, arg: &'b CudaView<'c, T>) -> &mut Self {
+        // No events are tracked (see `Launch`): the guard does nothing.
+        let (ptr, _guard) = arg.device_ptr(self.stream);
+        self.device(ptr)
+    }
+}
+
+impl<'a, 'b: 'a, 'c: 'b, T> PushArg<&'b mut CudaViewMut<'c, T>> for Launch<'a> {
+    fn arg(&mut self, arg: &'b mut CudaViewMut<'c, T>) -> &mut Self {
+        // No events are tracked (see `Launch`): the guard does nothing.
+        let (ptr, _guard) = arg.device_ptr_mut(self.stream);
+        self.device(ptr)
+    }
+}
+
 /// Loaded modules and looked-up functions, per CUDA context. Modules keep their context alive, so a
 /// context's address is never reused while it is a key here.
 type FunctionKey = (usize, &'static str, &'static str);
 type ModuleKey = (usize, &'static str);
 static MODULES: Mutex<Option<HashMap<ModuleKey, Arc<CudaModule>>>> = Mutex::new(None);
-static FUNCTIONS: Mutex<Option<HashMap<FunctionKey, CudaFunction>>> = Mutex::new(None);
+/// Each function with whether it may be launched programmatically ([`Kernel::programmatic`]).
+static FUNCTIONS: Mutex<Option<HashMap<FunctionKey, (CudaFunction, bool)>>> = Mutex::new(None);
 /// The dynamic shared-memory limit each function (by its `CUfunction` handle) was raised to. Handles
 /// stay valid while their module is loaded, and modules stay in [`MODULES`] for the process's life.
 static ALLOWED_SHARED: Mutex<Option<HashMap<usize, usize>>> = Mutex::new(None);
@@ -368,11 +555,17 @@ pub fn load_kernel(
 ) -> Result<Kernel> {
     let stream = dev.cuda_stream();
     let ctx = stream.context().clone();
+    if ctx.is_event_tracking() {
+        bail!(
+            "CUDA kernel {name}: the device tracks events per buffer; open it with \
+             prism_quant::cuda_launch::open_device"
+        );
+    }
     let ctx_key = Arc::as_ptr(&ctx) as usize;
     fn poisoned<T>(_: T) -> candle_core::Error {
         candle_core::Error::Msg("CUDA kernel cache lock poisoned".into())
     }
-    if let Some(func) = FUNCTIONS
+    if let Some((func, programmatic)) = FUNCTIONS
         .lock()
         .map_err(poisoned)?
         .get_or_insert_with(HashMap::new)
@@ -381,6 +574,7 @@ pub fn load_kernel(
         return Ok(Kernel {
             func: func.clone(),
             stream,
+            programmatic: *programmatic,
         });
     }
     let loaded = {
@@ -403,10 +597,20 @@ pub fn load_kernel(
     let func = loaded.load_function(name).map_err(|e| {
         candle_core::Error::Msg(format!("CUDA module {module} has no kernel {name}: {e}"))
     })?;
+    // The grid-dependency prologue is compiled into code of virtual architecture 9.0 on
+    // (`kernels/launch.cuh`): the function the driver picked must come from such code (our sm_90a
+    // machine code), not from the compute_80 PTX.
+    let programmatic = func
+        .get_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_PTX_VERSION)
+        .is_ok_and(|v| v >= 90);
     FUNCTIONS
         .lock()
         .map_err(poisoned)?
         .get_or_insert_with(HashMap::new)
-        .insert((ctx_key, module, name), func.clone());
-    Ok(Kernel { func, stream })
+        .insert((ctx_key, module, name), (func.clone(), programmatic));
+    Ok(Kernel {
+        func,
+        stream,
+        programmatic,
+    })
 }

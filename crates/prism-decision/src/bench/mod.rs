@@ -513,6 +513,15 @@ fn process_memory() -> Option<(u64, u64)> {
     Some((field("VmRSS:")?, field("VmHWM:")?))
 }
 
+/// Whether our kernels are launched programmatically on `device` (false off CUDA).
+fn programmatic_launch_in_effect(device: &Device) -> Result<bool> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(dev) => Ok(prism_quant::cuda::programmatic_launch_in_effect(dev)?),
+        _ => Ok(false),
+    }
+}
+
 fn open_device(name: &str) -> Result<Device> {
     match name {
         "cpu" => Ok(Device::Cpu),
@@ -651,6 +660,9 @@ pub struct BenchOptions {
     /// CUDA: the integer products up to this many rows (past the narrow kernel's) on the swapped tile
     /// (`prism_quant::cuda::set_auto_swapped_rows`; `None`: the built-in choice).
     pub swapped_rows: Option<usize>,
+    /// CUDA (compute capability 9.x): launch our kernels with programmatic dependent launch
+    /// (`prism_quant::cuda_launch::set_programmatic_launch`; `None`: on).
+    pub programmatic_launch: Option<bool>,
 }
 
 /// Runs the benchmark and returns its report (the JSON `prism bench --json` prints). `progress`
@@ -670,7 +682,12 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
     if let Some(rows) = args.swapped_rows {
         prism_quant::cuda::set_auto_swapped_rows(rows);
     }
+    #[cfg(feature = "cuda")]
+    if let Some(on) = args.programmatic_launch {
+        prism_quant::cuda_launch::set_programmatic_launch(on);
+    }
     let device = open_device(&args.device)?;
+    let programmatic = programmatic_launch_in_effect(&device)?;
     let gguf_path = match &args.gguf {
         Some(p) => p.clone(),
         None => default_gguf(&args.model_dir)?,
@@ -733,6 +750,9 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
                 "total": m.1,
                 "after_load": device_loaded.map(|l| l.0),
             })),
+            "narrow_rows": args.narrow_rows,
+            "swapped_rows": args.swapped_rows,
+            "programmatic_launch": programmatic,
             "thoughts": rows,
             "profile": profile,
         });
@@ -900,6 +920,7 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
         "kv_storage": kv_storage.as_str(),
         "narrow_rows": args.narrow_rows,
         "swapped_rows": args.swapped_rows,
+        "programmatic_launch": programmatic,
         "threads": rayon::current_num_threads(),
         "layers": cost.config.n_layers,
         "hidden_size": cost.config.hidden_size,
