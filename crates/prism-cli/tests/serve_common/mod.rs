@@ -130,6 +130,20 @@ impl Server {
         for (key, value) in env {
             command.env(key, value);
         }
+        // A shell without job control starts background commands with SIGQUIT ignored, and an ignored
+        // signal stays ignored across exec: `cargo test &` would hand that to the server, and the
+        // stack-dump test checks SIGQUIT's default action. The server gets the default back.
+        #[cfg(unix)]
+        {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: signal(2) is async-signal-safe; the closure touches nothing else.
+            unsafe {
+                command.pre_exec(|| {
+                    libc::signal(libc::SIGQUIT, libc::SIG_DFL);
+                    Ok(())
+                });
+            }
+        }
         let mut child = command.spawn().expect("start prism serve");
         let stdout = Arc::new(Mutex::new(String::new()));
         let stderr = Arc::new(Mutex::new(String::new()));
