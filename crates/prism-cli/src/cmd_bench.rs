@@ -29,7 +29,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         engine_batch: args.engine_batch.clone(),
         narrow_rows: args.narrow_rows,
         swapped_rows: args.swapped_rows,
-        programmatic_launch: args.programmatic_launch,
+        programmatic_launch: args.programmatic_launch.clone(),
     };
     let report = prism_decision::bench::run(&options, &mut |line| eprintln!("{line}"))?;
     if args.json || args.think.is_some() {

@@ -289,9 +289,10 @@ pub struct BenchArgs {
     #[arg(long)]
     pub swapped_rows: Option<usize>,
     /// CUDA builds (Hopper): launch the kernels with programmatic dependent launch (each kernel's
-    /// launch overlaps the tail of the one before it; the results are the same); default on.
-    #[arg(long, value_name = "on|off", value_parser = parse_on_off)]
-    pub programmatic_launch: Option<bool>,
+    /// launch overlaps the tail of the one before it; the results are the same); default on. Both,
+    /// `on,off`, with --think: each run measured both ways in turn on one model load.
+    #[arg(long, value_name = "on|off", value_parser = parse_on_off, value_delimiter = ',')]
+    pub programmatic_launch: Vec<bool>,
     /// CUDA builds: wrap the last timed run of each scenario in a CUDA profiler range
     /// (cuProfilerStart/Stop), so that `ncu --profile-from-start off` records exactly one warm pass
     /// of each scenario and nothing of the load or the floor measurements.

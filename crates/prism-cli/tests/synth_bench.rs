@@ -395,3 +395,67 @@ fn bench_through_the_engine_times_a_prefix_cache_follow_up_with_the_whole_reques
     assert_eq!(followup["answers_sha256"], short["answers_sha256"]);
     assert_eq!(short["engine"]["answers_sha256"], short["answers_sha256"]);
 }
+
+/// `--programmatic-launch on,off` measures both launch modes in turn on one model load, a CUDA
+/// setting: a build without CUDA refuses it before loading anything, saying why.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn bench_refuses_launch_variants_without_cuda() {
+    let dir = repo("tests/fixtures/qwen35-tiny");
+    let output = prism(&[
+        "bench",
+        "--model-dir",
+        dir.to_str().unwrap(),
+        "--think",
+        "4",
+        "--programmatic-launch",
+        "on,off",
+    ]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--programmatic-launch chooses how CUDA kernels are launched"),
+        "{stderr}"
+    );
+}
+
+/// `prism bench --think` on the tiny fixture: a row per timed run and batch size (the warm-up run not
+/// reported), no variant, each thought within its budget and the batch's thoughts all stopped.
+#[test]
+fn bench_think_reports_a_row_per_run_and_batch() {
+    let dir = repo("tests/fixtures/qwen35-tiny");
+    let gguf = dir.join("tiny-Q8_0.gguf");
+    let output = prism(&[
+        "bench",
+        "--model-dir",
+        dir.to_str().unwrap(),
+        "--gguf",
+        gguf.to_str().unwrap(),
+        "--think",
+        "4",
+        "--think-batch",
+        "1,2",
+        "--runs",
+        "2",
+    ]);
+    let report: Value = serde_json::from_slice(&ok(&output).stdout).expect("bench JSON");
+    let rows = report["thoughts"].as_array().expect("thought rows");
+    let shape: Vec<(u64, u64)> = rows
+        .iter()
+        .map(|r| (r["run"].as_u64().unwrap(), r["sequences"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(shape, [(1, 1), (1, 2), (2, 1), (2, 2)]);
+    for row in rows {
+        assert!(row["variant"].is_null(), "{row}");
+        let sequences = row["sequences"].as_u64().unwrap();
+        let tokens = row["thought_tokens"].as_u64().unwrap();
+        assert!(tokens >= 1 && tokens <= 4 * sequences, "{row}");
+        let stops: u64 = row["stop_reasons"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_u64().unwrap())
+            .sum();
+        assert_eq!(stops, sequences, "{row}");
+    }
+}

@@ -661,8 +661,34 @@ pub struct BenchOptions {
     /// (`prism_quant::cuda::set_auto_swapped_rows`; `None`: the built-in choice).
     pub swapped_rows: Option<usize>,
     /// CUDA (compute capability 9.x): launch our kernels with programmatic dependent launch
-    /// (`prism_quant::cuda_launch::set_programmatic_launch`; `None`: on).
-    pub programmatic_launch: Option<bool>,
+    /// (`prism_quant::cuda_launch::set_programmatic_launch`; empty: on). With both values (`--think`
+    /// only), each thought run is measured under each in turn on the one model load (the rows'
+    /// `variant`).
+    pub programmatic_launch: Vec<bool>,
+}
+
+/// The thought runs' variants: programmatic launch on and off in turn when `--programmatic-launch`
+/// gives several values, else none.
+fn launch_variants(args: &BenchOptions) -> Result<Vec<think::Variant>> {
+    if args.programmatic_launch.len() < 2 {
+        return Ok(Vec::new());
+    }
+    #[cfg(feature = "cuda")]
+    {
+        Ok(args
+            .programmatic_launch
+            .iter()
+            .map(|&on| think::Variant {
+                label: format!("programmatic-launch {}", if on { "on" } else { "off" }),
+                apply: Box::new(move || {
+                    prism_quant::cuda_launch::set_programmatic_launch(on);
+                    Ok(())
+                }),
+            })
+            .collect())
+    }
+    #[cfg(not(feature = "cuda"))]
+    bail!("--programmatic-launch chooses how CUDA kernels are launched: this build has no CUDA")
 }
 
 /// Runs the benchmark and returns its report (the JSON `prism bench --json` prints). `progress`
@@ -683,11 +709,17 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
         prism_quant::cuda::set_auto_swapped_rows(rows);
     }
     #[cfg(feature = "cuda")]
-    if let Some(on) = args.programmatic_launch {
-        prism_quant::cuda_launch::set_programmatic_launch(on);
+    if let [on] = args.programmatic_launch.as_slice() {
+        prism_quant::cuda_launch::set_programmatic_launch(*on);
     }
+    let variants = launch_variants(args)?;
     let device = open_device(&args.device)?;
-    let programmatic = programmatic_launch_in_effect(&device)?;
+    // With variants, each row's `variant` says how it was launched.
+    let programmatic = if variants.is_empty() {
+        Some(programmatic_launch_in_effect(&device)?)
+    } else {
+        None
+    };
     let gguf_path = match &args.gguf {
         Some(p) => p.clone(),
         None => default_gguf(&args.model_dir)?,
@@ -734,6 +766,7 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
             batches: &args.think_batch,
             runs: args.runs,
             profile: args.profile,
+            variants: &variants,
         };
         let (rows, profile) =
             think::thought_rows(model, &loaded.config, plan, host.as_mut(), progress)?;
@@ -757,6 +790,9 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
             "profile": profile,
         });
         return Ok(report);
+    }
+    if !variants.is_empty() {
+        bail!("--programmatic-launch on,off (both) is measured with --think only");
     }
     let scenarios = scenarios(&model, args.long_tokens)?;
     let mut timed = Vec::new();

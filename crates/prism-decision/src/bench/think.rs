@@ -19,12 +19,21 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
 /// What the thought measurement runs: the thought budget, the batch sizes, the timed runs of each, the
-/// profile mode of one more run of each.
+/// profile mode of one more run of each, and the variants each run is measured under in turn.
 pub(super) struct ThinkPlan<'a> {
     pub budget: usize,
     pub batches: &'a [usize],
     pub runs: usize,
     pub profile: prism_model::profile::Mode,
+    pub variants: &'a [Variant],
+}
+
+/// A setting a batch runs under (e.g. one kernel entry among several that give the same bits), set by
+/// `apply` before each batch: several variants are measured on one model load, interleaved (each run
+/// of each batch size under every variant in turn), so their comparison shares the machine's state.
+pub(super) struct Variant {
+    pub label: String,
+    pub apply: Box<dyn Fn() -> Result<()>>,
 }
 
 /// Runs the thought measurement; the report's `thoughts` rows.
@@ -44,6 +53,7 @@ pub(super) fn thought_rows(
         batches,
         runs,
         profile,
+        variants,
     } = plan;
     if budget == 0 {
         bail!("--think must be at least 1 token");
@@ -83,8 +93,13 @@ pub(super) fn thought_rows(
     let mut profiled = Vec::new();
     let profiling_on = profile != prism_model::profile::Mode::Off;
     // Run 0 warms the path up (its row is not reported); with `profile`, a last run of each batch
-    // size is profiled.
-    let plan: Vec<(usize, usize)> = (0..=runs)
+    // size is profiled. Each (run, batch size) runs under every variant in turn (`None`: no variants).
+    let labels: Vec<Option<usize>> = if variants.is_empty() {
+        vec![None]
+    } else {
+        (0..variants.len()).map(Some).collect()
+    };
+    let plan: Vec<(usize, usize, Option<usize>)> = (0..=runs)
         .flat_map(|run| batches.iter().map(move |&b| (run, b)))
         .chain(
             batches
@@ -92,8 +107,13 @@ pub(super) fn thought_rows(
                 .filter(|_| profiling_on)
                 .map(|&b| (runs + 1, b)),
         )
+        .flat_map(|(run, b)| labels.iter().map(move |&v| (run, b, v)))
         .collect();
-    for (run, batch) in plan {
+    for (run, batch, variant) in plan {
+        let variant = variant.map(|v| &variants[v]);
+        if let Some(v) = variant {
+            (v.apply)().with_context(|| format!("setting variant {}", v.label))?;
+        }
         {
             let profiling = run > runs;
             if profiling {
@@ -174,6 +194,7 @@ pub(super) fn thought_rows(
                     list.push(json!({"section": s.name, "ms": device_ms, "host_ms": host_ms, "calls": s.calls}));
                 }
                 profiled.push(json!({
+                    "variant": variant.map(|v| v.label.as_str()),
                     "mode": profile.as_str(),
                     "sequences": batch,
                     "wall_ms": wall * 1e3,
@@ -196,6 +217,7 @@ pub(super) fn thought_rows(
             sorted.sort_by(f64::total_cmp);
             let line = json!({
                 "run": run,
+                "variant": variant.map(|v| v.label.as_str()),
                 "sequences": batch,
                 "budget": budget,
                 "thought_tokens": total,
@@ -213,7 +235,8 @@ pub(super) fn thought_rows(
                 "device_used_bytes": prism_model::device_memory(&device).map(|m| m.0),
             });
             progress(format!(
-                "thoughts: {batch:>3} sequences x {budget} tokens: {total} tokens, decode {:.1} tokens/s ({:.1} a sequence), wall {:.0} ms",
+                "thoughts{}: {batch:>3} sequences x {budget} tokens: {total} tokens, decode {:.1} tokens/s ({:.1} a sequence), wall {:.0} ms",
+                variant.map(|v| format!(" ({})", v.label)).unwrap_or_default(),
                 line["decode_tokens_per_s"].as_f64().unwrap_or(0.0),
                 line["per_sequence_tokens_per_s_median"].as_f64().unwrap_or(0.0),
                 wall * 1e3
