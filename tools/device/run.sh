@@ -35,7 +35,8 @@
 #               the engine (the report's "engine_batches"; profiled too with $PROFILE); NARROW=N: the
 #               integer products of 3 to N rows on the narrow kernel (bench and think27: --narrow-rows);
 #               SWAPPED=N: those up to N rows past the narrow kernel's on the swapped tile (--swapped-rows);
-#               PDL=on|off: programmatic dependent launch (bench and think27: --programmatic-launch)
+#               PDL=on|off: programmatic dependent launch (bench and think27: --programmatic-launch;
+#               think27 takes PDL=on,off: both, each run in turn on one model load)
 #   bench9 / bench4   9B / 4B bf16 benches (10 runs after 2 warm-ups)
 #   loads9      9B bf16 loads from 1, 4, 8 and 16 loader threads (--load-threads), one bench run each
 #               after no warm-up (answer digests comparable across them); each killed after 120 s
