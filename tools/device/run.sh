@@ -64,7 +64,7 @@
 #               eval-int8/ with results.json, report.md, reliability.png; logs eval-*.log)
 #   think27     thought decoding of /tmp/s27 at int8 through the engine (prism bench --think): one thought
 #               of $THINK tokens (default 128) alone, then 64 at once ($THINK_BATCH, default 1,64), then each profiled (think-27b-int8.json;
-#               $PROFILE: sync, the default, events, or none for no profiled run)
+#               $PROFILE: sync, the default, events, or none for no profiled run; $THINK_RUNS timed runs of each, default 1)
 #   serve27-think  prism serve on /tmp/s27 at int8 as a v1.1 AutoThink model (the synthetic directory's
 #               decision_config.json gets "family": "v1.1") and loadgen from 64 clients for $LOAD_S seconds:
 #               the three-question requests of shared.jsonl made 512 distinct, with think_mode auto, gate 0.9,
@@ -258,7 +258,7 @@ for step in "$@"; do
         images27) images27 ;;
         think27)
             /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --think "${THINK:-128}" \
-                --think-batch "${THINK_BATCH:-1,64}" --runs 1 $(think_profile) ${HOST_PROFILE:+--host-profile $OUT/host-profile-think.txt} \
+                --think-batch "${THINK_BATCH:-1,64}" --runs "${THINK_RUNS:-1}" $(think_profile) ${HOST_PROFILE:+--host-profile $OUT/host-profile-think.txt} \
                 ${NARROW:+--narrow-rows $NARROW} ${SWAPPED:+--swapped-rows $SWAPPED} ${PDL:+--programmatic-launch $PDL} \
                 > "$OUT/think-27b-int8.json" 2> "$OUT/think-27b-int8.log"
             echo "think27 rc=$?" ;;
