@@ -207,20 +207,27 @@ fn bad_synth_arguments_are_refused() {
     }
 }
 
-#[test]
-fn bench_runs_the_three_scenarios_on_the_tiny_model() {
+/// `prism bench` on the tiny fixture's Q8_0 file with `extra` arguments.
+fn tiny_bench(extra: &[&str]) -> Output {
     let dir = repo("tests/fixtures/qwen35-tiny");
     let gguf = dir.join("tiny-Q8_0.gguf");
-    let scratch_dir = scratch("bench_host_profile");
-    std::fs::create_dir_all(&scratch_dir).unwrap();
-    let host_profile = scratch_dir.join("host.txt");
-    // Flag by flag like `decide_response`'s command: alike in shape only.
-    let output = prism(&[
+    let mut args = vec![
         "bench",
         "--model-dir",
         dir.to_str().unwrap(),
         "--gguf",
         gguf.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    prism(&args)
+}
+
+#[test]
+fn bench_runs_the_three_scenarios_on_the_tiny_model() {
+    let scratch_dir = scratch("bench_host_profile");
+    std::fs::create_dir_all(&scratch_dir).unwrap();
+    let host_profile = scratch_dir.join("host.txt");
+    let output = tiny_bench(&[
         "--runs",
         "2",
         "--warmup",
@@ -255,7 +262,8 @@ fn bench_runs_the_three_scenarios_on_the_tiny_model() {
     // The short question is the shared request's first question on the same ticket.
     assert_eq!(short[0], shared[0]);
     // The shared request is examples/request.json: prism decide counts the same prompt tokens.
-    let response = decide_response(&gguf, &dir);
+    let dir = repo("tests/fixtures/qwen35-tiny");
+    let response = decide_response(&dir.join("tiny-Q8_0.gguf"), &dir);
     assert_eq!(
         response["usage"]["input_tokens"].as_u64().unwrap(),
         shared.iter().sum::<u64>()
@@ -401,16 +409,7 @@ fn bench_through_the_engine_times_a_prefix_cache_follow_up_with_the_whole_reques
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn bench_refuses_launch_variants_without_cuda() {
-    let dir = repo("tests/fixtures/qwen35-tiny");
-    let output = prism(&[
-        "bench",
-        "--model-dir",
-        dir.to_str().unwrap(),
-        "--think",
-        "4",
-        "--programmatic-launch",
-        "on,off",
-    ]);
+    let output = tiny_bench(&["--think", "4", "--programmatic-launch", "on,off"]);
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
@@ -423,21 +422,7 @@ fn bench_refuses_launch_variants_without_cuda() {
 /// reported), no variant, each thought within its budget and the batch's thoughts all stopped.
 #[test]
 fn bench_think_reports_a_row_per_run_and_batch() {
-    let dir = repo("tests/fixtures/qwen35-tiny");
-    let gguf = dir.join("tiny-Q8_0.gguf");
-    let output = prism(&[
-        "bench",
-        "--model-dir",
-        dir.to_str().unwrap(),
-        "--gguf",
-        gguf.to_str().unwrap(),
-        "--think",
-        "4",
-        "--think-batch",
-        "1,2",
-        "--runs",
-        "2",
-    ]);
+    let output = tiny_bench(&["--think", "4", "--think-batch", "1,2", "--runs", "2"]);
     let report: Value = serde_json::from_slice(&ok(&output).stdout).expect("bench JSON");
     let rows = report["thoughts"].as_array().expect("thought rows");
     let shape: Vec<(u64, u64)> = rows
