@@ -418,6 +418,16 @@ fn bench_refuses_launch_variants_without_cuda() {
     );
 }
 
+/// Both launch modes are compared on thoughts only: without `--think` the list is refused before the
+/// model loads.
+#[test]
+fn bench_refuses_launch_variants_without_think() {
+    let output = tiny_bench(&["--programmatic-launch", "on,off"]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("measured with --think only"), "{stderr}");
+}
+
 /// `prism bench --think` on the tiny fixture: a row per timed run and batch size (the warm-up run not
 /// reported), no variant, each thought within its budget and the batch's thoughts all stopped.
 #[test]

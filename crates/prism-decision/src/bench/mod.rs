@@ -667,28 +667,37 @@ pub struct BenchOptions {
     pub programmatic_launch: Vec<bool>,
 }
 
-/// The thought runs' variants: programmatic launch on and off in turn when `--programmatic-launch`
-/// gives several values, else none.
-fn launch_variants(args: &BenchOptions) -> Result<Vec<think::Variant>> {
+/// The thought runs' variants: programmatic launch as each `--programmatic-launch` value says, in turn,
+/// when it gives several, else none. Each label says whether that value is in effect on `device`
+/// (a GPU before compute capability 9.0 launches plainly either way).
+fn launch_variants(args: &BenchOptions, device: &Device) -> Result<Vec<think::Variant>> {
     if args.programmatic_launch.len() < 2 {
         return Ok(Vec::new());
     }
     #[cfg(feature = "cuda")]
     {
-        Ok(args
-            .programmatic_launch
-            .iter()
-            .map(|&on| think::Variant {
-                label: format!("programmatic-launch {}", if on { "on" } else { "off" }),
+        let mut variants = Vec::new();
+        for &on in &args.programmatic_launch {
+            prism_quant::cuda_launch::set_programmatic_launch(on);
+            let in_effect = programmatic_launch_in_effect(device)?;
+            variants.push(think::Variant {
+                label: format!(
+                    "programmatic-launch {} (in effect: {in_effect})",
+                    if on { "on" } else { "off" }
+                ),
                 apply: Box::new(move || {
                     prism_quant::cuda_launch::set_programmatic_launch(on);
                     Ok(())
                 }),
-            })
-            .collect())
+            });
+        }
+        Ok(variants)
     }
     #[cfg(not(feature = "cuda"))]
-    bail!("--programmatic-launch chooses how CUDA kernels are launched: this build has no CUDA")
+    {
+        let _ = device;
+        bail!("--programmatic-launch chooses how CUDA kernels are launched: this build has no CUDA")
+    }
 }
 
 /// Runs the benchmark and returns its report (the JSON `prism bench --json` prints). `progress`
@@ -712,8 +721,11 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
     if let [on] = args.programmatic_launch.as_slice() {
         prism_quant::cuda_launch::set_programmatic_launch(*on);
     }
-    let variants = launch_variants(args)?;
+    if args.programmatic_launch.len() > 1 && args.think.is_none() {
+        bail!("--programmatic-launch on,off (both) is measured with --think only");
+    }
     let device = open_device(&args.device)?;
+    let variants = launch_variants(args, &device)?;
     // With variants, each row's `variant` says how it was launched.
     let programmatic = if variants.is_empty() {
         Some(programmatic_launch_in_effect(&device)?)
@@ -790,9 +802,6 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
             "profile": profile,
         });
         return Ok(report);
-    }
-    if !variants.is_empty() {
-        bail!("--programmatic-launch on,off (both) is measured with --think only");
     }
     let scenarios = scenarios(&model, args.long_tokens)?;
     let mut timed = Vec::new();
