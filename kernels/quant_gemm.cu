@@ -190,6 +190,51 @@ __device__ __forceinline__ float4 row4_sum(const float* __restrict__ xr, const f
 
 // Threads of quantize_act_add_norm_run128: ops.cu's NORM_THREADS, whose thread order it repeats.
 #define ADD_NORM_THREADS 256
+// Groups of 4 elements a thread of quantize_act_add_norm_run128 keeps in registers between its two
+// passes (rows up to 4 · ADD_NORM_THREADS · 8 = 8,192 wide; a wider row's other groups are read twice).
+#define ADD_NORM_GROUPS 8
+
+// One group of 4 elements of the normed row, v = x + res at i0, quantized in its run by the warp: the
+// run is warp w's groups of one pass (lane l its elements 4l .. 4l + 3, as the quantizer's lanes).
+__device__ __forceinline__ void add_norm_quantize_group(float4 v, const float* __restrict__ w, float inv_norm,
+                                                        int i0, int row, int lane, int cols,
+                                                        signed char* __restrict__ qa, float* __restrict__ sa,
+                                                        int sa_row_stride, int sa_run_stride,
+                                                        int* __restrict__ sums32, int want_sums,
+                                                        unsigned int* __restrict__ bad_rows) {
+    const float4 wv = *reinterpret_cast<const float4*>(w + i0);
+    float e[4] = {__fmul_rn(__fmul_rn(v.x, inv_norm), wv.x), __fmul_rn(__fmul_rn(v.y, inv_norm), wv.y),
+                  __fmul_rn(__fmul_rn(v.z, inv_norm), wv.z), __fmul_rn(__fmul_rn(v.w, inv_norm), wv.w)};
+    bool bad = false;
+    float m = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        bad |= !isfinite(e[i]);
+        m = fmaxf(m, fabsf(e[i]));
+    }
+    const int run = i0 / RUN, c0 = run * RUN;
+    const float2 scale = run_scale(bad, m, row, lane, bad_rows);
+    const float s = scale.x, inv = scale.y;
+    signed char* qr = qa + (size_t)row * cols + c0;
+    int part = 0;
+    char4 q4;
+    int q[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        q[i] = quantize_value(e[i], inv);
+        part += q[i];
+    }
+    q4.x = (signed char)q[0]; q4.y = (signed char)q[1]; q4.z = (signed char)q[2]; q4.w = (signed char)q[3];
+    *reinterpret_cast<char4*>(qr + 4 * lane) = q4;
+    if (lane == 0) sa[(size_t)row * sa_row_stride + (size_t)run * sa_run_stride] = s;
+    if (want_sums) {
+        // Lanes 8g .. 8g + 7 hold the 32 values of group g of the run.
+        part += __shfl_xor_sync(0xffffffffu, part, 1);
+        part += __shfl_xor_sync(0xffffffffu, part, 2);
+        part += __shfl_xor_sync(0xffffffffu, part, 4);
+        if (lane % 8 == 0) sums32[((size_t)row * cols + c0) / 32 + lane / 8] = part;
+    }
+}
 
 // quantize_act_run128 of the RMS norm of x + res (kernels/ops.cu `norm_rows_block_f32`, mode 0, with the
 // residual; res null: the norm of x alone) with weight w [cols], writing the sum x + res to sum_out when
@@ -200,6 +245,8 @@ __device__ __forceinline__ float4 row4_sum(const float* __restrict__ xr, const f
 // In each of those passes warp w's groups are one run of 128 (run 8·pass + w, lane l its elements 4l ..
 // 4l + 3, as the quantizer's lanes), so the warp quantizes its run where the norm kernel would store
 // it: the bytes, scales, sums and bad flags are those of the norm followed by quantize_act_run128.
+// A thread reads its first ADD_NORM_GROUPS groups all at once and keeps them for the second pass: one
+// block on one SM is bound by the latency of its reads, not by their bytes.
 extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS) quantize_act_add_norm_run128(
     const float* __restrict__ x, const float* __restrict__ res, float* __restrict__ sum_out,
     const float* __restrict__ w, float eps, int rows, int cols, signed char* __restrict__ qa,
@@ -213,14 +260,31 @@ extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS) quantize_act_add_
     const float* xr = x + (size_t)row * cols;
     const float* rr = res ? res + (size_t)row * cols : nullptr;
     float* sr = rr && sum_out ? sum_out + (size_t)row * cols : nullptr;
+    const int first = 4 * threadIdx.x, step = 4 * ADD_NORM_THREADS;
+    float4 v[ADD_NORM_GROUPS];
+#pragma unroll
+    for (int p = 0; p < ADD_NORM_GROUPS; ++p) {
+        const int i0 = first + p * step;
+        v[p] = i0 < cols ? row4_sum(xr, rr, i0) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     float ss = 0.f;
-    for (int i0 = 4 * threadIdx.x; i0 < cols; i0 += 4 * ADD_NORM_THREADS) {
-        const float4 v = row4_sum(xr, rr, i0);
-        if (sr) *reinterpret_cast<float4*>(sr + i0) = v;
-        ss = __fmaf_rn(v.x, v.x, ss);
-        ss = __fmaf_rn(v.y, v.y, ss);
-        ss = __fmaf_rn(v.z, v.z, ss);
-        ss = __fmaf_rn(v.w, v.w, ss);
+#pragma unroll
+    for (int p = 0; p < ADD_NORM_GROUPS; ++p) {
+        const int i0 = first + p * step;
+        if (i0 >= cols) break;
+        if (sr) *reinterpret_cast<float4*>(sr + i0) = v[p];
+        ss = __fmaf_rn(v[p].x, v[p].x, ss);
+        ss = __fmaf_rn(v[p].y, v[p].y, ss);
+        ss = __fmaf_rn(v[p].z, v[p].z, ss);
+        ss = __fmaf_rn(v[p].w, v[p].w, ss);
+    }
+    for (int i0 = first + ADD_NORM_GROUPS * step; i0 < cols; i0 += step) {
+        const float4 u = row4_sum(xr, rr, i0);
+        if (sr) *reinterpret_cast<float4*>(sr + i0) = u;
+        ss = __fmaf_rn(u.x, u.x, ss);
+        ss = __fmaf_rn(u.y, u.y, ss);
+        ss = __fmaf_rn(u.z, u.z, ss);
+        ss = __fmaf_rn(u.w, u.w, ss);
     }
     for (int off = 16; off > 0; off >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, off));
     if (lane == 0) partial[warp] = ss;
@@ -230,41 +294,17 @@ extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS) quantize_act_add_
     for (int k = 0; k < ADD_NORM_THREADS / 32; ++k) total = __fadd_rn(total, partial[k]);
     const float denom = __fdiv_rn(total, (float)cols);
     const float inv_norm = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(denom, eps)));
-    for (int i0 = 4 * threadIdx.x; i0 < cols; i0 += 4 * ADD_NORM_THREADS) {
-        // Whole warps: cols is a multiple of 128, so i0 < cols alike for a warp's 32 lanes.
-        const float4 v = row4_sum(xr, rr, i0);
-        const float4 wv = *reinterpret_cast<const float4*>(w + i0);
-        float e[4] = {__fmul_rn(__fmul_rn(v.x, inv_norm), wv.x), __fmul_rn(__fmul_rn(v.y, inv_norm), wv.y),
-                      __fmul_rn(__fmul_rn(v.z, inv_norm), wv.z), __fmul_rn(__fmul_rn(v.w, inv_norm), wv.w)};
-        bool bad = false;
-        float m = 0.f;
+    // Whole warps below: cols is a multiple of 128, so i0 < cols alike for a warp's 32 lanes.
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            bad |= !isfinite(e[i]);
-            m = fmaxf(m, fabsf(e[i]));
-        }
-        const int run = i0 / RUN, c0 = run * RUN;
-        const float2 scale = run_scale(bad, m, row, lane, bad_rows);
-        const float s = scale.x, inv = scale.y;
-        signed char* qr = qa + (size_t)row * cols + c0;
-        int part = 0;
-        char4 q4;
-        int q[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            q[i] = quantize_value(e[i], inv);
-            part += q[i];
-        }
-        q4.x = (signed char)q[0]; q4.y = (signed char)q[1]; q4.z = (signed char)q[2]; q4.w = (signed char)q[3];
-        *reinterpret_cast<char4*>(qr + 4 * lane) = q4;
-        if (lane == 0) sa[(size_t)row * sa_row_stride + (size_t)run * sa_run_stride] = s;
-        if (want_sums) {
-            // Lanes 8g .. 8g + 7 hold the 32 values of group g of the run.
-            part += __shfl_xor_sync(0xffffffffu, part, 1);
-            part += __shfl_xor_sync(0xffffffffu, part, 2);
-            part += __shfl_xor_sync(0xffffffffu, part, 4);
-            if (lane % 8 == 0) sums32[((size_t)row * cols + c0) / 32 + lane / 8] = part;
-        }
+    for (int p = 0; p < ADD_NORM_GROUPS; ++p) {
+        const int i0 = first + p * step;
+        if (i0 >= cols) break;
+        add_norm_quantize_group(v[p], w, inv_norm, i0, row, lane, cols, qa, sa, sa_row_stride, sa_run_stride,
+                                sums32, want_sums, bad_rows);
+    }
+    for (int i0 = first + ADD_NORM_GROUPS * step; i0 < cols; i0 += step) {
+        add_norm_quantize_group(row4_sum(xr, rr, i0), w, inv_norm, i0, row, lane, cols, qa, sa, sa_row_stride,
+                                sa_run_stride, sums32, want_sums, bad_rows);
     }
 }
 
@@ -385,6 +425,26 @@ __device__ __forceinline__ int dot16(int4 w, int4 a) {
 // Runs loaded ahead per lane.
 #define GEMV_AHEAD 4
 
+// Lane j's 16 bytes of runs r .. r + GEMV_AHEAD - 1 of a weight row and those runs' weight scales (zeros
+// past the warp's part r1, past K, or for a lane group past N).
+__device__ __forceinline__ void gemv_load_weights(const signed char* __restrict__ wrow,
+                                                  const float* __restrict__ d, bool live, int r, int r1,
+                                                  int j, int K, int4 (&w)[GEMV_AHEAD],
+                                                  float (&sw)[GEMV_AHEAD]) {
+#pragma unroll
+    for (int u = 0; u < GEMV_AHEAD; ++u) {
+        const int c = (r + u) * RUN + 16 * j;
+        const bool in = live && r + u < r1;
+        w[u] = (in && c < K) ? load_stream16(wrow + c) : make_int4(0, 0, 0, 0);
+        sw[u] = in ? d[r + u] : 0.f;
+    }
+}
+
+// The weights and their scales are written once at load, never by a kernel, so the first runs' are
+// read before the grid dependency wait (the entry begins with PRISM_GRID_WAIT_LATER()): the weight
+// stream starts while the kernel ahead on the stream (the activation's quantizer) still runs. Only the
+// activation rows and their scales are read after PRISM_GRID_WAIT(); each later batch of weights is
+// requested after the current batch's arithmetic.
 template <int MR>
 __device__ void qgemv_q8_0(const signed char* __restrict__ qa, const float* __restrict__ sa,
                            const unsigned int* __restrict__ bad_rows, const signed char* __restrict__ wq,
@@ -398,36 +458,40 @@ __device__ void qgemv_q8_0(const signed char* __restrict__ qa, const float* __re
     const int r0 = warp * R / 4, r1 = (warp + 1) * R / 4;
     const signed char* wrow = wq + (size_t)(live ? n : 0) * K;
     const float* d = wd + (size_t)(live ? n : 0) * R;
+    int4 w[GEMV_AHEAD];
+    float sw[GEMV_AHEAD];
+    gemv_load_weights(wrow, d, live, r0, r1, j, K, w, sw);
+    PRISM_GRID_WAIT();
     float acc[MR];
 #pragma unroll
     for (int m = 0; m < MR; ++m) acc[m] = 0.f;
     // Every lane runs every iteration (the shuffles need the whole warp); a lane past N or past K
     // reads zeros.
     for (int r = r0; r < r1; r += GEMV_AHEAD) {
-        int4 w[GEMV_AHEAD];
 #pragma unroll
-        for (int u = 0; u < GEMV_AHEAD; ++u) {
-            const int c = (r + u) * RUN + 16 * j;
-            w[u] = (live && r + u < r1 && c < K) ? load_stream16(wrow + c) : make_int4(0, 0, 0, 0);
-        }
+        for (int m = 0; m < MR; ++m) {
+            if (m >= M) break;  // the same for the whole warp
+            int4 a[GEMV_AHEAD];
+            float s_a[GEMV_AHEAD];
 #pragma unroll
-        for (int u = 0; u < GEMV_AHEAD; ++u) {
-            const int rr = r + u;
-            if (rr >= r1) break;  // the same for the whole warp
-            const int c = rr * RUN + 16 * j;
-            const float sw = d[rr];
-#pragma unroll
-            for (int m = 0; m < MR; ++m) {
-                if (m >= M) break;  // the same for the whole warp
-                const int4 a = c < K ? *reinterpret_cast<const int4*>(qa + (size_t)m * K + c)
+            for (int u = 0; u < GEMV_AHEAD; ++u) {
+                const int c = (r + u) * RUN + 16 * j;
+                const bool in = r + u < r1;
+                a[u] = (in && c < K) ? *reinterpret_cast<const int4*>(qa + (size_t)m * K + c)
                                      : make_int4(0, 0, 0, 0);
-                int s = dot16(w[u], a);
+                s_a[u] = in ? sa[(size_t)m * R + r + u] : 0.f;
+            }
+#pragma unroll
+            for (int u = 0; u < GEMV_AHEAD; ++u) {
+                if (r + u >= r1) break;  // the same for the whole warp
+                int s = dot16(w[u], a[u]);
                 s += __shfl_xor_sync(0xffffffffu, s, 1);
                 s += __shfl_xor_sync(0xffffffffu, s, 2);
                 s += __shfl_xor_sync(0xffffffffu, s, 4);
-                acc[m] = __fmaf_rn(__int2float_rn(s), __fmul_rn(sa[(size_t)m * R + rr], sw), acc[m]);
+                acc[m] = __fmaf_rn(__int2float_rn(s), __fmul_rn(s_a[u], sw[u]), acc[m]);
             }
         }
+        gemv_load_weights(wrow, d, live, r + GEMV_AHEAD, r1, j, K, w, sw);
     }
     if (j == 0) {
 #pragma unroll
@@ -445,18 +509,20 @@ __device__ void qgemv_q8_0(const signed char* __restrict__ qa, const float* __re
     }
 }
 
-#define QGEMV_ENTRY(NAME, MR)                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) NAME(                                            \
+#define QGEMV_ENTRY(NAME, MR, MIN_BLOCKS)                                                              \
+    extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS) NAME(                                \
         const signed char* qa, const float* sa, const unsigned int* bad_rows, const signed char* wq,    \
         const float* wd, int M, int N, int K, float* y) {                                              \
-        PRISM_GRID_PROLOGUE();                                                                         \
+        PRISM_GRID_WAIT_LATER();                                                                       \
         qgemv_q8_0<MR>(qa, sa, bad_rows, wq, wd, M, N, K, y);                                         \
     }
 
-QGEMV_ENTRY(qgemv_q8_0_m1, 1)
-QGEMV_ENTRY(qgemv_q8_0_m2, 2)
-QGEMV_ENTRY(qgemv_q8_0_m4, 4)
-QGEMV_ENTRY(qgemv_q8_0_m8, 8)
+// MIN_BLOCKS keeps each entry's registers at what it had when weights were read after the wait (48, 56,
+// 72, 72: 10, 9, 7 and 7 blocks an SM).
+QGEMV_ENTRY(qgemv_q8_0_m1, 1, 10)
+QGEMV_ENTRY(qgemv_q8_0_m2, 2, 9)
+QGEMV_ENTRY(qgemv_q8_0_m4, 4, 7)
+QGEMV_ENTRY(qgemv_q8_0_m8, 8, 7)
 
 // ===================================================================================================
 // The narrow Q8_0 kernel for 3 to 32 activation rows (a batch of a few decode steps): tensor cores

@@ -331,8 +331,8 @@ fn gated_norm_checks(
 /// A layer's residual add and RMS norm fused into the activation quantizer (`matmul_add_norm`, what a
 /// layer's first projection and the MLP's gate | up run) against prism-model's `add_rms_norm` (or
 /// `rms_norm_as` without a residual) followed by the product: the same product bits for every kernel
-/// and the same sum, with K-quant sums, the shortest row it takes and a row holding a NaN; rows it does
-/// not take are refused (`None`).
+/// and the same sum, with K-quant sums, the shortest row it takes, a row wider than the kernel keeps in
+/// registers and a row holding a NaN; rows it does not take are refused (`None`).
 fn add_norm_checks(
     r: &mut Report,
     gpu: &Device,
@@ -345,6 +345,8 @@ fn add_norm_checks(
         (GgmlType::Q8_0, 1024, 129),
         (GgmlType::Q8_0, 5120, 64),
         (GgmlType::Q8_0, 2560, 300),
+        // Wider than the 8,192 columns the kernel keeps in registers: its other groups read twice.
+        (GgmlType::Q8_0, 9216, 40),
         (GgmlType::Q4_K, 2048, 64),
     ] {
         let w = weight(rng, ty, n, k, Q8Scales::PerRun)?;
