@@ -398,9 +398,10 @@ enum Arg {
 /// (`kernels/launch.cuh`, checked by a test over `kernels/`), which waits for the kernels ahead of it
 /// and for their writes before touching memory; what overlaps is the launch and the blocks' start, not
 /// the work. The one exception, marked `PRISM_GRID_WAIT_LATER()`: the skinny integer kernel reads its
-/// first weights — written once at load, never by a kernel — before it waits. Elsewhere it is a plain `cuLaunchKernel`. Device buffers are passed as their device
-/// pointers, with no per-buffer events: [`load_kernel`] refuses a context that tracks them (cudarc's
-/// multi-stream synchronization, which [`open_device`] turns off; one stream orders our work).
+/// first weights — written once at load, never by a kernel — before it waits. Elsewhere it is a plain
+/// `cuLaunchKernel`. Device buffers are passed as their device pointers, with no per-buffer events:
+/// [`load_kernel`] refuses a context that tracks them (cudarc's multi-stream synchronization, which
+/// [`open_device`] turns off; one stream orders our work).
 pub struct Launch<'a> {
     func: &'a CudaFunction,
     stream: &'a Arc<CudaStream>,
