@@ -13,16 +13,14 @@
 #pragma once
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PRISM_GRID_PROLOGUE() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
 #define PRISM_GRID_WAIT() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
 #else
 #define PRISM_GRID_WAIT() \
     do {                  \
     } while (0)
-#define PRISM_GRID_PROLOGUE() \
-    do {                      \
-    } while (0)
 #endif
+// A kernel's first statement: the wait above.
+#define PRISM_GRID_PROLOGUE() PRISM_GRID_WAIT()
 
 // A kernel that reads, before waiting, only memory no kernel writes (weights, written once at load)
 // begins with PRISM_GRID_WAIT_LATER() instead (the test accepts it), and its body calls

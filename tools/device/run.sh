@@ -63,7 +63,8 @@
 #               /tmp/s27 at bf16, then at int8 with --compare against the bf16 run (outputs eval-bf16/,
 #               eval-int8/ with results.json, report.md, reliability.png; logs eval-*.log)
 #   think27     thought decoding of /tmp/s27 at int8 through the engine (prism bench --think): one thought
-#               of $THINK tokens (default 128) alone, then 64 at once ($THINK_BATCH, default 1,64), then each profiled (think-27b-int8.json;
+#               of $THINK tokens (default 128) alone, then 64 at once ($THINK_BATCH, default 1,64; 64 does not fit
+#               an H100's memory next to the 27B, where THINK_BATCH=1,32), then each profiled (think-27b-int8.json;
 #               $PROFILE: sync, the default, events, or none for no profiled run; $THINK_RUNS timed runs of each, default 1)
 #   serve27-think  prism serve on /tmp/s27 at int8 as a v1.1 AutoThink model (the synthetic directory's
 #               decision_config.json gets "family": "v1.1") and loadgen from 64 clients for $LOAD_S seconds:
