@@ -70,15 +70,18 @@ pub fn top_candidates(logits: &Tensor, k: usize) -> Result<Vec<Candidates>> {
     let mut chosen: Vec<u32> = Vec::new();
     let mut per_row: Vec<Vec<usize>> = Vec::with_capacity(rows);
     let mut nan_rows = Vec::new();
+    let mut scratch: Vec<f32> = Vec::with_capacity(blocks);
     for (r, row) in maxima.iter().enumerate() {
         if row.iter().any(|m| m.is_nan()) {
             nan_rows.push(r);
             per_row.push(Vec::new());
             continue;
         }
-        let mut sorted: Vec<f32> = row.clone();
-        sorted.sort_unstable_by(|a, b| b.total_cmp(a));
-        let threshold = sorted[k - 1];
+        // The k-th largest block maximum (a selection, not a sort: this runs between two steps
+        // while the device waits).
+        scratch.clear();
+        scratch.extend_from_slice(row);
+        let threshold = *scratch.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a)).1;
         let mine: Vec<usize> = (0..blocks)
             .filter(|&b| row[b] >= threshold && row[b] > f32::NEG_INFINITY)
             .collect();
