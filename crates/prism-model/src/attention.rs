@@ -20,6 +20,7 @@ use crate::ops::{sigmoid_gate, softmax_last_dim};
 use crate::qwen35::Segment;
 use crate::rope::{HeadNorms, MRope};
 use crate::state::{KvCache, KvRoom};
+use crate::tensor_parallel::{check_share_columns, device_range, AllReduce};
 use crate::weights::WeightLoader;
 
 /// Weights of one attention layer (GGUF names in comments).
@@ -76,6 +77,37 @@ impl Attention {
     /// How this layer stores keys and values.
     pub fn kv_storage(&self) -> KvStorage {
         self.kv
+    }
+
+    /// Device `device` of `devices`' share ([`crate::tensor_parallel`]): its query heads and their KV
+    /// heads (a query head `h` reads KV head `h / (n_h / n_kv)`, so a device's query heads read its own
+    /// KV heads), and their input columns of `attn_output`, reduced by `reduce`.
+    pub fn shard(&self, device: usize, devices: usize, reduce: Arc<dyn AllReduce>) -> Result<Self> {
+        let hd = self.hd;
+        let heads = device_range(self.n_h, device, devices);
+        let kv = device_range(self.n_kv, device, devices);
+        let cols = heads.start * hd..heads.end * hd;
+        check_share_columns("attn_output", self.n_h * hd, &cols, device, devices)?;
+        let rows = |r: std::ops::Range<usize>, per: usize| -> Vec<u32> {
+            r.flat_map(|h| h * per..(h + 1) * per)
+                .map(|x| x as u32)
+                .collect()
+        };
+        Ok(Self {
+            qkv: self.qkv.select_part_rows(&[
+                rows(heads.clone(), 2 * hd),
+                rows(kv.clone(), hd),
+                rows(kv.clone(), hd),
+            ])?,
+            o: self.o.share_of_device(device, devices, reduce)?,
+            q_norm: self.q_norm.clone(),
+            k_norm: self.k_norm.clone(),
+            n_h: heads.len(),
+            n_kv: kv.len(),
+            hd,
+            eps: self.eps,
+            kv: self.kv,
+        })
     }
 
     /// `input`: the normed packed activation `[N, d]` (or its pending norm, see [`ProjInput`]);

@@ -3,6 +3,8 @@
 //! Projections, the gated norm and the output projection run on the packed activation of the whole batch;
 //! the causal conv and the delta rule run per sequence segment, each against its own state.
 
+use std::sync::Arc;
+
 use candle_core::Tensor;
 
 use crate::config::Qwen35Config;
@@ -13,7 +15,22 @@ use crate::ops::{delta_net_gates, l2_norm, l2_norm_scaled};
 use crate::profile;
 use crate::qwen35::Segment;
 use crate::state::DeltaNetState;
+use crate::tensor_parallel::{check_share_columns, device_range, AllReduce};
 use crate::weights::WeightLoader;
+
+/// The key heads device `device` of `devices` holds for its value heads ([`DeltaNet::shard`]): value
+/// head `h` reads key head `h mod n_k`, so where the device's value heads are a whole number of `n_k`
+/// (and start at a multiple of it) every key head in order, otherwise one key head per value head,
+/// `h mod n_k` for each of its `h` (the delta rule then reads local key head `j` for local value head
+/// `j`).
+pub fn device_key_heads(n_k: usize, n_v: usize, device: usize, devices: usize) -> Vec<usize> {
+    let values = device_range(n_v, device, devices);
+    if n_k > 0 && values.len() % n_k == 0 && values.start % n_k == 0 {
+        (0..n_k).collect()
+    } else {
+        values.map(|h| h % n_k.max(1)).collect()
+    }
+}
 
 /// Weights of one DeltaNet layer (GGUF names in comments).
 #[derive(Debug, Clone)]
@@ -82,6 +99,47 @@ impl DeltaNet {
             dk: cfg.linear_key_head_dim,
             dv: cfg.linear_value_head_dim,
             eps: cfg.rms_norm_eps,
+        })
+    }
+
+    /// Device `device` of `devices`' share ([`crate::tensor_parallel`]): its value heads (their `v`,
+    /// `z`, β, α rows, conv channels, `ssm_a`, `dt_bias` and `ssm_out` columns, reduced by `reduce`)
+    /// and the query / key heads they read ([`device_key_heads`]).
+    pub fn shard(&self, device: usize, devices: usize, reduce: Arc<dyn AllReduce>) -> Result<Self> {
+        let (dk, dv) = (self.dk, self.dv);
+        let values = device_range(self.n_v, device, devices);
+        let keys = device_key_heads(self.n_k, self.n_v, device, devices);
+        let cols = values.start * dv..values.end * dv;
+        check_share_columns("ssm_out", self.n_v * dv, &cols, device, devices)?;
+        let heads = |hs: &mut dyn Iterator<Item = usize>, per: usize, base: usize| -> Vec<u32> {
+            hs.flat_map(|h| base + h * per..base + (h + 1) * per)
+                .map(|x| x as u32)
+                .collect()
+        };
+        // conv channels: [q (n_k·dk) | k (n_k·dk) | v (n_v·dv)], the rows of the qkv part.
+        let mut channels = heads(&mut keys.iter().copied(), dk, 0);
+        channels.extend(heads(&mut keys.iter().copied(), dk, self.n_k * dk));
+        channels.extend(heads(&mut values.clone(), dv, 2 * self.n_k * dk));
+        let dev = self.conv_taps.device();
+        let index = Tensor::from_vec(channels.clone(), channels.len(), dev)?;
+        let one_each: Vec<u32> = values.clone().map(|h| h as u32).collect();
+        Ok(Self {
+            in_proj: self.in_proj.select_part_rows(&[
+                channels,
+                heads(&mut values.clone(), dv, 0),
+                one_each.clone(),
+                one_each,
+            ])?,
+            conv_taps: self.conv_taps.index_select(&index, 1)?,
+            ssm_a: self.ssm_a.narrow(0, values.start, values.len())?,
+            dt_bias: self.dt_bias.narrow(0, values.start, values.len())?,
+            norm: self.norm.clone(),
+            out: self.out.share_of_device(device, devices, reduce)?,
+            n_k: keys.len(),
+            n_v: values.len(),
+            dk,
+            dv,
+            eps: self.eps,
         })
     }
 

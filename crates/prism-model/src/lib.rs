@@ -40,6 +40,7 @@ pub mod stack_dump;
 pub mod state;
 pub mod synth;
 pub mod synth_vision;
+pub mod tensor_parallel;
 #[cfg(test)]
 mod test_util;
 pub mod top;

@@ -22,6 +22,7 @@ use candle_core::{DType, Result, Tensor};
 use prism_quant::QuantMatmul;
 
 use crate::ops;
+use crate::tensor_parallel::AllReduce;
 
 /// Rewrites a projection's input `[n, in]` (f32) before a [`Linear::Simulated`] matmul.
 pub type InputTransform = dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync;
@@ -37,6 +38,15 @@ pub enum Linear {
         weight: Tensor,
         transform: Arc<InputTransform>,
     },
+    /// Device `device`'s share of a tensor-parallel product split over its input columns on the
+    /// integer contract's part boundaries ([`QuantMatmul::share_of_device`]): it multiplies the
+    /// device's columns of the input and `reduce` adds every device's share up the single-device
+    /// tree, so each device gets the whole product, bit for bit one device's.
+    Share {
+        share: QuantMatmul,
+        reduce: Arc<dyn AllReduce>,
+        device: usize,
+    },
 }
 
 impl std::fmt::Debug for Linear {
@@ -47,6 +57,11 @@ impl std::fmt::Debug for Linear {
             Linear::Simulated { weight, .. } => f
                 .debug_struct("Simulated")
                 .field("weight", weight)
+                .finish_non_exhaustive(),
+            Linear::Share { share, device, .. } => f
+                .debug_struct("Share")
+                .field("share", share)
+                .field("device", device)
                 .finish_non_exhaustive(),
         }
     }
@@ -67,6 +82,46 @@ impl Linear {
                 op.forward(&x)
             }
             Linear::Simulated { weight, transform } => ops::linear(&transform(x)?, weight),
+            Linear::Share {
+                share,
+                reduce,
+                device,
+            } => {
+                let x = if x.dtype() == DType::F32 {
+                    x.clone()
+                } else {
+                    x.to_dtype(DType::F32)?
+                };
+                reduce.all_reduce(*device, share.forward(&x)?)
+            }
+        }
+    }
+
+    /// Device `device` of `devices`' share of this product over its input columns `cols` (which must
+    /// be the device's parts of the integer contract's reduction; [`crate::tensor_parallel`] checks
+    /// that), reduced by `reduce`. Only the integer path splits bit-exactly: a float weight is refused.
+    pub fn share_of_device(
+        &self,
+        device: usize,
+        devices: usize,
+        reduce: Arc<dyn AllReduce>,
+    ) -> crate::Result<Linear> {
+        match self {
+            Linear::Quant(op) => Ok(Linear::Share {
+                share: op.share_of_device(device, devices).map_err(|source| {
+                    crate::ModelError::Quant {
+                        name: op.name().to_string(),
+                        source,
+                    }
+                })?,
+                reduce,
+                device,
+            }),
+            _ => Err(crate::ModelError::InvalidInput(
+                "tensor parallelism splits products on the integer path only (int8, w4a8): this \
+                 projection is a float matrix"
+                    .into(),
+            )),
         }
     }
 
@@ -127,6 +182,11 @@ impl Linear {
                 weight: pick(weight)?,
                 transform: transform.clone(),
             },
+            Linear::Share { .. } => {
+                return Err(crate::ModelError::InvalidInput(
+                    "a tensor-parallel share of a product has no rows to select".into(),
+                ))
+            }
         })
     }
 
@@ -134,13 +194,13 @@ impl Linear {
     pub fn out_features(&self) -> usize {
         match self {
             Linear::Dense(w) | Linear::Simulated { weight: w, .. } => w.dims()[0],
-            Linear::Quant(op) => op.rows(),
+            Linear::Quant(op) | Linear::Share { share: op, .. } => op.rows(),
         }
     }
 
     /// Whether this projection runs on the integer path.
     pub fn is_quantized(&self) -> bool {
-        matches!(self, Linear::Quant(_))
+        matches!(self, Linear::Quant(_) | Linear::Share { .. })
     }
 
     /// The dtype this projection wants its input in when the activations are `act`: bf16 for a bf16
@@ -261,6 +321,47 @@ impl FusedLinear {
             }
         })?;
         Ok((self.forward(&h)?, sum))
+    }
+
+    /// The same projections restricted to rows `rows[i]` of part `i` (indices within the part, in
+    /// that order), e.g. one device's heads. Every output depends only on its own weight row, so each
+    /// kept output has the bits of the whole projection's.
+    pub fn select_part_rows(&self, rows: &[Vec<u32>]) -> crate::Result<FusedLinear> {
+        if rows.len() != self.parts.len() {
+            return Err(crate::ModelError::InvalidInput(format!(
+                "a fused projection of {} parts given rows of {}",
+                self.parts.len(),
+                rows.len()
+            )));
+        }
+        let mut parts = Vec::with_capacity(self.parts.len());
+        let mut gemms = Vec::with_capacity(self.gemms.len());
+        for (g, gemm) in self.gemms.iter().enumerate() {
+            let mut picked: Vec<u32> = Vec::new();
+            for (part, kept) in self.parts.iter().zip(rows) {
+                if part.gemm != g {
+                    continue;
+                }
+                if let Some(&bad) = kept.iter().find(|&&r| r as usize >= part.len) {
+                    return Err(crate::ModelError::InvalidInput(format!(
+                        "{}: row {bad} of a part of {} rows",
+                        part.name, part.len
+                    )));
+                }
+                parts.push(FusedPart {
+                    name: part.name.clone(),
+                    gemm: g,
+                    offset: picked.len(),
+                    len: kept.len(),
+                });
+                picked.extend(kept.iter().map(|&r| r + part.offset as u32));
+            }
+            gemms.push(gemm.select_rows(&picked)?);
+        }
+        // The parts in their documented order (the loop above went GEMM by GEMM).
+        let order: Vec<&str> = self.parts.iter().map(|p| p.name.as_str()).collect();
+        parts.sort_by_key(|p| order.iter().position(|n| *n == p.name));
+        Ok(FusedLinear { gemms, parts })
     }
 
     /// Outputs of all parts together.

@@ -7,6 +7,7 @@
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use prism_gguf::GgufFile;
@@ -21,6 +22,7 @@ use crate::ops::{add_rms_norm, rms_norm_as};
 use crate::profile;
 use crate::rope::{MRope, Position3};
 use crate::state::{LayerState, SequenceState};
+use crate::tensor_parallel::{device_range, AllReduce};
 use crate::weights::{Precision, WeightLoader};
 
 /// The rows of the packed activation that belong to one sequence.
@@ -143,6 +145,19 @@ impl Mlp {
     /// The dtype [`Mlp::forward`] wants its input in when the activations are `act`.
     pub fn input_dtype(&self, act: DType) -> DType {
         self.gate_up.input_dtype(act)
+    }
+
+    /// Device `device` of `devices`' share ([`crate::tensor_parallel`]): its intermediate channels'
+    /// rows of gate | up and their columns of `ffn_down`, reduced by `reduce`.
+    pub fn shard(&self, device: usize, devices: usize, reduce: Arc<dyn AllReduce>) -> Result<Self> {
+        let mine = device_range(self.ffn, device, devices);
+        crate::tensor_parallel::check_share_columns("ffn_down", self.ffn, &mine, device, devices)?;
+        let rows: Vec<u32> = mine.clone().map(|c| c as u32).collect();
+        Ok(Self {
+            gate_up: self.gate_up.select_part_rows(&[rows.clone(), rows])?,
+            down: self.down.share_of_device(device, devices, reduce)?,
+            ffn: mine.len(),
+        })
     }
 }
 
@@ -669,6 +684,58 @@ impl Qwen35Model {
     /// shared, never written in place).
     pub fn new_state(&self) -> Result<SequenceState> {
         Ok(self.fresh.clone())
+    }
+
+    /// Device `device` of `devices`' share of this model ([`crate::tensor_parallel::shard`], which
+    /// checks the split first): its heads and channels of every layer, the rest whole.
+    pub(crate) fn shard(
+        &self,
+        device: usize,
+        devices: usize,
+        reduce: Arc<dyn AllReduce>,
+    ) -> Result<Self> {
+        let cfg = &self.config;
+        let layers = self
+            .layers
+            .iter()
+            .map(|layer| {
+                Ok(DecoderLayer {
+                    attn_norm: layer.attn_norm.clone(),
+                    post_norm: layer.post_norm.clone(),
+                    mixer: match &layer.mixer {
+                        Mixer::DeltaNet(net) => {
+                            Mixer::DeltaNet(net.shard(device, devices, reduce.clone())?)
+                        }
+                        Mixer::Attention(attn) => {
+                            Mixer::Attention(attn.shard(device, devices, reduce.clone())?)
+                        }
+                    },
+                    mlp: layer.mlp.shard(device, devices, reduce.clone())?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let key_heads = crate::delta_net::device_key_heads(
+            cfg.linear_key_heads,
+            cfg.linear_value_heads,
+            device,
+            devices,
+        )
+        .len();
+        let config = Qwen35Config {
+            n_heads: cfg.n_heads / devices,
+            n_kv_heads: cfg.n_kv_heads / devices,
+            intermediate_size: cfg.intermediate_size / devices,
+            linear_value_heads: cfg.linear_value_heads / devices,
+            linear_key_heads: key_heads,
+            ..cfg.clone()
+        };
+        let fresh = SequenceState::new(&config, self.precision.activation_dtype(), &self.device)?;
+        Ok(Self {
+            config,
+            layers,
+            fresh,
+            ..self.clone()
+        })
     }
 
     /// Runs the new tokens of every item through the decoder, updating each item's state. On error no

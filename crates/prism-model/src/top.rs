@@ -81,7 +81,9 @@ pub fn top_candidates(logits: &Tensor, k: usize) -> Result<Vec<Candidates>> {
         // while the device waits).
         scratch.clear();
         scratch.extend_from_slice(row);
-        let threshold = *scratch.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a)).1;
+        let threshold = *scratch
+            .select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a))
+            .1;
         let mine: Vec<usize> = (0..blocks)
             .filter(|&b| row[b] >= threshold && row[b] > f32::NEG_INFINITY)
             .collect();

@@ -201,6 +201,79 @@ pub fn quantize_for(x: &[f32], m: usize, w: &QuantWeight) -> Result<QuantizedRow
     quantize_rows(x, m, w.cols(), sum_group(w.format()))
 }
 
+/// The parts of a product's reduction that one device of a tensor-parallel split holds: parts
+/// `parts` of the [`part_bounds`] of a reduction of `total_runs` runs, its weight and activations the
+/// columns of exactly those runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartSpan {
+    /// Runs of the whole reduction (over every device).
+    pub total_runs: usize,
+    /// The parts held: one, two (`0..2` or `2..4`) or all four.
+    pub parts: Range<usize>,
+}
+
+impl PartSpan {
+    /// The span of device `device` of `devices` (1, 2 or 4): parts `device·4/devices ..
+    /// (device+1)·4/devices`.
+    pub fn of_device(total_runs: usize, device: usize, devices: usize) -> Result<Self> {
+        if !matches!(devices, 1 | 2 | 4) || device >= devices {
+            return Err(QuantError::Input(format!(
+                "a tensor-parallel split is over 1, 2 or 4 devices (device {device} of {devices})"
+            )));
+        }
+        Ok(Self {
+            total_runs,
+            parts: device * PARTS / devices..(device + 1) * PARTS / devices,
+        })
+    }
+
+    /// The global runs the span holds.
+    pub fn runs(&self) -> Range<usize> {
+        let b = part_bounds(self.total_runs);
+        b[self.parts.start]..b[self.parts.end]
+    }
+
+    /// Whether the span is one of [`Self::of_device`]'s: one part, an aligned pair or all four.
+    fn is_subtree(&self) -> bool {
+        let (a, z) = (self.parts.start, self.parts.end);
+        z <= PARTS && (z == a + 1 || (z == a + 2 && a % 2 == 0) || (a, z) == (0, PARTS))
+    }
+}
+
+/// The share of a tensor-parallel product that the device holding `span` computes: for each output,
+/// its parts' sums ([`row_part`], each over its own runs from +0.0) combined as the single-device tree
+/// combines them below their common node — one part as it is, two as `p_a + p_b`, four by
+/// [`combine_parts`]. Adding the devices' shares up that tree (`s0 + s1`, or `(s0 + s1) + (s2 + s3)`)
+/// gives the single-device product's bits. `x: [m, w.cols()]` holds the span's columns and `w` the
+/// span's columns of the whole weight (e.g. [`QuantWeight::select_cols`]).
+pub fn matmul_share(x: &[f32], m: usize, w: &QuantWeight, span: &PartSpan) -> Result<Vec<f32>> {
+    let runs = span.runs();
+    if !span.is_subtree() || run_count(w.cols()) != runs.len() {
+        return Err(QuantError::Input(format!(
+            "{:?}: parts {:?} of a reduction of {} runs are runs {runs:?}, but the weight holds {} runs",
+            w.name(),
+            span.parts,
+            span.total_runs,
+            run_count(w.cols())
+        )));
+    }
+    let qx = quantize_for(x, m, w)?;
+    let b = part_bounds(span.total_runs);
+    let local = |p: usize| b[p] - runs.start..b[p + 1] - runs.start;
+    let n = w.rows();
+    let cell = |i: usize| {
+        let (r, o) = (i / n, i % n);
+        let part = |p: usize| row_part(w, o, qx.row(r), qx.row_scales(r), qx.row_sums(r), local(p));
+        let p0 = span.parts.start;
+        match span.parts.len() {
+            1 => part(p0),
+            2 => part(p0) + part(p0 + 1),
+            _ => combine_parts(std::array::from_fn(part)),
+        }
+    };
+    Ok((0..m * n).into_par_iter().map(cell).collect())
+}
+
 /// Outputs per task, and activation rows per tile inside a task.
 const STRIP: usize = 32;
 const ROW_TILE: usize = 16;

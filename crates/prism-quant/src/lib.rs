@@ -89,6 +89,6 @@ pub mod weight;
 
 pub use activation::{quantize_rows, run_count, QuantizedRows, AMAX_MIN, QMAX, RUN};
 pub use error::{QuantError, Result};
-pub use kernel::{matmul, part_bounds, PARTS};
+pub use kernel::{matmul, matmul_share, part_bounds, PartSpan, PARTS};
 pub use op::QuantMatmul;
 pub use weight::{Q8Scales, QuantWeight, WeightFormat, WeightInfo};

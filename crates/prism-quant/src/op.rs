@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
-use crate::kernel;
+use crate::kernel::{self, PartSpan};
 use crate::weight::{QuantWeight, WeightInfo};
 
 /// `y = x · Wᵀ` for an f32 activation `x: [m, k]` and a quantized weight `W: [n, k]`, the activations
@@ -22,6 +22,9 @@ use crate::weight::{QuantWeight, WeightInfo};
 pub struct QuantMatmul {
     info: WeightInfo,
     weight: Arc<QuantWeight>,
+    /// `Some`: the weight holds the runs of these parts of a longer reduction, and the product is this
+    /// device's share of a tensor-parallel product ([`kernel::matmul_share`]; CPU only so far).
+    share: Option<PartSpan>,
     /// The weight's copy on a GPU, uploaded on the first product there and shared by clones.
     #[cfg(feature = "cuda")]
     device_weight: Arc<std::sync::Mutex<Option<Arc<crate::cuda::CudaQuantWeight>>>>,
@@ -32,6 +35,7 @@ impl QuantMatmul {
         Self {
             info: weight.info(),
             weight,
+            share: None,
             #[cfg(feature = "cuda")]
             device_weight: Arc::default(),
         }
@@ -61,7 +65,33 @@ impl QuantMatmul {
     /// read-out). Every output depends only on its own row, so the results are bit-identical to those
     /// columns of the full product.
     pub fn select_rows(&self, rows: &[u32]) -> crate::Result<Self> {
-        Ok(Self::new(Arc::new(self.weight.select_rows(rows)?)))
+        let mut op = Self::new(Arc::new(self.weight.select_rows(rows)?));
+        op.share = self.share.clone();
+        Ok(op)
+    }
+
+    /// Device `device` of `devices`' share of this product, whose reduction is split on part
+    /// boundaries ([`PartSpan::of_device`]): the weight's columns of the device's runs, the product
+    /// [`kernel::matmul_share`] of the same columns of the input. Where the part boundaries are not
+    /// on the format's blocks, [`QuantWeight::select_cols`] refuses.
+    pub fn share_of_device(&self, device: usize, devices: usize) -> crate::Result<Self> {
+        if self.share.is_some() {
+            return Err(crate::QuantError::Input(format!(
+                "{:?} is already a share of a product",
+                self.name()
+            )));
+        }
+        let span = PartSpan::of_device(crate::run_count(self.weight.cols()), device, devices)?;
+        let runs = span.runs();
+        let cols = runs.start * crate::RUN..(runs.end * crate::RUN).min(self.weight.cols());
+        let mut op = Self::new(Arc::new(self.weight.select_cols(cols)?));
+        op.share = Some(span);
+        Ok(op)
+    }
+
+    /// The parts this product's share holds (`None`: the whole product).
+    pub fn share(&self) -> Option<&PartSpan> {
+        self.share.as_ref()
     }
 
     /// Puts the weight on `device` now rather than on the first product there (nothing to do on the
@@ -98,6 +128,12 @@ impl QuantMatmul {
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let candle_core::Device::Cuda(dev) = x.device() {
+            if self.share.is_some() {
+                candle_core::bail!(
+                    "{:?}: a tensor-parallel share of a product runs on the CPU only so far",
+                    self.name()
+                );
+            }
             let w = self.device_weight(dev)?;
             return crate::cuda::matmul(x, &w);
         }
@@ -112,6 +148,10 @@ impl QuantMatmul {
         gate_up: &Tensor,
         f: usize,
     ) -> candle_core::Result<Option<Tensor>> {
+        if self.share.is_some() {
+            // A share is one device's part of a product: nothing to fuse it with here.
+            return Ok(None);
+        }
         #[cfg(feature = "cuda")]
         if let candle_core::Device::Cuda(dev) = gate_up.device() {
             if gate_up.dtype() == candle_core::DType::F32 {
@@ -135,6 +175,10 @@ impl QuantMatmul {
         weight: &Tensor,
         eps: f64,
     ) -> candle_core::Result<Option<Tensor>> {
+        if self.share.is_some() {
+            // A share is one device's part of a product: nothing to fuse it with here.
+            return Ok(None);
+        }
         #[cfg(feature = "cuda")]
         if let candle_core::Device::Cuda(dev) = x.device() {
             let f32 = candle_core::DType::F32;
@@ -162,6 +206,9 @@ impl QuantMatmul {
         weight: &Tensor,
         eps: f64,
     ) -> candle_core::Result<Option<(Option<Tensor>, Tensor)>> {
+        if self.share.is_some() {
+            return Ok(None);
+        }
         #[cfg(feature = "cuda")]
         if let candle_core::Device::Cuda(dev) = x.device() {
             let f32 = candle_core::DType::F32;
@@ -208,8 +255,11 @@ impl CustomOp1 for QuantMatmul {
                 candle_core::backend::BackendStorage::dtype(other)
             ),
         };
-        let y = kernel::matmul(x, m, w)
-            .map_err(|e| candle_core::Error::Msg(format!("{:?}: {e}", w.name())))?;
+        let y = match &self.share {
+            None => kernel::matmul(x, m, w),
+            Some(span) => kernel::matmul_share(x, m, w, span),
+        }
+        .map_err(|e| candle_core::Error::Msg(format!("{:?}: {e}", w.name())))?;
         Ok((CpuStorage::F32(y), Shape::from((m, w.rows()))))
     }
 

@@ -7,6 +7,8 @@
 //!   [`Q8Scales::PerRow`]): the run's scale `sw` is the largest `|d_b|` of its blocks and each weight
 //!   becomes [`reblock_value`]`(q, d_b, sw)`. The same file always gives the same integers.
 
+use std::ops::Range;
+
 use half::f16;
 use prism_gguf::blocks::scale_min_k4;
 use prism_gguf::{GgmlType, QK_K};
@@ -578,6 +580,60 @@ impl QuantWeight {
             out.sub_mins.extend_from_slice(self.row_sub_mins(r));
             out.d.extend_from_slice(self.row_d(r));
             out.dmin.extend_from_slice(self.row_dmin(r));
+        }
+        Ok(out)
+    }
+
+    /// The weight's input columns `cols` (e.g. one device's share of a tensor-parallel product): the
+    /// range must start on a run of 128 (Q8_0) or a block of 256 (K-quants) and end on one or at the
+    /// last column. Each run's integers and scales are the whole weight's, so the share's products
+    /// over its runs are the same integers and promotions.
+    pub fn select_cols(&self, cols: Range<usize>) -> Result<QuantWeight> {
+        let unit = match self.format {
+            WeightFormat::Q8_0 => RUN,
+            _ => self.format.block_len(),
+        };
+        let aligned = |c: usize| c % unit == 0 || c == self.cols;
+        if cols.start >= cols.end
+            || cols.end > self.cols
+            || cols.start % unit != 0
+            || !aligned(cols.end)
+        {
+            return Err(QuantError::Input(format!(
+                "{:?}: columns {cols:?} of {} are not whole runs of {unit}",
+                self.name, self.cols
+            )));
+        }
+        let width = cols.end - cols.start;
+        let scales = match self.format {
+            WeightFormat::Q8_0 => cols.start / RUN..run_count(cols.end),
+            _ => cols.start / unit..cols.end / unit,
+        };
+        let sub = self.format.sub_len();
+        let subs = cols.start / sub..cols.end / sub;
+        let mut out = QuantWeight {
+            name: self.name.clone(),
+            format: self.format,
+            rows: self.rows,
+            cols: width,
+            q: Vec::with_capacity(self.rows * width),
+            sub_scales: Vec::new(),
+            sub_mins: Vec::new(),
+            d: Vec::with_capacity(self.rows * scales.len()),
+            dmin: Vec::new(),
+        };
+        for n in 0..self.rows {
+            out.q.extend_from_slice(&self.row_q(n)[cols.clone()]);
+            out.d.extend_from_slice(&self.row_d(n)[scales.clone()]);
+            if let Some(s) = self.row_sub_scales(n).get(subs.clone()) {
+                out.sub_scales.extend_from_slice(s);
+            }
+            if let Some(m) = self.row_sub_mins(n).get(subs.clone()) {
+                out.sub_mins.extend_from_slice(m);
+            }
+            if let Some(m) = self.row_dmin(n).get(scales.clone()) {
+                out.dmin.extend_from_slice(m);
+            }
         }
         Ok(out)
     }

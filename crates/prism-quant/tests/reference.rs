@@ -922,3 +922,67 @@ fn bad_inputs_are_typed_errors() {
         Some(WeightFormat::Q8_0)
     );
 }
+
+#[test]
+fn device_shares_added_up_the_tree_are_the_single_device_product() {
+    // `QuantMatmul::share_of_device`: each device's columns of the weight and of the input, its parts
+    // combined below their common node; the shares added as the tree adds them give the product's bits.
+    let mut rng = Rng(31);
+    for (ty, cols, devices) in [
+        (GgmlType::Q8_0, 128 * 8, 2),
+        (GgmlType::Q8_0, 128 * 8, 4),
+        (GgmlType::Q8_0, 128 * 6 + 64, 2),
+        (GgmlType::Q8_0, 128 * 2, 2),
+        (GgmlType::Q4_K, 256 * 8, 4),
+        (GgmlType::Q6_K, 256 * 4, 2),
+    ] {
+        let (rows, m) = (10, 5);
+        let (w, _) = synthetic(ty, rows, cols, &mut rng);
+        let x = uneven_activations(m, cols, &mut rng);
+        let whole = QuantMatmul::new(Arc::new(w));
+        let xt = Tensor::from_vec(x.clone(), (m, cols), &Device::Cpu).unwrap();
+        let want: Vec<f32> = whole
+            .forward(&xt)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let mut shares = Vec::new();
+        for g in 0..devices {
+            let share = whole.share_of_device(g, devices).unwrap();
+            let runs = share.share().unwrap().runs();
+            let (c0, c1) = (runs.start * RUN, (runs.end * RUN).min(cols));
+            let xs = xt.narrow(1, c0, c1 - c0).unwrap();
+            let y: Vec<f32> = share
+                .forward(&xs)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            shares.push(y);
+        }
+        for i in 0..m * rows {
+            let got = match devices {
+                2 => shares[0][i] + shares[1][i],
+                _ => (shares[0][i] + shares[1][i]) + (shares[2][i] + shares[3][i]),
+            };
+            assert_eq!(
+                got.to_bits(),
+                want[i].to_bits(),
+                "{ty:?} cols {cols} devices {devices} #{i}"
+            );
+        }
+    }
+    // A split inside a K-quant block, and a share of a share, are refused.
+    let (w, _) = synthetic(GgmlType::Q4_K, 4, 256 * 2, &mut rng);
+    let op = QuantMatmul::new(Arc::new(w));
+    assert!(op.share_of_device(0, 4).is_err());
+    let (w, _) = synthetic(GgmlType::Q8_0, 4, 128 * 4, &mut rng);
+    let half = QuantMatmul::new(Arc::new(w)).share_of_device(1, 2).unwrap();
+    assert!(half.share_of_device(0, 2).is_err());
+    assert!(QuantMatmul::new(half.weight().clone())
+        .share_of_device(0, 3)
+        .is_err());
+}

@@ -1,0 +1,217 @@
+//! Tensor parallelism on the CPU (issue #25): the tiny int8 model split over two devices (threads of
+//! this process) computes every hidden state and logit with one device's bits — prefill, a branch off a
+//! shared prefix, decode steps and a DeltaNet chunk boundary — and splits that cannot be exact are
+//! refused with the reason.
+
+mod common;
+mod quantized;
+
+use common::{bits, prompts, q8_model};
+use prism_model::tensor_parallel::{TensorParallelItem, TensorParallelModel, TensorParallelState};
+use prism_model::{BatchItem, BatchOutput, Qwen35Model, SequenceState};
+use quantized::{int8_model, w4a8_model};
+
+/// One step of the scenario: for each sequence, its new tokens and the item it branches from.
+struct Step {
+    tokens: Vec<Vec<u32>>,
+    parents: Vec<Option<usize>>,
+}
+
+fn one_device(model: &Qwen35Model, states: &mut [SequenceState], step: &Step) -> BatchOutput {
+    let mut items: Vec<BatchItem<'_>> = states
+        .iter_mut()
+        .zip(&step.tokens)
+        .zip(&step.parents)
+        .map(|((state, tokens), parent)| BatchItem {
+            parent: *parent,
+            ..BatchItem::new(state, tokens)
+        })
+        .collect();
+    model.forward(&mut items).unwrap()
+}
+
+fn split(tp: &TensorParallelModel, states: &mut [TensorParallelState], step: &Step) -> BatchOutput {
+    let mut items: Vec<TensorParallelItem<'_>> = states
+        .iter_mut()
+        .zip(&step.tokens)
+        .zip(&step.parents)
+        .map(|((state, tokens), parent)| TensorParallelItem {
+            state,
+            tokens,
+            parent: *parent,
+            keep_state: true,
+        })
+        .collect();
+    tp.forward(&mut items).unwrap()
+}
+
+#[test]
+fn two_devices_compute_one_devices_bits() {
+    let model = int8_model();
+    let tp = TensorParallelModel::new(model, 2).unwrap();
+    assert_eq!(tp.devices().len(), 2);
+    let p = prompts();
+    // Three sequences: two prompts and a branch off the first; then decode steps, one crossing the
+    // DeltaNet chunk boundary (64 tokens) of the first sequence.
+    let steps = [
+        Step {
+            tokens: vec![p[0][..60].to_vec(), p[1][..23].to_vec(), p[2][..9].to_vec()],
+            parents: vec![None, None, Some(0)],
+        },
+        Step {
+            tokens: vec![p[0][60..63].to_vec(), vec![p[1][23]], vec![p[2][9]]],
+            parents: vec![None, None, None],
+        },
+        Step {
+            tokens: vec![p[0][63..66].to_vec(), p[1][24..30].to_vec(), vec![p[2][10]]],
+            parents: vec![None, None, None],
+        },
+    ];
+    let mut alone: Vec<SequenceState> = (0..3).map(|_| model.new_state().unwrap()).collect();
+    let mut parallel: Vec<TensorParallelState> = (0..3).map(|_| tp.new_state().unwrap()).collect();
+    for (i, step) in steps.iter().enumerate() {
+        let want = one_device(model, &mut alone, step);
+        let got = split(&tp, &mut parallel, step);
+        assert_eq!(got.segments, want.segments, "step {i}");
+        assert_eq!(
+            bits(&got.hidden),
+            bits(&want.hidden),
+            "step {i}: hidden states"
+        );
+        let logits =
+            |m: &Qwen35Model, out: &BatchOutput| m.logits(&out.last_hidden().unwrap()).unwrap();
+        assert_eq!(
+            bits(&logits(&tp.devices()[0], &got)),
+            bits(&logits(model, &want)),
+            "step {i}: logits"
+        );
+    }
+    // Every device holds its half of the heads.
+    let cfg = tp.devices()[1].config();
+    assert_eq!((cfg.n_heads, cfg.n_kv_heads), (2, 1));
+    assert_eq!(cfg.linear_value_heads, 2);
+    assert_eq!(cfg.intermediate_size, model.config().intermediate_size / 2);
+}
+
+#[test]
+fn a_failed_pass_on_one_device_leaves_every_state_as_it_was() {
+    let model = int8_model();
+    let tp = TensorParallelModel::new(model, 2).unwrap();
+    let mut state = tp.new_state().unwrap();
+    let tokens = prompts()[0][..5].to_vec();
+    let mut items = [TensorParallelItem {
+        state: &mut state,
+        tokens: &tokens,
+        parent: None,
+        keep_state: true,
+    }];
+    tp.forward(&mut items).unwrap();
+    // A token outside the vocabulary fails on every device before any product.
+    let bad = vec![u32::MAX];
+    let mut items = [TensorParallelItem {
+        state: &mut state,
+        tokens: &bad,
+        parent: None,
+        keep_state: true,
+    }];
+    assert!(tp.forward(&mut items).is_err());
+    // The group works again, and the state is the one before the failed pass.
+    let next = prompts()[0][5..8].to_vec();
+    let mut items = [TensorParallelItem {
+        state: &mut state,
+        tokens: &next,
+        parent: None,
+        keep_state: true,
+    }];
+    let got = tp.forward(&mut items).unwrap();
+    let mut alone = model.new_state().unwrap();
+    let all = prompts()[0][..8].to_vec();
+    let want = one_device(
+        model,
+        std::slice::from_mut(&mut alone),
+        &Step {
+            tokens: vec![all],
+            parents: vec![None],
+        },
+    );
+    assert_eq!(
+        bits(&got.last_hidden().unwrap()),
+        bits(&want.last_hidden().unwrap())
+    );
+}
+
+#[test]
+fn splits_that_cannot_be_exact_are_refused() {
+    let err = |r: prism_model::Result<TensorParallelModel>| match r {
+        Ok(_) => panic!("the split was accepted"),
+        Err(e) => e.to_string(),
+    };
+    // Two KV heads over four devices.
+    let e = err(TensorParallelModel::new(int8_model(), 4));
+    assert!(e.contains("KV heads"), "{e}");
+    let e = err(TensorParallelModel::new(int8_model(), 3));
+    assert!(e.contains("1, 2 or 4"), "{e}");
+    // Q4_K_M: attn_output's 256 inputs are one K-quant block, which two devices cannot share.
+    let e = err(TensorParallelModel::new(w4a8_model(), 2));
+    assert!(e.contains("attn_output") || e.contains("256"), "{e}");
+    // Float weights have no fixed reduction tree to split.
+    let e = err(TensorParallelModel::new(q8_model(), 2));
+    assert!(e.contains("integer path"), "{e}");
+}
+
+/// A random Q8_0 model whose devices hold fewer DeltaNet value heads than there are key heads' worth
+/// (3 of 6 value heads over 2 key heads: one key head per value head on each device, as the 27B's 24
+/// of 48 over 16), written here with `prism_model::synth`.
+fn uneven_key_heads_model() -> Qwen35Model {
+    use prism_model::synth::{write_gguf, SynthFileType, SynthSize, SynthSpec};
+    use prism_model::LoadOptions;
+    let mut spec = SynthSpec::new(SynthSize::B0_8, SynthFileType::Q8_0, 7)
+        .with_layers(4)
+        .unwrap();
+    let cfg = &mut spec.config;
+    cfg.vocab_size = 512;
+    cfg.hidden_size = 256;
+    cfg.intermediate_size = 512;
+    (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) = (4, 2, 64);
+    (cfg.rotary_dim, cfg.mrope_sections) = (16, [3, 3, 2]);
+    (cfg.linear_key_heads, cfg.linear_value_heads) = (2, 6);
+    (cfg.linear_key_head_dim, cfg.linear_value_head_dim) = (128, 128);
+    spec.tied_embeddings = false;
+    let dir = std::env::temp_dir().join(format!("prism-tp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("uneven.gguf");
+    write_gguf(&path, &spec, Vec::new(), |_| {}).unwrap();
+    let options = LoadOptions {
+        precision: prism_model::Precision::Int8,
+        ..LoadOptions::default()
+    };
+    let model = Qwen35Model::load(&path, &options).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    model
+}
+
+#[test]
+fn devices_with_one_key_head_per_value_head_compute_one_devices_bits() {
+    let model = uneven_key_heads_model();
+    let tp = TensorParallelModel::new(&model, 2).unwrap();
+    let cfg = tp.devices()[1].config();
+    assert_eq!((cfg.linear_value_heads, cfg.linear_key_heads), (3, 3));
+    let tokens: Vec<u32> = (0..70).map(|i| (i * 37 % 500) as u32).collect();
+    let steps = [
+        Step {
+            tokens: vec![tokens[..66].to_vec(), tokens[10..15].to_vec()],
+            parents: vec![None, Some(0)],
+        },
+        Step {
+            tokens: vec![vec![tokens[66]], vec![tokens[67]]],
+            parents: vec![None, None],
+        },
+    ];
+    let mut alone: Vec<SequenceState> = (0..2).map(|_| model.new_state().unwrap()).collect();
+    let mut parallel: Vec<TensorParallelState> = (0..2).map(|_| tp.new_state().unwrap()).collect();
+    for (i, step) in steps.iter().enumerate() {
+        let want = one_device(&model, &mut alone, step);
+        let got = split(&tp, &mut parallel, step);
+        assert_eq!(bits(&got.hidden), bits(&want.hidden), "step {i}");
+    }
+}
