@@ -38,6 +38,12 @@
 #               PDL=on|off: programmatic dependent launch (bench and think27: --programmatic-launch;
 #               think27 takes PDL=on,off: both, each run in turn on one model load)
 #   bench9 / bench4   9B / 4B bf16 benches (10 runs after 2 warm-ups)
+#   synth4q / bench4-int8   a synthetic 4B Q8_0 model directory in /tmp/s4q; its int8 bench (10 runs after
+#               2 warm-ups, through the engine too, events profile: bench-4b-int8.json) — issue #20's 4B
+#               target (short ≤ 6 ms)
+#   ncu-gemm    ncu's full section set on one launch (after 3) of the kernels matching $NCU_KERNEL (default
+#               qgemm_wgs: the swapped tile) in `prism gemm-bench --shape $GEMM_SHAPE` (default
+#               5120,34816,32: the 27B's gate | up at 32 rows): ncu-gemm.ncu-rep and its details page
 #   loads9      9B bf16 loads from 1, 4, 8 and 16 loader threads (--load-threads), one bench run each
 #               after no warm-up (answer digests comparable across them); each killed after 120 s
 #   ncu27       ncu kernel times of one warm pass per scenario of the 27B bench at $PREC (default bf16;
@@ -294,6 +300,17 @@ for step in "$@"; do
                 echo "   threads $th rc=$?"
             done ;;
         bench4) /tmp/prism bench --model-dir /tmp/s4 --device cuda --precision bf16 --runs 10 --warmup 2 > "$OUT/bench-4b-bf16.txt" 2>&1 ;;
+        synth4q) /tmp/prism synth --shape 4b --type q8_0 --out /tmp/s4q $R > "$OUT/synth4q.log" 2>&1 ;;
+        bench4-int8)
+            /tmp/prism bench --model-dir /tmp/s4q --device cuda --precision int8 --runs 10 --warmup 2 --json \
+                --engine --profile events > "$OUT/bench-4b-int8.json" 2> "$OUT/bench-4b-int8.log"
+            echo "bench4-int8 rc=$?" ;;
+        ncu-gemm)
+            "$NCU" --clock-control none --set full -k "regex:${NCU_KERNEL:-qgemm_wgs}" --launch-skip 3 \
+                --launch-count 1 -o "$OUT/ncu-gemm" /tmp/prism gemm-bench --shape "${GEMM_SHAPE:-5120,34816,32}" \
+                --runs 5 > "$OUT/ncu-gemm.txt" 2>&1
+            echo "ncu-gemm rc=$?"
+            "$NCU" --import "$OUT/ncu-gemm.ncu-rep" --page details > "$OUT/ncu-gemm-details.txt" 2>&1 ;;
         ncu27)
             "$NCU" --profile-from-start off --clock-control none --cache-control none \
                 --metrics gpu__time_duration.sum --csv --log-file "$OUT/ncu-27b-${PREC:-bf16}.csv" \

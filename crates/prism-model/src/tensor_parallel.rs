@@ -36,7 +36,8 @@ use candle_core::Tensor;
 use prism_quant::{run_count, PartSpan, RUN};
 
 use crate::error::{ModelError, Result};
-use crate::qwen35::{BatchItem, BatchOutput, Qwen35Model};
+use crate::qwen35::{BatchItem, BatchOutput, EmbeddingRows, Qwen35Model, Segment};
+use crate::rope::Position3;
 use crate::state::SequenceState;
 
 /// Adds the devices' shares of a split product and gives every device the sum.
@@ -215,15 +216,58 @@ pub fn shard(
 #[derive(Debug, Clone)]
 pub struct TensorParallelState(pub Vec<SequenceState>);
 
-/// One sequence of a [`TensorParallelModel::forward`] batch (text tokens; images, explicit positions
-/// and snapshots are not split yet).
+/// One sequence of a [`TensorParallelModel::forward`] batch: a [`BatchItem`] whose state is on every
+/// device.
 pub struct TensorParallelItem<'a> {
     pub state: &'a mut TensorParallelState,
     pub tokens: &'a [u32],
+    /// As [`BatchItem::positions`].
+    pub positions: Option<&'a [Position3]>,
     /// As [`BatchItem::parent`].
     pub parent: Option<usize>,
     /// As [`BatchItem::keep_state`].
     pub keep_state: bool,
+    /// As [`BatchItem::embeddings`] (every device embeds its input whole).
+    pub embeddings: Option<EmbeddingRows<'a>>,
+    /// As [`BatchItem::snapshot`]: [`TensorParallelOutput::snapshots`] holds the state on every device.
+    pub snapshot: Option<usize>,
+}
+
+impl<'a> TensorParallelItem<'a> {
+    pub fn new(state: &'a mut TensorParallelState, tokens: &'a [u32]) -> Self {
+        Self {
+            state,
+            tokens,
+            positions: None,
+            parent: None,
+            keep_state: true,
+            embeddings: None,
+            snapshot: None,
+        }
+    }
+}
+
+/// The result of a [`TensorParallelModel::forward`].
+#[derive(Debug, Clone)]
+pub struct TensorParallelOutput {
+    /// As [`BatchOutput::hidden`] (device 0's; every device's are the same bits).
+    pub hidden: Tensor,
+    /// As [`BatchOutput::segments`].
+    pub segments: Vec<Segment>,
+    /// Per item, its state at its snapshot point on every device.
+    pub snapshots: Vec<Option<TensorParallelState>>,
+}
+
+impl TensorParallelOutput {
+    /// As [`BatchOutput::last_hidden`].
+    pub fn last_hidden(&self) -> Result<Tensor> {
+        BatchOutput {
+            hidden: self.hidden.clone(),
+            segments: self.segments.clone(),
+            snapshots: Vec::new(),
+        }
+        .last_hidden()
+    }
 }
 
 /// A model split over devices that are threads of this process ([`shard`] of each, one
@@ -263,9 +307,9 @@ impl TensorParallelModel {
         ))
     }
 
-    /// [`Qwen35Model::forward`] on every device at once; returns device 0's output (every device's
-    /// hidden states are the same bits). On error no state is modified.
-    pub fn forward(&self, items: &mut [TensorParallelItem<'_>]) -> Result<BatchOutput> {
+    /// [`Qwen35Model::forward`] on every device at once; returns device 0's hidden states (every
+    /// device's are the same bits) and each snapshot on every device. On error no state is modified.
+    pub fn forward(&self, items: &mut [TensorParallelItem<'_>]) -> Result<TensorParallelOutput> {
         let _pass = self.pass.lock().unwrap_or_else(|e| e.into_inner());
         let n = self.devices.len();
         if items.iter().any(|item| item.state.0.len() != n) {
@@ -291,9 +335,13 @@ impl TensorParallelModel {
                             .iter_mut()
                             .zip(items)
                             .map(|(state, item)| BatchItem {
+                                state,
+                                tokens: item.tokens,
+                                positions: item.positions,
                                 parent: item.parent,
                                 keep_state: item.keep_state,
-                                ..BatchItem::new(state, item.tokens)
+                                embeddings: item.embeddings,
+                                snapshot: item.snapshot,
                             })
                             .collect();
                         let out = model.forward(&mut batch);
@@ -315,17 +363,32 @@ impl TensorParallelModel {
                 })
                 .collect()
         });
-        let mut first = None;
-        for out in outputs {
-            let out = out?;
-            first.get_or_insert(out);
-        }
+        let outputs = outputs.into_iter().collect::<Result<Vec<_>>>()?;
         for (g, device_states) in states.into_iter().enumerate() {
             for (item, state) in items.iter_mut().zip(device_states) {
                 item.state.0[g] = state;
             }
         }
-        first.ok_or_else(|| ModelError::InvalidInput("no devices".into()))
+        // Each item's snapshot from every device (an item has one on all devices or on none).
+        let mut snapshots: Vec<Option<TensorParallelState>> = vec![None; items.len()];
+        for out in &outputs {
+            for (slot, snapshot) in snapshots.iter_mut().zip(&out.snapshots) {
+                if let Some(state) = snapshot {
+                    slot.get_or_insert_with(|| TensorParallelState(Vec::with_capacity(n)))
+                        .0
+                        .push(state.clone());
+                }
+            }
+        }
+        let first = outputs
+            .into_iter()
+            .next()
+            .ok_or_else(|| ModelError::InvalidInput("no devices".into()))?;
+        Ok(TensorParallelOutput {
+            hidden: first.hidden,
+            segments: first.segments,
+            snapshots,
+        })
     }
 }
 

@@ -7,7 +7,9 @@ mod common;
 mod quantized;
 
 use common::{bits, prompts, q8_model};
-use prism_model::tensor_parallel::{TensorParallelItem, TensorParallelModel, TensorParallelState};
+use prism_model::tensor_parallel::{
+    TensorParallelItem, TensorParallelModel, TensorParallelOutput, TensorParallelState,
+};
 use prism_model::{BatchItem, BatchOutput, Qwen35Model, SequenceState};
 use quantized::{int8_model, w4a8_model};
 
@@ -30,16 +32,18 @@ fn one_device(model: &Qwen35Model, states: &mut [SequenceState], step: &Step) ->
     model.forward(&mut items).unwrap()
 }
 
-fn split(tp: &TensorParallelModel, states: &mut [TensorParallelState], step: &Step) -> BatchOutput {
+fn split(
+    tp: &TensorParallelModel,
+    states: &mut [TensorParallelState],
+    step: &Step,
+) -> TensorParallelOutput {
     let mut items: Vec<TensorParallelItem<'_>> = states
         .iter_mut()
         .zip(&step.tokens)
         .zip(&step.parents)
         .map(|((state, tokens), parent)| TensorParallelItem {
-            state,
-            tokens,
             parent: *parent,
-            keep_state: true,
+            ..TensorParallelItem::new(state, tokens)
         })
         .collect();
     tp.forward(&mut items).unwrap()
@@ -78,11 +82,10 @@ fn two_devices_compute_one_devices_bits() {
             bits(&want.hidden),
             "step {i}: hidden states"
         );
-        let logits =
-            |m: &Qwen35Model, out: &BatchOutput| m.logits(&out.last_hidden().unwrap()).unwrap();
+        let logits = |m: &Qwen35Model, hidden: candle_core::Tensor| m.logits(&hidden).unwrap();
         assert_eq!(
-            bits(&logits(&tp.devices()[0], &got)),
-            bits(&logits(model, &want)),
+            bits(&logits(&tp.devices()[0], got.last_hidden().unwrap())),
+            bits(&logits(model, want.last_hidden().unwrap())),
             "step {i}: logits"
         );
     }
@@ -99,30 +102,15 @@ fn a_failed_pass_on_one_device_leaves_every_state_as_it_was() {
     let tp = TensorParallelModel::new(model, 2).unwrap();
     let mut state = tp.new_state().unwrap();
     let tokens = prompts()[0][..5].to_vec();
-    let mut items = [TensorParallelItem {
-        state: &mut state,
-        tokens: &tokens,
-        parent: None,
-        keep_state: true,
-    }];
+    let mut items = [TensorParallelItem::new(&mut state, &tokens)];
     tp.forward(&mut items).unwrap();
     // A token outside the vocabulary fails on every device before any product.
     let bad = vec![u32::MAX];
-    let mut items = [TensorParallelItem {
-        state: &mut state,
-        tokens: &bad,
-        parent: None,
-        keep_state: true,
-    }];
+    let mut items = [TensorParallelItem::new(&mut state, &bad)];
     assert!(tp.forward(&mut items).is_err());
     // The group works again, and the state is the one before the failed pass.
     let next = prompts()[0][5..8].to_vec();
-    let mut items = [TensorParallelItem {
-        state: &mut state,
-        tokens: &next,
-        parent: None,
-        keep_state: true,
-    }];
+    let mut items = [TensorParallelItem::new(&mut state, &next)];
     let got = tp.forward(&mut items).unwrap();
     let mut alone = model.new_state().unwrap();
     let all = prompts()[0][..8].to_vec();
@@ -214,4 +202,36 @@ fn devices_with_one_key_head_per_value_head_compute_one_devices_bits() {
         let got = split(&tp, &mut parallel, step);
         assert_eq!(bits(&got.hidden), bits(&want.hidden), "step {i}");
     }
+}
+
+#[test]
+fn a_snapshot_on_every_device_continues_as_one_devices_snapshot() {
+    // An evidence's state taken inside a pass (the prefix cache's snapshot) continues with the bits
+    // one device's snapshot continues with.
+    let model = int8_model();
+    let tp = TensorParallelModel::new(model, 2).unwrap();
+    let p = &prompts()[4];
+    let (evidence, question) = (&p[..70], &p[70..80]);
+    let mut alone = model.new_state().unwrap();
+    let mut item = BatchItem::new(&mut alone, evidence);
+    item.snapshot = Some(50);
+    let want = model.forward(&mut [item]).unwrap();
+    let mut state = tp.new_state().unwrap();
+    let mut item = TensorParallelItem::new(&mut state, evidence);
+    item.snapshot = Some(50);
+    let got = tp.forward(&mut [item]).unwrap();
+    assert_eq!(bits(&got.hidden), bits(&want.hidden));
+    let (Some(mut one), Some(mut both)) = (want.snapshots[0].clone(), got.snapshots[0].clone())
+    else {
+        panic!("no snapshot");
+    };
+    assert_eq!(both.0.len(), 2);
+    let tail = [&evidence[50..], question].concat();
+    let want = model
+        .forward(&mut [BatchItem::new(&mut one, &tail)])
+        .unwrap();
+    let got = tp
+        .forward(&mut [TensorParallelItem::new(&mut both, &tail)])
+        .unwrap();
+    assert_eq!(bits(&got.hidden), bits(&want.hidden));
 }
