@@ -182,6 +182,11 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
+        // Responses go out as soon as they are written, not held back by Nagle's algorithm waiting
+        // for the client's acknowledgement of an earlier segment (what HTTP servers do).
+        if let Err(error) = stream.set_nodelay(true) {
+            tracing::debug!("TCP_NODELAY not set: {error}");
+        }
         let Ok(slot) = slots.clone().try_acquire_owned() else {
             tokio::spawn(refuse_connection(stream, max));
             continue;
