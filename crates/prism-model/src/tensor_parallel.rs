@@ -217,7 +217,8 @@ pub fn shard(
 pub struct TensorParallelState(pub Vec<SequenceState>);
 
 /// One sequence of a [`TensorParallelModel::forward`] batch: a [`BatchItem`] whose state is on every
-/// device.
+/// device. Its fields and `new` repeat `BatchItem`'s (crates/prism-model/src/qwen35.rs) on purpose:
+/// the state's type differs, and each device's `BatchItem` is built from these.
 pub struct TensorParallelItem<'a> {
     pub state: &'a mut TensorParallelState,
     pub tokens: &'a [u32],

@@ -147,30 +147,32 @@ fn splits_that_cannot_be_exact_are_refused() {
     assert!(e.contains("integer path"), "{e}");
 }
 
-/// A random Q8_0 model whose devices hold fewer DeltaNet value heads than there are key heads' worth
-/// (3 of 6 value heads over 2 key heads: one key head per value head on each device, as the 27B's 24
-/// of 48 over 16), written here with `prism_model::synth`.
-fn uneven_key_heads_model() -> Qwen35Model {
-    use prism_model::synth::{write_gguf, SynthFileType, SynthSize, SynthSpec};
+/// A random model of `file_type` with the tiny widths that `shape` sets, written here with
+/// `prism_model::synth` and loaded at `precision`.
+fn synthetic_model(
+    file_type: prism_model::synth::SynthFileType,
+    precision: prism_model::Precision,
+    shape: impl FnOnce(&mut prism_model::Qwen35Config),
+) -> Qwen35Model {
+    use prism_model::synth::{write_gguf, SynthSize, SynthSpec};
     use prism_model::LoadOptions;
-    let mut spec = SynthSpec::new(SynthSize::B0_8, SynthFileType::Q8_0, 7)
+    let mut spec = SynthSpec::new(SynthSize::B0_8, file_type, 7)
         .with_layers(4)
         .unwrap();
-    let cfg = &mut spec.config;
-    cfg.vocab_size = 512;
-    cfg.hidden_size = 256;
-    cfg.intermediate_size = 512;
-    (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) = (4, 2, 64);
-    (cfg.rotary_dim, cfg.mrope_sections) = (16, [3, 3, 2]);
-    (cfg.linear_key_heads, cfg.linear_value_heads) = (2, 6);
-    (cfg.linear_key_head_dim, cfg.linear_value_head_dim) = (128, 128);
+    spec.config.vocab_size = 512;
+    spec.config.hidden_size = 256;
+    shape(&mut spec.config);
     spec.tied_embeddings = false;
-    let dir = std::env::temp_dir().join(format!("prism-tp-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!(
+        "prism-tp-{}-{}",
+        std::process::id(),
+        file_type.name()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("uneven.gguf");
+    let path = dir.join("model.gguf");
     write_gguf(&path, &spec, Vec::new(), |_| {}).unwrap();
     let options = LoadOptions {
-        precision: prism_model::Precision::Int8,
+        precision,
         ..LoadOptions::default()
     };
     let model = Qwen35Model::load(&path, &options).unwrap();
@@ -178,14 +180,41 @@ fn uneven_key_heads_model() -> Qwen35Model {
     model
 }
 
-#[test]
-fn devices_with_one_key_head_per_value_head_compute_one_devices_bits() {
-    let model = uneven_key_heads_model();
-    let tp = TensorParallelModel::new(&model, 2).unwrap();
-    let cfg = tp.devices()[1].config();
-    assert_eq!((cfg.linear_value_heads, cfg.linear_key_heads), (3, 3));
+/// A random Q8_0 model whose devices hold fewer DeltaNet value heads than there are key heads' worth
+/// (3 of 6 value heads over 2 key heads: one key head per value head on each device, as the 27B's 24
+/// of 48 over 16).
+fn uneven_key_heads_model() -> Qwen35Model {
+    synthetic_model(
+        prism_model::synth::SynthFileType::Q8_0,
+        prism_model::Precision::Int8,
+        |cfg| {
+            cfg.intermediate_size = 512;
+            (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) = (4, 2, 64);
+            (cfg.rotary_dim, cfg.mrope_sections) = (16, [3, 3, 2]);
+            (cfg.linear_key_heads, cfg.linear_value_heads) = (2, 6);
+            (cfg.linear_key_head_dim, cfg.linear_value_head_dim) = (128, 128);
+        },
+    )
+}
+
+/// Runs `steps` on `model` alone and split over 2 devices; every step's hidden states must be the same
+/// bits.
+fn assert_split_matches(model: &Qwen35Model, steps: &[Step]) {
+    let tp = TensorParallelModel::new(model, 2).unwrap();
+    let n = steps[0].tokens.len();
+    let mut alone: Vec<SequenceState> = (0..n).map(|_| model.new_state().unwrap()).collect();
+    let mut parallel: Vec<TensorParallelState> = (0..n).map(|_| tp.new_state().unwrap()).collect();
+    for (i, step) in steps.iter().enumerate() {
+        let want = one_device(model, &mut alone, step);
+        let got = split(&tp, &mut parallel, step);
+        assert_eq!(bits(&got.hidden), bits(&want.hidden), "step {i}");
+    }
+}
+
+/// A prefill of 66 tokens (past the DeltaNet chunk of 64) with a branch off it, then one decode step.
+fn prefill_branch_decode() -> Vec<Step> {
     let tokens: Vec<u32> = (0..70).map(|i| (i * 37 % 500) as u32).collect();
-    let steps = [
+    vec![
         Step {
             tokens: vec![tokens[..66].to_vec(), tokens[10..15].to_vec()],
             parents: vec![None, Some(0)],
@@ -194,14 +223,34 @@ fn devices_with_one_key_head_per_value_head_compute_one_devices_bits() {
             tokens: vec![vec![tokens[66]], vec![tokens[67]]],
             parents: vec![None, None],
         },
-    ];
-    let mut alone: Vec<SequenceState> = (0..2).map(|_| model.new_state().unwrap()).collect();
-    let mut parallel: Vec<TensorParallelState> = (0..2).map(|_| tp.new_state().unwrap()).collect();
-    for (i, step) in steps.iter().enumerate() {
-        let want = one_device(&model, &mut alone, step);
-        let got = split(&tp, &mut parallel, step);
-        assert_eq!(bits(&got.hidden), bits(&want.hidden), "step {i}");
-    }
+    ]
+}
+
+#[test]
+fn devices_with_one_key_head_per_value_head_compute_one_devices_bits() {
+    let model = uneven_key_heads_model();
+    let tp = TensorParallelModel::new(&model, 2).unwrap();
+    let cfg = tp.devices()[1].config();
+    assert_eq!((cfg.linear_value_heads, cfg.linear_key_heads), (3, 3));
+    assert_split_matches(&model, &prefill_branch_decode());
+}
+
+#[test]
+fn a_w4a8_model_split_on_k_quant_blocks_computes_one_devices_bits() {
+    // Q4_K_M (Q4_K with llama-quantize's Q6_K tensors): every device's columns of attn_output (2 heads
+    // of 128), ssm_out (2 value heads of 128) and ffn_down (512 channels) are whole 256-blocks.
+    let model = synthetic_model(
+        prism_model::synth::SynthFileType::Q4KM,
+        prism_model::Precision::W4a8,
+        |cfg| {
+            cfg.intermediate_size = 1024;
+            (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) = (4, 2, 128);
+            (cfg.rotary_dim, cfg.mrope_sections) = (32, [6, 5, 5]);
+            (cfg.linear_key_heads, cfg.linear_value_heads) = (2, 4);
+            (cfg.linear_key_head_dim, cfg.linear_value_head_dim) = (128, 128);
+        },
+    );
+    assert_split_matches(&model, &prefill_branch_decode());
 }
 
 #[test]
