@@ -70,36 +70,30 @@ impl std::fmt::Debug for Linear {
 impl Linear {
     /// `x: [n, in]` → `[n, out]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // The integer path takes f32 activations and returns f32.
+        let f32_input = || -> Result<Tensor> {
+            if x.dtype() == DType::F32 {
+                Ok(x.clone())
+            } else {
+                x.to_dtype(DType::F32)
+            }
+        };
         match self {
             Linear::Dense(w) => ops::linear(x, w),
-            Linear::Quant(op) => {
-                // The integer path takes f32 activations and returns f32.
-                let x = if x.dtype() == DType::F32 {
-                    x.clone()
-                } else {
-                    x.to_dtype(DType::F32)?
-                };
-                op.forward(&x)
-            }
+            Linear::Quant(op) => op.forward(&f32_input()?),
             Linear::Simulated { weight, transform } => ops::linear(&transform(x)?, weight),
             Linear::Share {
                 share,
                 reduce,
                 device,
-            } => {
-                let x = if x.dtype() == DType::F32 {
-                    x.clone()
-                } else {
-                    x.to_dtype(DType::F32)?
-                };
-                reduce.all_reduce(*device, share.forward(&x)?)
-            }
+            } => reduce.all_reduce(*device, share.forward(&f32_input()?)?),
         }
     }
 
-    /// Device `device` of `devices`' share of this product over its input columns `cols` (which must
-    /// be the device's parts of the integer contract's reduction; [`crate::tensor_parallel`] checks
-    /// that), reduced by `reduce`. Only the integer path splits bit-exactly: a float weight is refused.
+    /// Device `device` of `devices`' share of this product: its input columns of the device's parts
+    /// of the integer contract's reduction (whether those are its heads' columns,
+    /// [`crate::tensor_parallel`] checks), reduced by `reduce`. Only the integer path splits
+    /// bit-exactly: a float weight is refused.
     pub fn share_of_device(
         &self,
         device: usize,
