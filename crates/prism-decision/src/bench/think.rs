@@ -9,7 +9,15 @@
 //! decode time, `timings.thought_ms`: the decode phase itself) and `wall_tokens_per_s` (over the whole
 //! wall time, prefills included) — plus each request's own rate (tokens / its thought time), and the
 //! SHA-256 of the requests' probabilities and thought texts (`thoughts_sha256`).
+//!
+//! Those two rates count every pass a thought spans, and while some requests' read-outs and thought
+//! prefills still run, a decode step shares its pass with up to `--max-batch-tokens` of prefill. So each
+//! row also gives the **steady** rate, from the engine's pass log: over the passes that were nothing but
+//! one decode step of every thought of the batch (`full_decode_passes`), the median time from one such
+//! pass to the next (the whole step: forward, sampling, planning; `steady_step_ms`), and
+//! `steady_tokens_per_s` = sequences / that time — what decoding that many sequences at once runs at.
 
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::config::LoopDetectorConfig;
@@ -76,7 +84,8 @@ pub(super) fn thought_rows(
     progress(format!(
         "a fresh sequence state: {state_bytes} bytes; a thought estimated at {estimate} bytes on a device"
     ));
-    let (engine, worker) = super::bench_engine(model, config, most, false, None)?;
+    let log = Arc::new(PassLog::default());
+    let (engine, worker) = super::bench_engine(model, config, most, false, Some(log.clone()))?;
     let request = |i: usize, run: usize| -> Result<DecisionRequest> {
         let body = json!({
             "state": format!("Ticket {i} (run {run}): the customer was charged twice for the March invoice and the card was declined afterwards."),
@@ -128,6 +137,7 @@ pub(super) fn thought_rows(
             if let (Some(host), true) = (host.as_deref_mut(), sampled) {
                 host.open(&format!("think, {batch} at once"));
             }
+            log.take();
             let started = Instant::now();
             let mut receivers = Vec::with_capacity(batch);
             // Submitting through a channel is the engine's public pattern; `tests/engine.rs` and
@@ -206,6 +216,7 @@ pub(super) fn thought_rows(
             if run == 0 {
                 continue;
             }
+            let steady = steady_decode(&log.take(), batch);
             let total: u64 = tokens.iter().sum();
             let longest_ms = thought_ms.iter().copied().fold(0.0, f64::max);
             let per_request: Vec<f64> = tokens
@@ -227,6 +238,11 @@ pub(super) fn thought_rows(
                 "decode_tokens_per_s": total as f64 / (longest_ms / 1e3).max(1e-9),
                 "wall_tokens_per_s": total as f64 / wall,
                 "per_sequence_tokens_per_s_median": sorted[sorted.len() / 2],
+                "passes": steady.passes,
+                "full_decode_passes": steady.full_decode_passes,
+                "steady_step_ms": steady.step_ms,
+                "steady_pass_ms": steady.pass_ms,
+                "steady_tokens_per_s": steady.step_ms.map(|ms| batch as f64 / (ms / 1e3).max(1e-9)),
                 // The requests of a run and batch size are the same in every build and always get
                 // the same thoughts (per-question seeds): equal digests across builds, equal bits.
                 "thoughts_sha256": super::answers_digest(&outcomes)?,
@@ -235,10 +251,14 @@ pub(super) fn thought_rows(
                 "device_used_bytes": prism_model::device_memory(&device).map(|m| m.0),
             });
             progress(format!(
-                "thoughts{}: {batch:>3} sequences x {budget} tokens: {total} tokens, decode {:.1} tokens/s ({:.1} a sequence), wall {:.0} ms",
+                "thoughts{}: {batch:>3} sequences x {budget} tokens: {total} tokens, decode {:.1} tokens/s ({:.1} a sequence), steady {} ({} of {} passes all {batch} decoding, a step {}), wall {:.0} ms",
                 variant.map(|v| format!(" ({})", v.label)).unwrap_or_default(),
                 line["decode_tokens_per_s"].as_f64().unwrap_or(0.0),
                 line["per_sequence_tokens_per_s_median"].as_f64().unwrap_or(0.0),
+                steady.step_ms.map_or("-".into(), |ms| format!("{:.1} tokens/s", batch as f64 / (ms / 1e3).max(1e-9))),
+                steady.full_decode_passes,
+                steady.passes,
+                steady.step_ms.map_or("-".into(), |ms| format!("{ms:.2} ms")),
                 wall * 1e3
             ));
             rows.push(line);
@@ -252,6 +272,82 @@ pub(super) fn thought_rows(
         stats.passes, stats.thought_steps, stats.thoughts_finished
     ));
     Ok((rows, Value::Array(profiled)))
+}
+
+/// One pass of the engine as its observer saw it: when (right after its forward), the forward's
+/// seconds, and what it held.
+#[derive(Debug, Clone, Copy)]
+struct LoggedPass {
+    at: Instant,
+    seconds: f64,
+    groups: usize,
+    tokens: usize,
+    thought_steps: usize,
+}
+
+/// The engine's passes, logged by its observer.
+#[derive(Default)]
+struct PassLog(Mutex<Vec<LoggedPass>>);
+
+impl crate::engine::EngineObserver for PassLog {
+    fn pass(&self, record: &crate::engine::PassRecord, seconds: f64) {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(LoggedPass {
+                at: Instant::now(),
+                seconds,
+                groups: record.groups,
+                tokens: record.tokens,
+                thought_steps: record.thought_steps,
+            });
+    }
+}
+
+impl PassLog {
+    /// The passes logged since the last call.
+    fn take(&self) -> Vec<LoggedPass> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+/// The steady decode figures of one batch's passes (see the module's doc).
+#[derive(Debug, PartialEq)]
+struct Steady {
+    passes: usize,
+    /// Passes that were one decode step (one token) of each of the batch's `sequences` and nothing else.
+    full_decode_passes: usize,
+    /// Median time from a full decode pass to the next one when that is one too (None: no such pair).
+    step_ms: Option<f64>,
+    /// Median forward time of the full decode passes (None: none).
+    pass_ms: Option<f64>,
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied()
+}
+
+fn steady_decode(passes: &[LoggedPass], sequences: usize) -> Steady {
+    let full =
+        |p: &LoggedPass| p.groups == 0 && p.thought_steps == sequences && p.tokens == sequences;
+    let steps = passes
+        .windows(2)
+        .filter(|w| full(&w[0]) && full(&w[1]))
+        .map(|w| (w[1].at - w[0].at).as_secs_f64() * 1e3)
+        .collect();
+    Steady {
+        passes: passes.len(),
+        full_decode_passes: passes.iter().filter(|p| full(p)).count(),
+        step_ms: median(steps),
+        pass_ms: median(
+            passes
+                .iter()
+                .filter(|p| full(p))
+                .map(|p| p.seconds * 1e3)
+                .collect(),
+        ),
+    }
 }
 
 /// Refuses `most` thoughts at once where `per_thought` bytes each exceed the device's `free` bytes:
@@ -273,7 +369,46 @@ fn check_batch_fits(most: usize, per_thought: u64, free: u64) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::check_batch_fits;
+    use super::{check_batch_fits, steady_decode, LoggedPass, Steady};
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn the_steady_rate_counts_only_passes_of_every_thought_decoding_alone() {
+        let t0 = Instant::now();
+        let pass = |ms: u64, groups, tokens, thought_steps| LoggedPass {
+            at: t0 + Duration::from_millis(ms),
+            seconds: 0.010,
+            groups,
+            tokens,
+            thought_steps,
+        };
+        let passes = [
+            pass(0, 2, 900, 0),   // read-outs
+            pass(800, 1, 500, 2), // two thoughts decode beside an evidence: not steady
+            pass(830, 0, 3, 3),   // three decode steps: all of the batch
+            pass(850, 0, 3, 3),   // 20 ms later
+            pass(880, 0, 3, 3),   // 30 ms later
+            pass(900, 0, 12, 3),  // a close (several tokens): not a decode pass
+            pass(920, 0, 3, 3),   // full, but the pass before it was not
+            pass(960, 0, 2, 2),   // one thought done: not all of the batch
+        ];
+        let steady = steady_decode(&passes, 3);
+        assert_eq!(
+            steady,
+            Steady {
+                passes: 8,
+                full_decode_passes: 4,
+                // The pairs (830, 850) and (850, 880): 20 and 30 ms; the median of two is the larger.
+                step_ms: Some(30.0),
+                pass_ms: Some(10.0),
+            }
+        );
+        let none = steady_decode(&passes[..2], 3);
+        assert_eq!(
+            (none.full_decode_passes, none.step_ms, none.pass_ms),
+            (0, None, None)
+        );
+    }
 
     #[test]
     fn a_thought_batch_must_fit_the_free_device_memory() {
