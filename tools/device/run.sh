@@ -76,7 +76,9 @@
 #               decision_config.json gets "family": "v1.1") and loadgen from 64 clients for $LOAD_S seconds:
 #               the three-question requests of shared.jsonl made 512 distinct, with think_mode auto, gate 0.9,
 #               think_budget $THINK_LOAD (default 256) and return_thought; answers (thoughts included)
-#               re-sent alone and compared (--expect-identical); outputs loadgen-think-64.*, stats-think.json
+#               re-sent alone and compared (--expect-identical); outputs loadgen-think-64.*, stats-think.json;
+#               $THINK_SERVE_ARGS: more `prism serve` flags (e.g. --max-batch-tokens 2048), $THINK_TAG: a
+#               suffix for the outputs' names (several settings in one call)
 #   images27    issue #22's images target on the synthetic 27B at int8 (needs /tmp/s27 from synth27): the
 #               27B's vision tower (`prism synth --mmproj-only`: 27 blocks, width 1152, F16, random weights)
 #               written to /tmp/s27v unless there, then prism serve --model-dir /tmp/s27 --mmproj
@@ -163,14 +165,15 @@ with open(sys.argv[2], "w") as out:
         request.update({"think_mode": "auto", "gate": 0.9, "think_budget": int(sys.argv[3]), "return_thought": True})
         out.write(json.dumps(request) + "\n")
 PY
+    local tag=${THINK_TAG:-}
     /tmp/prism serve --gguf /tmp/s27/model.gguf --model-dir /tmp/s27 --device cuda --precision int8 \
-        --port $port > "$OUT/serve-think.log" 2>&1 &
+        --port $port ${THINK_SERVE_ARGS:-} > "$OUT/serve-think$tag.log" 2>&1 &
     local pid=$!
     wait_ready $pid "think" || return 1
     /tmp/prism loadgen --url $url --requests /tmp/thoughts.jsonl --clients 64 --duration "${LOAD_S:-60}" \
-        --check 32 --expect-identical --json-out "$OUT/loadgen-think-64.json" > "$OUT/loadgen-think-64.txt" 2>&1
+        --check 32 --expect-identical --json-out "$OUT/loadgen-think-64$tag.json" > "$OUT/loadgen-think-64$tag.txt" 2>&1
     echo "loadgen think 64 clients rc=$?"
-    http_get $url/stats > "$OUT/stats-think.json"
+    http_get $url/stats > "$OUT/stats-think$tag.json"
     kill -TERM $pid; wait $pid
     echo "serve think exit rc=$?"
 }
