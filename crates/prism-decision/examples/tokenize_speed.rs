@@ -1,6 +1,6 @@
 //! Experiment: where a request's host time before the first kernel goes — rendering the chat
 //! template, and encoding with the full Qwen3.5 vocabulary (the 248k tiktoken ranks of
-//! `tests/fixtures/qwen35-vocab`), split into the pre-tokenizer's regex and the rest (numbers in
+//! `tests/fixtures/qwen35-vocab`) by the direct encoder against the `tokenizers` pipeline (numbers in
 //! docs/optimization-log.md).
 //!
 //! ```text
@@ -8,13 +8,14 @@
 //! ```
 //!
 //! Texts: the README request's `team` prompt rendered with the tiny fixture's chat template (what
-//! `prism bench`'s short scenario renders), and the same with its ticket repeated to ~4 KiB (just under
-//! the piecewise threshold). For each: bytes, tokens, then medians over REPEATS runs (default 200) of
-//! rendering the two messages, of `PromptTokenizer::encode_in_one_piece` on the rendered text (the
-//! rank backend), of the split alone (Oniguruma, as the `tokenizers` crate's `onig` feature runs it,
-//! with [`QWEN35_SPLIT_REGEX`], the pattern the pre-tokenizer runs), and of encoding with the same
-//! vocabulary as a `tokenizer.json` with merges (what
-//! `prism synth` writes, so what the device's synthetic models encode with; ids checked equal).
+//! `prism bench`'s short scenario renders), and the same with its ticket repeated to ~4 KiB. For each:
+//! bytes, tokens, then medians over REPEATS runs (default 200) of rendering the two messages, of
+//! `PromptTokenizer::encode_in_one_piece` on the rendered text (the rank backend; the direct encoder)
+//! and of `encode_reference` (the `tokenizers` pipeline it replaces), of the split alone (Oniguruma,
+//! as the `tokenizers` crate's `onig` feature runs it, with [`QWEN35_SPLIT_REGEX`]; the direct encoder
+//! splits ASCII text itself), and of both encodings with the same vocabulary as a `tokenizer.json`
+//! with merges (what `prism synth` writes, so what the device's synthetic models encode with; ids
+//! checked equal).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -95,7 +96,7 @@ fn main() -> anyhow::Result<()> {
     long_body["state"]["ticket"] = serde_json::Value::String(long_ticket);
 
     println!(
-        "prompt   bytes  tokens  render µs  encode µs  µs/token  split µs  split share  merges-file encode µs"
+        "prompt   bytes  tokens  render µs  encode µs  µs/token  tokenizers µs  onig split µs  merges-file encode µs  first µs  tokenizers µs"
     );
     for (name, body) in [("short", &body), ("~4 KiB", &long_body)] {
         let request =
@@ -123,13 +124,27 @@ fn main() -> anyhow::Result<()> {
             repeats,
         );
         let ids = tok.encode_in_one_piece(&text)?;
-        anyhow::ensure!(
-            merges_tok.encode_in_one_piece(&text)? == ids,
-            "the two backends disagree on {name}"
-        );
+        // The merge-list encoder keeps the pieces it merged: its first encoding of a text merges
+        // every new piece (the short text comes first: nothing is kept yet).
+        let first = Instant::now();
+        let merged = merges_tok.encode_in_one_piece(&text)?;
+        let merges_first_us = first.elapsed().as_secs_f64() * 1e6;
+        anyhow::ensure!(merged == ids, "the two backends disagree on {name}");
         let merges_us = median_us(
             || {
                 let _ = std::hint::black_box(merges_tok.encode_in_one_piece(&text));
+            },
+            repeats,
+        );
+        let reference_us = median_us(
+            || {
+                let _ = std::hint::black_box(tok.encode_reference(&text));
+            },
+            repeats,
+        );
+        let merges_reference_us = median_us(
+            || {
+                let _ = std::hint::black_box(merges_tok.encode_reference(&text));
             },
             repeats,
         );
@@ -141,10 +156,9 @@ fn main() -> anyhow::Result<()> {
             repeats,
         );
         println!(
-            "{name:<7} {:>6} {tokens:>7} {render:>10.1} {encode:>10.1} {:>9.2} {split_us:>9.1} {:>10.0} % {merges_us:>12.1}",
+            "{name:<7} {:>6} {tokens:>7} {render:>10.1} {encode:>10.1} {:>9.2} {reference_us:>14.1} {split_us:>14.1} {merges_us:>22.1} {merges_first_us:>9.1} {merges_reference_us:>14.1}",
             text.len(),
             encode / tokens.max(1) as f64,
-            100.0 * split_us / encode.max(1e-9)
         );
         // What `Engine::prepare` encodes: every prompt of the request and the evidence probe, their
         // common beginning once (`encode_sharing`), against each text on its own thread.

@@ -229,6 +229,83 @@ fn random_strings(count: usize, seed: u64) -> Vec<String> {
     out
 }
 
+/// Asserts that `tok` encodes with its direct encoder and that the direct encoder's ids are the
+/// `tokenizers` pipeline's on the fixtures' texts, edge cases and `random` random strings.
+fn assert_direct_equals_reference(tok: &PromptTokenizer, random: usize, seed: u64) {
+    assert!(tok.encodes_directly(), "{tok:?}");
+    let mut texts: Vec<String> = vec![
+        String::new(),
+        " ".into(),
+        "<|im_start|>".into(),
+        "<|im_start|><|im_end|><think></think>".into(),
+        "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n".into(),
+        "a".repeat(3000),
+        " ".repeat(257) + "x",
+        "\n".repeat(40) + "end",
+        "e\u{301}\u{301}\u{308}a\u{30a}".into(),
+        "한\u{1100}\u{1161}\u{11a8}".into(),
+    ];
+    texts.extend(prompt_texts().into_iter().map(|(t, _)| t));
+    texts.extend(vocab_ref_pairs().into_iter().map(|(t, _, _)| t));
+    texts.extend(random_strings(random, seed));
+    texts.extend(ascii_strings(random, seed));
+    let mut tokens = 0;
+    for text in &texts {
+        let direct = tok.encode_in_one_piece(text).unwrap();
+        let reference = tok.encode_reference(text).unwrap();
+        assert_eq!(direct, reference, "{text:?}");
+        tokens += direct.len();
+    }
+    assert!(tokens > 10 * texts.len(), "{tokens} tokens");
+}
+
+/// Deterministic random ASCII strings (the direct encoder splits ASCII text itself): bytes from every
+/// class the split regex tells apart — letters (in contractions too, either case), digits, each
+/// space (tab, line feed, vertical tab, form feed, carriage return, space), other symbols and
+/// control bytes — and now and then an added token.
+fn ascii_strings(count: usize, seed: u64) -> Vec<String> {
+    const BYTES: &[u8] = b"aaxxZQsStTrReEvVlLmMdD'''09   \t\n\n\r\x0b\x0c\x1c\x7f\x00.,!?-_\"#<>|";
+    const ADDED: &[&str] = &["<|im_start|>", "<|im_end|>", "<think>", "</think>"];
+    let mut state = seed.wrapping_mul(0xD1B5_4A32_D192_ED03) | 1;
+    let mut next = move || {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        state.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    };
+    (0..count)
+        .map(|_| {
+            let len = 1 + (next() % 40) as usize;
+            let mut s = String::new();
+            for _ in 0..len {
+                if next() % 40 == 0 {
+                    s.push_str(ADDED[(next() % ADDED.len() as u64) as usize]);
+                } else {
+                    s.push(BYTES[(next() % BYTES.len() as u64) as usize] as char);
+                }
+            }
+            s
+        })
+        .collect()
+}
+
+#[test]
+fn the_direct_encoder_gives_the_tokenizers_pipelines_ids() {
+    assert_direct_equals_reference(&tiny_json_tokenizer(), 3000, 11);
+    assert_direct_equals_reference(
+        &PromptTokenizer::from_gguf(&tiny_gguf("tiny-Q8_0.gguf")).unwrap(),
+        3000,
+        12,
+    );
+    // A file used as written keeps the `tokenizers` pipeline (its steps may be anything).
+    let as_written = PromptTokenizer::from_tokenizer_json(
+        &tiny_dir().join("tokenizer.json"),
+        TokenizerJsonPipeline::AsWritten,
+    )
+    .unwrap();
+    assert!(!as_written.encodes_directly());
+}
+
 fn tiny_json_tokenizer() -> PromptTokenizer {
     PromptTokenizer::from_model_dir(&tiny_dir()).expect("tiny tokenizer.json")
 }
@@ -458,6 +535,7 @@ fn tiktoken_ranks_reproduce_every_vocab_ref_pair() {
     assert_eq!(tok.decode(&prefixed, false).unwrap(), "x俱乐部");
     // README: 99655 `人力资源` = 人力 (108583) + 资源 (96852), a part ranked after the whole.
     assert_eq!(tok.encode("人力资源").unwrap(), vec![99655]);
+    assert_direct_equals_reference(&tok, 3000, 13);
 }
 
 /// The merge list a converter derives from ranks: for each token (in rank order), tiktoken's BPE
@@ -548,6 +626,7 @@ fn gguf_path_at_full_size_is_merges_only() {
     assert_eq!(split.len(), 3);
     assert_eq!(gguf_tok.decode(&split, false).unwrap(), "俱乐部");
     assert_eq!(gguf_tok.encode("人力资源").unwrap(), vec![108583, 96852]);
+    assert_direct_equals_reference(&gguf_tok, 3000, 14);
 }
 
 #[test]
@@ -1301,15 +1380,20 @@ fn a_long_text_encoded_in_pieces_gets_the_ids_of_the_whole() {
         let mut texts: Vec<String> = (0..3).map(long_mixed_text).collect();
         // A prompt as the engine renders it, its evidence grown past the threshold.
         let (prompt, _) = prompt_texts().remove(0);
-        // The longest fixture prompt as it is: a short prompt is cut too, into pieces of a few
-        // hundred bytes.
+        // The longest fixture prompt as it is, and repeated past the threshold.
         let longest = prompt_texts()
             .into_iter()
             .map(|(text, _)| text)
             .max_by_key(String::len)
             .unwrap_or_default();
-        assert!(longest.len() >= PIECEWISE_BYTES, "{} bytes", longest.len());
+        let repeated = longest.repeat(PIECEWISE_BYTES / longest.len().max(1) + 1);
+        assert!(
+            repeated.len() >= PIECEWISE_BYTES,
+            "{} bytes",
+            repeated.len()
+        );
         texts.push(longest);
+        texts.push(repeated);
         texts.push(prompt.replace(
             "Evidence:",
             &"Evidence: the quick fox said it's done. ".repeat(300),
