@@ -61,6 +61,17 @@ fn prompt_texts() -> Vec<(String, Vec<u32>)> {
     out
 }
 
+/// xorshift64* from `state` (made odd): a deterministic stream of numbers for the random texts.
+fn xorshift(state: u64) -> impl FnMut() -> u64 {
+    let mut state = state | 1;
+    move || {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        state.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+}
+
 /// Deterministic random strings mixing scripts, whitespace runs, digits, emoji, combining marks,
 /// NFD sequences, contractions and special tokens (whole and broken).
 fn random_strings(count: usize, seed: u64) -> Vec<String> {
@@ -187,14 +198,7 @@ fn random_strings(count: usize, seed: u64) -> Vec<String> {
         "∑",
         "≤",
     ];
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut next = move || {
-        // xorshift64*
-        state ^= state >> 12;
-        state ^= state << 25;
-        state ^= state >> 27;
-        state.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    };
+    let mut next = xorshift(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
     let mut out = Vec::with_capacity(count);
     for _ in 0..count {
         let n = 1 + (next() % 14) as usize;
@@ -266,13 +270,7 @@ fn assert_direct_equals_reference(tok: &PromptTokenizer, random: usize, seed: u6
 fn ascii_strings(count: usize, seed: u64) -> Vec<String> {
     const BYTES: &[u8] = b"aaxxZQsStTrReEvVlLmMdD'''09   \t\n\n\r\x0b\x0c\x1c\x7f\x00.,!?-_\"#<>|";
     const ADDED: &[&str] = &["<|im_start|>", "<|im_end|>", "<think>", "</think>"];
-    let mut state = seed.wrapping_mul(0xD1B5_4A32_D192_ED03) | 1;
-    let mut next = move || {
-        state ^= state >> 12;
-        state ^= state << 25;
-        state ^= state >> 27;
-        state.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    };
+    let mut next = xorshift(seed.wrapping_mul(0xD1B5_4A32_D192_ED03));
     (0..count)
         .map(|_| {
             let len = 1 + (next() % 40) as usize;
