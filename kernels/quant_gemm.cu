@@ -11,6 +11,27 @@
 
 #define RUN 128
 
+// The parts of a product's reduction (crates/prism-quant/src/kernel.rs `part_bounds`): part p is runs
+// part_start<SHARE>(ps, p, R) .. part_start<SHARE>(ps, p + 1, R) of the product's R runs, the parts' sums
+// combined as (p0 + p1) + (p2 + p3). A whole product's bounds are ⌊p·R/4⌋ (SHARE false: `ps` unused,
+// the code that of a kernel without it). A tensor-parallel share (`PartSpan`: one part, or an aligned
+// pair, of a longer reduction, its columns alone; the `*_share` entries) passes its own parts' bounds
+// in its runs and leaves the parts it does not hold empty at the end: an empty part sums to +0 and no
+// part sum is -0 (each starts at +0, and round-to-nearest gives -0 only for (-0) + (-0)), so the tree
+// then gives the share's own combination, p_a or p_a + p_b, bit for bit (crates/prism-quant/src/cuda.rs
+// `Parts`).
+struct Parts {
+    int b1, b2, b3;
+};
+template <bool SHARE>
+__device__ __forceinline__ int part_start(Parts ps, int p, int R) {
+    if constexpr (SHARE) {
+        return p <= 0 ? 0 : p == 1 ? ps.b1 : p == 2 ? ps.b2 : p == 3 ? ps.b3 : R;
+    } else {
+        return p * R / 4;
+    }
+}
+
 // The smallest run maximum that still quantizes: 2^-120 (below it the run is zeros with scale 0).
 #define AMAX_MIN 0x1p-120f
 
@@ -350,13 +371,13 @@ __device__ __forceinline__ float run_terms(const signed char* q, const signed ch
 // four parts ⌊p·R/4⌋ .. ⌊(p+1)·R/4⌋, each from +0 in order, then (p0 + p1) + (p2 + p3). A row flagged
 // in bad_rows is NaN. Weight arrays row-major: q [N, K]; d [N, scales a row] (Q8_0: R run scales;
 // K-quants: K/256 block scales); dmin [N, K/256]; sc [N, K/sub]; mins [N, K/32].
-template <int FMT>
+template <int FMT, bool SHARE>
 __device__ void qgemm_simt(const signed char* __restrict__ qa, const float* __restrict__ sa,
                            const int* __restrict__ sums32, const unsigned int* __restrict__ bad_rows,
                            const signed char* __restrict__ wq, const float* __restrict__ wd,
                            const float* __restrict__ wdmin, const signed char* __restrict__ wsc,
                            const signed char* __restrict__ wmins, int M, int N, int K,
-                           float* __restrict__ y) {
+                           float* __restrict__ y, Parts ps) {
     const int n = blockIdx.x * blockDim.x + threadIdx.x;
     const int m = blockIdx.y;
     if (n >= N || m >= M) return;
@@ -375,7 +396,7 @@ __device__ void qgemm_simt(const signed char* __restrict__ qa, const float* __re
 #pragma unroll
     for (int part = 0; part < 4; ++part) {
         float acc = 0.f;
-        for (int r = part * R / 4; r < (part + 1) * R / 4; ++r)
+        for (int r = part_start<SHARE>(ps, part, R); r < part_start<SHARE>(ps, part + 1, R); ++r)
             acc = run_terms<FMT>(q, a, s, d, dm, sc, mn, sums, K, r, acc);
         p[part] = acc;
     }
@@ -389,7 +410,14 @@ __device__ void qgemm_simt(const signed char* __restrict__ qa, const float* __re
                                     const float* wdmin, const signed char* wsc, const signed char* wmins, \
                                     int M, int N, int K, float* y) {                                   \
         PRISM_GRID_PROLOGUE();                                                                         \
-        qgemm_simt<FMT>(qa, sa, sums32, bad_rows, wq, wd, wdmin, wsc, wmins, M, N, K, y);             \
+        qgemm_simt<FMT, false>(qa, sa, sums32, bad_rows, wq, wd, wdmin, wsc, wmins, M, N, K, y, Parts{}); \
+    }                                                                                                  \
+    extern "C" __global__ void NAME##_share(                                                           \
+        const signed char* qa, const float* sa, const int* sums32, const unsigned int* bad_rows,       \
+        const signed char* wq, const float* wd, const float* wdmin, const signed char* wsc,            \
+        const signed char* wmins, int M, int N, int K, float* y, Parts parts) {                        \
+        PRISM_GRID_PROLOGUE();                                                                         \
+        qgemm_simt<FMT, true>(qa, sa, sums32, bad_rows, wq, wd, wdmin, wsc, wmins, M, N, K, y, parts); \
     }
 
 QGEMM_ENTRY(qgemm_run128_q8_0, 0)
@@ -445,17 +473,18 @@ __device__ __forceinline__ void gemv_load_weights(const signed char* __restrict_
 // stream starts while the kernel ahead on the stream (the activation's quantizer) still runs. Only the
 // activation rows and their scales are read after PRISM_GRID_WAIT(); each later batch of weights is
 // requested after the current batch's arithmetic.
-template <int MR>
+template <int MR, bool SHARE>
 __device__ void qgemv_q8_0(const signed char* __restrict__ qa, const float* __restrict__ sa,
                            const unsigned int* __restrict__ bad_rows, const signed char* __restrict__ wq,
-                           const float* __restrict__ wd, int M, int N, int K, float* __restrict__ y) {
+                           const float* __restrict__ wd, int M, int N, int K, float* __restrict__ y,
+                           Parts ps) {
     __shared__ float parts[4][MR][4];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 8, j = lane % 8;
     const int n = blockIdx.x * 4 + g;
     const bool live = n < N;
     const int R = (K + RUN - 1) / RUN;
-    const int r0 = warp * R / 4, r1 = (warp + 1) * R / 4;
+    const int r0 = part_start<SHARE>(ps, warp, R), r1 = part_start<SHARE>(ps, warp + 1, R);
     const signed char* wrow = wq + (size_t)(live ? n : 0) * K;
     const float* d = wd + (size_t)(live ? n : 0) * R;
     int4 w[GEMV_AHEAD];
@@ -514,7 +543,13 @@ __device__ void qgemv_q8_0(const signed char* __restrict__ qa, const float* __re
         const signed char* qa, const float* sa, const unsigned int* bad_rows, const signed char* wq,    \
         const float* wd, int M, int N, int K, float* y) {                                              \
         PRISM_GRID_WAIT_LATER();                                                                       \
-        qgemv_q8_0<MR>(qa, sa, bad_rows, wq, wd, M, N, K, y);                                         \
+        qgemv_q8_0<MR, false>(qa, sa, bad_rows, wq, wd, M, N, K, y, Parts{});                         \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS) NAME##_share(                        \
+        const signed char* qa, const float* sa, const unsigned int* bad_rows, const signed char* wq,    \
+        const float* wd, int M, int N, int K, float* y, Parts parts) {                                 \
+        PRISM_GRID_WAIT_LATER();                                                                       \
+        qgemv_q8_0<MR, true>(qa, sa, bad_rows, wq, wd, M, N, K, y, parts);                            \
     }
 
 // MIN_BLOCKS keeps each entry's registers at what it had when weights were read after the wait (48, 56,
@@ -586,11 +621,12 @@ __device__ __forceinline__ int word8(const int4& lo, const int4& hi, int s) {
     }
 }
 
-template <int MT, int WT>
+template <int MT, int WT, bool SHARE>
 __device__ void qgemm_narrow_q8_0(const signed char* __restrict__ qa, const float* __restrict__ sa,
                                   const unsigned int* __restrict__ bad_rows, const signed char* __restrict__ wq,
                                   const float* __restrict__ wd, int M, int N, int K, float* __restrict__ y,
-                                  float* __restrict__ ws, int splits, unsigned int* __restrict__ counters) {
+                                  float* __restrict__ ws, int splits, unsigned int* __restrict__ counters,
+                                  Parts ps) {
     __shared__ float slot[NARROW_WARPS][WT * MT * 4][32];
     __shared__ int last_of_block;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -666,7 +702,7 @@ __device__ void qgemm_narrow_q8_0(const signed char* __restrict__ qa, const floa
     if (warp_live) {
 #pragma unroll 1
         for (int part = part_lo; part < part_hi; ++part) {
-            const int r0 = part * R / 4, r1 = (part + 1) * R / 4;
+            const int r0 = part_start<SHARE>(ps, part, R), r1 = part_start<SHARE>(ps, part + 1, R);
 #pragma unroll 1
             for (int r = r0; r < r1; r += NARROW_AHEAD(WT)) {
                 int4 wv[NARROW_AHEAD(WT)][WT][4];
@@ -752,7 +788,16 @@ __device__ void qgemm_narrow_q8_0(const signed char* __restrict__ qa, const floa
         const signed char* qa, const float* sa, const unsigned int* bad_rows, const signed char* wq,     \
         const float* wd, int M, int N, int K, float* y, float* ws, int splits, unsigned int* counters) { \
         PRISM_GRID_PROLOGUE();                                                                           \
-        qgemm_narrow_q8_0<MT, WT>(qa, sa, bad_rows, wq, wd, M, N, K, y, ws, splits, counters);          \
+        qgemm_narrow_q8_0<MT, WT, false>(qa, sa, bad_rows, wq, wd, M, N, K, y, ws, splits, counters,    \
+                                         Parts{});                                                       \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(32 * NARROW_WARPS) NAME##_share(                       \
+        const signed char* qa, const float* sa, const unsigned int* bad_rows, const signed char* wq,     \
+        const float* wd, int M, int N, int K, float* y, float* ws, int splits, unsigned int* counters,   \
+        Parts parts) {                                                                                   \
+        PRISM_GRID_PROLOGUE();                                                                           \
+        qgemm_narrow_q8_0<MT, WT, true>(qa, sa, bad_rows, wq, wd, M, N, K, y, ws, splits, counters,     \
+                                        parts);                                                          \
     }
 
 // Rows up to 8 · MT; a warp's outputs 16 · WT (`narrow_kernel` in crates/prism-quant/src/cuda.rs).
@@ -1014,14 +1059,15 @@ __device__ __forceinline__ QwJob qw_job(int j, int full, int splits, int gx, int
     return job;
 }
 
-template <int BM>
+template <int BM, bool SHARE>
 __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const TmaDesc* tmap_b,
                                                    const float* __restrict__ sa_t, int ldsa,
                                                    const float* __restrict__ sw_t, int ldsw,
                                                    const unsigned int* __restrict__ bad_rows, int M, int N,
                                                    int K, float* __restrict__ y, float* __restrict__ ws,
                                                    int group, unsigned int* __restrict__ tile_counters,
-                                                   int gx, int gy, int full, int splits_left, int jobs) {
+                                                   int gx, int gy, int full, int splits_left, int jobs,
+                                                   Parts ps) {
 #ifdef HAVE_WGMMA
     extern __shared__ unsigned char smem_raw[];
     using T = QwTile<BM>;
@@ -1048,8 +1094,8 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
             for (int j = blockIdx.x; j < jobs; j += gridDim.x) {
                 const QwJob job = qw_job(j, full, splits_left, gx, gy, group);
                 const int m0 = job.mt * BM, n0 = job.nt * T::BN;
-                const int r_lo = (job.z * 4 / job.splits) * R / 4;
-                const int r_hi = ((job.z + 1) * 4 / job.splits) * R / 4;
+                const int r_lo = part_start<SHARE>(ps, job.z * 4 / job.splits, R);
+                const int r_hi = part_start<SHARE>(ps, (job.z + 1) * 4 / job.splits, R);
                 for (int r = r_lo; r < r_hi; ++r, ++it) {
                     const int s = it % STAGES;
                     mbar_wait(empty + s, ((it / STAGES) & 1) ^ 1);
@@ -1128,7 +1174,7 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
 #pragma unroll 1
             for (int part = part_lo; part < part_hi; ++part) {
 #pragma unroll 1
-                for (int r = part * R / 4; r < (part + 1) * R / 4; ++r) {
+                for (int r = part_start<SHARE>(ps, part, R); r < part_start<SHARE>(ps, part + 1, R); ++r) {
                     issue(acc);
                     wgmma_wait0();
                     promote(acc, facc);
@@ -1189,8 +1235,17 @@ __device__ __forceinline__ void qgemm_wg_q8_0_body(const TmaDesc* tmap_a, const 
              int N, int K, float* y, float* ws, int group, unsigned int* tile_counters, int gx, int gy,     \
              int full, int splits, int jobs) {                                                              \
         PRISM_GRID_PROLOGUE();                                                                              \
-        qgemm_wg_q8_0_body<BM>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws, group,  \
-                               tile_counters, gx, gy, full, splits, jobs);                                 \
+        qgemm_wg_q8_0_body<BM, false>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws,  \
+                                      group, tile_counters, gx, gy, full, splits, jobs, Parts{});           \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                    \
+        NAME##_share(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,        \
+                     const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows, \
+                     int M, int N, int K, float* y, float* ws, int group, unsigned int* tile_counters,      \
+                     int gx, int gy, int full, int splits, int jobs, Parts parts) {                         \
+        PRISM_GRID_PROLOGUE();                                                                              \
+        qgemm_wg_q8_0_body<BM, true>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws,   \
+                                     group, tile_counters, gx, gy, full, splits, jobs, parts);              \
     }
 QGEMM_WG(qgemm_wg_q8_0, 128)
 QGEMM_WG(qgemm_wg_q8_0_m64, 64)
@@ -1263,14 +1318,14 @@ __device__ __forceinline__ void qws_combine_cg(const float* __restrict__ ws, int
     }
 }
 
-template <int NA>
+template <int NA, bool SHARE>
 __device__ __forceinline__ void qgemm_wgs_q8_0_body(const TmaDesc* tmap_a, const TmaDesc* tmap_b,
                                                     const float* __restrict__ sa_t, int ldsa,
                                                     const float* __restrict__ sw_t, int ldsw,
                                                     const unsigned int* __restrict__ bad_rows, int M, int N,
                                                     int K, float* __restrict__ y, float* __restrict__ ws,
                                                     unsigned int* __restrict__ tile_counters, int gx, int gy,
-                                                    int full, int splits_left, int jobs) {
+                                                    int full, int splits_left, int jobs, Parts ps) {
 #ifdef HAVE_WGMMA
     extern __shared__ unsigned char smem_raw[];
     using T = QwsTile<NA>;
@@ -1296,8 +1351,8 @@ __device__ __forceinline__ void qgemm_wgs_q8_0_body(const TmaDesc* tmap_a, const
             for (int j = blockIdx.x; j < jobs; j += gridDim.x) {
                 const QwJob job = qw_job(j, full, splits_left, gx, gy, 1);
                 const int m0 = job.mt * NA, n0 = job.nt * 64;
-                const int r_lo = (job.z * 4 / job.splits) * R / 4;
-                const int r_hi = ((job.z + 1) * 4 / job.splits) * R / 4;
+                const int r_lo = part_start<SHARE>(ps, job.z * 4 / job.splits, R);
+                const int r_hi = part_start<SHARE>(ps, (job.z + 1) * 4 / job.splits, R);
                 for (int r = r_lo; r < r_hi; ++r, ++it) {
                     const int s = it % STAGES;
                     mbar_wait(empty + s, ((it / STAGES) & 1) ^ 1);
@@ -1332,7 +1387,7 @@ __device__ __forceinline__ void qgemm_wgs_q8_0_body(const TmaDesc* tmap_a, const
 #pragma unroll 1
         for (int part = part_lo; part < part_hi; ++part) {
 #pragma unroll 1
-            for (int r = part * R / 4; r < (part + 1) * R / 4; ++r) {
+            for (int r = part_start<SHARE>(ps, part, R); r < part_start<SHARE>(ps, part + 1, R); ++r) {
                 const int s = it % STAGES;
                 mbar_wait(full_bar + s, (it / STAGES) & 1);
                 const unsigned char* st = smem + s * T::STAGE;
@@ -1419,7 +1474,16 @@ __device__ __forceinline__ void qgemm_wgs_q8_0_body(const TmaDesc* tmap_a, const
              int N, int K, float* y, float* ws, int group, unsigned int* tile_counters, int gx, int gy,     \
              int full, int splits, int jobs) {                                                              \
         PRISM_GRID_PROLOGUE();                                                                              \
-        qgemm_wgs_q8_0_body<NA>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws,       \
-                                tile_counters, gx, gy, full, splits, jobs);                                \
+        qgemm_wgs_q8_0_body<NA, false>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws, \
+                                       tile_counters, gx, gy, full, splits, jobs, Parts{});                \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(160, 2)                                                    \
+        NAME##_share(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,        \
+                     const float* sa_t, int ldsa, const float* sw_t, int ldsw, const unsigned int* bad_rows, \
+                     int M, int N, int K, float* y, float* ws, int group, unsigned int* tile_counters,      \
+                     int gx, int gy, int full, int splits, int jobs, Parts parts) {                         \
+        PRISM_GRID_PROLOGUE();                                                                              \
+        qgemm_wgs_q8_0_body<NA, true>(&tmap_a, &tmap_b, sa_t, ldsa, sw_t, ldsw, bad_rows, M, N, K, y, ws,  \
+                                      tile_counters, gx, gy, full, splits, jobs, parts);                    \
     }
 QGEMM_WGS(qgemm_wgs_q8_0_n32, 32)

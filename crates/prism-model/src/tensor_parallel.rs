@@ -26,8 +26,8 @@
 //!
 //! This module runs the devices as threads of one process on the CPU ([`TensorParallelModel`],
 //! [`ThreadAllReduce`]): the reference the GPU split (one device per GPU, the shares exchanged by
-//! NCCL's all-gather and added in this order on each GPU) must equal. The integer matmul's share runs
-//! on the CPU only so far.
+//! NCCL's all-gather and added in this order on each GPU) must equal. A share's product runs on the
+//! CPU or on a GPU (`prism_quant::cuda::matmul_share`, the same bits).
 
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex};

@@ -23,6 +23,7 @@ use crate::cuda_launch::PushArg;
 use crate::cuda_launch::{
     alloc, cuda_device, i32_arg, launch_err, load_kernel, wrap, Input, Scratch,
 };
+use crate::kernel::PartSpan;
 use crate::schedule::TileSchedule;
 use crate::weight::{QuantWeight, WeightFormat, WeightInfo};
 
@@ -343,7 +344,79 @@ fn skinny_kernel(m: usize) -> &'static str {
 
 /// [`matmul`] with the kernel chosen by `kernel`.
 pub fn matmul_with(x: &Tensor, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
-    product(Rows::Plain(&x.contiguous()?), w, kernel)
+    product(Rows::Plain(&x.contiguous()?), w, kernel, None)
+}
+
+/// The share of a tensor-parallel product that the device holding `span` computes, on that device:
+/// `x: [m, k]` f32 holds the span's input columns and `w` the same columns of the whole weight (as
+/// [`crate::QuantMatmul::share_of_device`] makes them), the result `[m, n]` has the bits of the CPU's
+/// [`crate::kernel::matmul_share`] (each output its parts' sums combined as the single-device tree
+/// combines them below their common node), whichever kernel runs it.
+pub fn matmul_share(x: &Tensor, w: &CudaQuantWeight, span: &PartSpan) -> Result<Tensor> {
+    matmul_share_with(x, w, span, Kernel::Auto)
+}
+
+/// [`matmul_share`] with the kernel chosen by `kernel`.
+pub fn matmul_share_with(
+    x: &Tensor,
+    w: &CudaQuantWeight,
+    span: &PartSpan,
+    kernel: Kernel,
+) -> Result<Tensor> {
+    product(Rows::Plain(&x.contiguous()?), w, kernel, Some(span))
+}
+
+/// A share's parts as the `_share` kernels take them (`Parts` in quant_gemm.cu): the runs where parts
+/// 1, 2 and 3 begin among the share's own runs (part 0 begins at its first, part 3 ends at its last), the
+/// parts it does not hold left empty at the end ([`PartSpan::local_bounds`]). A whole product's
+/// kernels derive their bounds from the run count.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Parts([i32; 3]);
+
+// SAFETY: three i32, as the kernel's `struct Parts { int b1, b2, b3; }` parameter lays them out.
+unsafe impl DeviceRepr for Parts {}
+// SAFETY: as for DeviceRepr above.
+unsafe impl crate::cuda_launch::KernelParam for Parts {}
+
+/// The `_share` entry of a product kernel: the same code with its parts' bounds taken as an argument
+/// (quant_gemm.cu `part_start`).
+fn share_entry(name: &'static str) -> Result<&'static str> {
+    Ok(match name {
+        "qgemm_run128_q8_0" => "qgemm_run128_q8_0_share",
+        "qgemm_run128_k32" => "qgemm_run128_k32_share",
+        "qgemm_run128_q6k" => "qgemm_run128_q6k_share",
+        "qgemv_q8_0_m1" => "qgemv_q8_0_m1_share",
+        "qgemv_q8_0_m2" => "qgemv_q8_0_m2_share",
+        "qgemv_q8_0_m4" => "qgemv_q8_0_m4_share",
+        "qgemv_q8_0_m8" => "qgemv_q8_0_m8_share",
+        "qgemm_narrow_q8_0_m8" => "qgemm_narrow_q8_0_m8_share",
+        "qgemm_narrow_q8_0_m16" => "qgemm_narrow_q8_0_m16_share",
+        "qgemm_narrow_q8_0_m32" => "qgemm_narrow_q8_0_m32_share",
+        "qgemm_wg_q8_0" => "qgemm_wg_q8_0_share",
+        "qgemm_wg_q8_0_m64" => "qgemm_wg_q8_0_m64_share",
+        "qgemm_wgs_q8_0_n32" => "qgemm_wgs_q8_0_n32_share",
+        other => bail!("integer matmul: the kernel {other} has no tensor-parallel share entry"),
+    })
+}
+
+impl Parts {
+    /// The kernels' bounds of `span`'s parts ([`PartSpan::local_bounds`]) in a product of `runs` runs,
+    /// which must be exactly the span's.
+    fn of(runs: usize, span: &PartSpan) -> Result<Self> {
+        let held = span.runs();
+        if !span.is_subtree() || held.len() != runs {
+            bail!(
+                "integer matmul share: parts {:?} of a reduction of {} runs are runs {held:?}, but the \
+                 product has {runs} runs",
+                span.parts,
+                span.total_runs
+            );
+        }
+        let b = span.local_bounds();
+        let at = |r: usize| i32_arg(r, "part bound");
+        Ok(Self([at(b[1])?, at(b[2])?, at(b[3])?]))
+    }
 }
 
 /// `swiglu(gate_up) · Wᵀ` for `gate_up: [m, 2f]` f32 (gate columns, then up): the bits of prism-model's
@@ -365,7 +438,7 @@ pub fn matmul_swiglu_with(
     if width != 2 * f {
         bail!("integer matmul: gate | up has {width} columns, not 2 × {f}");
     }
-    product(Rows::SwiGlu(&gate_up, f), w, kernel)
+    product(Rows::SwiGlu(&gate_up, f), w, kernel, None)
 }
 
 /// `gated_rms_norm(x, gate, weight) · Wᵀ` for the DeltaNet output: `x: [m, h, 128]` f32 (contiguous),
@@ -424,6 +497,7 @@ pub fn matmul_gated_norm_with(
         },
         w,
         kernel,
+        None,
     )
 }
 
@@ -501,6 +575,7 @@ pub fn matmul_add_norm_with(
         },
         w,
         kernel,
+        None,
     )?;
     Ok(Some((sum.map(|s| wrap(s, &dev, (m, k))), y)))
 }
@@ -528,7 +603,12 @@ enum Rows<'a> {
     },
 }
 
-fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
+fn product(
+    rows: Rows,
+    w: &CudaQuantWeight,
+    kernel: Kernel,
+    share: Option<&PartSpan>,
+) -> Result<Tensor> {
     let (x, what) = match rows {
         Rows::Plain(x) => (x, "x"),
         Rows::SwiGlu(gu, _) => (gu, "swiglu(gate | up)"),
@@ -551,6 +631,12 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
         );
     }
     let runs = run_count(k);
+    // A share's parts' bounds, for the `_share` entries (a whole product's kernels derive them).
+    let parts = share.map(|span| Parts::of(runs, span)).transpose()?;
+    let entry = |name: &'static str| match parts {
+        Some(_) => share_entry(name),
+        None => Ok(name),
+    };
     let want_sums = info.format.has_mins();
     let most_rows = match kernel {
         Kernel::Auto => AUTO_SKINNY_ROWS,
@@ -788,7 +874,7 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
             w,
             h,
             shape,
-            (schedule, group),
+            (schedule, group, parts),
             (m, n, k),
         )?;
         return Ok(wrap(y, &dev, (m, n)));
@@ -801,7 +887,7 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
         let (wq, wd) = (wq.view::<u8>()?, wd.view::<f32>()?);
         check_aligned(&dev, &wq, info)?;
         let (name, block) = narrow_kernel(m);
-        let func = load_kernel(&dev, MODULE, IMAGE, name)?;
+        let func = load_kernel(&dev, MODULE, IMAGE, entry(name)?)?;
         let blocks = n.div_ceil(block);
         let cfg = LaunchConfig {
             grid_dim: (
@@ -820,6 +906,9 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
             b.arg(&qa).arg(&sa).arg(&bad).arg(&wq).arg(&wd);
             b.arg(&m_i).arg(&n_i).arg(&k_i).arg(&y);
             b.arg(&ws).arg(&splits_i).arg(counters);
+            if let Some(parts) = &parts {
+                b.arg(parts);
+            }
             // SAFETY: qa holds m·k bytes (k a multiple of 32, so every 16-byte read of a row is
             // aligned and inside it), sa m·runs f32 row-major, bad m u32; the weight's q n·k bytes
             // (16-byte aligned) and d n·runs f32 (Q8_0 run scales, row-major); y m·n f32; with
@@ -837,7 +926,7 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
         );
         let (wq, wd) = (wq.view::<u8>()?, wd.view::<f32>()?);
         check_aligned(&dev, &wq, info)?;
-        let func = load_kernel(&dev, MODULE, IMAGE, skinny_kernel(m))?;
+        let func = load_kernel(&dev, MODULE, IMAGE, entry(skinny_kernel(m))?)?;
         let cfg = LaunchConfig {
             grid_dim: (
                 u32::try_from(n.div_ceil(4)).map_err(|_| {
@@ -852,6 +941,9 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
         let mut b = func.builder();
         b.arg(&qa).arg(&sa).arg(&bad).arg(&wq).arg(&wd);
         b.arg(&m_i).arg(&n_i).arg(&k_i).arg(&y);
+        if let Some(parts) = &parts {
+            b.arg(parts);
+        }
         // SAFETY: qa holds m·k bytes (k a multiple of 16, so every 16-byte read of a row is aligned and
         // inside it), sa m·runs f32 row-major, bad m u32; the weight's q n·k bytes and d n·runs f32
         // (Q8_0 run scales, row-major); y m·n f32.
@@ -877,7 +969,7 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
     );
     let (wq, wsc, wmn) = (wq.view::<u8>()?, wsc.view::<u8>()?, wmn.view::<u8>()?);
     let (wd, wdm) = (wd.view::<f32>()?, wdm.view::<f32>()?);
-    let func = load_kernel(&dev, MODULE, IMAGE, name)?;
+    let func = load_kernel(&dev, MODULE, IMAGE, entry(name)?)?;
     let cfg = LaunchConfig {
         grid_dim: (grid(n, "outputs")?, m as u32, 1),
         block_dim: (THREADS, 1, 1),
@@ -887,6 +979,9 @@ fn product(rows: Rows, w: &CudaQuantWeight, kernel: Kernel) -> Result<Tensor> {
     b.arg(&qa).arg(&sa).arg(&sums).arg(&bad);
     b.arg(&wq).arg(&wd).arg(&wdm).arg(&wsc).arg(&wmn);
     b.arg(&m_i).arg(&n_i).arg(&k_i).arg(&y);
+    if let Some(parts) = &parts {
+        b.arg(parts);
+    }
     // SAFETY: the activation buffers as written above; the weight arrays as uploaded (row-major, the
     // layout of QuantWeight); y holds m·n f32.
     unsafe { b.launch(cfg) }.map_err(launch_err)?;
@@ -944,7 +1039,8 @@ struct TileBuffers<'a, 'b> {
 }
 
 /// The Q8_0 warpgroup tile (`qgemm_wg_q8_0`): `y = qa · qᵀ` by the contract, `qa` `[m, k]` bytes with
-/// run scales `sa` run-major `[runs, ldsa]`, its tiles' jobs on CTAs as `schedule` says.
+/// run scales `sa` run-major `[runs, ldsa]`, its tiles' jobs on CTAs as `schedule` says; with a share's
+/// `parts`, its `_share` entry.
 fn hopper_q8_0(
     dev: &CudaDevice,
     TileBuffers {
@@ -958,7 +1054,7 @@ fn hopper_q8_0(
     w: &CudaQuantWeight,
     h: &HopperQ8,
     shape: TileShape,
-    (schedule, group): (TileSchedule, usize),
+    (schedule, group, parts): (TileSchedule, usize, Option<Parts>),
     (m, n, k): (usize, usize, usize),
 ) -> Result<()> {
     let splits = schedule.splits;
@@ -982,7 +1078,11 @@ fn hopper_q8_0(
         byte_rows_map(qa_ptr, m, k, bm)?,
         byte_rows_map(wq_ptr, n, k, bn)?,
     ];
-    let func = load_kernel(dev, MODULE, IMAGE, shape.kernel())?;
+    let name = match parts {
+        Some(_) => share_entry(shape.kernel())?,
+        None => shape.kernel(),
+    };
+    let func = load_kernel(dev, MODULE, IMAGE, name)?;
     func.allow_dynamic_shared(shape.smem(), "integer matmul tile")?;
     let tiles = gx * gy;
     let jobs = schedule.jobs(tiles);
@@ -1028,6 +1128,9 @@ fn hopper_q8_0(
             .arg(&full_i)
             .arg(&splits_i)
             .arg(&jobs_i);
+        if let Some(parts) = &parts {
+            b.arg(parts);
+        }
         // SAFETY: the maps describe qa (m·k bytes) and the weight (n·k bytes), both alive until the launch
         // is queued; sa holds runs·ldsa f32 and sw_t runs·ldsw (ldsa, ldsw whole tiles, so every CTA's
         // 512-byte scale copies stay inside); bad m u32; y m·n f32; with splits, ws splits·m·n f32 (a

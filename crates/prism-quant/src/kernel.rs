@@ -233,8 +233,24 @@ impl PartSpan {
         b[self.parts.start]..b[self.parts.end]
     }
 
+    /// The span's runs as the four parts of a kernel that always adds four parts by
+    /// [`combine_parts`] (the GPU's): the span's own parts' bounds, counted from its first run, then
+    /// empty parts up to four. An empty part sums to +0.0, and `x + 0.0` is `x` for every part sum
+    /// (none is -0.0: a sum starts at +0.0, and round-to-nearest gives -0.0 only for -0.0 + -0.0), so
+    /// `(p0 + p1) + (p2 + p3)` over these parts is [`matmul_share`]'s combination, bit for bit.
+    pub fn local_bounds(&self) -> [usize; PARTS + 1] {
+        let (b, held) = (part_bounds(self.total_runs), self.runs());
+        std::array::from_fn(|i| {
+            if i < self.parts.len() {
+                b[self.parts.start + i] - held.start
+            } else {
+                held.len()
+            }
+        })
+    }
+
     /// Whether the span is one of [`Self::of_device`]'s: one part, an aligned pair or all four.
-    fn is_subtree(&self) -> bool {
+    pub(crate) fn is_subtree(&self) -> bool {
         let (a, z) = (self.parts.start, self.parts.end);
         z <= PARTS && (z == a + 1 || (z == a + 2 && a % 2 == 0) || (a, z) == (0, PARTS))
     }

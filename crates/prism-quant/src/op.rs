@@ -23,7 +23,8 @@ pub struct QuantMatmul {
     info: WeightInfo,
     weight: Arc<QuantWeight>,
     /// `Some`: the weight holds the runs of these parts of a longer reduction, and the product is this
-    /// device's share of a tensor-parallel product ([`kernel::matmul_share`]; CPU only so far).
+    /// device's share of a tensor-parallel product ([`kernel::matmul_share`]; on a GPU
+    /// [`crate::cuda::matmul_share`], the same bits).
     share: Option<PartSpan>,
     /// The weight's copy on a GPU, uploaded on the first product there and shared by clones.
     #[cfg(feature = "cuda")]
@@ -128,14 +129,11 @@ impl QuantMatmul {
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let candle_core::Device::Cuda(dev) = x.device() {
-            if self.share.is_some() {
-                candle_core::bail!(
-                    "{:?}: a tensor-parallel share of a product runs on the CPU only so far",
-                    self.name()
-                );
-            }
             let w = self.device_weight(dev)?;
-            return crate::cuda::matmul(x, &w);
+            return match &self.share {
+                Some(span) => crate::cuda::matmul_share(x, &w, span),
+                None => crate::cuda::matmul(x, &w),
+            };
         }
         x.contiguous()?.apply_op1_no_bwd(self)
     }

@@ -986,3 +986,68 @@ fn device_shares_added_up_the_tree_are_the_single_device_product() {
         .share_of_device(0, 3)
         .is_err());
 }
+
+#[test]
+fn a_share_as_four_parts_with_empty_ones_is_the_share() {
+    // What the GPU's `_share` kernels compute: every product as four parts added by `combine_parts`,
+    // a share's parts those of `PartSpan::local_bounds` (its own, then empty ones). The bits must be
+    // `matmul_share`'s, which combines only the share's parts; and the bounds are the span's.
+    let mut rng = Rng(47);
+    for (ty, cols, devices) in [
+        (GgmlType::Q8_0, 128 * 8, 2),
+        (GgmlType::Q8_0, 128 * 8, 4),
+        (GgmlType::Q8_0, 128 * 13 + 64, 2),
+        (GgmlType::Q8_0, 128 * 11, 4),
+        (GgmlType::Q8_0, 128 * 2, 2),
+        (GgmlType::Q4_K, 256 * 8, 4),
+        (GgmlType::Q6_K, 256 * 6, 2),
+    ] {
+        let (rows, m) = (9, 4);
+        let (w, _) = synthetic(ty, rows, cols, &mut rng);
+        let x = uneven_activations(m, cols, &mut rng);
+        let whole = QuantMatmul::new(Arc::new(w));
+        for g in 0..devices {
+            let share = whole.share_of_device(g, devices).unwrap();
+            let span = share.share().unwrap().clone();
+            let runs = span.runs();
+            let b = span.local_bounds();
+            let global = part_bounds(span.total_runs);
+            assert_eq!(b[0], 0);
+            assert_eq!(b[4], runs.len());
+            for (i, p) in span.parts.clone().enumerate() {
+                assert_eq!(
+                    b[i + 1] - b[i],
+                    global[p + 1] - global[p],
+                    "{ty:?} {g}/{devices}"
+                );
+            }
+            assert!(b.windows(2).all(|w| w[0] <= w[1]));
+            let (c0, c1) = (runs.start * RUN, (runs.end * RUN).min(cols));
+            let xs: Vec<f32> = (0..m)
+                .flat_map(|r| x[r * cols + c0..r * cols + c1].iter().copied())
+                .collect();
+            let want = prism_quant::matmul_share(&xs, m, share.weight(), &span).unwrap();
+            let qx = quantize_for(&xs, m, share.weight()).unwrap();
+            for r in 0..m {
+                for n in 0..rows {
+                    let part = |p: usize| {
+                        row_part(
+                            share.weight(),
+                            n,
+                            qx.row(r),
+                            qx.row_scales(r),
+                            qx.row_sums(r),
+                            b[p]..b[p + 1],
+                        )
+                    };
+                    let got = combine_parts(std::array::from_fn(part));
+                    assert_eq!(
+                        got.to_bits(),
+                        want[r * rows + n].to_bits(),
+                        "{ty:?} cols {cols} device {g} of {devices}, row {r}, output {n}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -215,9 +215,120 @@ pub fn checks(r: &mut Report, gpu: &Device) -> Result<()> {
         )?;
     }
     wide_checks(r, gpu, dev, &mut rng)?;
+    share_checks(r, gpu, dev, &mut rng)?;
     swiglu_checks(r, gpu, dev, &mut rng)?;
     gated_norm_checks(r, gpu, dev, &mut rng)?;
     add_norm_checks(r, gpu, dev, &mut rng)
+}
+
+/// A tensor-parallel device's share of a product (`prism_quant::cuda::matmul_share`: the `_share`
+/// kernels, its parts' bounds as an argument) against the CPU's `matmul_share`, on every kernel that
+/// the whole product has (the same list as above), for 2 and 4 devices: reductions whose parts are
+/// unequal, a short last run, Q4_K and Q6_K on whole blocks; and the shares added up the tree against
+/// the GPU's whole product.
+fn share_checks(
+    r: &mut Report,
+    gpu: &Device,
+    dev: &candle_core::cuda_backend::CudaDevice,
+    rng: &mut Rng,
+) -> Result<()> {
+    use prism_quant::cuda::matmul_share_with;
+    let cases = [
+        (GgmlType::Q8_0, 5120, 300, 2),
+        (GgmlType::Q8_0, 5120, 300, 4),
+        (GgmlType::Q8_0, 128 * 13 + 64, 129, 2),
+        (GgmlType::Q8_0, 17_408, 96, 4),
+        (GgmlType::Q4_K, 256 * 8, 70, 4),
+        (GgmlType::Q6_K, 256 * 6, 64, 2),
+    ];
+    for (ty, k, n, devices) in cases {
+        let w = weight(rng, ty, n, k, Q8Scales::PerRun)?;
+        let whole = prism_quant::QuantMatmul::new(std::sync::Arc::new(w.clone()));
+        let dw = CudaQuantWeight::upload(&w, dev)?;
+        let rows: &[usize] = if ty == GgmlType::Q8_0 {
+            &[1, 2, 5, 16, 33, 64, 200]
+        } else {
+            &[1, 7]
+        };
+        for &m in rows {
+            let x = activations(rng, m, k);
+            let xg = Tensor::from_vec(x.clone(), (m, k), gpu)?;
+            let mut shares = Vec::new();
+            for g in 0..devices {
+                let share = whole.share_of_device(g, devices)?;
+                let span = share
+                    .share()
+                    .cloned()
+                    .ok_or_else(|| anyhow::anyhow!("no span"))?;
+                let runs = span.runs();
+                let (c0, c1) = (runs.start * 128, (runs.end * 128).min(k));
+                let xs: Vec<f32> = (0..m)
+                    .flat_map(|row| x[row * k + c0..row * k + c1].iter().copied())
+                    .collect();
+                let want = prism_quant::matmul_share(&xs, m, share.weight(), &span)?;
+                let want = Tensor::from_vec(want, (m, n), &Device::Cpu)?;
+                let ds = CudaQuantWeight::upload(share.weight(), dev)?;
+                let xsg = Tensor::from_vec(xs, (m, c1 - c0), gpu)?;
+                let tag = format!(
+                    "int8 matmul share (GPU) {ty:?} K={k} N={n} M={m}, device {g} of {devices} (parts {:?})",
+                    span.parts
+                );
+                let mut kernels = vec![
+                    ("default".to_string(), Kernel::Auto),
+                    ("simple kernel".to_string(), Kernel::Simple),
+                ];
+                if ty == GgmlType::Q8_0 {
+                    kernels.push(("skinny kernel".into(), Kernel::Skinny));
+                    for splits in [1, 2, 4] {
+                        kernels.push((
+                            format!("narrow kernel in {splits} split(s)"),
+                            Kernel::NarrowSplit(splits),
+                        ));
+                    }
+                    for (name, shape) in [
+                        ("128-row tile", TileShape::M128),
+                        ("64-row tile", TileShape::M64),
+                        ("swapped tile", TileShape::S32),
+                    ] {
+                        kernels.push((name.into(), Kernel::Tile(shape)));
+                        for splits in [2, 4] {
+                            kernels.push((
+                                format!("{name} in {splits} split(s)"),
+                                Kernel::TileSplit(shape, splits),
+                            ));
+                        }
+                        kernels.push((format!("{name} on 3 CTAs"), Kernel::TileGrid(shape, 3)));
+                    }
+                }
+                let mut got_default = None;
+                for (label, kernel) in kernels {
+                    let got = matmul_share_with(&xsg, &ds, &span, kernel)?;
+                    r.identical(&format!("{tag}: {label} vs the CPU's share"), &got, &want)?;
+                    got_default.get_or_insert(got);
+                }
+                // The candle op (what `Linear::Share` calls) on the GPU.
+                r.identical(
+                    &format!("{tag}: QuantMatmul::forward vs the CPU's share"),
+                    &share.forward(&xsg.clone())?,
+                    &want,
+                )?;
+                shares.extend(got_default);
+            }
+            let sum = match shares.as_slice() {
+                [a, b] => (a + b)?,
+                [a, b, c, d] => ((a + b)? + (c + d)?)?,
+                _ => anyhow::bail!("{} shares", shares.len()),
+            };
+            r.identical(
+                &format!(
+                    "int8 matmul share (GPU) {ty:?} K={k} N={n} M={m}: {devices} shares added up the tree vs the whole product"
+                ),
+                &sum,
+                &matmul(&xg, &dw)?,
+            )?;
+        }
+    }
+    Ok(())
 }
 
 /// More output tiles than the GPU has multiprocessors (the 27B gate|up width, 34,816 outputs, at a short
