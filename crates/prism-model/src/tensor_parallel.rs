@@ -117,7 +117,16 @@ impl ThreadAllReduce {
 }
 
 impl AllReduce for ThreadAllReduce {
+    /// The devices may be one device (threads sharing it) or several: the sum is formed on the device
+    /// of the last share to arrive, from every share moved there, and each device gets its own copy.
+    /// On a GPU each thread launches on its own stream (candle's per-thread default stream), so a
+    /// share's stream is waited for before another thread reads it, the sum's before it is handed
+    /// out, and each device's copy is made on its own stream (the round's sum may be freed by
+    /// another thread). Between two devices a share moves by candle's `to_device` (a device-to-device
+    /// copy on the receiving thread's stream); NCCL is not used yet.
     fn all_reduce(&self, device: usize, share: Tensor) -> candle_core::Result<Tensor> {
+        let own = share.device().clone();
+        own.synchronize()?;
         let mut round = self.round.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(why) = &round.aborted {
             candle_core::bail!("tensor parallel group aborted: {why}");
@@ -131,7 +140,13 @@ impl AllReduce for ThreadAllReduce {
         if round.arrived == self.devices {
             let shares: Vec<Tensor> = round.shares.iter_mut().filter_map(Option::take).collect();
             round.arrived = 0;
-            match add_up_the_tree(&shares) {
+            let sum = shares
+                .iter()
+                .map(|s| s.to_device(&own))
+                .collect::<candle_core::Result<Vec<_>>>()
+                .and_then(|moved| add_up_the_tree(&moved))
+                .and_then(|sum| own.synchronize().map(|()| sum));
+            match sum {
                 Ok(sum) => round.sum = Some(sum),
                 Err(e) => round.aborted = Some(e.to_string()),
             }
@@ -145,11 +160,33 @@ impl AllReduce for ThreadAllReduce {
         if let Some(why) = &round.aborted {
             candle_core::bail!("tensor parallel group aborted: {why}");
         }
-        round
+        let sum = round
             .sum
             .clone()
-            .ok_or_else(|| candle_core::Error::Msg("tensor parallel group: no sum".into()))
+            .ok_or_else(|| candle_core::Error::Msg("tensor parallel group: no sum".into()))?;
+        drop(round);
+        if !sum.device().same_device(&own) {
+            sum.to_device(&own)
+        } else if own.is_cuda() {
+            sum.copy()
+        } else {
+            Ok(sum)
+        }
     }
+}
+
+/// Makes `device`'s CUDA context current on this thread (a thread of a tensor-parallel group runs a
+/// device's forward; nothing to do on the CPU).
+fn bind(device: &candle_core::Device) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(dev) = device {
+        dev.cuda_stream().context().bind_to_thread().map_err(|e| {
+            candle_core::Error::Msg(format!("cannot make the CUDA context current: {e:?}"))
+        })?;
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = device;
+    Ok(())
 }
 
 /// Device `device` of `devices`' slice `lo..hi` of `n` things (heads, channels).
@@ -272,7 +309,9 @@ impl TensorParallelOutput {
 }
 
 /// A model split over devices that are threads of this process ([`shard`] of each, one
-/// [`ThreadAllReduce`]): the CPU reference of tensor parallelism.
+/// [`ThreadAllReduce`]): the CPU reference of tensor parallelism, and on GPUs its functional form
+/// (shards on one GPU, or each on its own, the shares exchanged through [`ThreadAllReduce`]; NCCL is
+/// not used yet).
 pub struct TensorParallelModel {
     devices: Vec<Qwen35Model>,
     reduce: Arc<ThreadAllReduce>,
@@ -281,12 +320,34 @@ pub struct TensorParallelModel {
 }
 
 impl TensorParallelModel {
-    /// `model` split over `devices` (1, 2 or 4).
+    /// `model` split over `devices` (1, 2 or 4), every share on the model's device.
     pub fn new(model: &Qwen35Model, devices: usize) -> Result<Self> {
+        Self::over(&vec![model; devices])
+    }
+
+    /// One model split over `models.len()` devices (1, 2 or 4), device `g`'s share cut from
+    /// `models[g]`: the same model loaded on each device where the shares should live (a GPU each,
+    /// or one device several times).
+    pub fn over(models: &[&Qwen35Model]) -> Result<Self> {
+        let devices = models.len();
         let reduce = Arc::new(ThreadAllReduce::new(devices));
-        let shards = (0..devices)
-            .map(|g| shard(model, g, devices, reduce.clone()))
+        if let Some(first) = models.first() {
+            if models.iter().any(|m| m.config() != first.config()) {
+                return Err(ModelError::InvalidInput(
+                    "tensor parallelism: the models given for the devices are not the same model"
+                        .into(),
+                ));
+            }
+        }
+        let shards = models
+            .iter()
+            .enumerate()
+            .map(|(g, model)| shard(model, g, devices, reduce.clone()))
             .collect::<Result<Vec<_>>>()?;
+        // The shards' tensors were made on this thread's stream; the devices' threads read them.
+        for model in &shards {
+            model.device().synchronize()?;
+        }
         Ok(Self {
             devices: shards,
             reduce,
@@ -332,6 +393,10 @@ impl TensorParallelModel {
                     let items = &*items;
                     let reduce = &self.reduce;
                     scope.spawn(move || {
+                        if let Err(e) = bind(model.device()) {
+                            reduce.abort(&e.to_string());
+                            return Err(e);
+                        }
                         let mut batch: Vec<BatchItem<'_>> = device_states
                             .iter_mut()
                             .zip(items)
@@ -345,7 +410,15 @@ impl TensorParallelModel {
                                 snapshot: item.snapshot,
                             })
                             .collect();
-                        let out = model.forward(&mut batch);
+                        // The thread's stream ends with it: its work is waited for before the
+                        // states and outputs go back to the caller's thread.
+                        let out = model.forward(&mut batch).and_then(|out| {
+                            model
+                                .device()
+                                .synchronize()
+                                .map(|()| out)
+                                .map_err(Into::into)
+                        });
                         if let Err(e) = &out {
                             reduce.abort(&e.to_string());
                         }

@@ -10,7 +10,9 @@ use common::{bits, prompts, q8_model};
 use prism_model::tensor_parallel::{
     TensorParallelItem, TensorParallelModel, TensorParallelOutput, TensorParallelState,
 };
+use prism_model::Precision;
 use prism_model::{BatchItem, BatchOutput, Qwen35Model, SequenceState};
+use prism_quant::Q8Scales;
 use quantized::{int8_model, w4a8_model};
 
 /// One step of the scenario: for each sequence, its new tokens and the item it branches from.
@@ -94,6 +96,45 @@ fn two_devices_compute_one_devices_bits() {
     assert_eq!((cfg.n_heads, cfg.n_kv_heads), (2, 1));
     assert_eq!(cfg.linear_value_heads, 2);
     assert_eq!(cfg.intermediate_size, model.config().intermediate_size / 2);
+}
+
+#[test]
+fn shares_cut_from_a_copy_of_the_model_on_each_device_compute_one_devices_bits() {
+    // `TensorParallelModel::over`: device g's share cut from its own copy of the model (on GPUs, the
+    // model loaded on each GPU); here two loads of the same file, and the bits of one device.
+    let model = int8_model();
+    let copy = quantized::load("tiny-Q8_0.gguf", Precision::Int8, Q8Scales::PerRun);
+    let tp = TensorParallelModel::over(&[model, &copy]).unwrap();
+    let p = prompts();
+    let steps = [
+        Step {
+            tokens: vec![p[0][..40].to_vec(), p[1][..12].to_vec()],
+            parents: vec![None, None],
+        },
+        Step {
+            tokens: vec![vec![p[0][40]], vec![p[1][12]]],
+            parents: vec![None, None],
+        },
+    ];
+    let mut alone: Vec<SequenceState> = (0..2).map(|_| model.new_state().unwrap()).collect();
+    let mut parallel: Vec<TensorParallelState> = (0..2).map(|_| tp.new_state().unwrap()).collect();
+    for (i, step) in steps.iter().enumerate() {
+        let want = one_device(model, &mut alone, step);
+        let got = split(&tp, &mut parallel, step);
+        assert_eq!(
+            bits(&got.last_hidden().unwrap()),
+            bits(&want.last_hidden().unwrap()),
+            "step {i}"
+        );
+    }
+    // Models of different shapes, or three devices, are refused.
+    let other = uneven_key_heads_model();
+    let err = match TensorParallelModel::over(&[model, &other]) {
+        Ok(_) => panic!("two different models were accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("not the same model"), "{err}");
+    assert!(TensorParallelModel::over(&[model, model, model]).is_err());
 }
 
 #[test]

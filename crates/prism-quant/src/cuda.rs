@@ -1142,30 +1142,34 @@ fn hopper_q8_0(
     })
 }
 
-/// Runs `launch` with this stream's split counters, at least `count` of them: they stay allocated
-/// (and zero between launches: the last CTA of a split tile or block resets its own), so a split
-/// product is one launch.
+/// Runs `launch` with this thread's split counters for `dev`'s stream, at least `count` of them: they
+/// stay allocated (and zero between launches: the last CTA of a split tile or block resets its own),
+/// so a split product is one launch. Kept per (thread, stream) as [`Scratch`] is: candle's device
+/// launches on the per-thread default stream, so two threads with one `CudaDevice` (engine replicas on
+/// one GPU, the devices of a tensor-parallel group sharing one) run on two streams, and one set of
+/// counters shared by both would mix their tiles' counts.
 fn with_counters(
     dev: &CudaDevice,
     count: usize,
     launch: impl FnOnce(&CudaSlice<u32>) -> Result<()>,
 ) -> Result<()> {
-    let mut counters = TILE_COUNTERS.lock().map_err(|_| {
-        candle_core::Error::Msg("integer matmul: tile counter lock poisoned".into())
-    })?;
     let stream_key = Arc::as_ptr(&dev.cuda_stream()) as usize;
-    let slot = counters.get_or_insert_with(Vec::new);
-    let at = match slot.iter().position(|(key, _)| *key == stream_key) {
-        Some(at) => at,
-        None => {
-            slot.push((stream_key, dev.alloc_zeros::<u32>(1)?));
-            slot.len() - 1
+    TILE_COUNTERS.with(|counters| {
+        let mut slot = counters.try_borrow_mut().map_err(|_| {
+            candle_core::Error::Msg("integer matmul: tile counters already in use".into())
+        })?;
+        let at = match slot.iter().position(|(key, _)| *key == stream_key) {
+            Some(at) => at,
+            None => {
+                slot.push((stream_key, dev.alloc_zeros::<u32>(1)?));
+                slot.len() - 1
+            }
+        };
+        if slot[at].1.len() < count {
+            slot[at].1 = dev.alloc_zeros::<u32>(count.next_power_of_two())?;
         }
-    };
-    if slot[at].1.len() < count {
-        slot[at].1 = dev.alloc_zeros::<u32>(count.next_power_of_two())?;
-    }
-    launch(&slot[at].1)
+        launch(&slot[at].1)
+    })
 }
 
 /// Fails unless the weight bytes start 16-byte aligned on the device (the kernels' vector reads).
@@ -1181,10 +1185,12 @@ fn check_aligned(dev: &CudaDevice, wq: &CudaView<'_, u8>, info: &WeightInfo) -> 
     Ok(())
 }
 
-/// Per CUDA stream, the Hopper tile's per-tile counters (see `hopper_q8_0`): a stream's launches run in
-/// order, so one set serves all of them.
-type TileCounters = Vec<(usize, CudaSlice<u32>)>;
-static TILE_COUNTERS: std::sync::Mutex<Option<TileCounters>> = std::sync::Mutex::new(None);
+thread_local! {
+    /// Per (this thread, CUDA stream), the split products' per-tile counters (see [`with_counters`]):
+    /// a stream's launches run in order, so one set serves all of them.
+    static TILE_COUNTERS: std::cell::RefCell<Vec<(usize, CudaSlice<u32>)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
 
 /// A `CUtensorMap` as a kernel argument (`TmaDesc` in quant_gemm.cu: 128 opaque bytes passed by value
 /// as a `__grid_constant__` parameter).

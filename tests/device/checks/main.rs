@@ -11,6 +11,7 @@ mod kernels;
 mod kv_fp8;
 mod model;
 mod quant;
+mod tensor_parallel;
 mod vision;
 
 use anyhow::Result;
@@ -62,6 +63,14 @@ fn integer_matmul() -> Result<()> {
 fn model_integer() -> Result<()> {
     run_group("model integer", |r, gpu| {
         model::integer_checks(r, gpu, &fixtures())
+    })
+}
+
+/// Tensor parallelism on one GPU (`tensor_parallel.rs`).
+#[test]
+fn tensor_parallel() -> Result<()> {
+    run_group("tensor parallel", |r, gpu| {
+        tensor_parallel::checks(r, gpu, &fixtures())
     })
 }
 
