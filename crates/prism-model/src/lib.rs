@@ -25,6 +25,7 @@ pub mod cuda_delta;
 pub mod cuda_flash;
 #[cfg(feature = "cuda")]
 pub mod cuda_kv_fp8;
+pub mod decoder;
 pub mod delta_net;
 pub mod delta_rule;
 pub mod error;
@@ -48,6 +49,7 @@ pub mod vision;
 pub mod weights;
 
 pub use config::{read_hf_config, LayerKind, Metadata, Qwen35Config};
+pub use decoder::Decoder;
 pub use error::{ModelError, Result};
 pub use hf::{HfCheckpoint, HfError, HfTextConfig};
 pub use kv_fp8::KvStorage;

@@ -350,9 +350,11 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "(no message)".into())
 }
 
-/// One sequence of a batch: its state (updated when the call succeeds) and its new tokens.
-pub struct BatchItem<'a> {
-    pub state: &'a mut SequenceState,
+/// One sequence of a batch: its state (updated when the call succeeds) and its new tokens. `S`: the
+/// state's type, one device's [`SequenceState`] or, for a model split over devices, the state on every
+/// device ([`crate::tensor_parallel::TensorParallelState`]).
+pub struct BatchItem<'a, S = SequenceState> {
+    pub state: &'a mut S,
     pub tokens: &'a [u32],
     /// Explicit M-RoPE positions, one per token (for image blocks). `None`: text positions
     /// `(p, p, p)` continuing from the state's next position.
@@ -394,8 +396,8 @@ pub struct EmbeddingRows<'a> {
     pub values: &'a Tensor,
 }
 
-impl<'a> BatchItem<'a> {
-    pub fn new(state: &'a mut SequenceState, tokens: &'a [u32]) -> Self {
+impl<'a, S> BatchItem<'a, S> {
+    pub fn new(state: &'a mut S, tokens: &'a [u32]) -> Self {
         Self {
             state,
             tokens,
@@ -408,18 +410,18 @@ impl<'a> BatchItem<'a> {
     }
 }
 
-/// Result of a forward pass over a batch.
+/// Result of a forward pass over a batch (`S`: the state's type, as [`BatchItem`]'s).
 #[derive(Debug, Clone)]
-pub struct BatchOutput {
+pub struct BatchOutput<S = SequenceState> {
     /// Final-normed hidden states of every new token, packed `[N_total, d]` in batch order.
     pub hidden: Tensor,
     /// Each sequence's rows in `hidden`.
     pub segments: Vec<Segment>,
     /// Per item, its state at its [`BatchItem::snapshot`] point (`None` for an item without one).
-    pub snapshots: Vec<Option<SequenceState>>,
+    pub snapshots: Vec<Option<S>>,
 }
 
-impl BatchOutput {
+impl<S> BatchOutput<S> {
     /// The hidden state at each sequence's last new token, `[B, d]`.
     pub fn last_hidden(&self) -> Result<Tensor> {
         let rows: Vec<u32> = self

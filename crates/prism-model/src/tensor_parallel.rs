@@ -36,8 +36,7 @@ use candle_core::Tensor;
 use prism_quant::{run_count, PartSpan, RUN};
 
 use crate::error::{ModelError, Result};
-use crate::qwen35::{BatchItem, BatchOutput, EmbeddingRows, Qwen35Model, Segment};
-use crate::rope::Position3;
+use crate::qwen35::{BatchItem, BatchOutput, Qwen35Model};
 use crate::state::SequenceState;
 
 /// Adds the devices' shares of a split product and gives every device the sum.
@@ -254,59 +253,12 @@ pub fn shard(
 pub struct TensorParallelState(pub Vec<SequenceState>);
 
 /// One sequence of a [`TensorParallelModel::forward`] batch: a [`BatchItem`] whose state is on every
-/// device. Its fields and `new` repeat `BatchItem`'s (crates/prism-model/src/qwen35.rs) on purpose:
-/// the state's type differs, and each device's `BatchItem` is built from these.
-pub struct TensorParallelItem<'a> {
-    pub state: &'a mut TensorParallelState,
-    pub tokens: &'a [u32],
-    /// As [`BatchItem::positions`].
-    pub positions: Option<&'a [Position3]>,
-    /// As [`BatchItem::parent`].
-    pub parent: Option<usize>,
-    /// As [`BatchItem::keep_state`].
-    pub keep_state: bool,
-    /// As [`BatchItem::embeddings`] (every device embeds its input whole).
-    pub embeddings: Option<EmbeddingRows<'a>>,
-    /// As [`BatchItem::snapshot`]: [`TensorParallelOutput::snapshots`] holds the state on every device.
-    pub snapshot: Option<usize>,
-}
+/// device (its embeddings, when given, are embedded by every device whole).
+pub type TensorParallelItem<'a> = BatchItem<'a, TensorParallelState>;
 
-impl<'a> TensorParallelItem<'a> {
-    pub fn new(state: &'a mut TensorParallelState, tokens: &'a [u32]) -> Self {
-        Self {
-            state,
-            tokens,
-            positions: None,
-            parent: None,
-            keep_state: true,
-            embeddings: None,
-            snapshot: None,
-        }
-    }
-}
-
-/// The result of a [`TensorParallelModel::forward`].
-#[derive(Debug, Clone)]
-pub struct TensorParallelOutput {
-    /// As [`BatchOutput::hidden`] (device 0's; every device's are the same bits).
-    pub hidden: Tensor,
-    /// As [`BatchOutput::segments`].
-    pub segments: Vec<Segment>,
-    /// Per item, its state at its snapshot point on every device.
-    pub snapshots: Vec<Option<TensorParallelState>>,
-}
-
-impl TensorParallelOutput {
-    /// As [`BatchOutput::last_hidden`].
-    pub fn last_hidden(&self) -> Result<Tensor> {
-        BatchOutput {
-            hidden: self.hidden.clone(),
-            segments: self.segments.clone(),
-            snapshots: Vec::new(),
-        }
-        .last_hidden()
-    }
-}
+/// The result of a [`TensorParallelModel::forward`]: device 0's hidden states (every device's are the
+/// same bits) and each snapshot on every device.
+pub type TensorParallelOutput = BatchOutput<TensorParallelState>;
 
 /// A model split over devices that are threads of this process ([`shard`] of each, one
 /// [`ThreadAllReduce`]): the CPU reference of tensor parallelism, and on GPUs its functional form
@@ -314,6 +266,8 @@ impl TensorParallelOutput {
 /// not used yet).
 pub struct TensorParallelModel {
     devices: Vec<Qwen35Model>,
+    /// The unsplit model's configuration (each device's counts its own heads).
+    whole: crate::config::Qwen35Config,
     reduce: Arc<ThreadAllReduce>,
     /// One forward pass at a time (the group's rounds are the pass's).
     pass: Mutex<()>,
@@ -348,8 +302,13 @@ impl TensorParallelModel {
         for model in &shards {
             model.device().synchronize()?;
         }
+        let whole = models
+            .first()
+            .map(|m| m.config().clone())
+            .ok_or_else(|| ModelError::InvalidInput("tensor parallelism over no devices".into()))?;
         Ok(Self {
             devices: shards,
+            whole,
             reduce,
             pass: Mutex::new(()),
         })
@@ -358,6 +317,16 @@ impl TensorParallelModel {
     /// Each device's model.
     pub fn devices(&self) -> &[Qwen35Model] {
         &self.devices
+    }
+
+    /// Device 0's model (its output head and embedding are the whole model's).
+    pub fn first(&self) -> &Qwen35Model {
+        &self.devices[0]
+    }
+
+    /// The unsplit model's configuration.
+    pub fn whole_config(&self) -> &crate::config::Qwen35Config {
+        &self.whole
     }
 
     pub fn new_state(&self) -> Result<TensorParallelState> {

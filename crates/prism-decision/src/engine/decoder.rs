@@ -12,9 +12,10 @@ use std::sync::Arc;
 
 use candle_core::DType;
 use prism_gguf::{GgufError, GgufFile};
+use prism_model::tensor_parallel::TensorParallelModel;
 use prism_model::vision::VisionWeights;
 use prism_model::{
-    BatchItem, EmbeddingRows, LoadOptions, Position3, Precision, Qwen35Model, SequenceState,
+    BatchItem, Decoder, EmbeddingRows, LoadOptions, Position3, Precision, Qwen35Model,
 };
 
 use super::pass::{
@@ -118,10 +119,12 @@ pub struct LoadedDecisionModel {
     pub config: DecisionConfig,
 }
 
-/// [`LetterModel`] over the Qwen3.5 decoder.
-pub struct DecoderLetterModel {
+/// [`LetterModel`] and [`PassModel`] over the Qwen3.5 decoder: one model on one device
+/// ([`Qwen35Model`], the default), or split over several ([`TensorParallelModel`], made by
+/// [`DecoderLetterModel::tensor_parallel`]; the engine's passes only).
+pub struct DecoderLetterModel<D: Decoder = Qwen35Model> {
     name: String,
-    decoder: Qwen35Model,
+    decoder: D,
     /// The vision tower (from the mmproj file), when the model reads images.
     vision: Option<VisionWeights>,
     /// Images the tower has encoded, and its time on them in nanoseconds ([`PassModel::vision_totals`]).
@@ -216,6 +219,30 @@ impl DecoderLetterModel {
         })
     }
 
+    /// The same model split over devices for tensor parallelism: `models` is the model loaded on
+    /// each device where a share should live (1, 2 or 4; one device several times for shares that
+    /// share it), the prompt format, vision tower and name of the first. Only the integer path
+    /// splits (int8, w4a8); the split model's answers are the unsplit model's bits.
+    pub fn tensor_parallel(
+        models: &[DecoderLetterModel],
+    ) -> Result<DecoderLetterModel<TensorParallelModel>, ModelError> {
+        let first = models
+            .first()
+            .ok_or_else(|| ModelError::Backend("tensor parallelism over no devices".into()))?;
+        let decoders: Vec<&Qwen35Model> = models.iter().map(|m| &m.decoder).collect();
+        Ok(DecoderLetterModel {
+            name: first.name.clone(),
+            decoder: TensorParallelModel::over(&decoders).map_err(backend)?,
+            vision: first.vision.clone(),
+            vision_images: AtomicU64::new(0),
+            vision_nanos: AtomicU64::new(0),
+            format: first.format.clone(),
+            max_prompt_tokens: first.max_prompt_tokens,
+        })
+    }
+}
+
+impl<D: Decoder> DecoderLetterModel<D> {
     /// The vision tower, when the model reads images.
     pub fn vision(&self) -> Option<&VisionWeights> {
         self.vision.as_ref()
@@ -245,7 +272,7 @@ impl DecoderLetterModel {
     }
 
     /// The decoder.
-    pub fn decoder(&self) -> &Qwen35Model {
+    pub fn decoder(&self) -> &D {
         &self.decoder
     }
 
@@ -518,7 +545,7 @@ struct PrefixInputs<'a> {
     values: Option<candle_core::Tensor>,
 }
 
-impl DecoderLetterModel {
+impl<D: Decoder> DecoderLetterModel<D> {
     /// The image inputs of a group prefix of `len` tokens: the tower runs here the first time the
     /// request's images are needed (each image alone, so its embeddings do not depend on the others
     /// or on the pass), and its output is kept with the request for later chunks.
@@ -638,8 +665,8 @@ fn shared_branch_tokens(branches: &[Branch<'_>]) -> usize {
     shared.min(shortest.saturating_sub(1))
 }
 
-impl PassModel for DecoderLetterModel {
-    type State = SequenceState;
+impl<D: Decoder> PassModel for DecoderLetterModel<D> {
+    type State = D::State;
 
     fn model_name(&self) -> &str {
         &self.name
@@ -647,8 +674,8 @@ impl PassModel for DecoderLetterModel {
 
     fn run_pass(
         &mut self,
-        groups: &[GroupInput<'_, SequenceState>],
-    ) -> Result<Vec<GroupOutput<SequenceState>>, ModelError> {
+        groups: &[GroupInput<'_, D::State>],
+    ) -> Result<Vec<GroupOutput<D::State>>, ModelError> {
         // The engine runs passes on its own thread: the GPU's context must be current there.
         #[cfg(feature = "cuda")]
         if let candle_core::Device::Cuda(device) = self.decoder.device() {
@@ -697,7 +724,7 @@ impl PassModel for DecoderLetterModel {
                 _ => None,
             })
             .collect();
-        let mut states: Vec<SequenceState> = Vec::new();
+        let mut states: Vec<D::State> = Vec::new();
         let mut tokens: Vec<&[u32]> = Vec::new();
         // Per item: where its snapshot is taken (a joined group's prefix length when its state is
         // wanted).
@@ -712,7 +739,7 @@ impl PassModel for DecoderLetterModel {
         let mut next_k: Option<usize> = None;
         let mut branch_items: Vec<(usize, usize)> = Vec::new(); // (item, letters)
         for (group, joined) in groups.iter().zip(&joined) {
-            let start = || -> Result<SequenceState, ModelError> {
+            let start = || -> Result<D::State, ModelError> {
                 match group.start {
                     Some(state) => Ok(state.clone()),
                     None => fresh_state(),
@@ -799,9 +826,9 @@ impl PassModel for DecoderLetterModel {
         }
         let mut logits_rows: Vec<Vec<f32>> = Vec::new();
         let mut next_rows: Vec<NextLogits> = Vec::new();
-        let mut snapshots: Vec<Option<SequenceState>> = Vec::new();
+        let mut snapshots: Vec<Option<D::State>> = Vec::new();
         {
-            let mut items: Vec<BatchItem<'_>> = states
+            let mut items: Vec<BatchItem<'_, D::State>> = states
                 .iter_mut()
                 .zip(&tokens)
                 .zip(&parents)
@@ -923,8 +950,8 @@ impl PassModel for DecoderLetterModel {
         Ok(outputs)
     }
 
-    fn state_bytes(&self, state: &SequenceState) -> usize {
-        state.bytes()
+    fn state_bytes(&self, state: &D::State) -> usize {
+        self.decoder.state_bytes(state)
     }
 
     fn device_memory(&self) -> Option<(u64, u64)> {
