@@ -45,6 +45,14 @@ pub struct ServeArgs {
     /// layout).
     #[arg(long, default_value_t = 1)]
     pub replicas: usize,
+    /// Tensor parallelism: each engine replica's model split over this many devices (1, 2 or 4), its
+    /// attention and DeltaNet heads and MLP channels on the integer path's part boundaries, so every
+    /// answer is bit-identical to one device's (int8 and w4a8 only). `--gpus 0,1 --tp 2`: one replica
+    /// over both GPUs; `--gpus 0,1,2,3 --tp 2`: two replicas of two; one device (the CPU, or one GPU):
+    /// the shares share it (functional tests). The shares are exchanged by device copies after each
+    /// row-parallel product (not NCCL yet): not yet faster than one GPU.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
     /// Arithmetic of the forward pass: f32, bf16, int8, w4a8 or auto (as `prism decide`). Default: f32
     /// on the CPU; `auto` on a GPU, which runs a Q8_0 file at int8 (exact, batch-invariant) and any
     /// other file at bf16 (w4a8 on a GPU has only its simple kernel so far: ask for it by name).
@@ -176,6 +184,8 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         bail!("--replicas must be at least 1");
     }
     let (devices, fallback) = open_devices(&args.device, &args.gpus)?;
+    // With --tp, the devices each replica's shares live on: the model is loaded on each of them.
+    let load_devices = launch::tensor_parallel_devices(&devices, args.tp)?;
     if let Some(error) = fallback {
         say!("  (no usable CUDA GPU: {error}; serving on the CPU)");
     }
@@ -185,7 +195,14 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         .precision
         .clone()
         .unwrap_or_else(|| if on_gpu { "auto" } else { "f32" }.to_string());
-    let device_name = launch::device_name(on_gpu, &args.gpus, devices.len() * args.replicas);
+    let mut device_name = launch::device_name(
+        on_gpu,
+        &args.gpus,
+        load_devices.len() / args.tp * args.replicas,
+    );
+    if args.tp > 1 {
+        device_name.push_str(&format!(", each replica over {} devices (--tp)", args.tp));
+    }
     say!(
         "Prism {} — /v1/systemone server ({device_name}, precision {asked})",
         env!("CARGO_PKG_VERSION")
@@ -259,11 +276,21 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     };
     let (models, mut config) = launch::load_replicas(
         &source,
-        &devices,
+        &load_devices,
         args.replicas,
         &options,
         args.max_tokens,
-        &mut |i, d, r| say!("      replica {i} (device {d}, copy {r}):"),
+        &mut |i, d, r| {
+            if args.tp > 1 {
+                say!(
+                    "      replica {} share {} (device {d}):",
+                    i / args.tp,
+                    i % args.tp
+                )
+            } else {
+                say!("      replica {i} (device {d}, copy {r}):")
+            }
+        },
     )?;
     if let Some(family) = demo_family {
         config.family = family;
@@ -311,9 +338,13 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let encoder = model.encoder();
     let metrics = Arc::new(Metrics::default());
     let observer: Arc<dyn EngineObserver> = metrics.clone();
-    let (engine, worker) =
+    let (engine, worker) = if args.tp > 1 {
+        let split = launch::tensor_parallel_replicas(models, args.tp, args.replicas)?;
+        Engine::start_replicas(split, encoder, config, engine_options, Some(observer))
+    } else {
         Engine::start_replicas(models, encoder, config, engine_options, Some(observer))
-            .context("cannot start the engine")?;
+    }
+    .context("cannot start the engine")?;
 
     say!("[2/3] Warm-up: one question through the whole path ...");
     let started = Instant::now();

@@ -590,6 +590,84 @@ fn text_too_long_by_its_length_alone_is_refused_without_tokenizing() {
     assert_eq!(server.post_json("/v1/systemone", small).status, 200);
 }
 
+/// Issue #25's tensor parallelism on one device (`--tp 2`: the model's heads and MLP split over two
+/// devices that share the CPU, at int8): every answer is the bytes of the unsplit int8 model's alone,
+/// under sixteen concurrent clients, twice (the second round from the prefix cache); a float model is
+/// refused at start with the reason.
+#[test]
+fn a_model_split_over_two_devices_answers_as_one() {
+    let requests = requests();
+    let alone_server = Server::start(&[
+        "--precision",
+        "int8",
+        "--prefix-cache-tokens",
+        "0",
+        "--timeout",
+        "600",
+    ]);
+    let expected: Vec<Vec<u8>> = requests
+        .iter()
+        .map(|body| {
+            let reply = alone_server.post_json("/v1/systemone", body);
+            reply.assert_status(200);
+            reply.answer_bytes().to_vec()
+        })
+        .collect();
+    drop(alone_server);
+    let server = Server::start(&["--precision", "int8", "--tp", "2", "--timeout", "600"]);
+    assert!(
+        server
+            .output()
+            .contains("each replica over 2 devices (--tp)"),
+        "{}",
+        server.output()
+    );
+    for round in 0..2 {
+        for (c, reply) in post_all_at_once(server.addr, &requests) {
+            assert_alone_bytes(
+                &reply,
+                &expected[c],
+                &format!("--tp 2, round {round}, client {c}"),
+            );
+        }
+    }
+    let stats = server.get("/stats").json();
+    assert!(
+        stats["prefix_cache"]["hits"].as_u64().unwrap() >= requests.len() as u64,
+        "{stats}"
+    );
+    drop(server);
+    // f32 (the CPU's default): no exact split, refused before serving.
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_prism"))
+        .args(["serve", "--demo", "v1", "--port", "0", "--tp", "2"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("integer path"), "{stderr}");
+    // --tp 3 is not a split the contract has.
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_prism"))
+        .args([
+            "serve",
+            "--demo",
+            "v1",
+            "--port",
+            "0",
+            "--precision",
+            "int8",
+            "--tp",
+            "3",
+        ])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("--tp takes 1, 2 or 4"),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
 /// Issue #25's data-parallel layout on one device: two engine replicas behind one server. Every answer
 /// is the bytes of one replica alone; both replicas take work under concurrent load; a request on an
 /// evidence seen before goes to the replica that took it (its prefix cache hits).

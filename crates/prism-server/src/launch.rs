@@ -11,6 +11,7 @@ use prism_decision::engine::{Engine, EngineOptions, PrefixCacheLimits};
 use prism_decision::{
     DecisionConfig, DecisionRequest, DecoderLetterModel, Family, ModelSource, RequestDefaults,
 };
+use prism_model::tensor_parallel::TensorParallelModel;
 use prism_model::LoadOptions;
 
 use crate::ConnectionLimits;
@@ -78,6 +79,58 @@ pub fn device_name(on_gpu: bool, gpus: &[usize], replicas: usize) -> String {
         1 => name,
         n => format!("{name}, {n} engine replicas"),
     }
+}
+
+/// The devices to load the model on for `prism serve --tp tp` over `devices`: each device once when
+/// there are several (a multiple of `tp`: consecutive groups of `tp` become one replica's shares),
+/// the one device `tp` times when there is one (the shares share it). `tp` 1: `devices` as they are.
+pub fn tensor_parallel_devices(devices: &[Device], tp: usize) -> Result<Vec<Device>> {
+    if !matches!(tp, 1 | 2 | 4) {
+        bail!("--tp takes 1, 2 or 4 devices a replica, not {tp}");
+    }
+    match devices {
+        _ if tp == 1 => Ok(devices.to_vec()),
+        [one] => Ok(vec![one.clone(); tp]),
+        _ if devices.len() % tp == 0 => Ok(devices.to_vec()),
+        _ => bail!(
+            "--tp {tp} splits each replica over {tp} devices, but {} GPUs were given (a multiple of {tp} is needed)",
+            devices.len()
+        ),
+    }
+}
+
+/// The replicas of `prism serve --tp tp`: `models` as [`load_replicas`] loaded them on
+/// [`tensor_parallel_devices`] (`replicas` copies on each device, device by device), grouped into
+/// replicas of `tp` consecutive devices' copies, each split by [`DecoderLetterModel::tensor_parallel`].
+pub fn tensor_parallel_replicas(
+    models: Vec<DecoderLetterModel>,
+    tp: usize,
+    replicas: usize,
+) -> Result<Vec<DecoderLetterModel<TensorParallelModel>>> {
+    if tp == 0 || replicas == 0 || models.len() % (tp * replicas) != 0 {
+        bail!(
+            "{} loaded models do not make replicas of {tp} devices ({replicas} on each)",
+            models.len()
+        );
+    }
+    let groups = models.len() / (tp * replicas);
+    let mut slots: Vec<Option<DecoderLetterModel>> = models.into_iter().map(Some).collect();
+    let mut out = Vec::with_capacity(groups * replicas);
+    for group in 0..groups {
+        for copy in 0..replicas {
+            let shares: Vec<DecoderLetterModel> = (0..tp)
+                .map(|i| {
+                    slots[(group * tp + i) * replicas + copy]
+                        .take()
+                        .context("a loaded model was grouped twice")
+                })
+                .collect::<Result<_>>()?;
+            out.push(DecoderLetterModel::tensor_parallel(&shares).map_err(|e| {
+                anyhow::anyhow!("cannot split the model over {tp} devices (--tp): {e}")
+            })?);
+        }
+    }
+    Ok(out)
 }
 
 /// One model per replica, `replicas` on each device, loaded with `options` (its device replaced);
