@@ -35,6 +35,8 @@
 #               the engine (the report's "engine_batches"; profiled too with $PROFILE); NARROW=N: the
 #               integer products of 3 to N rows on the narrow kernel (bench and think27: --narrow-rows);
 #               SWAPPED=N: those up to N rows past the narrow kernel's on the swapped tile (--swapped-rows);
+#               TP=2|4: also each scenario through the engine over the model split over that many devices
+#               sharing the GPU (the report's "tensor_parallel", digests required equal to one device's);
 #               PDL=on|off: programmatic dependent launch (bench and think27: --programmatic-launch;
 #               think27 takes PDL=on,off: both, each run in turn on one model load)
 #   bench9 / bench4   9B / 4B bf16 benches (10 runs after 2 warm-ups)
@@ -293,7 +295,7 @@ for step in "$@"; do
             /tmp/prism bench --model-dir /tmp/s27 --device cuda --precision int8 --runs 5 --warmup 1 --json \
                 ${PROFILE:+--profile $PROFILE} ${ENGINE:+--engine} ${ENGINE_BATCH:+--engine-batch $ENGINE_BATCH} \
                 ${HOST_PROFILE:+--host-profile $OUT/host-profile-bench.txt} ${NARROW:+--narrow-rows $NARROW} ${SWAPPED:+--swapped-rows $SWAPPED} ${PDL:+--programmatic-launch $PDL} \
-                > "$OUT/bench-27b-int8.json" 2> "$OUT/bench-27b-int8.log"
+                ${TP:+--tp $TP} > "$OUT/bench-27b-int8.json" 2> "$OUT/bench-27b-int8.log"
             echo "bench27-int8 rc=$?" ;;
         bench9) /tmp/prism bench --model-dir /tmp/s9 --device cuda --precision bf16 --runs 10 --warmup 2 > "$OUT/bench-9b-bf16.txt" 2>&1 ;;
         loads9)

@@ -22,6 +22,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             .map_or(prism_model::profile::Mode::Off, Into::into),
         load_threads: args.load_threads,
         engine: args.engine,
+        tp: args.tp,
         profiler_range: args.profiler_range,
         host_profile: args.host_profile.clone(),
         think: args.think,

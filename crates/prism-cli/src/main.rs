@@ -277,6 +277,11 @@ pub struct BenchArgs {
     /// report its median next to the direct path's; with --profile, profile one run there too.
     #[arg(long)]
     pub engine: bool,
+    /// Also run each scenario through the engine over the model split for tensor parallelism over
+    /// this many devices (2 or 4; the shares share the one device): its median and answers' digest,
+    /// which must be the direct path's (int8 / w4a8 only).
+    #[arg(long)]
+    pub tp: Option<usize>,
     /// With --engine: also submit this many distinct three-question requests at once (one measurement
     /// per size; with --profile one profiled batch each).
     #[arg(long, value_delimiter = ',')]

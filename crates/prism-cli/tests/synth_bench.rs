@@ -404,6 +404,52 @@ fn bench_through_the_engine_times_a_prefix_cache_follow_up_with_the_whole_reques
     assert_eq!(short["engine"]["answers_sha256"], short["answers_sha256"]);
 }
 
+/// `prism bench --tp 2` (int8): every scenario through the engine over the model split over two
+/// devices, its answers' digest the direct path's; at f32 the split is refused with the reason.
+#[test]
+fn bench_splits_the_model_over_two_devices_with_the_same_answers() {
+    let output = tiny_bench(&[
+        "--precision",
+        "int8",
+        "--tp",
+        "2",
+        "--runs",
+        "1",
+        "--warmup",
+        "0",
+        "--long-tokens",
+        "300",
+        "--json",
+    ]);
+    let report: Value = serde_json::from_slice(&ok(&output).stdout).expect("bench JSON");
+    let split = &report["tensor_parallel"];
+    assert_eq!(split["devices"], 2, "{split}");
+    let rows = split["scenarios"].as_array().unwrap();
+    let direct = report["scenarios"].as_array().unwrap();
+    assert_eq!(rows.len(), direct.len());
+    for (row, alone) in rows.iter().zip(direct) {
+        assert_eq!(row["scenario"], alone["scenario"]);
+        assert_eq!(row["answers_sha256"], alone["answers_sha256"], "{row}");
+        assert!(row["median_ms"].as_f64().unwrap() > 0.0, "{row}");
+    }
+    let output = tiny_bench(&[
+        "--precision",
+        "f32",
+        "--tp",
+        "2",
+        "--runs",
+        "1",
+        "--warmup",
+        "0",
+    ]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--tp 2") && stderr.contains("integer path"),
+        "{stderr}"
+    );
+}
+
 /// `--programmatic-launch on,off` measures both launch modes in turn on one model load, a CUDA
 /// setting: a build without CUDA refuses it before loading anything, saying why.
 #[cfg(not(feature = "cuda"))]

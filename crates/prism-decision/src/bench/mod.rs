@@ -642,6 +642,10 @@ pub struct BenchOptions {
     /// Each scenario through the engine too (with `profile`, one profiled run of each there as well:
     /// the report's `engine_profile`).
     pub engine: bool,
+    /// Each scenario through the engine over the model split over this many devices that share the
+    /// one (`DecoderLetterModel::tensor_parallel`): the report's `tensor_parallel`, its answers'
+    /// digests required equal to the direct path's.
+    pub tp: Option<usize>,
     /// A CUDA profiler range around the last timed run of each scenario.
     pub profiler_range: bool,
     /// A sampling profile of the host's CPU time ([`host_profile`]) written here: the last timed run
@@ -862,6 +866,18 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
         prism_model::profile::set_mode(prism_model::profile::Mode::Off);
     }
     let model_name = crate::LetterModel::model_name(&model).to_string();
+    let tensor_parallel = match args.tp {
+        Some(devices) => Some(tensor_parallel_timings(
+            &model,
+            devices,
+            &loaded.config,
+            &scenarios,
+            &timed,
+            args,
+            precision,
+        )?),
+        None => None,
+    };
     // The same requests through the engine the server runs (its step loop, one request at a time, the
     // prefix cache off so every run computes its evidence): what the engine adds to the decision path.
     let (engine_runs, engine_profiles, followup, batches) = if args.engine {
@@ -958,6 +974,7 @@ pub fn run(args: &BenchOptions, progress: &mut dyn FnMut(String)) -> Result<Valu
         "engine_profile": engine_profiles,
         "followup": followup,
         "engine_batches": batches,
+        "tensor_parallel": tensor_parallel,
         "model": model_name,
         "gguf": gguf_path.display().to_string(),
         "device": args.device,
@@ -1066,6 +1083,66 @@ fn engine_timings(
     worker.join();
     let followup = followup_timings(followup_model, config, scenarios, args, precision, progress)?;
     Ok((all, profiles, followup, batches))
+}
+
+/// Each scenario through an engine over `model` split over `devices` devices that share its one
+/// (prefix cache off, one request at a time, `args.warmup` + `args.runs` times): the medians, and the
+/// answers' digests, which must equal the direct path's (`direct`).
+fn tensor_parallel_timings(
+    model: &DecoderLetterModel,
+    devices: usize,
+    config: &crate::DecisionConfig,
+    scenarios: &[Scenario],
+    direct: &[Timings],
+    args: &BenchOptions,
+    precision: Precision,
+) -> Result<Value> {
+    let shares: Vec<DecoderLetterModel> = (0..devices).map(|_| model.share()).collect();
+    let split = DecoderLetterModel::tensor_parallel(&shares)
+        .map_err(|e| anyhow::anyhow!("--tp {devices}: {e}"))?;
+    let clock = Arc::new(PassClock::default());
+    let (engine, worker) = bench_engine(split, config.clone(), 64, false, Some(clock.clone()))?;
+    let mut rows = Vec::new();
+    for (scenario, alone) in scenarios.iter().zip(direct) {
+        let mut timings = Timings::default();
+        for run in 0..args.warmup + args.runs {
+            let start = Instant::now();
+            let run_ = timed_decide(&engine, &clock, &scenario.request).map_err(|e| {
+                anyhow::anyhow!(
+                    "scenario {} split over {devices} devices: {e}",
+                    scenario.name
+                )
+            })?;
+            if run >= args.warmup {
+                timings.runs.push(start.elapsed().as_secs_f64());
+                timings.record_split(&run_);
+            }
+            timings.record_answers(&run_.output.response.answers)?;
+        }
+        timings.check_same(scenario.name, precision)?;
+        if timings.answers_sha256 != alone.answers_sha256 {
+            bail!(
+                "scenario {} split over {devices} devices answered {:?}, the one device {:?}",
+                scenario.name,
+                timings.answers_sha256,
+                alone.answers_sha256
+            );
+        }
+        rows.push(json!({
+            "scenario": scenario.name,
+            "runs_ms": timings.runs.iter().map(|&s| ms(s)).collect::<Vec<_>>(),
+            "median_ms": ms(timings.median()),
+            "answers_sha256": timings.answers_sha256,
+            "split": timings.split_json(),
+        }));
+    }
+    drop(engine);
+    worker.join();
+    Ok(json!({
+        "devices": devices,
+        "what": "each scenario through the engine over the model split over this many devices sharing the one (its answers' digests equal the direct path's)",
+        "scenarios": rows,
+    }))
 }
 
 /// `size` distinct three-question requests (the README request, its ticket numbered) through the
@@ -1377,8 +1454,8 @@ fn timed_decide(
 /// An engine for the benchmarks on `model`: the prefix cache off (every run computes its evidence)
 /// unless `cache` (then the server's default budgets), no prompt-length limits, `seats` thoughts
 /// decoded at once and a queue that holds them; `observer` sees every pass.
-fn bench_engine(
-    model: DecoderLetterModel,
+fn bench_engine<D: prism_model::Decoder + 'static>(
+    model: DecoderLetterModel<D>,
     config: crate::DecisionConfig,
     seats: usize,
     cache: bool,
