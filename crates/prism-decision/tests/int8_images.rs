@@ -2,33 +2,13 @@
 //! `tiny-Q4_K_M.gguf` at w4a8) with its demo vision tower answers requests with images byte for byte the
 //! same alone, batched with other image requests in shared passes, and from the prefix cache.
 
-use std::path::{Path, PathBuf};
+mod common;
 
-use base64::Engine as _;
-use prism_decision::{
-    DecisionRequest, DecoderLetterModel, Engine, EngineOptions, ModelSource, RequestDefaults,
-};
+use common::{answer_bytes, answer_bytes_at_once, image_uri};
+use prism_decision::{DecoderLetterModel, Engine, EngineOptions, ModelSource};
 use prism_model::synth_vision::DEMO_MMPROJ;
 use prism_model::{LoadOptions, Precision};
 use serde_json::{json, Value};
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
-/// A test image of the vision fixture as a data URI.
-fn image(file: &str) -> String {
-    let bytes = std::fs::read(fixtures().join("qwen35-vl-tiny/images").join(file)).unwrap();
-    let mime = if file.ends_with(".jpg") {
-        "image/jpeg"
-    } else {
-        "image/png"
-    };
-    format!(
-        "data:{mime};base64,{}",
-        base64::engine::general_purpose::STANDARD.encode(bytes)
-    )
-}
 
 /// Six requests: one to three images each (placed by marks or first), two questions, and one
 /// repeating another's evidence with other questions.
@@ -38,26 +18,22 @@ fn bodies() -> Vec<Value> {
     let noul = json!({"type": "noul", "instructions": "Is anything out of place?"});
     let score = json!({"type": "score", "instructions": "How busy is it?", "criteria": ["quiet", "normal", "busy"]});
     vec![
-        json!({"state": "The dock camera at noon.", "images": [image("square_256x256.png")],
+        json!({"state": "The dock camera at noon.", "images": [image_uri("square_256x256.png")],
             "questions": {"team": choice, "odd": noul}}),
-        json!({"state": "Before: <image> and after: <image>", "images": [image("frame0_384x216.png"), image("frame5_384x216.png")],
+        json!({"state": "Before: <image> and after: <image>", "images": [image_uri("frame0_384x216.png"), image_uri("frame5_384x216.png")],
             "questions": {"busy": score, "odd": noul}}),
-        json!({"state": "Three shots of the yard.", "images": [image("wide_640x360.jpg"), image("tall_200x500_gray.png"), image("small_120x90.png")],
+        json!({"state": "Three shots of the yard.", "images": [image_uri("wide_640x360.jpg"), image_uri("tall_200x500_gray.png"), image_uri("small_120x90.png")],
             "questions": {"team": choice, "busy": score}}),
-        json!({"state": "The dock camera at noon.", "images": [image("square_256x256.png")],
+        json!({"state": "The dock camera at noon.", "images": [image_uri("square_256x256.png")],
             "questions": {"busy": score}}),
-        json!({"state": {"note": "gate <image> closed"}, "images": [image("frame3_384x216.png")],
+        json!({"state": {"note": "gate <image> closed"}, "images": [image_uri("frame3_384x216.png")],
             "questions": {"odd": noul}}),
         json!({"state": "No picture today.", "questions": {"team": choice}}),
     ]
 }
 
-fn request(body: &Value) -> DecisionRequest {
-    DecisionRequest::parse(body.to_string().as_bytes(), &RequestDefaults::default()).unwrap()
-}
-
 fn engine(gguf: &str, precision: Precision) -> Engine {
-    let dir = fixtures().join("qwen35-tiny");
+    let dir = common::fixture_path("qwen35-tiny");
     let source = ModelSource {
         gguf: dir.join(gguf),
         mmproj: Some(dir.join(DEMO_MMPROJ)),
@@ -82,35 +58,15 @@ fn engine(gguf: &str, precision: Precision) -> Engine {
     engine
 }
 
-/// The answers' and usage's bytes (timing left out).
-fn answer(engine: &Engine, body: &Value) -> String {
-    let out = engine.decide(request(body), None).expect("answered");
-    format!(
-        "{} {}",
-        serde_json::to_string(&out.response.answers).unwrap(),
-        serde_json::to_string(&out.response.usage).unwrap()
-    )
-}
-
-fn all_at_once(engine: &Engine, bodies: &[Value]) -> Vec<String> {
-    std::thread::scope(|s| {
-        let handles: Vec<_> = bodies
-            .iter()
-            .map(|b| s.spawn(move || answer(engine, b)))
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
-
 fn check(gguf: &str, precision: Precision) {
     let bodies = bodies();
     // Alone: one engine, one request at a time, in order (the fourth hits the first one's evidence).
     let single = engine(gguf, precision);
-    let alone: Vec<String> = bodies.iter().map(|b| answer(&single, b)).collect();
+    let alone: Vec<String> = bodies.iter().map(|b| answer_bytes(&single, b)).collect();
     // Batched: a fresh engine, every request at once, then all again from its prefix cache.
     let batched = engine(gguf, precision);
-    let together = all_at_once(&batched, &bodies);
-    let cached = all_at_once(&batched, &bodies);
+    let together = answer_bytes_at_once(&batched, &bodies);
+    let cached = answer_bytes_at_once(&batched, &bodies);
     let stats = batched.stats();
     for (i, want) in alone.iter().enumerate() {
         assert_eq!(&together[i], want, "{precision:?}: request {i} batched");
@@ -133,7 +89,7 @@ fn check(gguf: &str, precision: Precision) {
     let mut plain = bodies[0].clone();
     plain.as_object_mut().unwrap().remove("images");
     assert_ne!(
-        answer(&single, &plain),
+        answer_bytes(&single, &plain),
         alone[0],
         "{precision:?}: the image is read"
     );

@@ -4,28 +4,13 @@
 //! images (the tower on the first device, its embeddings read by both), prefix-cache hits and sampled
 //! thoughts — at int8; models that cannot be split exactly are refused.
 
-use std::path::{Path, PathBuf};
+mod common;
 
-use base64::Engine as _;
-use prism_decision::{
-    DecisionRequest, DecoderLetterModel, Engine, EngineOptions, Family, ModelSource,
-    RequestDefaults,
-};
+use common::{answer_bytes, answer_bytes_at_once, image_uri};
+use prism_decision::{DecoderLetterModel, Engine, EngineOptions, Family, ModelSource};
 use prism_model::synth_vision::DEMO_MMPROJ;
 use prism_model::{LoadOptions, Precision};
 use serde_json::{json, Value};
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
-fn image(file: &str) -> String {
-    let bytes = std::fs::read(fixtures().join("qwen35-vl-tiny/images").join(file)).unwrap();
-    format!(
-        "data:image/png;base64,{}",
-        base64::engine::general_purpose::STANDARD.encode(bytes)
-    )
-}
 
 fn bodies() -> Vec<Value> {
     let choice = json!({"type": "choice", "instructions": "Which team handles it?",
@@ -33,11 +18,11 @@ fn bodies() -> Vec<Value> {
     let noul = json!({"type": "noul", "instructions": "Is anything out of place?"});
     let score = json!({"type": "score", "instructions": "How busy is it?", "criteria": ["quiet", "normal", "busy"]});
     vec![
-        json!({"state": "The dock camera at noon.", "images": [image("square_256x256.png")],
+        json!({"state": "The dock camera at noon.", "images": [image_uri("square_256x256.png")],
             "questions": {"team": choice, "odd": noul}}),
         json!({"state": "The supplier missed two deadlines.", "think_mode": "always", "think_budget": 12,
             "return_thought": true, "seed": 5, "questions": {"team": choice, "busy": score}}),
-        json!({"state": "The dock camera at noon.", "images": [image("square_256x256.png")],
+        json!({"state": "The dock camera at noon.", "images": [image_uri("square_256x256.png")],
             "questions": {"busy": score}}),
         json!({"state": "No picture today.", "questions": {"team": choice, "odd": noul}}),
         json!({"state": "A parcel arrived crushed.", "think_mode": "always", "think_budget": 8,
@@ -46,7 +31,7 @@ fn bodies() -> Vec<Value> {
 }
 
 fn load(gguf: &str, precision: Precision) -> (DecoderLetterModel, prism_decision::DecisionConfig) {
-    let dir = fixtures().join("qwen35-tiny");
+    let dir = common::fixture_path("qwen35-tiny");
     let source = ModelSource {
         gguf: dir.join(gguf),
         mmproj: Some(dir.join(DEMO_MMPROJ)),
@@ -73,28 +58,6 @@ fn start<M: prism_decision::engine::PassModel + 'static>(
     engine
 }
 
-/// The answers' and usage's bytes (timing left out).
-fn answer(engine: &Engine, body: &Value) -> String {
-    let request = DecisionRequest::parse(body.to_string().as_bytes(), &RequestDefaults::default())
-        .expect("request");
-    let out = engine.decide(request, None).expect("answered");
-    format!(
-        "{} {}",
-        serde_json::to_string(&out.response.answers).unwrap(),
-        serde_json::to_string(&out.response.usage).unwrap()
-    )
-}
-
-fn all_at_once(engine: &Engine, bodies: &[Value]) -> Vec<String> {
-    std::thread::scope(|s| {
-        let handles: Vec<_> = bodies
-            .iter()
-            .map(|b| s.spawn(move || answer(engine, b)))
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
-
 fn check(gguf: &str, precision: Precision) {
     let bodies = bodies();
     let (model, config) = load(gguf, precision);
@@ -103,10 +66,10 @@ fn check(gguf: &str, precision: Precision) {
     let split = DecoderLetterModel::tensor_parallel(&[model.share(), copy]).expect("the split");
     assert_eq!(split.decoder().devices().len(), 2);
     let single = start(model, encoder.clone(), config.clone());
-    let alone: Vec<String> = bodies.iter().map(|b| answer(&single, b)).collect();
+    let alone: Vec<String> = bodies.iter().map(|b| answer_bytes(&single, b)).collect();
     let parallel = start(split, encoder, config);
-    let one_by_one: Vec<String> = bodies.iter().map(|b| answer(&parallel, b)).collect();
-    let together = all_at_once(&parallel, &bodies);
+    let one_by_one: Vec<String> = bodies.iter().map(|b| answer_bytes(&parallel, b)).collect();
+    let together = answer_bytes_at_once(&parallel, &bodies);
     let stats = parallel.stats();
     for (i, want) in alone.iter().enumerate() {
         assert_eq!(

@@ -7,11 +7,9 @@ mod common;
 mod quantized;
 
 use common::{bits, prompts, q8_model};
-use prism_model::tensor_parallel::{
-    TensorParallelItem, TensorParallelModel, TensorParallelOutput, TensorParallelState,
-};
+use prism_model::tensor_parallel::{TensorParallelItem, TensorParallelModel, TensorParallelState};
 use prism_model::Precision;
-use prism_model::{BatchItem, BatchOutput, Qwen35Model, SequenceState};
+use prism_model::{BatchItem, BatchOutput, Decoder, Qwen35Model, SequenceState};
 use prism_quant::Q8Scales;
 use quantized::{int8_model, w4a8_model};
 
@@ -21,8 +19,14 @@ struct Step {
     parents: Vec<Option<usize>>,
 }
 
-fn one_device(model: &Qwen35Model, states: &mut [SequenceState], step: &Step) -> BatchOutput {
-    let mut items: Vec<BatchItem<'_>> = states
+/// `step` through `decoder` (one device's model or the split one): each sequence's new tokens as an
+/// item continuing its state (or branching from its parent item).
+fn run_step<D: Decoder>(
+    decoder: &D,
+    states: &mut [D::State],
+    step: &Step,
+) -> BatchOutput<D::State> {
+    let mut items: Vec<BatchItem<'_, D::State>> = states
         .iter_mut()
         .zip(&step.tokens)
         .zip(&step.parents)
@@ -31,24 +35,7 @@ fn one_device(model: &Qwen35Model, states: &mut [SequenceState], step: &Step) ->
             ..BatchItem::new(state, tokens)
         })
         .collect();
-    model.forward(&mut items).unwrap()
-}
-
-fn split(
-    tp: &TensorParallelModel,
-    states: &mut [TensorParallelState],
-    step: &Step,
-) -> TensorParallelOutput {
-    let mut items: Vec<TensorParallelItem<'_>> = states
-        .iter_mut()
-        .zip(&step.tokens)
-        .zip(&step.parents)
-        .map(|((state, tokens), parent)| TensorParallelItem {
-            parent: *parent,
-            ..TensorParallelItem::new(state, tokens)
-        })
-        .collect();
-    tp.forward(&mut items).unwrap()
+    decoder.forward(&mut items).unwrap()
 }
 
 #[test]
@@ -76,8 +63,8 @@ fn two_devices_compute_one_devices_bits() {
     let mut alone: Vec<SequenceState> = (0..3).map(|_| model.new_state().unwrap()).collect();
     let mut parallel: Vec<TensorParallelState> = (0..3).map(|_| tp.new_state().unwrap()).collect();
     for (i, step) in steps.iter().enumerate() {
-        let want = one_device(model, &mut alone, step);
-        let got = split(&tp, &mut parallel, step);
+        let want = run_step(model, &mut alone, step);
+        let got = run_step(&tp, &mut parallel, step);
         assert_eq!(got.segments, want.segments, "step {i}");
         assert_eq!(
             bits(&got.hidden),
@@ -119,8 +106,8 @@ fn shares_cut_from_a_copy_of_the_model_on_each_device_compute_one_devices_bits()
     let mut alone: Vec<SequenceState> = (0..2).map(|_| model.new_state().unwrap()).collect();
     let mut parallel: Vec<TensorParallelState> = (0..2).map(|_| tp.new_state().unwrap()).collect();
     for (i, step) in steps.iter().enumerate() {
-        let want = one_device(model, &mut alone, step);
-        let got = split(&tp, &mut parallel, step);
+        let want = run_step(model, &mut alone, step);
+        let got = run_step(&tp, &mut parallel, step);
         assert_eq!(
             bits(&got.last_hidden().unwrap()),
             bits(&want.last_hidden().unwrap()),
@@ -155,7 +142,7 @@ fn a_failed_pass_on_one_device_leaves_every_state_as_it_was() {
     let got = tp.forward(&mut items).unwrap();
     let mut alone = model.new_state().unwrap();
     let all = prompts()[0][..8].to_vec();
-    let want = one_device(
+    let want = run_step(
         model,
         std::slice::from_mut(&mut alone),
         &Step {
@@ -246,8 +233,8 @@ fn assert_split_matches(model: &Qwen35Model, steps: &[Step]) {
     let mut alone: Vec<SequenceState> = (0..n).map(|_| model.new_state().unwrap()).collect();
     let mut parallel: Vec<TensorParallelState> = (0..n).map(|_| tp.new_state().unwrap()).collect();
     for (i, step) in steps.iter().enumerate() {
-        let want = one_device(model, &mut alone, step);
-        let got = split(&tp, &mut parallel, step);
+        let want = run_step(model, &mut alone, step);
+        let got = run_step(&tp, &mut parallel, step);
         assert_eq!(bits(&got.hidden), bits(&want.hidden), "step {i}");
     }
 }

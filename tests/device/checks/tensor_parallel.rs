@@ -9,8 +9,8 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
-use prism_model::tensor_parallel::{TensorParallelItem, TensorParallelModel, TensorParallelState};
-use prism_model::{BatchItem, LoadOptions, Precision, Qwen35Model, SequenceState};
+use prism_model::tensor_parallel::{TensorParallelModel, TensorParallelState};
+use prism_model::{BatchItem, Decoder, LoadOptions, Precision, Qwen35Model, SequenceState};
 
 use crate::harness::Report;
 use crate::model::fixture_prompts;
@@ -46,8 +46,9 @@ fn steps(p: &[Vec<u32>]) -> Result<Vec<Step>> {
     ])
 }
 
-fn one_device(model: &Qwen35Model, states: &mut [SequenceState], step: &Step) -> Result<Tensor> {
-    let mut items: Vec<BatchItem<'_>> = states
+/// `step` through `decoder` (the unsplit model or the split one): the last hidden states.
+fn run_step<D: Decoder>(decoder: &D, states: &mut [D::State], step: &Step) -> Result<Tensor> {
+    let mut items: Vec<BatchItem<'_, D::State>> = states
         .iter_mut()
         .zip(&step.tokens)
         .zip(&step.parents)
@@ -56,24 +57,7 @@ fn one_device(model: &Qwen35Model, states: &mut [SequenceState], step: &Step) ->
             ..BatchItem::new(state, tokens)
         })
         .collect();
-    Ok(model.forward(&mut items)?.last_hidden()?)
-}
-
-fn split(
-    tp: &TensorParallelModel,
-    states: &mut [TensorParallelState],
-    step: &Step,
-) -> Result<Tensor> {
-    let mut items: Vec<TensorParallelItem<'_>> = states
-        .iter_mut()
-        .zip(&step.tokens)
-        .zip(&step.parents)
-        .map(|((state, tokens), parent)| TensorParallelItem {
-            parent: *parent,
-            ..TensorParallelItem::new(state, tokens)
-        })
-        .collect();
-    Ok(tp.forward(&mut items)?.last_hidden()?)
+    Ok(decoder.forward(&mut items)?.last_hidden()?)
 }
 
 /// `tp` against `model` over the scenario: each step's last hidden states and their logits.
@@ -91,8 +75,8 @@ fn compare(
         .map(|_| tp.new_state())
         .collect::<prism_model::Result<_>>()?;
     for (i, step) in scenario.iter().enumerate() {
-        let want = one_device(model, &mut alone, step)?;
-        let got = split(tp, &mut parallel, step)?;
+        let want = run_step(model, &mut alone, step)?;
+        let got = run_step(tp, &mut parallel, step)?;
         r.identical(
             &format!("{label}, step {i}: last hidden states vs the unsplit model"),
             &got,

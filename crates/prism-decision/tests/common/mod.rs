@@ -159,3 +159,45 @@ pub fn fixed_read_out(logits: &[f64], prompts: &[LetterPrompt]) -> LetterLogits 
 pub fn rel_diff(got: f64, want: f64) -> f64 {
     (got - want).abs() / want.abs().max(1e-300)
 }
+
+/// A test image of the vision fixture (`qwen35-vl-tiny/images`) as a data URI.
+pub fn image_uri(file: &str) -> String {
+    use base64::Engine as _;
+    let bytes = std::fs::read(fixture_path("qwen35-vl-tiny/images").join(file))
+        .unwrap_or_else(|e| panic!("{file}: {e}"));
+    let mime = if file.ends_with(".jpg") {
+        "image/jpeg"
+    } else {
+        "image/png"
+    };
+    format!(
+        "data:{mime};base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(bytes)
+    )
+}
+
+/// `body` decided by `engine`: its answers' and usage's bytes (timing left out).
+pub fn answer_bytes(engine: &Engine, body: &Value) -> String {
+    let request = DecisionRequest::parse(
+        body.to_string().as_bytes(),
+        &prism_decision::RequestDefaults::default(),
+    )
+    .expect("request");
+    let out = engine.decide(request, None).expect("answered");
+    format!(
+        "{} {}",
+        serde_json::to_string(&out.response.answers).unwrap(),
+        serde_json::to_string(&out.response.usage).unwrap()
+    )
+}
+
+/// Every body submitted at once, each from its own thread: [`answer_bytes`] in body order.
+pub fn answer_bytes_at_once(engine: &Engine, bodies: &[Value]) -> Vec<String> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|b| s.spawn(move || answer_bytes(engine, b)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
