@@ -184,8 +184,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         bail!("--replicas must be at least 1");
     }
     let (devices, fallback) = open_devices(&args.device, &args.gpus)?;
-    // With --tp, the devices each replica's shares live on: the model is loaded on each of them.
-    let load_devices = launch::tensor_parallel_devices(&devices, args.tp)?;
+    launch::check_tensor_parallel(&devices, args.tp)?;
     if let Some(error) = fallback {
         say!("  (no usable CUDA GPU: {error}; serving on the CPU)");
     }
@@ -198,7 +197,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let mut device_name = launch::device_name(
         on_gpu,
         &args.gpus,
-        load_devices.len() / args.tp * args.replicas,
+        devices.len().div_ceil(args.tp) * args.replicas,
     );
     if args.tp > 1 {
         device_name.push_str(&format!(", each replica over {} devices (--tp)", args.tp));
@@ -276,16 +275,16 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     };
     let (models, mut config) = launch::load_replicas(
         &source,
-        &load_devices,
+        &devices,
         args.replicas,
         &options,
         args.max_tokens,
         &mut |i, d, r| {
-            if args.tp > 1 {
+            if args.tp > 1 && devices.len() > 1 {
                 say!(
-                    "      replica {} share {} (device {d}):",
-                    i / args.tp,
-                    i % args.tp
+                    "      device {d}: share {} of replica {}",
+                    d % args.tp,
+                    d / args.tp * args.replicas + r
                 )
             } else {
                 say!("      replica {i} (device {d}, copy {r}):")
@@ -339,7 +338,8 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let metrics = Arc::new(Metrics::default());
     let observer: Arc<dyn EngineObserver> = metrics.clone();
     let (engine, worker) = if args.tp > 1 {
-        let split = launch::tensor_parallel_replicas(models, args.tp, args.replicas)?;
+        let split =
+            launch::tensor_parallel_replicas(models, devices.len(), args.tp, args.replicas)?;
         Engine::start_replicas(split, encoder, config, engine_options, Some(observer))
     } else {
         Engine::start_replicas(models, encoder, config, engine_options, Some(observer))

@@ -81,42 +81,53 @@ pub fn device_name(on_gpu: bool, gpus: &[usize], replicas: usize) -> String {
     }
 }
 
-/// The devices to load the model on for `prism serve --tp tp` over `devices`: each device once when
-/// there are several (a multiple of `tp`: consecutive groups of `tp` become one replica's shares),
-/// the one device `tp` times when there is one (the shares share it). `tp` 1: `devices` as they are.
-pub fn tensor_parallel_devices(devices: &[Device], tp: usize) -> Result<Vec<Device>> {
+/// Checks `prism serve --tp tp` over `devices`: 1, 2 or 4 devices a replica, and either one device (the
+/// shares share it) or a multiple of `tp` devices (consecutive groups of `tp` become one replica's).
+pub fn check_tensor_parallel(devices: &[Device], tp: usize) -> Result<()> {
     if !matches!(tp, 1 | 2 | 4) {
         bail!("--tp takes 1, 2 or 4 devices a replica, not {tp}");
     }
-    match devices {
-        _ if tp == 1 => Ok(devices.to_vec()),
-        [one] => Ok(vec![one.clone(); tp]),
-        _ if devices.len() % tp == 0 => Ok(devices.to_vec()),
-        _ => bail!(
+    if tp > 1 && devices.len() > 1 && devices.len() % tp != 0 {
+        bail!(
             "--tp {tp} splits each replica over {tp} devices, but {} GPUs were given (a multiple of {tp} is needed)",
             devices.len()
-        ),
+        );
     }
+    Ok(())
 }
 
-/// The replicas of `prism serve --tp tp`: `models` as [`load_replicas`] loaded them on
-/// [`tensor_parallel_devices`] (`replicas` copies on each device, device by device), grouped into
-/// replicas of `tp` consecutive devices' copies, each split by [`DecoderLetterModel::tensor_parallel`].
+/// The replicas of `prism serve --tp tp`: `models` as [`load_replicas`] loaded them (`replicas`
+/// copies on each device, device by device), each replica split by
+/// [`DecoderLetterModel::tensor_parallel`] over `tp` consecutive devices' copies — or, with one device,
+/// over `tp` handles on the same copy (its shares cut from one load, not `tp`).
 pub fn tensor_parallel_replicas(
     models: Vec<DecoderLetterModel>,
+    devices: usize,
     tp: usize,
     replicas: usize,
 ) -> Result<Vec<DecoderLetterModel<TensorParallelModel>>> {
-    if tp == 0 || replicas == 0 || models.len() % (tp * replicas) != 0 {
+    if tp == 0 || replicas == 0 || models.len() != devices * replicas {
         bail!(
-            "{} loaded models do not make replicas of {tp} devices ({replicas} on each)",
+            "{} loaded models are not {replicas} on each of {devices} devices",
             models.len()
         );
     }
-    let groups = models.len() / (tp * replicas);
+    let split = |shares: &[DecoderLetterModel]| {
+        DecoderLetterModel::tensor_parallel(shares)
+            .map_err(|e| anyhow::anyhow!("cannot split the model over {tp} devices (--tp): {e}"))
+    };
+    if devices == 1 {
+        return models
+            .iter()
+            .map(|model| split(&(0..tp).map(|_| model.share()).collect::<Vec<_>>()))
+            .collect();
+    }
+    if devices % tp != 0 {
+        bail!("{devices} devices do not make replicas of {tp}");
+    }
     let mut slots: Vec<Option<DecoderLetterModel>> = models.into_iter().map(Some).collect();
-    let mut out = Vec::with_capacity(groups * replicas);
-    for group in 0..groups {
+    let mut out = Vec::with_capacity(devices / tp * replicas);
+    for group in 0..devices / tp {
         for copy in 0..replicas {
             let shares: Vec<DecoderLetterModel> = (0..tp)
                 .map(|i| {
@@ -125,9 +136,7 @@ pub fn tensor_parallel_replicas(
                         .context("a loaded model was grouped twice")
                 })
                 .collect::<Result<_>>()?;
-            out.push(DecoderLetterModel::tensor_parallel(&shares).map_err(|e| {
-                anyhow::anyhow!("cannot split the model over {tp} devices (--tp): {e}")
-            })?);
+            out.push(split(&shares)?);
         }
     }
     Ok(out)
