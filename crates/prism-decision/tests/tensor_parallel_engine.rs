@@ -7,8 +7,7 @@
 mod common;
 
 use common::{answer_bytes, answer_bytes_at_once, image_uri};
-use prism_decision::{DecoderLetterModel, Engine, EngineOptions, Family, ModelSource};
-use prism_model::synth_vision::DEMO_MMPROJ;
+use prism_decision::{DecoderLetterModel, Engine, EngineOptions, Family};
 use prism_model::{LoadOptions, Precision};
 use serde_json::{json, Value};
 
@@ -31,12 +30,7 @@ fn bodies() -> Vec<Value> {
 }
 
 fn load(gguf: &str, precision: Precision) -> (DecoderLetterModel, prism_decision::DecisionConfig) {
-    let dir = common::fixture_path("qwen35-tiny");
-    let source = ModelSource {
-        gguf: dir.join(gguf),
-        mmproj: Some(dir.join(DEMO_MMPROJ)),
-        model_dir: Some(dir),
-    };
+    let source = common::demo_source(gguf);
     let options = LoadOptions {
         precision,
         ..LoadOptions::default()

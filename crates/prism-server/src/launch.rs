@@ -112,31 +112,26 @@ pub fn tensor_parallel_replicas(
             models.len()
         );
     }
-    let split = |shares: &[DecoderLetterModel]| {
-        DecoderLetterModel::tensor_parallel(shares)
-            .map_err(|e| anyhow::anyhow!("cannot split the model over {tp} devices (--tp): {e}"))
-    };
-    if devices == 1 {
-        return models
-            .iter()
-            .map(|model| split(&(0..tp).map(|_| model.share()).collect::<Vec<_>>()))
-            .collect();
-    }
-    if devices % tp != 0 {
+    if devices > 1 && devices % tp != 0 {
         bail!("{devices} devices do not make replicas of {tp}");
     }
-    let mut slots: Vec<Option<DecoderLetterModel>> = models.into_iter().map(Some).collect();
-    let mut out = Vec::with_capacity(devices / tp * replicas);
-    for group in 0..devices / tp {
+    // Copy `copy` of device `g`'s load; one device holds every share of its replicas.
+    let index = |g: usize, copy: usize| {
+        if devices == 1 {
+            copy
+        } else {
+            g * replicas + copy
+        }
+    };
+    let mut out = Vec::with_capacity(devices.div_ceil(tp) * replicas);
+    for group in 0..devices.div_ceil(tp) {
         for copy in 0..replicas {
             let shares: Vec<DecoderLetterModel> = (0..tp)
-                .map(|i| {
-                    slots[(group * tp + i) * replicas + copy]
-                        .take()
-                        .context("a loaded model was grouped twice")
-                })
-                .collect::<Result<_>>()?;
-            out.push(split(&shares)?);
+                .map(|i| models[index(group * tp + i, copy)].share())
+                .collect();
+            out.push(DecoderLetterModel::tensor_parallel(&shares).map_err(|e| {
+                anyhow::anyhow!("cannot split the model over {tp} devices (--tp): {e}")
+            })?);
         }
     }
     Ok(out)

@@ -201,3 +201,13 @@ pub fn answer_bytes_at_once(engine: &Engine, bodies: &[Value]) -> Vec<String> {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
+
+/// The bundled demo model (`qwen35-tiny`'s `gguf`, its directory's files) with its demo vision tower.
+pub fn demo_source(gguf: &str) -> prism_decision::ModelSource {
+    let dir = fixture_path("qwen35-tiny");
+    prism_decision::ModelSource {
+        gguf: dir.join(gguf),
+        mmproj: Some(dir.join(prism_model::synth_vision::DEMO_MMPROJ)),
+        model_dir: Some(dir),
+    }
+}
