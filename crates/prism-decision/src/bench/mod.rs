@@ -1032,24 +1032,14 @@ fn engine_timings(
     let followup_model = model.share();
     let clock = Arc::new(PassClock::default());
     let (engine, worker) = bench_engine(model, config.clone(), 64, false, Some(clock.clone()))?;
-    let mut all = Vec::new();
-    for scenario in scenarios {
-        let mut timings = Timings::default();
-        for run in 0..args.warmup + args.runs {
-            let start = Instant::now();
-            let run_ = timed_decide(&engine, &clock, &scenario.request).map_err(|e| {
-                anyhow::anyhow!("scenario {} through the engine: {e}", scenario.name)
-            })?;
-            let secs = start.elapsed().as_secs_f64();
-            if run >= args.warmup {
-                timings.runs.push(secs);
-                timings.record_split(&run_);
-            }
-            timings.record_answers(&run_.output.response.answers)?;
-        }
-        timings.check_same(scenario.name, precision)?;
-        all.push(timings);
-    }
+    let all = scenario_timings(
+        &engine,
+        &clock,
+        scenarios,
+        args,
+        precision,
+        "through the engine",
+    )?;
     // One more run of each scenario with the model's profile on: the sections of the engine's passes,
     // to set against the direct path's (what the engine adds, where).
     let mut profiles = serde_json::Map::new();
@@ -1085,6 +1075,36 @@ fn engine_timings(
     Ok((all, profiles, followup, batches))
 }
 
+/// Each scenario's request through `engine`, `args.warmup` + `args.runs` times: the timed runs, their
+/// splits and the answers' digest (the same every run). `what` names the engine in errors.
+fn scenario_timings(
+    engine: &crate::Engine,
+    clock: &PassClock,
+    scenarios: &[Scenario],
+    args: &BenchOptions,
+    precision: Precision,
+    what: &str,
+) -> Result<Vec<Timings>> {
+    let mut all = Vec::new();
+    for scenario in scenarios {
+        let mut timings = Timings::default();
+        for run in 0..args.warmup + args.runs {
+            let start = Instant::now();
+            let run_ = timed_decide(engine, clock, &scenario.request)
+                .map_err(|e| anyhow::anyhow!("scenario {} {what}: {e}", scenario.name))?;
+            let secs = start.elapsed().as_secs_f64();
+            if run >= args.warmup {
+                timings.runs.push(secs);
+                timings.record_split(&run_);
+            }
+            timings.record_answers(&run_.output.response.answers)?;
+        }
+        timings.check_same(scenario.name, precision)?;
+        all.push(timings);
+    }
+    Ok(all)
+}
+
 /// Each scenario through an engine over `model` split over `devices` devices that share its one
 /// (prefix cache off, one request at a time, `args.warmup` + `args.runs` times): the medians, and the
 /// answers' digests, which must equal the direct path's (`direct`).
@@ -1102,24 +1122,10 @@ fn tensor_parallel_timings(
         .map_err(|e| anyhow::anyhow!("--tp {devices}: {e}"))?;
     let clock = Arc::new(PassClock::default());
     let (engine, worker) = bench_engine(split, config.clone(), 64, false, Some(clock.clone()))?;
+    let what = format!("split over {devices} devices");
+    let all = scenario_timings(&engine, &clock, scenarios, args, precision, &what)?;
     let mut rows = Vec::new();
-    for (scenario, alone) in scenarios.iter().zip(direct) {
-        let mut timings = Timings::default();
-        for run in 0..args.warmup + args.runs {
-            let start = Instant::now();
-            let run_ = timed_decide(&engine, &clock, &scenario.request).map_err(|e| {
-                anyhow::anyhow!(
-                    "scenario {} split over {devices} devices: {e}",
-                    scenario.name
-                )
-            })?;
-            if run >= args.warmup {
-                timings.runs.push(start.elapsed().as_secs_f64());
-                timings.record_split(&run_);
-            }
-            timings.record_answers(&run_.output.response.answers)?;
-        }
-        timings.check_same(scenario.name, precision)?;
+    for ((scenario, alone), timings) in scenarios.iter().zip(direct).zip(all) {
         if timings.answers_sha256 != alone.answers_sha256 {
             bail!(
                 "scenario {} split over {devices} devices answered {:?}, the one device {:?}",
